@@ -1,0 +1,68 @@
+// Argument checks and layout classification shared by every op's CPU and
+// CUDA bindings. Messages name the op and the argument, like the Python
+// wrappers, because a compiled kernel may be called directly through
+// torch.ops.effilayers_cpu / torch.ops.effilayers_cuda.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+
+namespace effilayers {
+
+inline void check_floating_input(const at::Tensor& input, const char* op) {
+  const auto dtype = input.scalar_type();
+  TORCH_CHECK_TYPE(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat || dtype == at::kDouble, op,
+                   ": input dtype must be float16, bfloat16, float32 or float64, got ", dtype);
+}
+
+inline void check_batch_input(const at::Tensor& input, const char* op) {
+  TORCH_CHECK_VALUE(input.dim() >= 2, op, ": input must have at least 2 dimensions (N, C, ...), got ", input.dim());
+  check_floating_input(input, op);
+}
+
+// How the (N, C, spatial...) values sit in memory.
+//   channels_first: dense, strides (C*S, S, 1): a batch of C planes of S values.
+//   channels_last:  dense with the channel stride 1: M = N*S rows of C values.
+//                   Covers channels_last(_3d) and contiguous rank-2 input.
+struct BatchGeometry {
+  int64_t batch = 0;     // N
+  int64_t channels = 0;  // C
+  int64_t spatial = 1;   // S: product of dims 2..
+  bool channels_last = false;
+};
+
+// True when the tensor is dense with dim 1 innermost and the other dims in
+// order: the memory of permute(0, 2, 3, ..., 1).contiguous().
+inline bool is_dense_channels_last(const at::Tensor& t) {
+  const int64_t rank = t.dim();
+  if (t.size(1) != 1 && t.stride(1) != 1) return false;
+  int64_t expected = t.size(1);
+  for (int64_t d = rank - 1; d >= 2; --d) {
+    if (t.size(d) != 1 && t.stride(d) != expected) return false;
+    expected *= t.size(d);
+  }
+  return t.size(0) == 1 || t.stride(0) == expected;
+}
+
+// Classifies a tensor already known to be dense in one of the two layouts
+// (the binding makes anything else contiguous first).
+inline BatchGeometry batch_geometry(const at::Tensor& input) {
+  BatchGeometry g;
+  g.batch = input.size(0);
+  g.channels = input.size(1);
+  for (int64_t d = 2; d < input.dim(); ++d) g.spatial *= input.size(d);
+  // With one value per (n, c) plane both layouts coincide; the row form
+  // reads it with unit stride across channels.
+  g.channels_last = g.spatial == 1 || !input.is_contiguous();
+  return g;
+}
+
+// The tensor itself when a kernel can read it in place, else a contiguous copy.
+inline at::Tensor readable_batch(const at::Tensor& input) {
+  if (input.is_contiguous() || is_dense_channels_last(input)) return input;
+  return input.contiguous();
+}
+
+}  // namespace effilayers

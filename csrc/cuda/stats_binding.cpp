@@ -1,0 +1,66 @@
+// Torch binding of the batch-statistics CUDA kernels in stats.cu:
+// effilayers_cuda::batch_stats. Only built where torch has CUDA.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/scalar_tensor.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <tuple>
+
+#include "common/checks.h"
+#include "cuda/stats.cuh"
+
+namespace effilayers {
+namespace {
+
+cuda::DType kernel_dtype(at::ScalarType type) {
+  switch (type) {
+    case at::kHalf:
+      return cuda::DType::Half;
+    case at::kBFloat16:
+      return cuda::DType::BFloat16;
+    case at::kFloat:
+      return cuda::DType::Float;
+    case at::kDouble:
+      return cuda::DType::Double;
+    default:
+      TORCH_CHECK_TYPE(false, "batch_stats: unsupported dtype ", type);
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_stats_cuda(const at::Tensor& input_arg, int64_t correction) {
+  check_batch_input(input_arg, "batch_stats");
+  TORCH_CHECK_VALUE(correction >= 0, "batch_stats: correction must be non-negative, got ", correction);
+  TORCH_CHECK(input_arg.is_cuda(), "batch_stats (cuda kernel): input must be a CUDA tensor, got ",
+              input_arg.device());
+  const c10::cuda::CUDAGuard guard(input_arg.device());
+  const at::Tensor input = readable_batch(input_arg);
+  const BatchGeometry g = batch_geometry(input);
+  const auto acc_type = input.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const auto acc_options = input.options().dtype(acc_type);
+  at::Tensor mean = at::empty({g.channels}, acc_options);
+  at::Tensor var = at::empty({g.channels}, acc_options);
+  at::Tensor count = at::scalar_tensor(g.batch * g.spatial, input.options().dtype(at::kLong));
+
+  const cuda::StatsPlan plan = cuda::plan_batch_stats(g.batch, g.channels, g.spatial, g.channels_last);
+  at::Tensor workspace =
+      at::empty({std::max<int64_t>(1, cuda::batch_stats_workspace_elements(plan))}, acc_options);
+  C10_CUDA_CHECK(cuda::batch_stats(input.const_data_ptr(), kernel_dtype(input.scalar_type()), plan, correction,
+                                   mean.mutable_data_ptr(), var.mutable_data_ptr(), workspace.mutable_data_ptr(),
+                                   c10::cuda::getCurrentCUDAStream()));
+  return {mean, var, count};
+}
+
+}  // namespace
+}  // namespace effilayers
+
+TORCH_LIBRARY_FRAGMENT(effilayers_cuda, m) {
+  m.def("batch_stats(Tensor input, int correction) -> (Tensor mean, Tensor var, Tensor count)");
+}
+
+TORCH_LIBRARY_IMPL(effilayers_cuda, CUDA, m) { m.impl("batch_stats", &effilayers::batch_stats_cuda); }

@@ -1,0 +1,206 @@
+"""Build and load the compiled kernels in ``csrc/``.
+
+Two shared libraries, one per device, so each can be present or absent on its
+own: ``effilayers_cpu`` (csrc/cpu, always attempted) and ``effilayers_cuda``
+(csrc/cuda, only where torch itself was built with CUDA). Neither has a Python
+binding: they register their kernels with ``TORCH_LIBRARY`` under the
+``effilayers_cpu`` / ``effilayers_cuda`` namespaces and are loaded with
+``torch.ops.load_library``.
+
+Where a library comes from, in order:
+1. a copy built ahead of time by ``EFFILAYERS_BUILD_EXT=1 pip install
+   --no-build-isolation .`` (sits next to this file);
+2. the first-use build with ``torch.utils.cpp_extension.load`` and ninja,
+   cached under ``$EFFILAYERS_CACHE_DIR`` (default ``~/.cache/effilayers``) in
+   a directory named by a hash of the sources, flags and torch version, so a
+   changed source rebuilds and an unchanged one loads in milliseconds.
+
+Concurrent builds (pytest-xdist, several ranks of one job) serialise on an
+``fcntl`` lock in the cache directory; the kernel drops the lock if the
+holder dies, so a killed build never leaves the next one waiting forever.
+
+setup.py imports this file by path, so it must not import the package or
+torch at module level.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import shutil
+import sys
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+KINDS = ("cpu", "cuda")
+
+
+class ExtensionUnavailable(RuntimeError):
+    """The compiled library for a device could not be built or loaded."""
+
+
+def csrc_dir() -> Path:
+    """The C++/CUDA sources: the repository's csrc/ in a source checkout or
+    editable install, else the copy shipped inside the wheel."""
+    for candidate in (PACKAGE_DIR.parent / "csrc", PACKAGE_DIR / "csrc"):
+        if (candidate / "common").is_dir():
+            return candidate
+    raise ExtensionUnavailable(
+        f"no csrc/ directory next to {PACKAGE_DIR}; reinstall effilayers from a source tree or wheel"
+    )
+
+
+def library_name(kind: str) -> str:
+    return f"effilayers_{kind}"
+
+
+def sources(kind: str, root: Path | None = None) -> list[str]:
+    root = csrc_dir() if root is None else root
+    if kind == "cpu":
+        patterns = ["cpu/*.cpp"]
+    elif kind == "cuda":
+        # The .cu files hold kernels and need only CUDA headers; the .cpp
+        # files next to them bind those kernels to torch.
+        patterns = ["cuda/*.cu", "cuda/*.cpp"]
+    else:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    files: list[str] = []
+    for pattern in patterns:
+        files.extend(sorted(glob.glob(str(root / pattern))))
+    return files
+
+
+def _cpu_isa_flags() -> list[str]:
+    import torch
+
+    # Match the vector ISA torch itself dispatches to on this machine. A
+    # library built here is for this machine (it is cached per machine, and
+    # the ahead-of-time build is documented as such).
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability in ("AVX2", "AVX512"):
+        return ["-mavx2", "-mfma", "-mf16c"]
+    return []
+
+
+def cflags(kind: str) -> list[str]:
+    flags = ["-O3", "-fopenmp", "-DNDEBUG"]
+    if kind == "cpu":
+        flags += _cpu_isa_flags()
+    return flags
+
+
+def ldflags(kind: str) -> list[str]:
+    # torch ships libgomp.so.1; linking -fopenmp makes our parallel loops run
+    # on that same OpenMP runtime (same soname), so torch.set_num_threads
+    # governs them too.
+    return ["-fopenmp"] if kind == "cpu" else []
+
+
+def cuda_cflags() -> list[str]:
+    # No --use_fast_math: the statistics kernels rely on IEEE division and
+    # denormals; a kernel that wants fast intrinsics spells them out.
+    return ["-O3", "-lineinfo"]
+
+
+def _fingerprint(kind: str, files: list[str]) -> str:
+    import torch
+
+    digest = hashlib.sha256()
+    for item in (torch.__version__, sys.version, kind, *cflags(kind), *ldflags(kind), *cuda_cflags()):
+        digest.update(item.encode())
+    root = csrc_dir()
+    # Headers are not in the source list but change the build all the same.
+    headers = sorted(glob.glob(str(root / "**" / "*.h"), recursive=True))
+    headers += sorted(glob.glob(str(root / "**" / "*.cuh"), recursive=True))
+    for path in [*files, *headers]:
+        digest.update(os.path.relpath(path, root).encode())
+        digest.update(Path(path).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def cache_root() -> Path:
+    configured = os.environ.get("EFFILAYERS_CACHE_DIR")
+    if configured:
+        return Path(configured).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "effilayers"
+
+
+def _prebuilt(kind: str) -> Path | None:
+    import importlib.machinery
+
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        candidate = PACKAGE_DIR / f"_{library_name(kind)}{suffix}"
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def _check_toolchain(kind: str) -> None:
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise ExtensionUnavailable(f"no C++ compiler found (looked for {compiler!r}; set CXX to choose one)")
+    if not cpp_extension.is_ninja_available():
+        raise ExtensionUnavailable("ninja is not installed (pip install ninja)")
+    if kind == "cuda" and shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME"):
+        raise ExtensionUnavailable("nvcc not found (install the CUDA toolkit or set CUDA_HOME)")
+
+
+def build_and_load(kind: str) -> str:
+    """Load the library for ``kind``, building it first if needed.
+
+    Returns where it came from (for ``effilayers.info``). Raises
+    ExtensionUnavailable with the reason when it cannot be had.
+    """
+    import torch
+
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if kind == "cuda" and torch.version.cuda is None:
+        raise ExtensionUnavailable(f"this torch ({torch.__version__}) was built without CUDA")
+
+    prebuilt = _prebuilt(kind)
+    if prebuilt is not None:
+        torch.ops.load_library(str(prebuilt))
+        return f"prebuilt {prebuilt.name}"
+
+    _check_toolchain(kind)
+    files = sources(kind)
+    if not files:
+        raise ExtensionUnavailable(f"no sources for {kind} under {csrc_dir()}")
+    build_dir = cache_root() / f"{library_name(kind)}-{_fingerprint(kind, files)}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+
+    import fcntl
+
+    from torch.utils import cpp_extension
+
+    verbose = os.environ.get("EFFILAYERS_VERBOSE_BUILD", "0") == "1"
+    with open(build_dir / "effilayers-build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        # torch's own build baton is a plain file that a killed build leaves
+        # behind; holding our lock proves nobody is using it.
+        stale_baton = build_dir / "lock"
+        if stale_baton.exists():
+            stale_baton.unlink()
+        try:
+            cpp_extension.load(
+                name=library_name(kind),
+                sources=files,
+                extra_cflags=cflags(kind),
+                extra_ldflags=ldflags(kind),
+                extra_cuda_cflags=cuda_cflags() if kind == "cuda" else None,
+                extra_include_paths=[str(csrc_dir())],
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=verbose,
+            )
+        except Exception as error:  # compiler errors arrive as RuntimeError or CalledProcessError
+            hint = "" if verbose else " (set EFFILAYERS_VERBOSE_BUILD=1 to see the compiler output)"
+            raise ExtensionUnavailable(f"building {library_name(kind)} failed: {error}{hint}") from error
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return f"built in {build_dir}"

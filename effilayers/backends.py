@@ -1,0 +1,275 @@
+"""Which implementation of each op runs on each device, and why.
+
+Every effilayers op has a pure-PyTorch ``reference`` implementation and, per
+device, at most one compiled one:
+
+========== ============ ==================================================
+backend    device       what it is
+========== ============ ==================================================
+cpp        cpu          C++ kernels in csrc/cpu (library ``effilayers_cpu``)
+cuda       cuda         CUDA kernels in csrc/cuda (library ``effilayers_cuda``)
+triton     cuda         Triton kernels in effilayers/kernels; also on CPU
+                        tensors when ``TRITON_INTERPRET=1`` (that is how CI
+                        runs them)
+reference  any          pure PyTorch; always there, slower, more memory
+========== ============ ==================================================
+
+By default an op uses its compiled kernel for the device and falls back to the
+reference, with one warning, when that kernel cannot be built. The environment
+variable ``EFFILAYERS_BACKEND`` (read at import) or :func:`use_backend` (for
+tests and benchmarks) replaces that choice with a comma-separated preference
+list, for example ``reference``, ``cpp`` or ``triton,reference``. A forced
+list is strict: an op that has none of the listed backends for a device, or
+whose listed backends cannot be built, raises instead of quietly running
+something else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from . import _build
+
+BACKENDS = ("reference", "cpp", "cuda", "triton")
+_DEFAULT_ORDER = {"cpu": ("cpp", "reference"), "cuda": ("cuda", "triton", "reference")}
+_COMPILED_KIND = {"cpp": "cpu", "cuda": "cuda"}
+ENV_VAR = "EFFILAYERS_BACKEND"
+
+
+def parse_preference(value: Optional[str]) -> Optional[tuple[str, ...]]:
+    """``"triton, reference"`` -> ``("triton", "reference")``; empty -> None."""
+    if value is None or not value.strip():
+        return None
+    names = tuple(part.strip().lower() for part in value.split(",") if part.strip())
+    unknown = [name for name in names if name not in BACKENDS]
+    if unknown:
+        raise ValueError(
+            f"{ENV_VAR} / use_backend: unknown backend {unknown[0]!r}; allowed: {', '.join(BACKENDS)} "
+            "(comma-separated, in order of preference)"
+        )
+    return names
+
+
+@dataclass
+class OpKernels:
+    """What one op provides. Compiled kernels are named by their op in the
+    ``effilayers_cpu`` / ``effilayers_cuda`` namespaces; Triton kernels are
+    Python callables taking the same arguments as the reference."""
+
+    name: str
+    reference: Callable
+    cpp: Optional[str] = None
+    cuda: Optional[str] = None
+    triton: Optional[Callable] = None
+
+    def provides(self, backend: str) -> bool:
+        return backend == "reference" or getattr(self, backend) is not None
+
+
+@dataclass
+class Choice:
+    backend: str
+    reason: str
+    kernel: Optional[Callable] = field(default=None, repr=False)
+    error: Optional[str] = None
+
+
+class _State:
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.ops: dict[str, OpKernels] = {}
+        self.preference = parse_preference(os.environ.get(ENV_VAR))
+        self.preference_source = ENV_VAR
+        self.choices: dict[tuple[str, str], Choice] = {}
+        # kind -> None (loaded) or the reason it is unavailable; absent = not tried
+        self.libraries: dict[str, Optional[str]] = {}
+        self.library_origin: dict[str, str] = {}
+        self.warned: set[str] = set()
+
+
+_state = _State()
+
+
+def register(kernels: OpKernels) -> None:
+    with _state.lock:
+        if kernels.name in _state.ops:
+            raise RuntimeError(f"effilayers op {kernels.name!r} registered twice")
+        _state.ops[kernels.name] = kernels
+
+
+def registered_ops() -> list[str]:
+    return sorted(_state.ops)
+
+
+def _triton_status(device_type: str) -> Optional[str]:
+    """None when Triton kernels can run on this device type, else why not."""
+    if device_type == "cpu":
+        if os.environ.get("TRITON_INTERPRET", "0") != "1":
+            return "Triton runs on CPU tensors only under TRITON_INTERPRET=1"
+    elif not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed (pip install 'effilayers[triton]')"
+    return None
+
+
+def _library_status(kind: str) -> Optional[str]:
+    """Load the compiled library for ``kind`` once; None when loaded."""
+    with _state.lock:
+        if kind not in _state.libraries:
+            try:
+                _state.library_origin[kind] = _build.build_and_load(kind)
+                _state.libraries[kind] = None
+            except _build.ExtensionUnavailable as error:
+                _state.libraries[kind] = str(error)
+        return _state.libraries[kind]
+
+
+def _availability(op: OpKernels, backend: str, device_type: str) -> Optional[str]:
+    """None when ``op`` can run ``backend`` on ``device_type``, else why not."""
+    if not op.provides(backend):
+        return f"{op.name} has no {backend} kernel"
+    if backend == "reference":
+        return None
+    if backend == "triton":
+        return _triton_status(device_type)
+    kind = _COMPILED_KIND[backend]
+    if kind != device_type:
+        return f"{backend} kernels run on {kind} tensors, not {device_type}"
+    if kind == "cuda" and not torch.cuda.is_available():
+        return "no CUDA device"
+    return _library_status(kind)
+
+
+def _compiled_kernel(op: OpKernels, backend: str) -> Callable:
+    namespace = f"effilayers_{_COMPILED_KIND[backend]}"
+    return getattr(getattr(torch.ops, namespace), getattr(op, backend)).default
+
+
+def _resolve(op: OpKernels, device_type: str) -> Choice:
+    forced = _state.preference
+    order = forced if forced is not None else _DEFAULT_ORDER.get(device_type, ("reference",))
+    rejected: list[str] = []
+    for backend in order:
+        why_not = _availability(op, backend, device_type)
+        if why_not is not None:
+            rejected.append(f"{backend}: {why_not}")
+            continue
+        if backend == "reference":
+            kernel = op.reference
+        elif backend == "triton":
+            kernel = op.triton
+        else:
+            kernel = _compiled_kernel(op, backend)
+        if forced is not None:
+            reason = f"forced by {_state.preference_source}={','.join(forced)}"
+        elif rejected:
+            reason = "fallback; " + "; ".join(rejected)
+        else:
+            reason = "compiled kernel" if backend != "reference" else "only implementation"
+        return Choice(backend, reason, kernel)
+    detail = "; ".join(rejected)
+    return Choice(
+        "none",
+        detail,
+        None,
+        error=(
+            f"effilayers.{op.name}: no usable backend on {device_type} for "
+            f"{_state.preference_source}={','.join(order)} ({detail})"
+        ),
+    )
+
+
+def choice(op_name: str, device_type: str) -> Choice:
+    """The backend ``op_name`` uses on ``device_type`` (resolving it, and
+    building a compiled library, the first time)."""
+    key = (op_name, device_type)
+    cached = _state.choices.get(key)
+    if cached is not None:
+        return cached
+    with _state.lock:
+        if key not in _state.choices:
+            op = _state.ops.get(op_name)
+            if op is None:
+                raise KeyError(f"unknown effilayers op {op_name!r}; registered: {registered_ops()}")
+            resolved = _resolve(op, device_type)
+            if _state.preference is None and resolved.backend == "reference" and device_type in _DEFAULT_ORDER:
+                _warn_fallback(device_type, resolved.reason)
+            _state.choices[key] = resolved
+        return _state.choices[key]
+
+
+def _warn_fallback(device_type: str, reason: str) -> None:
+    # One warning per device for the whole process, not one per op or call.
+    if device_type in _state.warned:
+        return
+    _state.warned.add(device_type)
+    warnings.warn(
+        f"effilayers: compiled {device_type} kernels are unavailable, using the pure-PyTorch reference "
+        f"implementation (slower, uses more memory). Reason: {reason}. "
+        f"Run `python -m effilayers.info` for details.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def kernel(op_name: str, device: torch.device) -> Callable:
+    """The callable that runs ``op_name`` on ``device``; raises when none can."""
+    resolved = choice(op_name, device.type)
+    if resolved.kernel is None:
+        raise RuntimeError(resolved.error)
+    return resolved.kernel
+
+
+def current_preference() -> Optional[tuple[str, ...]]:
+    return _state.preference
+
+
+@contextlib.contextmanager
+def use_backend(preference: Optional[str]) -> Iterator[None]:
+    """Force a backend preference inside a ``with`` block (tests, benchmarks).
+
+    ``use_backend("reference")``, ``use_backend("cpp")``,
+    ``use_backend("triton,reference")``; ``None`` restores the automatic choice.
+    Not meant for use while other threads run effilayers ops.
+    """
+    parsed = parse_preference(preference)
+    with _state.lock:
+        saved = (_state.preference, _state.preference_source, dict(_state.choices))
+        _state.preference = parsed
+        _state.preference_source = "use_backend"
+        _state.choices.clear()
+    try:
+        yield
+    finally:
+        with _state.lock:
+            _state.preference, _state.preference_source, choices = saved
+            _state.choices.clear()
+            _state.choices.update(choices)
+
+
+def library_report() -> dict[str, str]:
+    """Where each compiled library came from, or why it is missing."""
+    report = {}
+    for kind in _build.KINDS:
+        if kind not in _state.libraries:
+            if kind == "cuda" and torch.version.cuda is None:
+                report[kind] = f"not applicable: torch {torch.__version__} has no CUDA"
+            elif kind == "cuda" and not torch.cuda.is_available():
+                report[kind] = "not loaded: no CUDA device"
+            else:
+                report[kind] = "not loaded yet (builds on first use)"
+        elif _state.libraries[kind] is None:
+            report[kind] = f"loaded ({_state.library_origin[kind]})"
+        else:
+            report[kind] = f"unavailable: {_state.libraries[kind]}"
+    return report
