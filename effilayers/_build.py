@@ -167,40 +167,61 @@ def build_and_load(kind: str) -> str:
         torch.ops.load_library(str(prebuilt))
         return f"prebuilt {prebuilt.name}"
 
-    _check_toolchain(kind)
     files = sources(kind)
     if not files:
         raise ExtensionUnavailable(f"no sources for {kind} under {csrc_dir()}")
     build_dir = cache_root() / f"{library_name(kind)}-{_fingerprint(kind, files)}"
     build_dir.mkdir(parents=True, exist_ok=True)
+    built = build_dir / f"{library_name(kind)}.so"
 
     import fcntl
 
-    from torch.utils import cpp_extension
-
-    verbose = os.environ.get("EFFILAYERS_VERBOSE_BUILD", "0") == "1"
     with open(build_dir / "effilayers-build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        # torch's own build baton is a plain file that a killed build leaves
-        # behind; holding our lock proves nobody is using it.
-        stale_baton = build_dir / "lock"
-        if stale_baton.exists():
-            stale_baton.unlink()
         try:
-            cpp_extension.load(
-                name=library_name(kind),
-                sources=files,
-                extra_cflags=cflags(kind),
-                extra_ldflags=ldflags(kind),
-                extra_cuda_cflags=cuda_cflags() if kind == "cuda" else None,
-                extra_include_paths=[str(csrc_dir())],
-                build_directory=str(build_dir),
-                is_python_module=False,
-                verbose=verbose,
-            )
-        except Exception as error:  # compiler errors arrive as RuntimeError or CalledProcessError
-            hint = "" if verbose else " (set EFFILAYERS_VERBOSE_BUILD=1 to see the compiler output)"
-            raise ExtensionUnavailable(f"building {library_name(kind)} failed: {error}{hint}") from error
+            # The directory name fingerprints sources, flags and torch, so a
+            # finished library there is the one we would build: load it
+            # without asking for a compiler. Checked under the lock, so never
+            # a half-written one.
+            if built.exists():
+                try:
+                    torch.ops.load_library(str(built))
+                    return f"cached in {build_dir}"
+                except OSError:
+                    # Left by a build killed while linking; ninja would take
+                    # it for up to date, so remove it and rebuild.
+                    built.unlink()
+            _check_toolchain(kind)
+            _jit_build(kind, files, build_dir)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return f"built in {build_dir}"
+
+
+def _jit_build(kind: str, files: list[str], build_dir: Path) -> None:
+    from torch.utils import cpp_extension
+
+    # torch's own build baton is a plain file that a killed build leaves
+    # behind; holding our lock proves nobody is using it.
+    stale_baton = build_dir / "lock"
+    if stale_baton.exists():
+        stale_baton.unlink()
+    verbose = os.environ.get("EFFILAYERS_VERBOSE_BUILD", "0") == "1"
+    try:
+        cpp_extension.load(
+            name=library_name(kind),
+            sources=files,
+            extra_cflags=cflags(kind),
+            extra_ldflags=ldflags(kind),
+            extra_cuda_cflags=cuda_cflags() if kind == "cuda" else None,
+            extra_include_paths=[str(csrc_dir())],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=verbose,
+        )
+    except Exception as error:  # compiler errors arrive as RuntimeError or CalledProcessError
+        detail = str(error)
+        if len(detail) > 2000:
+            detail = detail[:1000] + "\n...\n" + detail[-1000:]
+        hint = "" if verbose else " (set EFFILAYERS_VERBOSE_BUILD=1 to see the full compiler output)"
+        raise ExtensionUnavailable(f"building {library_name(kind)} failed: {detail}{hint}") from error

@@ -99,9 +99,15 @@ class ActivationMeter:
         self._hooks: Optional[torch.autograd.graph.saved_tensors_hooks] = None
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        # Hand autograd a detached alias (same storage and version counter),
+        # not the tensor itself: a node that saves its own output would
+        # otherwise hold that output, whose grad_fn holds the node, and the
+        # graph would never be freed. The weak reference then lives exactly
+        # as long as autograd keeps the saved tensor.
+        saved = tensor.detach()
         if not isinstance(tensor, nn.Parameter):
-            self._saved.append(weakref.ref(tensor))
-        return tensor
+            self._saved.append(weakref.ref(saved))
+        return saved
 
     @staticmethod
     def _unpack(tensor: torch.Tensor) -> torch.Tensor:

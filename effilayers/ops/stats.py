@@ -27,6 +27,7 @@ any other strides are copied to contiguous first.
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -53,6 +54,11 @@ def _check_input(input: torch.Tensor, correction: int) -> None:
         raise ValueError(f"batch_stats: correction must be a non-negative int, got {correction!r}")
 
 
+def values_per_channel(input: torch.Tensor) -> int:
+    """N times the product of the spatial sizes (defined even when C is 0)."""
+    return math.prod(input.shape[:1] + input.shape[2:])
+
+
 def stats_dtype(dtype: torch.dtype) -> torch.dtype:
     """The accumulation and output dtype of the statistics for input ``dtype``."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -63,15 +69,15 @@ def batch_stats_reference(input: torch.Tensor, correction: int = 0):
     (run it on float64 input for ground truth)."""
     _check_input(input, correction)
     channels = input.shape[1]
-    count = input.numel() // channels if channels else 0
+    count = values_per_channel(input)
     acc = stats_dtype(input.dtype)
     count_tensor = torch.tensor(count, dtype=torch.int64, device=input.device)
-    if count == 0:
+    if count == 0 or channels == 0:
         zeros = torch.zeros(channels, dtype=acc, device=input.device)
         return zeros, zeros.clone(), count_tensor
     # Upcast copy: the reference trades memory for simplicity. torch's
     # var_mean is Welford-based, so large means keep their variance.
-    values = input.to(acc).transpose(0, 1).reshape(channels, -1)
+    values = input.to(acc).transpose(0, 1).reshape(channels, count)
     var, mean = torch.var_mean(values, dim=1, correction=0)
     if count - correction > 0:
         var = var * (count / (count - correction))
@@ -108,7 +114,7 @@ def _backward(ctx, grad_mean, grad_var, _grad_count):
     # d mean_c / d x = 1 / n;  d var_c / d x = 2 (x - mean_c) / (n - correction)
     input, mean = ctx.saved_tensors
     channels = input.shape[1]
-    count = input.numel() // channels if channels else 0
+    count = values_per_channel(input)
     if count == 0:
         return torch.zeros_like(input), None
     shape = [1, channels] + [1] * (input.dim() - 2)

@@ -1,0 +1,43 @@
+"""Input makers and tolerances shared by op tests."""
+
+from __future__ import annotations
+
+import torch
+
+# Relative tolerances for results computed from the same (already rounded)
+# input, compared with a float64 computation.
+STATS_RTOL = {torch.float16: 2e-5, torch.bfloat16: 2e-5, torch.float32: 2e-5, torch.float64: 1e-12}
+
+
+def channel_varied(shape, dtype, device="cpu", seed=0, offset_scale=5.0):
+    """Random (N, C, ...) data whose channels have different means and scales
+    (no zeros, no two channels alike)."""
+    generator = torch.Generator().manual_seed(seed)
+    channels = shape[1]
+    view = [1, channels] + [1] * (len(shape) - 2)
+    scale = torch.logspace(-1, 1, channels, dtype=torch.float64).view(view)
+    offset = (torch.rand(channels, generator=generator, dtype=torch.float64) * 2 - 1).view(view) * offset_scale
+    values = torch.randn(shape, generator=generator, dtype=torch.float64) * scale + offset
+    return values.to(dtype=dtype, device=device)
+
+
+def to_layout(x, layout):
+    """Same values, different strides."""
+    if layout == "contiguous":
+        return x.contiguous()
+    if layout == "channels_last":
+        if x.dim() == 4:
+            return x.contiguous(memory_format=torch.channels_last)
+        if x.dim() == 5:
+            return x.contiguous(memory_format=torch.channels_last_3d)
+        # rank 2/3: channels innermost via a permuted copy viewed back
+        perm = [0] + list(range(2, x.dim())) + [1]
+        inverse = [perm.index(i) for i in range(x.dim())]
+        return x.permute(perm).contiguous().permute(inverse)
+    if layout == "strided":
+        # every other element of a wider tensor along the last dim: neither layout
+        wide = torch.stack([x, x + 1], dim=-1).flatten(-2)
+        result = wide[..., ::2]
+        assert not result.is_contiguous()
+        return result
+    raise ValueError(layout)

@@ -1,0 +1,186 @@
+"""Backend selection, the first-use build, the no-compiler fallback and
+``python -m effilayers.info``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import effilayers
+from effilayers import backends
+
+from .conftest import REQUIRE_COMPILED
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_python(code: str, tmp_path: Path, **env_overrides: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.pop("EFFILAYERS_BACKEND", None)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(env_overrides)
+    return subprocess.run(
+        [sys.executable, "-W", "default", "-c", textwrap.dedent(code)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_unknown_backend_is_rejected():
+    with pytest.raises(ValueError, match="unknown backend 'gpu'; allowed: reference, cpp, cuda, triton"):
+        with effilayers.use_backend("gpu"):
+            pass
+
+
+def test_forced_backend_that_cannot_run_raises_with_reasons():
+    x = torch.randn(4, 3)
+    with effilayers.use_backend("cuda"):
+        with pytest.raises(RuntimeError, match="no usable backend on cpu.*cuda kernels run on cuda tensors"):
+            effilayers.batch_stats(x)
+    with effilayers.use_backend("triton"):
+        with pytest.raises(RuntimeError, match="batch_stats has no triton kernel"):
+            effilayers.batch_stats(x)
+
+
+def test_preference_list_takes_first_usable():
+    with effilayers.use_backend("triton, cuda, reference"):
+        chosen = backends.choice("batch_stats", "cpu")
+        assert chosen.backend == "reference"
+        assert "forced by use_backend=triton,cuda,reference" in chosen.reason
+        mean, var, _ = effilayers.batch_stats(torch.ones(2, 3))
+        assert torch.equal(var, torch.zeros(3))
+
+
+def test_use_backend_restores_previous_choice():
+    before = backends.current_preference()
+    with effilayers.use_backend("reference"):
+        assert backends.current_preference() == ("reference",)
+    assert backends.current_preference() == before
+
+
+def test_automatic_choice_prefers_compiled_kernel():
+    if backends.current_preference() is not None:
+        pytest.skip("EFFILAYERS_BACKEND is set for this run")
+    chosen = backends.choice("batch_stats", "cpu")
+    if chosen.backend != "cpp":
+        if REQUIRE_COMPILED:
+            pytest.fail(f"C++ kernels required: {chosen.reason}")
+        pytest.skip(chosen.reason)
+    assert chosen.reason == "compiled kernel"
+
+
+def test_no_compiler_warns_once_and_falls_back(tmp_path):
+    result = run_python(
+        """
+        import warnings, torch
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import effilayers
+            x = torch.randn(6, 3, 4)
+            first = effilayers.batch_stats(x)
+            second = effilayers.batch_stats(x.double())
+            third = effilayers.batch_stats(x.contiguous(memory_format=torch.contiguous_format), 1)
+        ours = [w for w in caught if "effilayers" in str(w.message)]
+        print(len(ours))
+        print(ours[0].message if ours else "")
+        expected = effilayers.ops.batch_stats_reference(x)
+        print(torch.equal(first[0], expected[0]) and torch.equal(first[1], expected[1]))
+        print(effilayers.backends.choice("batch_stats", "cpu").backend)
+        """,
+        tmp_path,
+        CXX="/nonexistent/c++",
+        EFFILAYERS_CACHE_DIR=str(tmp_path / "cache"),
+    )
+    assert result.returncode == 0, result.stderr
+    count, message, equal, backend = result.stdout.strip().splitlines()
+    assert count == "1"
+    assert "using the pure-PyTorch reference" in message and "no C++ compiler found" in message
+    assert equal == "True"
+    assert backend == "reference"
+
+
+def test_forced_compiled_backend_without_compiler_fails_loudly(tmp_path):
+    result = run_python(
+        """
+        import torch, effilayers
+        effilayers.batch_stats(torch.randn(2, 3))
+        """,
+        tmp_path,
+        CXX="/nonexistent/c++",
+        EFFILAYERS_CACHE_DIR=str(tmp_path / "cache"),
+        EFFILAYERS_BACKEND="cpp",
+    )
+    assert result.returncode != 0
+    assert "no usable backend on cpu for EFFILAYERS_BACKEND=cpp" in result.stderr
+    assert "no C++ compiler found" in result.stderr
+
+
+def test_bad_environment_variable_fails_at_import(tmp_path):
+    result = run_python("import effilayers", tmp_path, EFFILAYERS_BACKEND="fast")
+    assert result.returncode != 0
+    assert "EFFILAYERS_BACKEND / use_backend: unknown backend 'fast'" in result.stderr
+
+
+@pytest.mark.slow
+def test_two_processes_building_at_once(tmp_path):
+    """Both processes get a working library from one build into an empty cache."""
+    code = """
+        import torch, effilayers
+        from effilayers import backends
+        x = torch.arange(24, dtype=torch.float32).view(4, 3, 2)
+        mean, var, count = effilayers.batch_stats(x, 1)
+        print(backends.choice("batch_stats", "cpu").backend)
+        print(backends.library_report()["cpu"])
+        print(mean.tolist(), var.tolist(), int(count))
+    """
+    env = dict(os.environ)
+    env.pop("EFFILAYERS_BACKEND", None)
+    env.update(EFFILAYERS_CACHE_DIR=str(tmp_path / "cache"), EFFILAYERS_BACKEND="cpp",
+               PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
+    processes = [
+        subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=tmp_path, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outputs = [p.communicate(timeout=600) for p in processes]
+    for process, (out, err) in zip(processes, outputs):
+        assert process.returncode == 0, err
+    lines = [out.strip().splitlines() for out, _ in outputs]
+    assert all(line[0] == "cpp" for line in lines)
+    origins = sorted(line[1].split(" ")[1].strip("(") for line in lines)
+    assert origins == ["built", "cached"], origins  # one compiled, the other waited and loaded
+    assert lines[0][2] == lines[1][2]
+    expected = effilayers.ops.batch_stats_reference(torch.arange(24, dtype=torch.float32).view(4, 3, 2), 1)
+    assert lines[0][2] == f"{expected[0].tolist()} {expected[1].tolist()} 8"
+
+
+def test_info_command_prints_backend_table(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "effilayers.info"], capture_output=True, text=True,
+                            cwd=ROOT, timeout=600)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert f"torch                {torch.__version__}" in out
+    assert "backends" in out and "batch_stats" in out
+    row = next(line for line in out.splitlines() if line.strip().startswith("batch_stats") and " cpu " in line)
+    assert row.split()[2] in ("cpp", "reference")
+
+
+def test_info_json_and_function():
+    import io
+
+    buffer = io.StringIO()
+    report = effilayers.info(file=buffer)
+    assert "batch_stats" in buffer.getvalue()
+    assert {row["op"] for row in report["ops"]} == set(backends.registered_ops())
+    json.dumps(report)  # serialisable for benchmark results
+    assert report["torch"] == torch.__version__

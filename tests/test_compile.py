@@ -1,0 +1,66 @@
+"""The custom-op pattern: schema, fake implementation, autograd registration,
+torch.compile(fullgraph=True) and torch.export."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from effilayers.ops import batch_stats
+from effilayers.ops.stats import _batch_stats_op
+
+from .helpers import channel_varied
+
+
+class Standardize(nn.Module):
+    """Normalises each channel with batch statistics (a BatchNorm without affine)."""
+
+    def forward(self, x):
+        mean, var, _ = batch_stats(x)
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        return (x - mean.view(shape).to(x.dtype)) * torch.rsqrt(var.view(shape) + 1e-5).to(x.dtype)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_opcheck(layout):
+    # Schema, fake (meta) kernel, autograd registration and dispatch checks
+    # that torch ships for custom ops.
+    x = channel_varied((3, 4, 5, 6), torch.float32).requires_grad_()
+    if layout == "channels_last":
+        x = x.detach().contiguous(memory_format=torch.channels_last).requires_grad_()
+    torch.library.opcheck(_batch_stats_op, (x, 0))
+    torch.library.opcheck(_batch_stats_op, (x.detach().half(), 1))
+
+
+def test_fake_tensor_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(8, 3, 5, 5, dtype=torch.bfloat16)
+        mean, var, count = batch_stats(x)
+    assert mean.shape == (3,) and mean.dtype == torch.float32
+    assert var.shape == (3,) and count.shape == () and count.dtype == torch.int64
+
+
+@pytest.mark.slow
+def test_compile_fullgraph_matches_eager():
+    torch._dynamo.reset()
+    module = Standardize()
+    x = channel_varied((4, 3, 6, 6), torch.float32).requires_grad_()
+    compiled = torch.compile(module, fullgraph=True)
+    expected = module(x)
+    actual = compiled(x)
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    grad_out = torch.randn_like(expected)
+    (expected_grad,) = torch.autograd.grad(expected, x, grad_out)
+    (actual_grad,) = torch.autograd.grad(actual, x, grad_out)
+    torch.testing.assert_close(actual_grad, expected_grad, rtol=1e-5, atol=1e-5)
+
+
+def test_export_keeps_the_custom_op():
+    exported = torch.export.export(Standardize(), (channel_varied((2, 3, 4, 4), torch.float32),))
+    targets = {str(node.target) for node in exported.graph.nodes if node.op == "call_function"}
+    assert "effilayers.batch_stats.default" in targets
+    x = channel_varied((2, 3, 4, 4), torch.float32, seed=5)
+    torch.testing.assert_close(exported.module()(x), Standardize()(x))

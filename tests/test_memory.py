@@ -1,0 +1,175 @@
+"""effilayers.memory against hand-counted cases."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from effilayers import memory
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def test_linear_keeps_exactly_its_input():
+    linear = nn.Linear(16, 4)
+    x = torch.randn(8, 16)
+    assert memory.activation_bytes(linear, x) == nbytes(x)
+
+
+def test_linear_with_input_grad_still_keeps_only_its_input():
+    # Needing grad w.r.t. x makes addmm save weight.t(), a view of a parameter.
+    linear = nn.Linear(16, 4)
+    x = torch.randn(8, 16, requires_grad=True)
+    assert memory.activation_bytes(linear, x) == nbytes(x)
+
+
+def test_parameters_are_not_counted_even_without_a_module():
+    weight = nn.Parameter(torch.randn(8, 16))
+    x = torch.randn(8, 16)
+    # mul saves both operands; the Parameter is left out.
+    assert memory.activation_bytes(lambda t: t * weight, x) == nbytes(x)
+
+
+def test_inplace_op_shares_storage_and_counts_once():
+    w1 = nn.Parameter(torch.randn(16, 32))
+    w2 = nn.Parameter(torch.randn(32, 4))
+    x = torch.randn(8, 16)
+
+    def forward(t):
+        hidden = t @ w1  # saves t
+        hidden.relu_()  # saves its result: hidden's storage
+        return hidden @ w2  # saves hidden again
+
+    hidden_bytes = 8 * 32 * 4
+    assert memory.activation_bytes(forward, x) == nbytes(x) + hidden_bytes
+
+
+def test_same_tensor_saved_twice_counts_once():
+    x = torch.randn(10, 10, requires_grad=True)
+    assert memory.activation_bytes(lambda t: t * t, x) == nbytes(x)
+
+
+def test_views_share_their_base_storage():
+    # Saving two halves of one tensor counts the whole storage once.
+    x = torch.randn(4, 10)
+    w = nn.Parameter(torch.randn(5, 3))
+    assert memory.activation_bytes(lambda t: t[:, :5] @ w + t[:, 5:] @ w, x) == nbytes(x)
+
+
+def test_excluded_tensors_and_modules():
+    linear = nn.Linear(6, 6)
+    x = torch.randn(3, 6)
+    assert memory.activation_bytes(lambda t: linear(t), x, exclude=[x, linear]) == 0
+    assert memory.activation_bytes(lambda t: linear(t), x, exclude=x) == 0
+
+
+def test_conv_bn_relu_hand_count():
+    block = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU())
+    x = torch.randn(2, 3, 10, 10)
+    conv_out = 2 * 8 * 10 * 10 * 4
+    # conv keeps x; BN keeps its input (conv_out) and two per-channel
+    # vectors (saved mean and invstd); ReLU keeps its output.
+    expected = nbytes(x) + conv_out + 2 * 8 * 4 + conv_out
+    assert memory.activation_bytes(block, x) == expected
+
+
+def test_context_manager_matches_function_and_reports_storages():
+    block = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 2))
+    x = torch.randn(4, 5)
+    with memory.track_activations(exclude=block) as meter:
+        out = block(x)
+    assert meter.bytes == memory.activation_bytes(block, x)
+    storages = meter.storages()
+    assert sum(s.nbytes for s in storages) == meter.bytes
+    assert [s.nbytes for s in storages] == sorted((s.nbytes for s in storages), reverse=True)
+    assert meter.largest(1)[0].nbytes == max(s.nbytes for s in storages)
+    del out
+
+
+def test_graph_dropped_inside_the_block_stops_counting():
+    x = torch.randn(100, 100, requires_grad=True)
+    with memory.track_activations() as meter:
+        kept = x.exp()  # exp saves its output
+        dropped = (x + 1).sin()  # sin saves its input
+        del dropped
+        gc.collect()
+    assert meter.bytes == nbytes(kept)
+
+
+def test_meter_does_not_keep_memory_alive():
+    refs = []
+
+    def forward(t):
+        hidden = t.exp()
+        refs.append(weakref.ref(hidden))
+        return hidden.sin()
+
+    memory.activation_bytes(forward, torch.randn(50, 50, requires_grad=True))
+    gc.collect()
+    assert refs[0]() is None
+
+
+def test_no_grad_inside_is_zero():
+    linear = nn.Linear(4, 4)
+    with torch.no_grad():
+        # activation_bytes turns grad on: measuring what training keeps.
+        assert memory.activation_bytes(linear, torch.randn(2, 4)) == 8 * 4
+
+
+def test_argument_errors():
+    with pytest.raises(TypeError, match="fn must be callable"):
+        memory.activation_bytes(42)
+    with pytest.raises(TypeError, match="exclude: expected nn.Module"):
+        memory.activation_bytes(lambda t: t * 2, torch.randn(2), exclude=["weight"])
+    with pytest.raises(TypeError, match="fn must be callable"):
+        memory.cuda_peak_bytes("step")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+def test_cuda_peak_without_cuda_says_so():
+    with pytest.raises(RuntimeError, match="need a CUDA device"):
+        memory.cuda_peak_bytes(lambda: None)
+    with pytest.raises(RuntimeError, match="need a CUDA device"):
+        memory.track_cuda_peak()
+
+
+@pytest.mark.gpu
+def test_cuda_peak_counts_a_temporary():
+    resident = torch.empty(1 << 20, device="cuda")  # 4 MiB before the step
+    size = 64 << 20
+
+    def step():
+        temporary = torch.empty(size // 4, device="cuda")
+        temporary.fill_(1)
+        del temporary
+
+    with memory.track_cuda_peak() as meter:
+        step()
+    assert meter.baseline_bytes >= nbytes(resident)
+    assert meter.step_bytes >= size
+    assert meter.peak_bytes == memory.cuda_peak_bytes(step) or meter.peak_bytes >= size
+    with pytest.raises(ValueError, match="must be a CUDA device"):
+        memory.track_cuda_peak("cpu")
+    del resident
+
+
+def test_backward_works_through_the_meter():
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(5, 7), nn.Sigmoid(), nn.Linear(7, 2))
+    x = torch.randn(4, 5, requires_grad=True)
+    block(x).pow(2).sum().backward()
+    expected = [p.grad.clone() for p in block.parameters()] + [x.grad.clone()]
+    block.zero_grad()
+    x.grad = None
+    with memory.track_activations(exclude=block) as meter:
+        out = block(x)
+    assert meter.bytes > 0
+    out.pow(2).sum().backward()
+    for got, want in zip([p.grad for p in block.parameters()] + [x.grad], expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
