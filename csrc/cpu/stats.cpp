@@ -21,8 +21,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "common/checks.h"
@@ -32,49 +34,70 @@ namespace {
 
 // 4096 fp32 values = 16 KiB: the two passes over a chunk hit L1.
 constexpr int64_t kChunkElements = 4096;
-// channels_last tiles: up to 1024 channels wide, at least 16 rows deep, so
-// there are few partial results per channel to merge.
+// channels_last tiles: up to 1024 channels wide and 16384 values (64 KiB of
+// fp32, in L2 for the second pass), at least 16 rows deep, so there are few
+// partial results per channel to merge.
 constexpr int64_t kTileChannels = 1024;
+constexpr int64_t kTileElements = 16384;
 constexpr int64_t kMinTileRows = 16;
-// Independent accumulators: lets the compiler vectorise the reductions
-// without reassociating a single running sum.
-constexpr int kLanes = 16;
+// Reductions over a buffer use GCC/Clang vector types: one 32-byte register
+// per accumulator (8 floats or 4 doubles; AVX2 where the build enables it,
+// two SSE registers otherwise), four accumulators to cover the add latency.
+// Writing them out keeps the compiler from needing to reassociate a single
+// running sum, which it will not do without -ffast-math.
+template <typename acc_t>
+struct Vec {
+  typedef acc_t type __attribute__((vector_size(32)));
+  static constexpr int kWidth = 32 / sizeof(acc_t);
+  static type load(const acc_t* p) {
+    type v;
+    std::memcpy(&v, p, sizeof(v));
+    return v;
+  }
+  static acc_t sum(type v) {
+    acc_t total = 0;
+    for (int l = 0; l < kWidth; ++l) total += v[l];
+    return total;
+  }
+};
 
 template <typename acc_t>
 acc_t lane_sum(const acc_t* x, int64_t n) {
-  acc_t lanes[kLanes] = {};
+  using V = Vec<acc_t>;
+  constexpr int W = V::kWidth;
+  typename V::type a0 = {}, a1 = {}, a2 = {}, a3 = {};
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int l = 0; l < kLanes; ++l) lanes[l] += x[i + l];
+  for (; i + 4 * W <= n; i += 4 * W) {
+    a0 += V::load(x + i);
+    a1 += V::load(x + i + W);
+    a2 += V::load(x + i + 2 * W);
+    a3 += V::load(x + i + 3 * W);
   }
-  acc_t total = 0;
+  acc_t total = V::sum((a0 + a1) + (a2 + a3));
   for (; i < n; ++i) total += x[i];
-  for (int l = 0; l < kLanes; ++l) total += lanes[l];
   return total;
 }
 
 template <typename acc_t>
 void lane_centered_sums(const acc_t* x, int64_t n, acc_t center, acc_t& sum_d, acc_t& sum_d2) {
-  acc_t lanes_d[kLanes] = {};
-  acc_t lanes_d2[kLanes] = {};
+  using V = Vec<acc_t>;
+  constexpr int W = V::kWidth;
+  typename V::type d0 = {}, d1 = {}, q0 = {}, q1 = {};
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int l = 0; l < kLanes; ++l) {
-      const acc_t d = x[i + l] - center;
-      lanes_d[l] += d;
-      lanes_d2[l] += d * d;
-    }
+  for (; i + 2 * W <= n; i += 2 * W) {
+    const auto v0 = V::load(x + i) - center;
+    const auto v1 = V::load(x + i + W) - center;
+    d0 += v0;
+    d1 += v1;
+    q0 += v0 * v0;
+    q1 += v1 * v1;
   }
-  sum_d = 0;
-  sum_d2 = 0;
+  sum_d = V::sum(d0 + d1);
+  sum_d2 = V::sum(q0 + q1);
   for (; i < n; ++i) {
     const acc_t d = x[i] - center;
     sum_d += d;
     sum_d2 += d * d;
-  }
-  for (int l = 0; l < kLanes; ++l) {
-    sum_d += lanes_d[l];
-    sum_d2 += lanes_d2[l];
   }
 }
 
@@ -159,13 +182,93 @@ void stats_channels_first(const scalar_t* x, const BatchGeometry& g, int64_t cor
 }
 
 template <typename scalar_t, typename acc_t>
+inline typename Vec<acc_t>::type load_as(const scalar_t* p) {
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    return Vec<acc_t>::load(p);
+  } else {
+    typename Vec<acc_t>::type v;
+    for (int l = 0; l < Vec<acc_t>::kWidth; ++l) v[l] = static_cast<acc_t>(p[l]);
+    return v;
+  }
+}
+
+// Moments of `width` channels (a multiple of two vector widths) over `rows`
+// rows that are `stride` apart. The first pass walks the tile row by row, so
+// memory is read sequentially and the tile lands in L2; the second pass
+// walks one group of channels down the rows at a time with its accumulators
+// in registers. `sums` is scratch for `width` values.
+template <typename scalar_t, typename acc_t>
+void tile_moments_vectorized(const scalar_t* x, int64_t stride, int64_t rows, int64_t width, acc_t* sums,
+                             acc_t* out_mean, acc_t* out_m2) {
+  using V = Vec<acc_t>;
+  constexpr int W = V::kWidth;
+  const acc_t n = static_cast<acc_t>(rows);
+  std::fill(sums, sums + width, acc_t(0));
+  for (int64_t r = 0; r < rows; ++r) {
+    const scalar_t* row = x + r * stride;
+    for (int64_t c = 0; c < width; c += W) {
+      const auto total = V::load(sums + c) + load_as<scalar_t, acc_t>(row + c);
+      std::memcpy(sums + c, &total, sizeof(total));
+    }
+  }
+  for (int64_t c = 0; c < width; c += 2 * W) {
+    const typename V::type center0 = V::load(sums + c) / n, center1 = V::load(sums + c + W) / n;
+    typename V::type d0 = {}, d1 = {}, q0 = {}, q1 = {};
+    for (int64_t r = 0; r < rows; ++r) {
+      const auto v0 = load_as<scalar_t, acc_t>(x + r * stride + c) - center0;
+      const auto v1 = load_as<scalar_t, acc_t>(x + r * stride + c + W) - center1;
+      d0 += v0;
+      d1 += v1;
+      q0 += v0 * v0;
+      q1 += v1 * v1;
+    }
+    const auto mean0 = center0 + d0 / n, mean1 = center1 + d1 / n;
+    const auto m2_0 = q0 - d0 * d0 / n, m2_1 = q1 - d1 * d1 / n;
+    for (int l = 0; l < W; ++l) {
+      out_mean[c + l] = mean0[l];
+      out_mean[c + W + l] = mean1[l];
+      out_m2[c + l] = std::max(m2_0[l], acc_t(0));
+      out_m2[c + W + l] = std::max(m2_1[l], acc_t(0));
+    }
+  }
+}
+
+// The same for any width, one channel at a time across each row (used for
+// the channels left over by the vectorised groups); scratch arrays hold
+// `width` accumulators each.
+template <typename scalar_t, typename acc_t>
+void tile_moments_scalar(const scalar_t* x, int64_t stride, int64_t rows, int64_t width, acc_t* center,
+                         acc_t* sum_d, acc_t* sum_d2, acc_t* out_mean, acc_t* out_m2) {
+  if (width == 0) return;
+  const acc_t n = static_cast<acc_t>(rows);
+  std::fill(center, center + width, acc_t(0));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < width; ++c) center[c] += static_cast<acc_t>(x[r * stride + c]);
+  }
+  for (int64_t c = 0; c < width; ++c) center[c] /= n;
+  std::fill(sum_d, sum_d + width, acc_t(0));
+  std::fill(sum_d2, sum_d2 + width, acc_t(0));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < width; ++c) {
+      const acc_t d = static_cast<acc_t>(x[r * stride + c]) - center[c];
+      sum_d[c] += d;
+      sum_d2[c] += d * d;
+    }
+  }
+  for (int64_t c = 0; c < width; ++c) {
+    out_mean[c] = center[c] + sum_d[c] / n;
+    out_m2[c] = std::max(sum_d2[c] - sum_d[c] * sum_d[c] / n, acc_t(0));
+  }
+}
+
+template <typename scalar_t, typename acc_t>
 void stats_channels_last(const scalar_t* x, const BatchGeometry& g, int64_t correction, acc_t* mean_out,
                          acc_t* var_out) {
   const int64_t C = g.channels;
   const int64_t rows = g.batch * g.spatial;
   const int64_t tile_channels = std::min(C, kTileChannels);
   const int64_t channel_tiles = (C + tile_channels - 1) / tile_channels;
-  const int64_t tile_rows = std::max(kMinTileRows, kChunkElements / tile_channels);
+  const int64_t tile_rows = std::max(kMinTileRows, kTileElements / tile_channels);
   const int64_t row_tiles = (rows + tile_rows - 1) / tile_rows;
   // partials[row_tile][channel]: each row tile covers every channel once.
   std::vector<acc_t> part_mean(row_tiles * C), part_m2(row_tiles * C);
@@ -179,29 +282,12 @@ void stats_channels_last(const scalar_t* x, const BatchGeometry& g, int64_t corr
       const int64_t c0 = ct * tile_channels, width = std::min(tile_channels, C - c0);
       const acc_t n = static_cast<acc_t>(r1 - r0);
 
-      std::fill(center.begin(), center.begin() + width, acc_t(0));
-      for (int64_t r = r0; r < r1; ++r) {
-        const scalar_t* row = x + r * C + c0;
-        for (int64_t c = 0; c < width; ++c) center[c] += static_cast<acc_t>(row[c]);
-      }
-      for (int64_t c = 0; c < width; ++c) center[c] /= n;
-
-      std::fill(sum_d.begin(), sum_d.begin() + width, acc_t(0));
-      std::fill(sum_d2.begin(), sum_d2.begin() + width, acc_t(0));
-      for (int64_t r = r0; r < r1; ++r) {
-        const scalar_t* row = x + r * C + c0;
-        for (int64_t c = 0; c < width; ++c) {
-          const acc_t d = static_cast<acc_t>(row[c]) - center[c];
-          sum_d[c] += d;
-          sum_d2[c] += d * d;
-        }
-      }
       acc_t* out_mean = part_mean.data() + rt * C + c0;
       acc_t* out_m2 = part_m2.data() + rt * C + c0;
-      for (int64_t c = 0; c < width; ++c) {
-        out_mean[c] = center[c] + sum_d[c] / n;
-        out_m2[c] = std::max(sum_d2[c] - sum_d[c] * sum_d[c] / n, acc_t(0));
-      }
+      const int64_t vector_width = width - width % (2 * Vec<acc_t>::kWidth);
+      tile_moments_vectorized(x + r0 * C + c0, C, r1 - r0, vector_width, center.data(), out_mean, out_m2);
+      tile_moments_scalar(x + r0 * C + c0 + vector_width, C, r1 - r0, width - vector_width, center.data(),
+                          sum_d.data(), sum_d2.data(), out_mean + vector_width, out_m2 + vector_width);
     }
   });
 
