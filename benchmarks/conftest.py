@@ -35,3 +35,22 @@ def run_with_backend():
         return effilayers.use_backend(backend)
 
     return activate
+
+
+def pytest_benchmark_update_machine_info(config, machine_info):
+    """Record what a result needs to be reproduced: versions, device, command."""
+    import shlex
+    import sys
+
+    from effilayers._info import collect
+
+    report = collect()
+    machine_info["effilayers"] = {
+        "torch": report["torch"],
+        "triton": report["triton"],
+        "torch_cuda": report["torch_cuda"],
+        "device": report["device"],
+        "threads": report["threads"],
+        "backends": report["ops"],
+        "command": "python -m pytest " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+    }

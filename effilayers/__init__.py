@@ -5,7 +5,7 @@ Start with ``python -m effilayers.info`` to see which kernels run here.
 
 from . import backends, memory, ops
 from .backends import use_backend
-from .info import info
+from ._info import info
 from .ops import batch_stats, combine_batch_stats
 
 __version__ = "0.1.0.dev0"

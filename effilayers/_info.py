@@ -1,0 +1,123 @@
+"""``effilayers.info()`` / ``python -m effilayers.info``: versions, devices and
+the backend each op uses on each device, with the reason.
+
+Resolving a backend builds the compiled library on first use, so the first
+run on a machine can take a minute; later runs load it from the cache.
+``python -m effilayers.info --demo`` adds a small memory demonstration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+from typing import Any, Optional
+
+import torch
+
+from . import _build, backends
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+    except ImportError:
+        return "not installed"
+    return triton.__version__
+
+
+def collect() -> dict[str, Any]:
+    """Everything ``info()`` prints, as a dict (for bug reports and benchmark JSON)."""
+    devices = ["cpu"]
+    if torch.cuda.is_available():
+        devices.append("cuda")
+    table = []
+    for op in backends.registered_ops():
+        for device in devices:
+            chosen = backends.choice(op, device)
+            table.append({"op": op, "device": device, "backend": chosen.backend, "reason": chosen.reason})
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+        "torch_cuda": torch.version.cuda or "none (CPU build)",
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.processor() or platform.machine()})",
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+        "backend_preference": ",".join(backends.current_preference() or ()) or "automatic",
+        "extension_cache": str(_build.cache_root()),
+        "libraries": backends.library_report(),
+        "ops": table,
+    }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    lines = ["effilayers environment", ""]
+    for key in ("python", "torch", "triton", "torch_cuda", "device", "cpu_capability", "threads",
+                "backend_preference", "extension_cache"):
+        lines.append(f"  {key:<20} {report[key]}")
+    lines.append("")
+    lines.append("compiled libraries")
+    for kind, status in report["libraries"].items():
+        lines.append(f"  {kind:<20} {status}")
+    lines.append("")
+    rows = [("op", "device", "backend", "why")] + [
+        (row["op"], row["device"], row["backend"], row["reason"]) for row in report["ops"]
+    ]
+    widths = [max(len(str(r[i])) for r in rows) for i in range(3)]
+    lines.append("backends")
+    for r in rows:
+        lines.append("  " + "  ".join(str(v).ljust(w) for v, w in zip(r[:3], widths)) + "  " + r[3])
+    return "\n".join(lines)
+
+
+def info(file: Optional[Any] = None) -> dict[str, Any]:
+    """Print the environment and backend table; return it as a dict."""
+    report = collect()
+    print(format_report(report), file=file or sys.stdout)
+    return report
+
+
+def _demo() -> None:
+    from . import memory
+    from .ops import batch_stats
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 32, 28, 28)
+    block = torch.nn.Sequential(
+        torch.nn.Conv2d(32, 64, 3, padding=1, bias=False), torch.nn.BatchNorm2d(64), torch.nn.ReLU()
+    )
+    with memory.track_activations(exclude=block) as meter:
+        output = block(x)
+    print("\nmemory demo: what autograd keeps for backward of Conv(32->64)-BN-ReLU on 8x32x28x28 fp32")
+    for saved in meter.largest(6):
+        print(f"  {saved.nbytes / 2**10:9.1f} KiB  {str(saved.dtype):<14} {saved.shape}")
+    print(f"  {meter.bytes / 2**20:9.2f} MiB in all (effilayers.memory.activation_bytes)")
+    del output
+
+    big = (torch.randn(4, 3, 64, 64) * 16 + 10000).half()
+    mean, var, count = batch_stats(big)
+    exact_var, exact_mean = torch.var_mean(big.double(), dim=(0, 2, 3), correction=0)
+    naive = (big.float() ** 2).mean((0, 2, 3)) - big.float().mean((0, 2, 3)) ** 2
+    print("\nbatch_stats on fp16 values 1e4 + 16 * randn (fp16 steps by 8 there):")
+    print(f"  effilayers var  {[round(v, 3) for v in var.tolist()]}  (count {int(count)})")
+    print(f"  float64 var     {[round(v, 3) for v in exact_var.tolist()]}")
+    print(f"  naive E[x^2]-E[x]^2 in fp32: {[round(v, 1) for v in naive.tolist()]}")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m effilayers.info", description=__doc__.splitlines()[0])
+    parser.add_argument("--demo", action="store_true", help="also run a small memory and accuracy demo")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = parser.parse_args(argv)
+    if args.json:
+        import json
+
+        print(json.dumps(collect(), indent=2))
+    else:
+        info()
+    if args.demo:
+        _demo()
+    return 0
+
+
