@@ -153,7 +153,7 @@ def test_cuda_peak_counts_a_temporary():
         step()
     assert meter.baseline_bytes >= nbytes(resident)
     assert meter.step_bytes >= size
-    assert meter.peak_bytes == memory.cuda_peak_bytes(step) or meter.peak_bytes >= size
+    assert memory.cuda_peak_bytes(step) >= size
     with pytest.raises(ValueError, match="must be a CUDA device"):
         memory.track_cuda_peak("cpu")
     del resident

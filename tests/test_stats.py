@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import effilayers
 from effilayers.ops import batch_stats, batch_stats_reference, combine_batch_stats
@@ -187,6 +189,19 @@ def test_cpu_result_independent_of_thread_count():
         for a, b in zip(single, multi):
             for ta, tb in zip(a, b):
                 assert torch.equal(ta, tb)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    dims=st.lists(st.integers(1, 9), min_size=2, max_size=5),
+    layout=st.sampled_from(["contiguous", "channels_last", "strided"]),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    offset=st.sampled_from([0.0, 3.0, 300.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_random_shapes_and_layouts(stats_device, dims, layout, dtype, offset, seed):
+    x = to_layout(channel_varied(tuple(dims), dtype, stats_device, seed=seed, offset_scale=offset + 1e-3), layout)
+    assert_stats_close(batch_stats(x, 1), expected_stats(x, 1), dtype, x)
 
 
 # ---- combine_batch_stats -------------------------------------------------------------
