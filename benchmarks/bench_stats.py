@@ -1,4 +1,7 @@
-"""batch_stats against torch.var_mean (what BatchNorm does in plain PyTorch).
+"""batch_stats against plain PyTorch: torch.var_mean over the same dims, and
+F.batch_norm in training mode, which computes the same statistics with
+PyTorch's own BatchNorm kernels and also writes the normalised output (so it
+bounds, from above, what PyTorch's BatchNorm spends on statistics).
 
     python -m pytest benchmarks/bench_stats.py --benchmark-group-by=group
 
@@ -40,21 +43,25 @@ def make_input(device, shape, dtype, layout):
 
 
 def torch_var_mean(x):
-    # Plain PyTorch's route to BatchNorm statistics for reduced-precision input:
-    # upcast, then Welford var_mean over every dim but channels.
+    # Upcast (var_mean has no accumulation-dtype argument), then reduce over
+    # every dim but channels.
     dims = [0] + list(range(2, x.dim()))
     return torch.var_mean(x.float() if x.dtype != torch.float64 else x, dim=dims, correction=0)
 
 
+def torch_batch_norm(x):
+    return torch.nn.functional.batch_norm(x, None, None, training=True)
+
+
 @pytest.mark.parametrize("device, shape, dtype, layout", list(cases()))
-@pytest.mark.parametrize("implementation", ["torch", "effilayers", "effilayers-reference"])
+@pytest.mark.parametrize("implementation", ["torch-var_mean", "torch-batch_norm", "effilayers", "effilayers-reference"])
 def test_batch_stats(benchmark, run_with_backend, implementation, device, shape, dtype, layout):
     x = make_input(device, shape, dtype, layout)
     benchmark.group = f"batch_stats {device} {'x'.join(map(str, shape))} {str(dtype)[6:]} {layout}"
     benchmark.extra_info.update(bytes_read=x.numel() * x.element_size())
 
-    if implementation == "torch":
-        fn = torch_var_mean
+    if implementation.startswith("torch"):
+        fn = torch_var_mean if implementation == "torch-var_mean" else torch_batch_norm
         context = None
     else:
         backend = "reference" if implementation.endswith("reference") else ("cpp" if device == "cpu" else "cuda")

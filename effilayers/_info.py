@@ -26,6 +26,17 @@ def _triton_version() -> str:
     return triton.__version__
 
 
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def collect() -> dict[str, Any]:
     """Everything ``info()`` prints, as a dict (for bug reports and benchmark JSON)."""
     devices = ["cpu"]
@@ -41,7 +52,7 @@ def collect() -> dict[str, Any]:
         "torch": torch.__version__,
         "triton": _triton_version(),
         "torch_cuda": torch.version.cuda or "none (CPU build)",
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.processor() or platform.machine()})",
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({_cpu_name()})",
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
         "backend_preference": ",".join(backends.current_preference() or ()) or "automatic",
