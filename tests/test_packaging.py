@@ -1,0 +1,49 @@
+"""Packaging promises: no second torch at install time, csrc/ ships in the wheel."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pyproject():
+    with open(ROOT / "pyproject.toml", "rb") as handle:
+        return tomllib.load(handle)
+
+
+def test_build_never_requires_torch():
+    # An isolated build environment would otherwise download another torch.
+    requires = pyproject()["build-system"]["requires"]
+    assert not any(req.lower().startswith("torch") for req in requires), requires
+
+
+def test_declared_dependencies_and_extras():
+    project = pyproject()["project"]
+    assert project["dependencies"] == ["torch>=2.4", "numpy"]
+    extras = project["optional-dependencies"]
+    assert any(req.startswith("triton") and "Linux" in req for req in extras["triton"])
+    assert {"pytest", "pytest-benchmark", "hypothesis"} <= set(extras["test"])
+    assert {"tqdm", "matplotlib"} <= set(extras["bench"])
+
+
+@pytest.mark.slow
+def test_wheel_ships_the_kernel_sources(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    (wheel,) = tmp_path.glob("effilayers-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for source in sorted((ROOT / "csrc").rglob("*")):
+        if source.suffix in (".h", ".cuh", ".cpp", ".cu"):
+            assert f"effilayers/csrc/{source.relative_to(ROOT / 'csrc')}" in names, source
+    assert not any(name.endswith(".so") for name in names)  # nothing compiled unless asked
