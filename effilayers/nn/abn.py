@@ -1,0 +1,186 @@
+"""Activated BatchNorm modules: drop-ins for ``BatchNorm{1,2,3}d`` + activation.
+
+``ABN``            act(BN(x)) fused, not in place; any activation, relu included.
+``InPlaceABN``     the same written over its input, keeping only the output
+                   for backward; invertible activations only.
+``InPlaceABNSync`` InPlaceABN with statistics over a ``torch.distributed``
+                   process group.
+
+Each takes ``forward(x, residual=None)``; with a residual they compute
+``act(BN(x) + residual)`` (the end of a ResNet block) in one kernel.
+Constructor arguments and state dicts match ``torch.nn.BatchNorm2d``
+(``weight``, ``bias``, ``running_mean``, ``running_var``,
+``num_batches_tracked``), so BatchNorm checkpoints load unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..ops.abn import DEFAULT_WEIGHT_EPS, abn, check_activation, inplace_abn
+
+__all__ = ["ABN", "InPlaceABN", "InPlaceABNSync"]
+
+
+class ABN(nn.Module):
+    """BatchNorm followed by an activation, in one fused kernel, not in place.
+
+    Args mirror ``torch.nn.BatchNorm2d`` (``num_features``, ``eps``,
+    ``momentum`` (None: cumulative average), ``affine``,
+    ``track_running_stats``, ``device``, ``dtype``), plus ``activation``
+    (``"leaky_relu"``, ``"elu"``, ``"relu"`` or ``"identity"``) and
+    ``activation_param`` (leaky_relu's negative slope or elu's alpha).
+    Inputs of rank 2 to 5, any layout, float16/bfloat16/float32/float64;
+    parameters and statistics stay in their own (float32) dtype.
+    """
+
+    _inplace = False
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1, affine: bool = True,
+                 track_running_stats: bool = True, activation: str = "leaky_relu", activation_param: float = 0.01,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        name = type(self).__name__
+        if isinstance(num_features, bool) or not isinstance(num_features, int) or num_features <= 0:
+            raise ValueError(f"{name}: num_features must be a positive int, got {num_features!r}")
+        if not (isinstance(eps, (int, float)) and eps > 0):
+            raise ValueError(f"{name}: eps must be a positive float, got {eps!r}")
+        if momentum is not None and not (isinstance(momentum, (int, float)) and 0 <= momentum <= 1):
+            raise ValueError(f"{name}: momentum must be None or a float in [0, 1], got {momentum!r}")
+        check_activation(activation, activation_param, inplace=self._inplace, where=name)
+        factory = {"device": device, "dtype": dtype}
+        self.num_features = num_features
+        self.eps = float(eps)
+        self.momentum = momentum
+        self.affine = affine
+        self.track_running_stats = track_running_stats
+        self.activation = activation
+        self.activation_param = float(activation_param)
+        if affine:
+            self.weight = nn.Parameter(torch.ones(num_features, **factory))
+            self.bias = nn.Parameter(torch.zeros(num_features, **factory))
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        if track_running_stats:
+            self.register_buffer("running_mean", torch.zeros(num_features, **factory))
+            self.register_buffer("running_var", torch.ones(num_features, **factory))
+            self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long, device=device))
+        else:
+            self.register_buffer("running_mean", None)
+            self.register_buffer("running_var", None)
+            self.register_buffer("num_batches_tracked", None)
+
+    def reset_running_stats(self) -> None:
+        if self.track_running_stats:
+            self.running_mean.zero_()
+            self.running_var.fill_(1)
+            self.num_batches_tracked.zero_()
+
+    def reset_parameters(self) -> None:
+        self.reset_running_stats()
+        if self.affine:
+            nn.init.ones_(self.weight)
+            nn.init.zeros_(self.bias)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # Checkpoints from before num_batches_tracked existed, as BatchNorm allows.
+        key = prefix + "num_batches_tracked"
+        if self.track_running_stats and key not in state_dict:
+            state_dict[key] = torch.tensor(0, dtype=torch.long)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _statistics_args(self) -> dict:
+        # As BatchNorm: batch statistics in training or without running
+        # statistics; running statistics updated only in training.
+        if not self.track_running_stats:
+            return {"training": True, "running_mean": None, "running_var": None, "num_batches_tracked": None}
+        return {
+            "training": self.training,
+            "running_mean": self.running_mean,
+            "running_var": self.running_var,
+            "num_batches_tracked": self.num_batches_tracked if self.training else None,
+        }
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{type(self).__name__}: input must be a torch.Tensor, got {type(x).__name__}")
+        if not 2 <= x.dim() <= 5:
+            raise ValueError(f"{type(self).__name__}: expected 2D to 5D input (N, C, ...), got {x.dim()}D input")
+        if x.shape[1] != self.num_features:
+            raise ValueError(f"{type(self).__name__}: expected {self.num_features} channels (dim 1), "
+                             f"got input of shape {tuple(x.shape)}")
+
+    def _group(self):
+        return None
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        self._check_input(x)
+        return abn(x, self.weight, self.bias, momentum=self.momentum, eps=self.eps, activation=self.activation,
+                   activation_param=self.activation_param, residual=residual, group=self._group(),
+                   **self._statistics_args())
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
+                f"track_running_stats={self.track_running_stats}, activation={self.activation!r}, "
+                f"activation_param={self.activation_param}")
+
+
+class InPlaceABN(ABN):
+    """In-place activated BatchNorm: overwrites its input with
+    ``act(BN(x) [+ residual])`` and keeps only that output for backward.
+
+    Same arguments as :class:`ABN`, plus ``weight_eps``: the scale used is
+    ``sign(weight) * max(|weight|, weight_eps)`` so it can be divided by in
+    backward; weights at least that large are used unchanged. ``activation``
+    must be invertible: ``"leaky_relu"`` (slope > 0, default 0.01), ``"elu"``
+    or ``"identity"``; ``"relu"`` raises (use :class:`ABN`).
+
+    The input must not be needed afterwards: it is overwritten, and autograd
+    raises if something that saved it later needs it. A leaf tensor that
+    requires grad (a model input) cannot be overwritten and raises.
+    """
+
+    _inplace = True
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1, affine: bool = True,
+                 track_running_stats: bool = True, activation: str = "leaky_relu", activation_param: float = 0.01,
+                 weight_eps: float = DEFAULT_WEIGHT_EPS, device=None, dtype=None) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, activation, activation_param,
+                         device=device, dtype=dtype)
+        if not (isinstance(weight_eps, (int, float)) and weight_eps > 0):
+            raise ValueError(f"{type(self).__name__}: weight_eps must be a positive float, got {weight_eps!r}")
+        self.weight_eps = float(weight_eps)
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        self._check_input(x)
+        return inplace_abn(x, self.weight, self.bias, momentum=self.momentum, eps=self.eps,
+                           activation=self.activation, activation_param=self.activation_param, residual=residual,
+                           group=self._group(), weight_eps=self.weight_eps, **self._statistics_args())
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", weight_eps={self.weight_eps}"
+
+
+class InPlaceABNSync(InPlaceABN):
+    """:class:`InPlaceABN` whose batch statistics (and the matching gradient
+    sums) are computed over every rank of ``process_group`` (default: the
+    world) through ``torch.distributed``, on any backend. Ranks may hold
+    different batch sizes, including zero. Without an initialised process
+    group it behaves like :class:`InPlaceABN`.
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1, affine: bool = True,
+                 track_running_stats: bool = True, activation: str = "leaky_relu", activation_param: float = 0.01,
+                 weight_eps: float = DEFAULT_WEIGHT_EPS, process_group=None, device=None, dtype=None) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, activation, activation_param,
+                         weight_eps, device=device, dtype=dtype)
+        self.process_group = process_group
+
+    def _group(self):
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return None
+        return self.process_group if self.process_group is not None else torch.distributed.group.WORLD
