@@ -1,0 +1,47 @@
+// Small SIMD helpers shared by the CPU kernels.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace effilayers {
+
+// Reductions over a buffer use GCC/Clang vector types: one 32-byte register
+// per accumulator (8 floats or 4 doubles; AVX2 where the build enables it,
+// two SSE registers otherwise), four accumulators to cover the add latency.
+// Writing them out keeps the compiler from needing to reassociate a single
+// running sum, which it will not do without -ffast-math.
+template <typename acc_t>
+struct Vec {
+  typedef acc_t type __attribute__((vector_size(32)));
+  static constexpr int kWidth = 32 / sizeof(acc_t);
+  static type load(const acc_t* p) {
+    type v;
+    std::memcpy(&v, p, sizeof(v));
+    return v;
+  }
+  static acc_t sum(type v) {
+    acc_t total = 0;
+    for (int l = 0; l < kWidth; ++l) total += v[l];
+    return total;
+  }
+};
+
+template <typename acc_t>
+acc_t lane_sum(const acc_t* x, int64_t n) {
+  using V = Vec<acc_t>;
+  constexpr int W = V::kWidth;
+  typename V::type a0 = {}, a1 = {}, a2 = {}, a3 = {};
+  int64_t i = 0;
+  for (; i + 4 * W <= n; i += 4 * W) {
+    a0 += V::load(x + i);
+    a1 += V::load(x + i + W);
+    a2 += V::load(x + i + 2 * W);
+    a3 += V::load(x + i + 3 * W);
+  }
+  acc_t total = V::sum((a0 + a1) + (a2 + a3));
+  for (; i < n; ++i) total += x[i];
+  return total;
+}
+
+}  // namespace effilayers

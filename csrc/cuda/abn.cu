@@ -1,0 +1,632 @@
+// Activated BatchNorm on CUDA (kernels only; the torch binding is
+// abn_binding.cpp). The math, edge cases included, is the reference in
+// effilayers/ops/abn.py; acc_t is float (double for double input).
+//
+//   * fold: a tiny launch turns weight/bias/invstd into per-channel s, 1/s,
+//     beta and s*invstd in the workspace, so the element loops neither clamp
+//     the weight nor divide by it per element.
+//   * forward and backward_elemt: flat grid-stride loops over the whole
+//     tensor, so consecutive threads touch consecutive addresses in either
+//     layout, whatever C and S are. Each thread finds its channel with one
+//     division when it starts and then follows it with adds. Per-channel
+//     values are separate arrays, so the 32 channels a channels_last warp
+//     reads form one cache line per value.
+//   * backward_reduce: the chunk plan of batch_stats (stats.cu). Partial
+//     (sum dy, sum dy*x_hat) per (chunk, channel) in acc_t, then one block per
+//     channel adds its chunks in double. Fixed partition and fixed order: the
+//     result does not depend on scheduling (no atomics).
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cstdint>
+#include <type_traits>
+
+#include "abn.cuh"
+
+namespace effilayers {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;  // 1-D kernels
+// channels_last reduce tiles, as in stats.cu: 32 consecutive channels per
+// warp (coalesced), 8 rows of threads.
+constexpr int kTileChannels = 32;
+constexpr int kTileRows = 8;
+// Grid of the element loops: about two resident waves. More blocks would
+// only repeat the per-thread channel division on fewer elements; fewer
+// would leave SMs idle.
+constexpr int kBlocksPerSm = 16;
+constexpr int64_t kMaxGridX = 0x7fffffff;
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// ---- scalar helpers --------------------------------------------------------------
+
+template <typename scalar_t, typename acc_t>
+__device__ __forceinline__ acc_t load(const scalar_t* p) {
+  return static_cast<acc_t>(*p);
+}
+template <>
+__device__ __forceinline__ float load<__half, float>(const __half* p) {
+  return __half2float(*p);
+}
+template <>
+__device__ __forceinline__ float load<__nv_bfloat16, float>(const __nv_bfloat16* p) {
+  return __bfloat162float(*p);
+}
+
+// Round to nearest even, as Tensor.to(dtype) does.
+template <typename scalar_t, typename acc_t>
+__device__ __forceinline__ scalar_t to_scalar(acc_t v) {
+  return static_cast<scalar_t>(v);
+}
+template <>
+__device__ __forceinline__ __half to_scalar<__half, float>(float v) {
+  return __float2half_rn(v);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 to_scalar<__nv_bfloat16, float>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+// Explicit float/double overloads: the reference computes in acc_t, so a
+// float must not be promoted to a double call (or vice versa).
+__device__ __forceinline__ float exp_(float v) { return expf(v); }
+__device__ __forceinline__ double exp_(double v) { return exp(v); }
+__device__ __forceinline__ float expm1_(float v) { return expm1f(v); }
+__device__ __forceinline__ double expm1_(double v) { return expm1(v); }
+__device__ __forceinline__ float log1p_(float v) { return log1pf(v); }
+__device__ __forceinline__ double log1p_(double v) { return log1p(v); }
+// torch.finfo(acc).eps; std::numeric_limits is host-only without
+// --expt-relaxed-constexpr.
+__device__ __forceinline__ float epsilon_of(float) { return FLT_EPSILON; }
+__device__ __forceinline__ double epsilon_of(double) { return DBL_EPSILON; }
+
+// ---- activations (_activate, _derivative, _derivative_from_output, _invert) ------
+
+template <Activation A, typename T>
+__device__ __forceinline__ T activate(T y, T param) {
+  if constexpr (A == Activation::LeakyRelu) {
+    return y > T(0) ? y : y * param;
+  } else if constexpr (A == Activation::Elu) {
+    return y > T(0) ? y : param * expm1_(y);
+  } else if constexpr (A == Activation::Relu) {
+    return y < T(0) ? T(0) : y;  // NaN passes through, as with clamp_min
+  } else {
+    return y;
+  }
+}
+
+// d act / d y at the pre-activation y.
+template <Activation A, typename T>
+__device__ __forceinline__ T derivative(T y, T param) {
+  if constexpr (A == Activation::LeakyRelu) {
+    return y > T(0) ? T(1) : param;
+  } else if constexpr (A == Activation::Elu) {
+    // The reference's clamp_max(0) is a no-op on this branch (y <= 0), and
+    // leaving it out keeps a NaN y NaN as it does there.
+    return y > T(0) ? T(1) : param * exp_(y);
+  } else if constexpr (A == Activation::Relu) {
+    return y > T(0) ? T(1) : T(0);
+  } else {
+    return T(1);
+  }
+}
+
+// d act / d y in terms of the output z = act(y).
+template <Activation A, typename T>
+__device__ __forceinline__ T derivative_from_output(T z, T param) {
+  if constexpr (A == Activation::Elu) {
+    return z > T(0) ? T(1) : z + param;
+  } else {
+    return derivative<A>(z, param);  // depends only on the sign, shared by y and z
+  }
+}
+
+template <Activation A, typename T>
+__device__ __forceinline__ T invert(T z, T param) {
+  if constexpr (A == Activation::LeakyRelu) {
+    return z > T(0) ? z : z / param;
+  } else if constexpr (A == Activation::Elu) {
+    // Saturated outputs (z == -alpha) carry no information about y; the
+    // clamp keeps x_hat finite there (their dy is zero anyway). Written so a
+    // NaN ratio stays NaN, as clamp_min leaves it.
+    const T lowest = T(-1) + epsilon_of(T(0));
+    const T ratio = z / param;
+    return z > T(0) ? z : log1p_(ratio < lowest ? lowest : ratio);
+  } else {
+    return z;  // identity; relu is not invertible and the reference passes z through
+  }
+}
+
+// ---- per-channel constants --------------------------------------------------------
+
+// The workspace starts with kFolded arrays of C values each.
+constexpr int64_t kFolded = 4;
+
+template <typename acc_t>
+struct ChannelPtrs {
+  const acc_t* mean;
+  const acc_t* invstd;
+  const acc_t* scale;      // s
+  const acc_t* inv_scale;  // 1 / s
+  const acc_t* shift;      // beta
+  const acc_t* gain;       // s * invstd
+  acc_t param;
+};
+
+// The values one element of channel c needs to get dy and x_hat; only the
+// ones its mode reads are loaded.
+template <typename acc_t>
+struct ChannelValues {
+  acc_t mean, invstd, scale, inv_scale, shift;
+};
+
+template <bool kFromOutput, typename acc_t>
+__device__ __forceinline__ ChannelValues<acc_t> load_channel(const ChannelPtrs<acc_t>& p, int64_t c) {
+  ChannelValues<acc_t> v{acc_t(0), acc_t(0), acc_t(0), acc_t(0), acc_t(0)};
+  if constexpr (kFromOutput) {
+    v.inv_scale = __ldg(p.inv_scale + c);
+  } else {
+    v.mean = __ldg(p.mean + c);
+    v.invstd = __ldg(p.invstd + c);
+    v.scale = __ldg(p.scale + c);
+  }
+  v.shift = __ldg(p.shift + c);
+  return v;
+}
+
+template <typename acc_t>
+__global__ void __launch_bounds__(kThreads)
+    fold_channels(int64_t C, const acc_t* __restrict__ invstd, const acc_t* __restrict__ weight,
+                  const acc_t* __restrict__ bias, bool clamp_weight, acc_t weight_eps, acc_t* __restrict__ folded) {
+  for (int64_t c = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x; c < C;
+       c += static_cast<int64_t>(gridDim.x) * kThreads) {
+    acc_t s = acc_t(1);
+    if (weight != nullptr) {
+      s = weight[c];
+      if (clamp_weight) {
+        // effective_weight: the sign is kept (sign(0) = +1, -0.0 included)
+        // and a NaN weight stays NaN, as clamp_min leaves it.
+        const acc_t magnitude = fabs(s) < weight_eps ? weight_eps : fabs(s);
+        s = s < acc_t(0) ? -magnitude : magnitude;
+      }
+    }
+    folded[c] = s;
+    folded[C + c] = acc_t(1) / s;
+    folded[2 * C + c] = bias != nullptr ? bias[c] : acc_t(0);
+    folded[3 * C + c] = s * invstd[c];
+  }
+}
+
+template <typename acc_t>
+cudaError_t launch_fold(const StatsPlan& plan, const AbnChannels& ch, acc_t* folded, cudaStream_t stream) {
+  const int64_t C = plan.channels;
+  const auto blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(C, kThreads), 1024));
+  fold_channels<acc_t><<<blocks, kThreads, 0, stream>>>(
+      C, static_cast<const acc_t*>(ch.invstd), static_cast<const acc_t*>(ch.weight),
+      static_cast<const acc_t*>(ch.bias), ch.weight_eps > 0.0, static_cast<acc_t>(ch.weight_eps), folded);
+  return cudaGetLastError();
+}
+
+template <typename acc_t>
+ChannelPtrs<acc_t> channel_ptrs(const StatsPlan& plan, const AbnChannels& ch, const acc_t* folded) {
+  const int64_t C = plan.channels;
+  return {static_cast<const acc_t*>(ch.mean),
+          static_cast<const acc_t*>(ch.invstd),
+          folded,
+          folded + C,
+          folded + 2 * C,
+          folded + 3 * C,
+          static_cast<acc_t>(ch.activation_param)};
+}
+
+// dy and x_hat of one element, from the saved output z or the saved input x
+// (_dy_and_xhat). r is the residual, 0 without one: subtracting or adding a
+// zero changes no comparison the activations make.
+template <Activation A, bool kFromOutput, typename acc_t>
+__device__ __forceinline__ void dy_and_xhat(acc_t g, acc_t saved, acc_t r, const ChannelValues<acc_t>& v,
+                                            acc_t param, acc_t& dy, acc_t& x_hat) {
+  if constexpr (kFromOutput) {
+    const acc_t y = invert<A>(saved, param);
+    x_hat = (y - r - v.shift) * v.inv_scale;
+    dy = g * derivative_from_output<A>(saved, param);
+  } else {
+    x_hat = (saved - v.mean) * v.invstd;
+    const acc_t y = x_hat * v.scale + v.shift + r;
+    dy = g * derivative<A>(y, param);
+  }
+}
+
+// ---- element loops ---------------------------------------------------------------
+
+// Flat index i of a dense (N, C, S) tensor lies in channel (i / inner) % C,
+// with inner = S for channels_first and 1 for channels_last. The host
+// splits the grid stride the same way so threads can advance with adds.
+struct FlatWalk {
+  int64_t numel = 0, inner = 1, channels = 1;
+  int64_t step = 0;          // threads in the grid
+  int64_t step_inner = 0;    // step % inner
+  int64_t step_channel = 0;  // (step / inner) % channels
+};
+
+struct ChannelCursor {
+  int64_t s, c;  // i % inner, (i / inner) % channels
+
+  __device__ __forceinline__ ChannelCursor(int64_t i, const FlatWalk& w) {
+    const int64_t q = i / w.inner;
+    s = i - q * w.inner;
+    c = q % w.channels;
+  }
+  // Each of s and c gains less than its modulus (plus a carry of one), so
+  // one subtraction brings it back into range.
+  __device__ __forceinline__ void advance(const FlatWalk& w) {
+    s += w.step_inner;
+    c += w.step_channel;
+    if (s >= w.inner) {
+      s -= w.inner;
+      ++c;
+    }
+    if (c >= w.channels) c -= w.channels;
+  }
+};
+
+// x, residual and out may all be the same memory (in place, residual=x):
+// no __restrict__, and each element is read before it is written, by the
+// same thread.
+template <Activation A, typename scalar_t, typename acc_t>
+__global__ void __launch_bounds__(kThreads)
+    forward_kernel(const scalar_t* x, const scalar_t* residual, scalar_t* out, FlatWalk w, ChannelPtrs<acc_t> p) {
+  int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
+  ChannelCursor cursor(i, w);
+  for (; i < w.numel; i += w.step, cursor.advance(w)) {
+    const int64_t c = cursor.c;
+    // (x - mean) * (s * invstd) + beta, grouped as in the reference: x - mean
+    // is exact for large-mean data, where x * a + (beta - mean * a) is not.
+    acc_t y = (load<scalar_t, acc_t>(x + i) - __ldg(p.mean + c)) * __ldg(p.gain + c) + __ldg(p.shift + c);
+    if (residual != nullptr) y += load<scalar_t, acc_t>(residual + i);
+    out[i] = to_scalar<scalar_t, acc_t>(activate<A>(y, p.param));
+  }
+}
+
+template <Activation A, bool kFromOutput, typename scalar_t, typename acc_t>
+__global__ void __launch_bounds__(kThreads)
+    elemt_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ saved,
+                 const scalar_t* __restrict__ residual, scalar_t* __restrict__ grad_input,
+                 scalar_t* __restrict__ grad_residual, FlatWalk w, ChannelPtrs<acc_t> p,
+                 const acc_t* __restrict__ mean_dy, const acc_t* __restrict__ mean_dy_xhat) {
+  int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
+  ChannelCursor cursor(i, w);
+  for (; i < w.numel; i += w.step, cursor.advance(w)) {
+    const int64_t c = cursor.c;
+    const ChannelValues<acc_t> v = load_channel<kFromOutput>(p, c);
+    const acc_t r = residual != nullptr ? load<scalar_t, acc_t>(residual + i) : acc_t(0);
+    acc_t dy, x_hat;
+    dy_and_xhat<A, kFromOutput>(load<scalar_t, acc_t>(grad + i), load<scalar_t, acc_t>(saved + i), r, v, p.param,
+                                dy, x_hat);
+    grad_input[i] =
+        to_scalar<scalar_t, acc_t>(__ldg(p.gain + c) * (dy - __ldg(mean_dy + c) - x_hat * __ldg(mean_dy_xhat + c)));
+    if (grad_residual != nullptr) grad_residual[i] = to_scalar<scalar_t, acc_t>(dy);
+  }
+}
+
+cudaError_t plan_flat_walk(const StatsPlan& plan, FlatWalk& w, unsigned& blocks) {
+  int device = 0, sms = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) return err;
+  w.numel = plan.batch * plan.channels * plan.spatial;
+  w.inner = plan.channels_last ? 1 : plan.spatial;
+  w.channels = plan.channels;
+  const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(ceil_div(w.numel, kThreads),
+                                                              static_cast<int64_t>(std::max(sms, 1)) * kBlocksPerSm));
+  blocks = static_cast<unsigned>(grid);
+  w.step = grid * kThreads;
+  w.step_inner = w.step % w.inner;
+  w.step_channel = (w.step / w.inner) % w.channels;
+  return cudaSuccess;
+}
+
+// ---- reduce ------------------------------------------------------------------------
+
+template <typename T>
+struct Pair {
+  T dy, dy_xhat;
+};
+
+// Only lane 0 ends with the warp's total: __shfl_down_sync hands a lane
+// whose source is out of range its own value back.
+template <typename T>
+__device__ __forceinline__ Pair<T> warp_sum(Pair<T> v) {
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    v.dy += __shfl_down_sync(0xffffffffu, v.dy, offset);
+    v.dy_xhat += __shfl_down_sync(0xffffffffu, v.dy_xhat, offset);
+  }
+  return v;
+}
+
+// Sum across a 1-D block of kThreads threads, every thread taking part; the
+// result is valid in thread 0. Called once per kernel, so the shared array
+// needs no second barrier.
+template <typename T>
+__device__ Pair<T> block_sum(Pair<T> v) {
+  __shared__ Pair<T> per_warp[kThreads / 32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  v = warp_sum(v);
+  if (lane == 0) per_warp[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < kThreads / 32 ? per_warp[lane] : Pair<T>{T(0), T(0)};
+    v = warp_sum(v);
+  }
+  return v;
+}
+
+template <Activation A, bool kFromOutput, typename scalar_t, typename acc_t>
+__global__ void __launch_bounds__(kThreads)
+    reduce_partial_channels_first(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ saved,
+                                  const scalar_t* __restrict__ residual, StatsPlan plan, ChannelPtrs<acc_t> p,
+                                  acc_t* __restrict__ part_dy, acc_t* __restrict__ part_dy_xhat) {
+  const int64_t C = plan.channels, S = plan.spatial, plane_stride = C * S;
+  const int64_t task = blockIdx.x;
+  const int64_t c = task / plan.chunks, j = task % plan.chunks;
+  int64_t plane0, planes, s0, width;
+  if (plan.pieces_per_plane > 0) {  // a plane holds several chunks
+    plane0 = j / plan.pieces_per_plane;
+    planes = 1;
+    s0 = (j % plan.pieces_per_plane) * plan.piece_len;
+    width = min(plan.piece_len, S - s0);
+  } else {  // a chunk holds several planes
+    plane0 = j * plan.planes_per_chunk;
+    planes = min(plan.planes_per_chunk, plan.batch - plane0);
+    s0 = 0;
+    width = S;
+  }
+  const ChannelValues<acc_t> v = load_channel<kFromOutput>(p, c);
+  Pair<acc_t> sum{acc_t(0), acc_t(0)};
+  if (width > 0) {
+    // Element e of the chunk is (plane e / width, position e % width); the
+    // thread steps e by kThreads, carrying like ChannelCursor, so the loop
+    // has no division.
+    const int64_t plane_step = kThreads / width, pos_step = kThreads - plane_step * width;
+    int64_t plane = threadIdx.x / width, pos = threadIdx.x - plane * width;
+    int64_t offset = (plane0 * C + c) * S + s0 + plane * plane_stride + pos;
+    const int64_t len = planes * width;
+    for (int64_t e = threadIdx.x; e < len; e += kThreads) {
+      const acc_t r = residual != nullptr ? load<scalar_t, acc_t>(residual + offset) : acc_t(0);
+      acc_t dy, x_hat;
+      dy_and_xhat<A, kFromOutput>(load<scalar_t, acc_t>(grad + offset), load<scalar_t, acc_t>(saved + offset), r,
+                                  v, p.param, dy, x_hat);
+      sum.dy += dy;
+      sum.dy_xhat += dy * x_hat;
+      pos += pos_step;
+      offset += plane_step * plane_stride + pos_step;
+      if (pos >= width) {
+        pos -= width;
+        offset += plane_stride - width;
+      }
+    }
+  }
+  sum = block_sum(sum);
+  if (threadIdx.x == 0) {
+    part_dy[j * C + c] = sum.dy;
+    part_dy_xhat[j * C + c] = sum.dy_xhat;
+  }
+}
+
+template <Activation A, bool kFromOutput, typename scalar_t, typename acc_t>
+__global__ void __launch_bounds__(kTileChannels* kTileRows)
+    reduce_partial_channels_last(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ saved,
+                                 const scalar_t* __restrict__ residual, StatsPlan plan, ChannelPtrs<acc_t> p,
+                                 acc_t* __restrict__ part_dy, acc_t* __restrict__ part_dy_xhat) {
+  const int64_t C = plan.channels, rows = plan.batch * plan.spatial;
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * kTileChannels + threadIdx.x;
+  const int64_t j = blockIdx.y;
+  const int64_t r0 = j * plan.rows_per_chunk;
+  const int64_t r1 = min(r0 + plan.rows_per_chunk, rows);
+  acc_t sum_dy = acc_t(0), sum_dy_xhat = acc_t(0);
+  if (c < C) {
+    const ChannelValues<acc_t> v = load_channel<kFromOutput>(p, c);
+    for (int64_t row = r0 + threadIdx.y; row < r1; row += kTileRows) {
+      const int64_t offset = row * C + c;
+      const acc_t r = residual != nullptr ? load<scalar_t, acc_t>(residual + offset) : acc_t(0);
+      acc_t dy, x_hat;
+      dy_and_xhat<A, kFromOutput>(load<scalar_t, acc_t>(grad + offset), load<scalar_t, acc_t>(saved + offset), r,
+                                  v, p.param, dy, x_hat);
+      sum_dy += dy;
+      sum_dy_xhat += dy * x_hat;
+    }
+  }
+  // Add the kTileRows threads of each channel column in row order.
+  __shared__ acc_t tile_dy[kTileRows][kTileChannels];
+  __shared__ acc_t tile_dy_xhat[kTileRows][kTileChannels];
+  tile_dy[threadIdx.y][threadIdx.x] = sum_dy;
+  tile_dy_xhat[threadIdx.y][threadIdx.x] = sum_dy_xhat;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < C) {
+    for (int row = 1; row < kTileRows; ++row) {
+      sum_dy += tile_dy[row][threadIdx.x];
+      sum_dy_xhat += tile_dy_xhat[row][threadIdx.x];
+    }
+    part_dy[j * C + c] = sum_dy;
+    part_dy_xhat[j * C + c] = sum_dy_xhat;
+  }
+}
+
+template <typename acc_t>
+__global__ void __launch_bounds__(kThreads)
+    reduce_merge(int64_t chunks, int64_t C, const acc_t* __restrict__ part_dy, const acc_t* __restrict__ part_dy_xhat,
+                 acc_t* __restrict__ sum_dy, acc_t* __restrict__ sum_dy_xhat) {
+  const int64_t c = blockIdx.x;
+  Pair<double> sum{0.0, 0.0};
+  for (int64_t j = threadIdx.x; j < chunks; j += kThreads) {
+    sum.dy += static_cast<double>(part_dy[j * C + c]);
+    sum.dy_xhat += static_cast<double>(part_dy_xhat[j * C + c]);
+  }
+  sum = block_sum(sum);
+  if (threadIdx.x == 0) {
+    sum_dy[c] = static_cast<acc_t>(sum.dy);
+    sum_dy_xhat[c] = static_cast<acc_t>(sum.dy_xhat);
+  }
+}
+
+// ---- dispatch ------------------------------------------------------------------------
+
+template <typename scalar_type, typename acc_type>
+struct Types {
+  using scalar_t = scalar_type;
+  using acc_t = acc_type;
+};
+
+template <typename F>
+cudaError_t with_types(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::Half:
+      return f(Types<__half, float>{});
+    case DType::BFloat16:
+      return f(Types<__nv_bfloat16, float>{});
+    case DType::Float:
+      return f(Types<float, float>{});
+    case DType::Double:
+      return f(Types<double, double>{});
+  }
+  return cudaErrorInvalidValue;
+}
+
+template <typename F>
+cudaError_t with_activation(Activation activation, F&& f) {
+  switch (activation) {
+    case Activation::Identity:
+      return f(std::integral_constant<Activation, Activation::Identity>{});
+    case Activation::LeakyRelu:
+      return f(std::integral_constant<Activation, Activation::LeakyRelu>{});
+    case Activation::Elu:
+      return f(std::integral_constant<Activation, Activation::Elu>{});
+    case Activation::Relu:
+      return f(std::integral_constant<Activation, Activation::Relu>{});
+  }
+  return cudaErrorInvalidValue;
+}
+
+template <typename F>
+cudaError_t with_source(bool from_output, F&& f) {
+  if (from_output) return f(std::true_type{});
+  return f(std::false_type{});
+}
+
+}  // namespace
+
+int64_t abn_workspace_elements(const StatsPlan& plan, bool reduce) {
+  return kFolded * plan.channels + (reduce ? 2 * plan.chunks * plan.channels : 0);
+}
+
+cudaError_t abn_forward(const void* x, const void* residual, void* out, const StatsPlan& plan,
+                        const AbnChannels& channels, void* workspace, cudaStream_t stream) {
+  if (plan.batch * plan.channels * plan.spatial == 0) return cudaSuccess;
+  return with_types(channels.dtype, [&](auto types) {
+    using scalar_t = typename decltype(types)::scalar_t;
+    using acc_t = typename decltype(types)::acc_t;
+    auto* folded = static_cast<acc_t*>(workspace);
+    cudaError_t err = launch_fold<acc_t>(plan, channels, folded, stream);
+    if (err != cudaSuccess) return err;
+    FlatWalk w;
+    unsigned blocks = 0;
+    err = plan_flat_walk(plan, w, blocks);
+    if (err != cudaSuccess) return err;
+    const ChannelPtrs<acc_t> p = channel_ptrs<acc_t>(plan, channels, folded);
+    return with_activation(channels.activation, [&](auto act) {
+      forward_kernel<decltype(act)::value, scalar_t, acc_t><<<blocks, kThreads, 0, stream>>>(
+          static_cast<const scalar_t*>(x), static_cast<const scalar_t*>(residual), static_cast<scalar_t*>(out), w,
+          p);
+      return cudaGetLastError();
+    });
+  });
+}
+
+cudaError_t abn_backward_reduce(const void* grad, const void* saved, const void* residual, bool saved_is_output,
+                                const StatsPlan& plan, const AbnChannels& channels, void* sum_dy,
+                                void* sum_dy_xhat, void* workspace, cudaStream_t stream) {
+  const int64_t C = plan.channels;
+  if (C == 0) return cudaSuccess;
+  return with_types(channels.dtype, [&](auto types) {
+    using scalar_t = typename decltype(types)::scalar_t;
+    using acc_t = typename decltype(types)::acc_t;
+    if (plan.batch * plan.spatial == 0) {  // empty batch: zero sums (all-zero bits)
+      cudaError_t err = cudaMemsetAsync(sum_dy, 0, C * sizeof(acc_t), stream);
+      if (err != cudaSuccess) return err;
+      return cudaMemsetAsync(sum_dy_xhat, 0, C * sizeof(acc_t), stream);
+    }
+    // grid.x of the partial and merge launches: refuse rather than wrap.
+    const int64_t partial_blocks = plan.channels_last ? ceil_div(C, kTileChannels) : C * plan.chunks;
+    if (std::max(partial_blocks, C) > kMaxGridX) return cudaErrorInvalidConfiguration;
+    auto* folded = static_cast<acc_t*>(workspace);
+    acc_t* part_dy = folded + kFolded * C;
+    acc_t* part_dy_xhat = part_dy + plan.chunks * C;
+    cudaError_t err = launch_fold<acc_t>(plan, channels, folded, stream);
+    if (err != cudaSuccess) return err;
+    const ChannelPtrs<acc_t> p = channel_ptrs<acc_t>(plan, channels, folded);
+    const auto* g = static_cast<const scalar_t*>(grad);
+    const auto* s = static_cast<const scalar_t*>(saved);
+    const auto* r = static_cast<const scalar_t*>(residual);
+    err = with_activation(channels.activation, [&](auto act) {
+      return with_source(saved_is_output, [&](auto from_output) {
+        constexpr Activation A = decltype(act)::value;
+        constexpr bool kFromOutput = decltype(from_output)::value;
+        if (plan.channels_last) {
+          // plan_batch_stats keeps chunks <= 65535 for grid.y.
+          const dim3 block(kTileChannels, kTileRows);
+          const dim3 grid(static_cast<unsigned>(ceil_div(C, kTileChannels)), static_cast<unsigned>(plan.chunks));
+          reduce_partial_channels_last<A, kFromOutput, scalar_t, acc_t>
+              <<<grid, block, 0, stream>>>(g, s, r, plan, p, part_dy, part_dy_xhat);
+        } else {
+          reduce_partial_channels_first<A, kFromOutput, scalar_t, acc_t>
+              <<<static_cast<unsigned>(C * plan.chunks), kThreads, 0, stream>>>(g, s, r, plan, p, part_dy,
+                                                                               part_dy_xhat);
+        }
+        return cudaGetLastError();
+      });
+    });
+    if (err != cudaSuccess) return err;
+    reduce_merge<acc_t><<<static_cast<unsigned>(C), kThreads, 0, stream>>>(
+        plan.chunks, C, part_dy, part_dy_xhat, static_cast<acc_t*>(sum_dy), static_cast<acc_t*>(sum_dy_xhat));
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t abn_backward_elemt(const void* grad, const void* saved, const void* residual, bool saved_is_output,
+                               const StatsPlan& plan, const AbnChannels& channels, const void* mean_dy,
+                               const void* mean_dy_xhat, void* grad_input, void* grad_residual, void* workspace,
+                               cudaStream_t stream) {
+  if (plan.batch * plan.channels * plan.spatial == 0) return cudaSuccess;
+  return with_types(channels.dtype, [&](auto types) {
+    using scalar_t = typename decltype(types)::scalar_t;
+    using acc_t = typename decltype(types)::acc_t;
+    auto* folded = static_cast<acc_t*>(workspace);
+    cudaError_t err = launch_fold<acc_t>(plan, channels, folded, stream);
+    if (err != cudaSuccess) return err;
+    FlatWalk w;
+    unsigned blocks = 0;
+    err = plan_flat_walk(plan, w, blocks);
+    if (err != cudaSuccess) return err;
+    const ChannelPtrs<acc_t> p = channel_ptrs<acc_t>(plan, channels, folded);
+    return with_activation(channels.activation, [&](auto act) {
+      return with_source(saved_is_output, [&](auto from_output) {
+        elemt_kernel<decltype(act)::value, decltype(from_output)::value, scalar_t, acc_t>
+            <<<blocks, kThreads, 0, stream>>>(
+                static_cast<const scalar_t*>(grad), static_cast<const scalar_t*>(saved),
+                static_cast<const scalar_t*>(residual), static_cast<scalar_t*>(grad_input),
+                static_cast<scalar_t*>(grad_residual), w, p, static_cast<const acc_t*>(mean_dy),
+                static_cast<const acc_t*>(mean_dy_xhat));
+        return cudaGetLastError();
+      });
+    });
+  });
+}
+
+}  // namespace cuda
+}  // namespace effilayers

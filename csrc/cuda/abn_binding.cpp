@@ -1,0 +1,251 @@
+// Torch binding of the activated-BatchNorm CUDA kernels in abn.cu:
+// effilayers_cuda::abn_forward, abn_forward_, abn_backward_reduce and
+// abn_backward_elemt, with the schemas of their CPU counterparts. Only built
+// where torch has CUDA.
+//
+// The kernels walk every full-size tensor of a call with one flat index, so
+// the binding makes them share one dense layout: x (or saved) is used in
+// place when it is contiguous or dense channels-last, else copied to
+// contiguous, and any other full-size tensor with different strides is
+// copied to match it.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include "common/checks.h"
+#include "cuda/abn.cuh"
+
+namespace effilayers {
+namespace {
+
+cuda::DType kernel_dtype(at::ScalarType type, const char* op) {
+  switch (type) {
+    case at::kHalf:
+      return cuda::DType::Half;
+    case at::kBFloat16:
+      return cuda::DType::BFloat16;
+    case at::kFloat:
+      return cuda::DType::Float;
+    case at::kDouble:
+      return cuda::DType::Double;
+    default:
+      TORCH_CHECK_TYPE(false, op, ": unsupported dtype ", type);
+  }
+}
+
+cuda::Activation parse_activation(const std::string& name, const char* op) {
+  if (name == "leaky_relu") return cuda::Activation::LeakyRelu;
+  if (name == "elu") return cuda::Activation::Elu;
+  if (name == "identity") return cuda::Activation::Identity;
+  if (name == "relu") return cuda::Activation::Relu;
+  TORCH_CHECK_VALUE(false, op, ": activation must be one of leaky_relu, elu, identity, relu, got '", name, "'");
+}
+
+at::ScalarType acc_type_of(const at::Tensor& x) { return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
+
+void check_cuda_input(const at::Tensor& x, const char* op, const char* name) {
+  check_batch_input(x, op);
+  TORCH_CHECK(x.is_cuda(), op, " (cuda kernel): ", name, " must be a CUDA tensor, got ", x.device());
+}
+
+// A (C,) vector in the accumulation dtype, contiguous, as the kernels read it.
+at::Tensor channel_vector(const at::Tensor& t, const at::Tensor& x, const char* op, const char* name) {
+  const int64_t C = x.size(1);
+  TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == C, op, ": ", name, " must have shape (", C, ",), got ",
+                    t.sizes());
+  TORCH_CHECK_VALUE(t.device() == x.device(), op, ": ", name, " is on ", t.device(), " but input is on ",
+                    x.device());
+  return t.to(acc_type_of(x)).contiguous();
+}
+
+// A full-size tensor walked with `like`'s strides: itself when they match,
+// else a copy laid out like `like` (which is dense, so empty_like keeps its
+// strides).
+at::Tensor matching(const at::Tensor& t, const at::Tensor& like, const char* op, const char* name) {
+  TORCH_CHECK_VALUE(t.sizes() == like.sizes(), op, ": ", name, " must have shape ", like.sizes(), ", got ",
+                    t.sizes());
+  TORCH_CHECK_TYPE(t.scalar_type() == like.scalar_type(), op, ": ", name, " must have dtype ", like.scalar_type(),
+                   ", got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.device() == like.device(), op, ": ", name, " is on ", t.device(), " but input is on ",
+                    like.device());
+  if (t.strides() == like.strides()) return t;
+  return at::empty_like(like).copy_(t);
+}
+
+std::optional<at::Tensor> matching(const std::optional<at::Tensor>& t, const at::Tensor& like, const char* op,
+                                   const char* name) {
+  if (!t.has_value()) return std::nullopt;
+  return matching(*t, like, op, name);
+}
+
+const void* maybe_ptr(const std::optional<at::Tensor>& t) { return t.has_value() ? t->const_data_ptr() : nullptr; }
+
+// The per-channel inputs of one call, kept alive until their kernels are
+// queued (the caching allocator orders any reuse after them on the stream).
+struct Channels {
+  at::Tensor mean, invstd;
+  std::optional<at::Tensor> weight, bias;
+  cuda::AbnChannels view;
+};
+
+Channels channels_for(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& invstd,
+                      const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                      cuda::Activation activation, double activation_param, double weight_eps, const char* op) {
+  Channels ch;
+  ch.mean = channel_vector(mean, x, op, "mean");
+  ch.invstd = channel_vector(invstd, x, op, "invstd");
+  if (weight.has_value()) ch.weight = channel_vector(*weight, x, op, "weight");
+  if (bias.has_value()) ch.bias = channel_vector(*bias, x, op, "bias");
+  ch.view.dtype = kernel_dtype(x.scalar_type(), op);
+  ch.view.mean = ch.mean.const_data_ptr();
+  ch.view.invstd = ch.invstd.const_data_ptr();
+  ch.view.weight = maybe_ptr(ch.weight);
+  ch.view.bias = maybe_ptr(ch.bias);
+  ch.view.weight_eps = weight_eps;
+  ch.view.activation = activation;
+  ch.view.activation_param = activation_param;
+  return ch;
+}
+
+cuda::StatsPlan plan_for(const at::Tensor& x) {
+  const BatchGeometry g = batch_geometry(x);
+  return cuda::plan_batch_stats(g.batch, g.channels, g.spatial, g.channels_last);
+}
+
+at::Tensor workspace_for(const cuda::StatsPlan& plan, const at::Tensor& x, bool reduce) {
+  return at::empty({std::max<int64_t>(1, cuda::abn_workspace_elements(plan, reduce))},
+                   x.options().dtype(acc_type_of(x)));
+}
+
+// x is readable in place (contiguous or dense channels-last); out has its
+// strides and may be x itself.
+void forward_into(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& invstd,
+                  const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                  const std::optional<at::Tensor>& residual_arg, const std::string& activation,
+                  double activation_param, double weight_eps, const at::Tensor& out, const char* op) {
+  const cuda::Activation act = parse_activation(activation, op);
+  const auto residual = matching(residual_arg, x, op, "residual");
+  const Channels ch = channels_for(x, mean, invstd, weight, bias, act, activation_param, weight_eps, op);
+  if (x.numel() == 0) return;
+  const cuda::StatsPlan plan = plan_for(x);
+  at::Tensor workspace = workspace_for(plan, x, /*reduce=*/false);
+  C10_CUDA_CHECK(cuda::abn_forward(x.const_data_ptr(), maybe_ptr(residual), out.mutable_data_ptr(), plan, ch.view,
+                                   workspace.mutable_data_ptr(), c10::cuda::getCurrentCUDAStream()));
+}
+
+at::Tensor abn_forward_cuda(const at::Tensor& x_arg, const at::Tensor& mean, const at::Tensor& invstd,
+                            const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                            const std::optional<at::Tensor>& residual, std::string activation,
+                            double activation_param, double weight_eps) {
+  const char* op = "abn_forward";
+  check_cuda_input(x_arg, op, "x");
+  const c10::cuda::CUDAGuard guard(x_arg.device());
+  const at::Tensor x = readable_batch(x_arg);
+  at::Tensor out = at::empty_like(x);
+  forward_into(x, mean, invstd, weight, bias, residual, activation, activation_param, weight_eps, out, op);
+  return out;
+}
+
+void abn_forward_inplace_cuda(at::Tensor& x, const at::Tensor& mean, const at::Tensor& invstd,
+                              const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                              const std::optional<at::Tensor>& residual, std::string activation,
+                              double activation_param, double weight_eps) {
+  const char* op = "abn_forward_";
+  check_cuda_input(x, op, "x");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor target = readable_batch(x);
+  forward_into(target, mean, invstd, weight, bias, residual, activation, activation_param, weight_eps, target, op);
+  if (!target.is_same(x)) x.copy_(target);  // strides no kernel walks: computed on a copy
+}
+
+std::tuple<at::Tensor, at::Tensor> abn_backward_reduce_cuda(
+    const at::Tensor& grad_arg, const at::Tensor& saved_arg, const at::Tensor& mean, const at::Tensor& invstd,
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& residual_arg, std::string activation, double activation_param,
+    double weight_eps, bool saved_is_output) {
+  const char* op = "abn_backward_reduce";
+  check_cuda_input(saved_arg, op, "saved");
+  const c10::cuda::CUDAGuard guard(saved_arg.device());
+  const cuda::Activation act = parse_activation(activation, op);
+  const at::Tensor saved = readable_batch(saved_arg);
+  const at::Tensor grad = matching(grad_arg, saved, op, "grad");
+  const auto residual = matching(residual_arg, saved, op, "residual");
+  const Channels ch = channels_for(saved, mean, invstd, weight, bias, act, activation_param, weight_eps, op);
+  const cuda::StatsPlan plan = plan_for(saved);
+  const auto acc_options = saved.options().dtype(acc_type_of(saved));
+  at::Tensor sum_dy = at::empty({plan.channels}, acc_options);
+  at::Tensor sum_dy_xhat = at::empty({plan.channels}, acc_options);
+  at::Tensor workspace = workspace_for(plan, saved, /*reduce=*/true);
+  C10_CUDA_CHECK(cuda::abn_backward_reduce(grad.const_data_ptr(), saved.const_data_ptr(), maybe_ptr(residual),
+                                           saved_is_output, plan, ch.view, sum_dy.mutable_data_ptr(),
+                                           sum_dy_xhat.mutable_data_ptr(), workspace.mutable_data_ptr(),
+                                           c10::cuda::getCurrentCUDAStream()));
+  return {sum_dy, sum_dy_xhat};
+}
+
+std::tuple<at::Tensor, at::Tensor> abn_backward_elemt_cuda(
+    const at::Tensor& grad_arg, const at::Tensor& saved_arg, const at::Tensor& mean, const at::Tensor& invstd,
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& residual_arg, std::string activation, double activation_param,
+    double weight_eps, bool saved_is_output, const at::Tensor& mean_dy_arg, const at::Tensor& mean_dy_xhat_arg,
+    bool want_residual_grad) {
+  const char* op = "abn_backward_elemt";
+  check_cuda_input(saved_arg, op, "saved");
+  const c10::cuda::CUDAGuard guard(saved_arg.device());
+  const cuda::Activation act = parse_activation(activation, op);
+  const at::Tensor saved = readable_batch(saved_arg);
+  const at::Tensor grad = matching(grad_arg, saved, op, "grad");
+  const auto residual = matching(residual_arg, saved, op, "residual");
+  const Channels ch = channels_for(saved, mean, invstd, weight, bias, act, activation_param, weight_eps, op);
+  const at::Tensor mean_dy = channel_vector(mean_dy_arg, saved, op, "mean_dy");
+  const at::Tensor mean_dy_xhat = channel_vector(mean_dy_xhat_arg, saved, op, "mean_dy_xhat");
+  at::Tensor grad_input = at::empty_like(saved);
+  at::Tensor grad_residual = want_residual_grad ? at::empty_like(saved) : saved_arg.new_empty({0});
+  if (saved.numel() > 0) {
+    const cuda::StatsPlan plan = plan_for(saved);
+    at::Tensor workspace = workspace_for(plan, saved, /*reduce=*/false);
+    C10_CUDA_CHECK(cuda::abn_backward_elemt(
+        grad.const_data_ptr(), saved.const_data_ptr(), maybe_ptr(residual), saved_is_output, plan, ch.view,
+        mean_dy.const_data_ptr(), mean_dy_xhat.const_data_ptr(), grad_input.mutable_data_ptr(),
+        want_residual_grad ? grad_residual.mutable_data_ptr() : nullptr, workspace.mutable_data_ptr(),
+        c10::cuda::getCurrentCUDAStream()));
+  }
+  return {grad_input, grad_residual};
+}
+
+}  // namespace
+}  // namespace effilayers
+
+TORCH_LIBRARY_FRAGMENT(effilayers_cuda, m) {
+  m.def(
+      "abn_forward(Tensor x, Tensor mean, Tensor invstd, Tensor? weight, Tensor? bias, Tensor? residual, "
+      "str activation, float activation_param, float weight_eps) -> Tensor");
+  m.def(
+      "abn_forward_(Tensor(a!) x, Tensor mean, Tensor invstd, Tensor? weight, Tensor? bias, Tensor? residual, "
+      "str activation, float activation_param, float weight_eps) -> ()");
+  m.def(
+      "abn_backward_reduce(Tensor grad, Tensor saved, Tensor mean, Tensor invstd, Tensor? weight, Tensor? bias, "
+      "Tensor? residual, str activation, float activation_param, float weight_eps, bool saved_is_output) "
+      "-> (Tensor, Tensor)");
+  m.def(
+      "abn_backward_elemt(Tensor grad, Tensor saved, Tensor mean, Tensor invstd, Tensor? weight, Tensor? bias, "
+      "Tensor? residual, str activation, float activation_param, float weight_eps, bool saved_is_output, "
+      "Tensor mean_dy, Tensor mean_dy_xhat, bool want_residual_grad) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(effilayers_cuda, CUDA, m) {
+  m.impl("abn_forward", &effilayers::abn_forward_cuda);
+  m.impl("abn_forward_", &effilayers::abn_forward_inplace_cuda);
+  m.impl("abn_backward_reduce", &effilayers::abn_backward_reduce_cuda);
+  m.impl("abn_backward_elemt", &effilayers::abn_backward_elemt_cuda);
+}

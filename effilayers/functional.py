@@ -1,0 +1,6 @@
+"""Functional forms of effilayers ops (``import effilayers.functional as EF``)."""
+
+from .ops.abn import abn, inplace_abn
+from .ops.stats import batch_stats, combine_batch_stats
+
+__all__ = ["abn", "inplace_abn", "batch_stats", "combine_batch_stats"]
