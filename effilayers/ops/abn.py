@@ -386,13 +386,17 @@ def _backward(ctx, grad_output, saved_is_output):
     need_sums = ctx.training or need_weight or need_bias
     acc = mean.dtype
     if need_sums:
-        sum_dy, sum_dy_xhat = _abn_backward_reduce_op(grad_output, saved, *args)
+        # This rank's sums are its weight and bias gradients (DDP averages
+        # those across ranks, as for every other parameter); the input
+        # gradient needs the sums over the whole synchronised batch.
+        local_dy, local_dy_xhat = _abn_backward_reduce_op(grad_output, saved, *args)
+        sum_dy, sum_dy_xhat = local_dy, local_dy_xhat
         if ctx.training and _distributed(ctx.group):
-            packed = torch.cat([sum_dy, sum_dy_xhat])
+            packed = torch.cat([local_dy, local_dy_xhat])
             dist.all_reduce(packed, group=ctx.group)
             sum_dy, sum_dy_xhat = packed.split(mean.numel())
     else:
-        sum_dy = sum_dy_xhat = None
+        local_dy = local_dy_xhat = None
     if ctx.training:
         mean_dy, mean_dy_xhat = sum_dy / ctx.count, sum_dy_xhat / ctx.count
     else:  # running statistics are constants: no mean terms
@@ -409,12 +413,12 @@ def _backward(ctx, grad_output, saved_is_output):
             grad_residual = None
     grad_weight = grad_bias = None
     if need_weight:
-        grad_weight = sum_dy_xhat
+        grad_weight = local_dy_xhat
         if ctx.weight_eps > 0:  # the clamp is flat where it is active
             grad_weight = torch.where(weight.abs() >= ctx.weight_eps, grad_weight, torch.zeros_like(grad_weight))
         grad_weight = grad_weight.to(weight.dtype)
     if need_bias:
-        grad_bias = sum_dy.to(bias.dtype)
+        grad_bias = local_dy.to(bias.dtype)
     return grad_input, grad_weight, grad_bias, grad_residual
 
 

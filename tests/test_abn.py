@@ -1,0 +1,396 @@
+"""ABN / InPlaceABN / InPlaceABNSync against BatchNorm + activation."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import effilayers
+from effilayers import memory
+from effilayers.functional import abn, inplace_abn
+from effilayers.nn import ABN, InPlaceABN, InPlaceABNSync
+
+from .conftest import activate_backend
+from .helpers import channel_varied, to_layout
+
+ACTIVATIONS = [("leaky_relu", 0.1), ("elu", 0.8), ("identity", 0.0)]
+ALL_ACTIVATIONS = ACTIVATIONS + [("relu", 0.0)]
+BACKENDS = [pytest.param(("reference", "cpu"), id="reference"), pytest.param(("cpp", "cpu"), id="cpp"),
+            pytest.param(("cuda", "cuda"), id="cuda", marks=pytest.mark.gpu)]
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 8e-2}
+
+
+@pytest.fixture(params=BACKENDS)
+def device(request):
+    backend, device = request.param
+    context = activate_backend("abn_forward", backend, device)
+    try:
+        yield torch.device(device)
+    finally:
+        context.__exit__(None, None, None)
+
+
+def batch_norm_class(rank):
+    return {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}[rank]
+
+
+def activation_fn(activation, param):
+    return {
+        "leaky_relu": lambda t: F.leaky_relu(t, param),
+        "elu": lambda t: F.elu(t, param),
+        "identity": lambda t: t,
+        "relu": F.relu,
+    }[activation]
+
+
+def randomize(module, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        channels = module.weight.numel()
+        sign = torch.where(torch.rand(channels, generator=generator) < 0.3, -1.0, 1.0)
+        module.weight.copy_(sign * (0.5 + torch.rand(channels, generator=generator)))
+        module.bias.copy_(torch.randn(channels, generator=generator) * 0.5)
+
+
+def twin_modules(cls, channels, rank, activation, param, device, dtype=torch.float32, **kwargs):
+    ours = cls(channels, activation=activation, activation_param=param, **kwargs).to(device=device, dtype=dtype)
+    plain = batch_norm_class(rank)(channels, **{k: v for k, v in kwargs.items() if k != "weight_eps"})
+    plain = plain.to(device=device, dtype=dtype)
+    if ours.affine:
+        randomize(ours)
+    plain.load_state_dict(ours.state_dict())
+    return ours, plain
+
+
+def run_ours(module, x, residual=None):
+    # In-place modules need a non-leaf input; the clone is the caller's buffer.
+    inputs = x.clone() if isinstance(module, InPlaceABN) else x
+    return module(inputs, residual) if residual is not None else module(inputs)
+
+
+# ---- gradcheck ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("activation, param", ACTIVATIONS)
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("inplace", [True, False])
+def test_gradcheck(device, activation, param, training, affine, with_residual, inplace):
+    generator = torch.Generator().manual_seed(1)
+    x = (channel_varied((3, 4, 5), torch.float64, device) * 0.7).requires_grad_()
+    weight = bias = None
+    if affine:
+        weight = (torch.rand(4, generator=generator, dtype=torch.float64) + 0.5).to(device)
+        weight[1] = -weight[1]
+        weight.requires_grad_()
+        bias = (torch.randn(4, generator=generator, dtype=torch.float64) * 0.3).to(device).requires_grad_()
+    running_mean = torch.randn(4, dtype=torch.float64, generator=generator).to(device)
+    running_var = (torch.rand(4, dtype=torch.float64, generator=generator) + 0.5).to(device)
+    residual = (torch.randn(3, 4, 5, dtype=torch.float64, generator=generator).to(device).requires_grad_()
+                if with_residual else None)
+
+    def function(x, weight, bias, residual):
+        if inplace:
+            return inplace_abn(x.clone(), weight, bias, running_mean.clone(), running_var.clone(), training=training,
+                               activation=activation, activation_param=param, residual=residual)
+        return abn(x, weight, bias, running_mean.clone(), running_var.clone(), training=training,
+                   activation=activation, activation_param=param, residual=residual)
+
+    assert torch.autograd.gradcheck(function, (x, weight, bias, residual))
+
+
+def test_gradcheck_relu_abn(device):
+    x = channel_varied((4, 3, 6), torch.float64, device).requires_grad_()
+    weight = torch.tensor([0.7, -1.2, 1.5], dtype=torch.float64, device=device, requires_grad=True)
+    bias = torch.tensor([0.1, -0.2, 0.3], dtype=torch.float64, device=device, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, w, b: abn(a, w, b, activation="relu"), (x, weight, bias))
+
+
+# ---- parity with BatchNorm + activation ----------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", [InPlaceABN, ABN], ids=["InPlaceABN", "ABN"])
+@pytest.mark.parametrize("activation, param", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape, layout", [((6, 5), "contiguous"), ((4, 5, 7), "contiguous"),
+                                           ((3, 5, 6, 7), "contiguous"), ((3, 5, 6, 7), "channels_last"),
+                                           ((2, 5, 3, 4, 5), "channels_last"), ((3, 5, 6, 7), "strided")])
+def test_matches_batchnorm_over_steps(device, cls, activation, param, dtype, shape, layout):
+    ours, plain = twin_modules(cls, shape[1], len(shape), activation, param, device)
+    act = activation_fn(activation, param)
+    tolerance = TOLERANCE[dtype]
+    for step in range(3):
+        x = to_layout(channel_varied(shape, dtype, device, seed=step), layout)
+        grad = torch.randn(shape, generator=torch.Generator().manual_seed(10 + step)).to(device=device, dtype=dtype)
+        x_ours = x.detach().clone().requires_grad_()
+        x_plain = x.detach().clone().requires_grad_()
+        with torch.autocast(device.type, enabled=False):
+            out = run_ours(ours, x_ours)
+            expected = act(plain(x_plain.float()).to(dtype)) if dtype != torch.float32 else act(plain(x_plain))
+        assert out.dtype == dtype and out.shape == x.shape
+        torch.testing.assert_close(out.float(), expected.float(), rtol=tolerance, atol=tolerance)
+        out.backward(grad)
+        expected.backward(grad)
+        torch.testing.assert_close(x_ours.grad.float(), x_plain.grad.float(), rtol=tolerance, atol=tolerance * 10)
+    for name in ("running_mean", "running_var"):
+        torch.testing.assert_close(getattr(ours, name), getattr(plain, name), rtol=1e-4, atol=1e-5)
+    assert int(ours.num_batches_tracked) == int(plain.num_batches_tracked) == 3
+    torch.testing.assert_close(ours.weight.grad, plain.weight.grad, rtol=tolerance, atol=tolerance * 10)
+    torch.testing.assert_close(ours.bias.grad, plain.bias.grad, rtol=tolerance, atol=tolerance * 10)
+
+
+@pytest.mark.parametrize("cls", [InPlaceABN, ABN], ids=["InPlaceABN", "ABN"])
+@pytest.mark.parametrize("momentum", [None, 0.3])
+@pytest.mark.parametrize("affine, track", [(True, True), (False, True), (True, False)])
+def test_options_match_batchnorm(device, cls, momentum, affine, track):
+    ours, plain = twin_modules(cls, 3, 4, "leaky_relu", 0.2, device, torch.float64, momentum=momentum,
+                               affine=affine, track_running_stats=track)
+    for step in range(3):
+        x = channel_varied((4, 3, 5, 5), torch.float64, device, seed=step)
+        torch.testing.assert_close(run_ours(ours, x), F.leaky_relu(plain(x), 0.2), rtol=1e-10, atol=1e-10)
+    ours.eval()
+    plain.eval()
+    x = channel_varied((2, 3, 5, 5), torch.float64, device, seed=9).requires_grad_()
+    x_plain = x.detach().clone().requires_grad_()
+    out = run_ours(ours, x)
+    expected = F.leaky_relu(plain(x_plain), 0.2)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+    out.sum().backward()  # an expanded gradient
+    expected.sum().backward()
+    torch.testing.assert_close(x.grad, x_plain.grad, rtol=1e-9, atol=1e-10)
+    if track:
+        torch.testing.assert_close(ours.running_mean, plain.running_mean, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(ours.running_var, plain.running_var, rtol=1e-12, atol=1e-12)
+    assert ours.state_dict().keys() == plain.state_dict().keys()
+
+
+@pytest.mark.parametrize("cls", [InPlaceABN, ABN], ids=["InPlaceABN", "ABN"])
+def test_residual_variant_matches_add_then_activation(device, cls):
+    ours, plain = twin_modules(cls, 6, 4, "leaky_relu", 0.01, device, torch.float64)
+    x = channel_varied((3, 6, 4, 5), torch.float64, device).requires_grad_()
+    identity = channel_varied((3, 6, 4, 5), torch.float64, device, seed=4).requires_grad_()
+    x_plain, identity_plain = (t.detach().clone().requires_grad_() for t in (x, identity))
+    out = run_ours(ours, x, identity)
+    expected = F.leaky_relu(plain(x_plain) + identity_plain, 0.01)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    expected.backward(grad)
+    for got, want in ((x.grad, x_plain.grad), (identity.grad, identity_plain.grad),
+                      (ours.weight.grad, plain.weight.grad), (ours.bias.grad, plain.bias.grad)):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+
+
+def test_abn_relu_matches_batchnorm_relu(device):
+    ours, plain = twin_modules(ABN, 4, 4, "relu", 0.0, device, torch.float64)
+    x = channel_varied((3, 4, 5, 5), torch.float64, device).requires_grad_()
+    x_plain = x.detach().clone().requires_grad_()
+    out, expected = ours(x), F.relu(plain(x_plain))
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    out.backward(torch.ones_like(out))
+    expected.backward(torch.ones_like(expected))
+    torch.testing.assert_close(x.grad, x_plain.grad, rtol=1e-9, atol=1e-12)
+
+
+def test_autocast_keeps_fp32_statistics(device):
+    conv = nn.Conv2d(3, 8, 3, padding=1).to(device)
+    abn_module = InPlaceABN(8).to(device)
+    x = torch.randn(2, 3, 8, 8, device=device)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        out = abn_module(conv(x))
+    assert out.dtype == torch.bfloat16
+    assert abn_module.running_mean.dtype == torch.float32 and abn_module.weight.dtype == torch.float32
+    out.float().sum().backward()
+    assert abn_module.weight.grad.dtype == torch.float32 and conv.weight.grad is not None
+
+
+# ---- weight clamp -----------------------------------------------------------------------------
+
+
+def test_batchnorm_checkpoint_loads_unchanged(device):
+    plain = nn.BatchNorm2d(4).to(device)
+    with torch.no_grad():
+        plain.weight.copy_(torch.tensor([1.5, -0.7, 0.002, -0.01]))
+        plain.bias.copy_(torch.tensor([0.1, 0.2, -0.3, 0.4]))
+        plain.running_mean.copy_(torch.tensor([0.5, -0.5, 1.0, 0.0]))
+        plain.running_var.copy_(torch.tensor([2.0, 0.5, 1.0, 3.0]))
+    ours = InPlaceABN(4, activation="identity").to(device)
+    ours.load_state_dict(plain.state_dict())
+    ours.eval()
+    plain.eval()
+    x = channel_varied((2, 4, 3, 3), torch.float32, device)
+    # Every |weight| >= weight_eps (1e-3): same function as the BatchNorm.
+    torch.testing.assert_close(run_ours(ours, x), plain(x), rtol=1e-6, atol=1e-6)
+
+
+def test_tiny_weights_are_clamped_with_their_sign(device):
+    ours = InPlaceABN(3, activation="identity", weight_eps=1e-2).to(device).eval()
+    with torch.no_grad():
+        ours.weight.copy_(torch.tensor([0.0, -1e-4, 0.5]))
+    x = channel_varied((2, 3, 4), torch.float32, device)
+    out = run_ours(ours, x)
+    expected_scale = torch.tensor([1e-2, -1e-2, 0.5], device=device).view(1, 3, 1)
+    torch.testing.assert_close(out, x * expected_scale / torch.sqrt(torch.tensor(1 + 1e-5)), rtol=1e-5, atol=1e-7)
+    # The clamp is flat where active: no gradient for those weights.
+    ours.train()
+    x = channel_varied((4, 3, 4), torch.float32, device).requires_grad_()
+    run_ours(ours, x).pow(2).sum().backward()
+    assert ours.weight.grad[0] == 0 and ours.weight.grad[1] == 0 and ours.weight.grad[2] != 0
+
+
+# ---- memory --------------------------------------------------------------------------------------
+
+
+def test_inplace_abn_keeps_only_its_output(device):
+    channels = 8
+    module = InPlaceABN(channels).to(device)
+    x = channel_varied((4, channels, 6, 6), torch.float32, device)
+    # x * 1 saves nothing; InPlaceABN keeps its output plus mean and invstd.
+    saved = memory.activation_bytes(lambda t: module(t * 1), x, exclude=module)
+    assert saved == x.numel() * 4 + 2 * channels * 4
+
+    plain = nn.Sequential(nn.BatchNorm2d(channels), nn.LeakyReLU(0.01)).to(device)
+    saved_plain = memory.activation_bytes(lambda t: plain(t * 1), x, exclude=plain)
+    assert saved_plain == 2 * x.numel() * 4 + 2 * channels * 4
+
+
+def test_residual_variant_keeps_output_and_identity(device):
+    module = InPlaceABN(8).to(device)
+    x = channel_varied((4, 8, 6, 6), torch.float32, device)
+    identity = channel_varied((4, 8, 6, 6), torch.float32, device, seed=3)
+    saved = memory.activation_bytes(lambda t: module(t * 1, identity), x, exclude=module)
+    assert saved == 2 * x.numel() * 4 + 2 * 8 * 4
+
+
+# ---- safety and errors --------------------------------------------------------------------------
+
+
+def test_overwritten_input_is_caught_by_autograd(device):
+    module = InPlaceABN(3).to(device)
+    x = channel_varied((4, 3, 5), torch.float32, device).requires_grad_()
+    hidden = x.exp()  # exp saves its output, which InPlaceABN then overwrites
+    out = module(hidden)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+def test_leaf_input_that_requires_grad_is_refused(device):
+    x = torch.randn(4, 3, 5, device=device, requires_grad=True)
+    with pytest.raises(ValueError, match="leaf tensor that requires grad"):
+        InPlaceABN(3).to(device)(x)
+
+
+@pytest.mark.parametrize(
+    "build, error, message",
+    [
+        (lambda: InPlaceABN(4, activation="relu"), ValueError, "not invertible.*leaky_relu.*ABN"),
+        (lambda: InPlaceABN(4, activation="leaky_relu", activation_param=0.0), ValueError, "slope > 0"),
+        (lambda: InPlaceABN(4, activation="elu", activation_param=-1.0), ValueError, "elu alpha must be > 0"),
+        (lambda: ABN(4, activation="gelu"), ValueError, "activation must be one of"),
+        (lambda: ABN(4, activation_param="big"), TypeError, "activation_param must be a float"),
+        (lambda: ABN(4, activation_param=float("nan")), ValueError, "must be finite"),
+        (lambda: ABN(0), ValueError, "num_features must be a positive int"),
+        (lambda: ABN(4, eps=0), ValueError, "eps must be a positive float"),
+        (lambda: ABN(4, momentum=1.5), ValueError, "momentum must be None or a float in"),
+        (lambda: InPlaceABN(4, weight_eps=0), ValueError, "weight_eps must be a positive float"),
+    ],
+)
+def test_constructor_errors(build, error, message):
+    with pytest.raises(error, match=message):
+        build()
+
+
+@pytest.mark.parametrize(
+    "make_input, error, message",
+    [
+        (lambda: torch.randn(4, 5, 3), ValueError, "expected 3 channels"),
+        (lambda: torch.randn(4), ValueError, "expected 2D to 5D input"),
+        (lambda: torch.randn(1, 3, 1, 1, 1, 1), ValueError, "expected 2D to 5D input"),
+        (lambda: torch.ones(4, 3, dtype=torch.int32), TypeError, "dtype must be float16"),
+        (lambda: torch.randn(1, 3), ValueError, "more than 1 value per channel when training"),
+        (lambda: [[1.0, 2.0, 3.0]], TypeError, "input must be a torch.Tensor"),
+    ],
+)
+@pytest.mark.parametrize("cls", [InPlaceABN, ABN], ids=["InPlaceABN", "ABN"])
+def test_input_errors(cls, make_input, error, message):
+    with pytest.raises(error, match=message):
+        cls(3)(make_input())
+
+
+def test_residual_must_match():
+    with pytest.raises(ValueError, match="residual must match input"):
+        ABN(3)(torch.randn(4, 3, 2), torch.randn(4, 3, 3))
+
+
+# ---- InPlaceABNSync ---------------------------------------------------------------------------
+
+
+def test_sync_without_process_group_is_inplace_abn():
+    torch.manual_seed(0)
+    sync, local = InPlaceABNSync(3), InPlaceABN(3)
+    local.load_state_dict(sync.state_dict())
+    x = channel_varied((4, 3, 5), torch.float32)
+    torch.testing.assert_close(sync(x.clone()), local(x.clone()))
+
+
+def _sync_worker(rank, world, init_file, sizes, backend, result_file):
+    import torch.distributed as dist
+
+    with effilayers.use_backend(backend):
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+        try:
+            torch.manual_seed(0)
+            module = InPlaceABNSync(3, activation="leaky_relu", activation_param=0.1).double()
+            randomize(module)
+            whole = channel_varied((sum(sizes), 3, 4, 4), torch.float64, seed=11)
+            grad = torch.randn(whole.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(12))
+            start = sum(sizes[:rank])
+            part = whole[start:start + sizes[rank]].clone().requires_grad_()
+            results = []
+            for _ in range(2):  # two steps: running statistics too
+                out = module(part.clone())
+                out.backward(grad[start:start + sizes[rank]])
+                results.append(out.detach())
+            torch.save({"out": results, "grad": part.grad, "weight_grad": module.weight.grad,
+                        "bias_grad": module.bias.grad, "state": module.state_dict()}, f"{result_file}.{rank}")
+        finally:
+            dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sizes", [[3, 5], [0, 4]], ids=["3+5", "0+4"])
+@pytest.mark.parametrize("backend", ["reference", "cpp"])
+def test_sync_two_gloo_processes_match_whole_batch(tmp_path, sizes, backend):
+    import torch.multiprocessing as mp
+
+    if backend == "cpp":
+        activate_backend("abn_forward", "cpp", "cpu").__exit__(None, None, None)
+    result_file = tmp_path / "result"
+    mp.start_processes(_sync_worker, args=(2, str(tmp_path / "init"), sizes, backend, str(result_file)), nprocs=2,
+                       join=True, start_method="spawn")
+    results = [torch.load(f"{result_file}.{rank}") for rank in range(2)]
+
+    torch.manual_seed(0)
+    reference = nn.BatchNorm2d(3).double()
+    randomize(reference)
+    whole = channel_varied((sum(sizes), 3, 4, 4), torch.float64, seed=11).requires_grad_()
+    grad = torch.randn(whole.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(12))
+    for step in range(2):
+        expected = F.leaky_relu(reference(whole), 0.1)
+        expected.backward(grad)
+        got = torch.cat([results[rank]["out"][step] for rank in range(2)])
+        torch.testing.assert_close(got, expected.detach(), rtol=1e-10, atol=1e-10)
+    got_grad = torch.cat([results[rank]["grad"] for rank in range(2)])
+    torch.testing.assert_close(got_grad, whole.grad, rtol=1e-9, atol=1e-10)
+    # Each rank returns its own share of the parameter gradients (DDP sums/averages them).
+    torch.testing.assert_close(sum(r["weight_grad"] for r in results), reference.weight.grad, rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(sum(r["bias_grad"] for r in results), reference.bias.grad, rtol=1e-9, atol=1e-10)
+    for rank in range(2):
+        for name in ("running_mean", "running_var", "num_batches_tracked"):
+            torch.testing.assert_close(results[rank]["state"][name], reference.state_dict()[name], rtol=1e-10,
+                                       atol=1e-12)
