@@ -5,9 +5,14 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/util/Exception.h>
 
 #include <cstdint>
+#include <optional>
+#include <string>
+
+#include "common/activation.h"
 
 namespace effilayers {
 
@@ -63,6 +68,34 @@ inline BatchGeometry batch_geometry(const at::Tensor& input) {
 inline at::Tensor readable_batch(const at::Tensor& input) {
   if (input.is_contiguous() || is_dense_channels_last(input)) return input;
   return input.contiguous();
+}
+
+inline Activation parse_activation(const std::string& name, const char* op) {
+  if (name == "leaky_relu") return Activation::LeakyRelu;
+  if (name == "elu") return Activation::Elu;
+  if (name == "identity") return Activation::Identity;
+  if (name == "relu") return Activation::Relu;
+  TORCH_CHECK_VALUE(false, op, ": activation must be one of leaky_relu, elu, identity, relu, got '", name, "'");
+}
+
+// A full-size tensor that a kernel walks with `like`'s strides: itself when
+// they match, else a copy laid out like `like` (dense, so empty_like keeps
+// its strides).
+inline at::Tensor matching(const at::Tensor& t, const at::Tensor& like, const char* op, const char* name) {
+  TORCH_CHECK_VALUE(t.sizes() == like.sizes(), op, ": ", name, " must have shape ", like.sizes(), ", got ",
+                    t.sizes());
+  TORCH_CHECK_TYPE(t.scalar_type() == like.scalar_type(), op, ": ", name, " must have dtype ", like.scalar_type(),
+                   ", got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.device() == like.device(), op, ": ", name, " is on ", t.device(), " but input is on ",
+                    like.device());
+  if (t.strides() == like.strides()) return t;
+  return at::empty_like(like).copy_(t);
+}
+
+inline std::optional<at::Tensor> matching(const std::optional<at::Tensor>& t, const at::Tensor& like, const char* op,
+                                          const char* name) {
+  if (!t.has_value()) return std::nullopt;
+  return matching(*t, like, op, name);
 }
 
 }  // namespace effilayers

@@ -37,16 +37,7 @@
 namespace effilayers {
 namespace {
 
-enum class Act { Identity, LeakyRelu, Elu, Relu };
-
-
-Act parse_activation(const std::string& name, const char* op) {
-  if (name == "leaky_relu") return Act::LeakyRelu;
-  if (name == "elu") return Act::Elu;
-  if (name == "identity") return Act::Identity;
-  if (name == "relu") return Act::Relu;
-  TORCH_CHECK_VALUE(false, op, ": activation must be one of leaky_relu, elu, identity, relu, got '", name, "'");
-}
+using Act = Activation;
 
 // The element math is written once for a lane type T: the accumulation
 // scalar (float/double) or its GCC vector (Vec<acc_t>::type). Comparisons
@@ -453,23 +444,6 @@ void check_channel_vector(const std::optional<at::Tensor>& t, int64_t C, const c
   TORCH_CHECK_VALUE(t->dim() == 1 && t->size(0) == C, op, ": ", name, " must have shape (", C, "), got ",
                     t->sizes());
   TORCH_CHECK(t->device().is_cpu(), op, ": ", name, " must be a CPU tensor, got ", t->device());
-}
-
-// A full-size tensor walked with `like`'s strides: itself when they match,
-// else a copy laid out like `like`.
-at::Tensor matching(const at::Tensor& t, const at::Tensor& like, const char* op, const char* name) {
-  TORCH_CHECK_VALUE(t.sizes() == like.sizes(), op, ": ", name, " must have shape ", like.sizes(), ", got ",
-                    t.sizes());
-  TORCH_CHECK_TYPE(t.scalar_type() == like.scalar_type(), op, ": ", name, " must have dtype ", like.scalar_type(),
-                   ", got ", t.scalar_type());
-  if (t.strides() == like.strides()) return t;
-  return at::empty_like(like).copy_(t);
-}
-
-std::optional<at::Tensor> matching(const std::optional<at::Tensor>& t, const at::Tensor& like, const char* op,
-                                   const char* name) {
-  if (!t.has_value()) return std::nullopt;
-  return matching(*t, like, op, name);
 }
 
 void check_common(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& invstd,

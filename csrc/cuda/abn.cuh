@@ -13,12 +13,13 @@
 
 #include <cstdint>
 
+#include "common/activation.h"
 #include "stats.cuh"
 
 namespace effilayers {
 namespace cuda {
 
-enum class Activation : int { Identity = 0, LeakyRelu = 1, Elu = 2, Relu = 3 };
+using effilayers::Activation;
 
 // The per-channel side of one call. Vectors hold plan.channels contiguous
 // values of the accumulation type (float, or double when dtype is Double) on

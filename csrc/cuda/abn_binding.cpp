@@ -43,14 +43,6 @@ cuda::DType kernel_dtype(at::ScalarType type, const char* op) {
   }
 }
 
-cuda::Activation parse_activation(const std::string& name, const char* op) {
-  if (name == "leaky_relu") return cuda::Activation::LeakyRelu;
-  if (name == "elu") return cuda::Activation::Elu;
-  if (name == "identity") return cuda::Activation::Identity;
-  if (name == "relu") return cuda::Activation::Relu;
-  TORCH_CHECK_VALUE(false, op, ": activation must be one of leaky_relu, elu, identity, relu, got '", name, "'");
-}
-
 at::ScalarType acc_type_of(const at::Tensor& x) { return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
 
 void check_cuda_input(const at::Tensor& x, const char* op, const char* name) {
@@ -66,26 +58,6 @@ at::Tensor channel_vector(const at::Tensor& t, const at::Tensor& x, const char* 
   TORCH_CHECK_VALUE(t.device() == x.device(), op, ": ", name, " is on ", t.device(), " but input is on ",
                     x.device());
   return t.to(acc_type_of(x)).contiguous();
-}
-
-// A full-size tensor walked with `like`'s strides: itself when they match,
-// else a copy laid out like `like` (which is dense, so empty_like keeps its
-// strides).
-at::Tensor matching(const at::Tensor& t, const at::Tensor& like, const char* op, const char* name) {
-  TORCH_CHECK_VALUE(t.sizes() == like.sizes(), op, ": ", name, " must have shape ", like.sizes(), ", got ",
-                    t.sizes());
-  TORCH_CHECK_TYPE(t.scalar_type() == like.scalar_type(), op, ": ", name, " must have dtype ", like.scalar_type(),
-                   ", got ", t.scalar_type());
-  TORCH_CHECK_VALUE(t.device() == like.device(), op, ": ", name, " is on ", t.device(), " but input is on ",
-                    like.device());
-  if (t.strides() == like.strides()) return t;
-  return at::empty_like(like).copy_(t);
-}
-
-std::optional<at::Tensor> matching(const std::optional<at::Tensor>& t, const at::Tensor& like, const char* op,
-                                   const char* name) {
-  if (!t.has_value()) return std::nullopt;
-  return matching(*t, like, op, name);
 }
 
 const void* maybe_ptr(const std::optional<at::Tensor>& t) { return t.has_value() ? t->const_data_ptr() : nullptr; }
