@@ -3,11 +3,17 @@
 Start with ``python -m effilayers.info`` to see which kernels run here.
 """
 
-from . import backends, memory, nn, ops
+from . import backends, functional, memory, nn, ops
 from .backends import use_backend
 from ._info import info
 from .ops import batch_stats, combine_batch_stats
+# After nn: the converter and the models are built from its modules. The
+# function `convert` shadows the submodule of the same name as an attribute;
+# `from effilayers.convert import ConversionReport` still reaches the module.
+from .convert import convert, revert
+from . import models
 
 __version__ = "0.1.0.dev0"
 
-__all__ = ["backends", "memory", "nn", "ops", "info", "use_backend", "batch_stats", "combine_batch_stats", "__version__"]
+__all__ = ["backends", "functional", "memory", "nn", "ops", "models", "info", "use_backend", "convert", "revert",
+           "batch_stats", "combine_batch_stats", "__version__"]

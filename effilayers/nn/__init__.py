@@ -1,5 +1,6 @@
 """``nn.Module`` drop-ins."""
 
 from .abn import ABN, InPlaceABN, InPlaceABNSync
+from .pooling import MaxPool2d
 
-__all__ = ["ABN", "InPlaceABN", "InPlaceABNSync"]
+__all__ = ["ABN", "InPlaceABN", "InPlaceABNSync", "MaxPool2d"]
