@@ -93,18 +93,17 @@ def _demo() -> None:
     from . import memory
     from .ops import batch_stats
 
+    from .models import resnet50
+
     torch.manual_seed(0)
-    x = torch.randn(8, 32, 28, 28)
-    block = torch.nn.Sequential(
-        torch.nn.Conv2d(32, 64, 3, padding=1, bias=False), torch.nn.BatchNorm2d(64), torch.nn.ReLU()
-    )
-    with memory.track_activations(exclude=block) as meter:
-        output = block(x)
-    print("\nmemory demo: what autograd keeps for backward of Conv(32->64)-BN-ReLU on 8x32x28x28 fp32")
-    for saved in meter.largest(6):
-        print(f"  {saved.nbytes / 2**10:9.1f} KiB  {str(saved.dtype):<14} {saved.shape}")
-    print(f"  {meter.bytes / 2**20:9.2f} MiB in all (effilayers.memory.activation_bytes)")
-    del output
+    x = torch.randn(2, 3, 128, 128)
+    print("\nmemory demo: activation bytes autograd keeps for one ResNet-50 forward, 2x3x128x128 fp32")
+    print("(effilayers.memory.activation_bytes; CPU; the ratio holds on any device)")
+    measured = {}
+    for norm_act, what in (("plain", "BatchNorm2d + ReLU (torchvision)"), ("abn", "ABN: fused, exact ReLU"),
+                           ("inplace", "InPlaceABN: in place, leaky_relu(0.01)")):
+        measured[norm_act] = memory.activation_bytes(resnet50(norm_act=norm_act), x)
+        print(f"  {norm_act:<8} {measured[norm_act] / 2**20:8.1f} MiB  {measured[norm_act] / measured['plain']:.2f}x  {what}")
 
     big = (torch.randn(4, 3, 64, 64) * 16 + 10000).half()
     mean, var, count = batch_stats(big)

@@ -25,10 +25,14 @@ What is recognised (anything else is left alone and reported, with why):
   ``act(bn(x) + identity)`` in one call (``abn(x, residual=identity)``).
   Recognition is by class name and children, so a block with those names but
   a different forward would be misread; keep such blocks under other names.
+  In place, the norm ending a projection shortcut (``downsample``) becomes
+  an identity ``InPlaceABN`` over its 1x1 convolution's output: the fused
+  sum keeps the shortcut anyway, so the convolution output is not kept twice.
 * **the torchvision ResNet stem**: in a module named ``ResNet`` with
   children conv1, bn1, relu, maxpool, layer1-4, avgpool, fc, ``relu`` runs
   exactly once, right after ``bn1``, so ``bn1`` is fused and ``relu`` made a
-  pass-through.
+  pass-through. In place, ``maxpool`` becomes :class:`effilayers.nn.MaxPool2d`
+  (same function, no int64 indices kept for backward).
 * **timm's BatchNormAct2d** (a ``BatchNorm2d`` subclass that applies its own
   ``drop`` (Identity) and ``act``): replaced by an ``ABN`` with its
   activation, never in place (the layer cannot know who else holds its input).

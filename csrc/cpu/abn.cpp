@@ -234,7 +234,7 @@ Channel<acc_t> fold_channels(int64_t C, const at::Tensor& mean, const at::Tensor
 
 // ---- forward --------------------------------------------------------------------
 
-template <Act A, bool kResidual, typename scalar_t, typename acc_t>
+template <Act A, typename scalar_t, typename acc_t>
 void forward_kernel(const scalar_t* x, const scalar_t* residual, scalar_t* out, const Walk& walk,
                     const Channel<acc_t>& ch, acc_t param) {
   const int64_t C = walk.g.channels, S = walk.g.spatial;
@@ -250,7 +250,7 @@ void forward_kernel(const scalar_t* x, const scalar_t* residual, scalar_t* out, 
         const int64_t c = p % C, base = p * S;
         for_lanes<acc_t>(S, [&]<typename T>(int64_t i) {
           T y = load_lane<T>(x + base + i) * splat<T>(a[c]) + splat<T>(b[c]);
-          if constexpr (kResidual) y += load_lane<T>(residual + base + i);
+          if (residual != nullptr) y += load_lane<T>(residual + base + i);
           store_lane(out + base + i, activate<A>(y, splat<T>(param)));
         });
       }
@@ -264,7 +264,7 @@ void forward_kernel(const scalar_t* x, const scalar_t* residual, scalar_t* out, 
         const int64_t base = r * C;
         for_lanes<acc_t>(C, [&]<typename T>(int64_t c) {
           T y = load_lane<T>(x + base + c) * load_lane<T>(a.data() + c) + load_lane<T>(b.data() + c);
-          if constexpr (kResidual) y += load_lane<T>(residual + base + c);
+          if (residual != nullptr) y += load_lane<T>(residual + base + c);
           store_lane(out + base + c, activate<A>(y, splat<T>(param)));
         });
       }
@@ -277,7 +277,7 @@ void forward_kernel(const scalar_t* x, const scalar_t* residual, scalar_t* out, 
 // dy and x_hat of one lane of elements starting at `index`; the per-channel
 // constants come in as lanes too (one channel's value splatted, or the
 // consecutive channels of a channels_last row).
-template <Act A, bool kFromOutput, bool kResidual, typename T, typename scalar_t, typename acc_t>
+template <Act A, bool kFromOutput, typename T, typename scalar_t, typename acc_t>
 inline void dy_and_xhat(const scalar_t* grad, const scalar_t* saved, const scalar_t* residual, int64_t index,
                         T mean, T invstd, T scale, T inv_scale, T shift, acc_t param, T& dy, T& x_hat) {
   const T g = load_lane<T>(grad + index);
@@ -285,13 +285,13 @@ inline void dy_and_xhat(const scalar_t* grad, const scalar_t* saved, const scala
   const T p = splat<T>(param);
   if constexpr (kFromOutput) {
     T y = invert<A>(value, p);
-    if constexpr (kResidual) y -= load_lane<T>(residual + index);
+    if (residual != nullptr) y -= load_lane<T>(residual + index);
     dy = g * derivative_from_output<A>(value, p);
     x_hat = (y - shift) * inv_scale;
   } else {
     x_hat = (value - mean) * invstd;
     T y = x_hat * scale + shift;
-    if constexpr (kResidual) y += load_lane<T>(residual + index);
+    if (residual != nullptr) y += load_lane<T>(residual + index);
     dy = g * derivative<A>(y, p);
   }
 }
@@ -301,7 +301,7 @@ inline T channel_lane(const std::vector<acc_t>& values, int64_t c, bool channels
   return channels_last ? load_lane<T>(values.data() + c) : splat<T>(values[c]);
 }
 
-template <Act A, bool kFromOutput, bool kResidual, typename scalar_t, typename acc_t>
+template <Act A, bool kFromOutput, typename scalar_t, typename acc_t>
 void reduce_kernel(const scalar_t* grad, const scalar_t* saved, const scalar_t* residual, const Walk& walk,
                    const Channel<acc_t>& ch, acc_t param, double* sum_dy, double* sum_dy_xhat) {
   using V = typename Vec<acc_t>::type;
@@ -317,7 +317,7 @@ void reduce_kernel(const scalar_t* grad, const scalar_t* saved, const scalar_t* 
         acc_t tail_dy = 0, tail_dyx = 0;
         for_lanes<acc_t>(S, [&]<typename T>(int64_t i) {
           T dy, x_hat;
-          dy_and_xhat<A, kFromOutput, kResidual, T>(grad, saved, residual, base + i, splat<T>(ch.mean[c]),
+          dy_and_xhat<A, kFromOutput, T>(grad, saved, residual, base + i, splat<T>(ch.mean[c]),
                                                     splat<T>(ch.invstd[c]), splat<T>(ch.scale[c]),
                                                     splat<T>(ch.inv_scale[c]), splat<T>(ch.shift[c]), param, dy,
                                                     x_hat);
@@ -356,7 +356,7 @@ void reduce_kernel(const scalar_t* grad, const scalar_t* saved, const scalar_t* 
         const int64_t base = r * C;
         for_lanes<acc_t>(C, [&]<typename T>(int64_t c) {
           T dy, x_hat;
-          dy_and_xhat<A, kFromOutput, kResidual, T>(
+          dy_and_xhat<A, kFromOutput, T>(
               grad, saved, residual, base + c, load_lane<T>(ch.mean.data() + c), load_lane<T>(ch.invstd.data() + c),
               load_lane<T>(ch.scale.data() + c), load_lane<T>(ch.inv_scale.data() + c),
               load_lane<T>(ch.shift.data() + c), param, dy, x_hat);
@@ -376,7 +376,7 @@ void reduce_kernel(const scalar_t* grad, const scalar_t* saved, const scalar_t* 
   }
 }
 
-template <Act A, bool kFromOutput, bool kResidual, bool kResidualGrad, typename scalar_t, typename acc_t>
+template <Act A, bool kFromOutput, typename scalar_t, typename acc_t>
 void elemt_kernel(const scalar_t* grad, const scalar_t* saved, const scalar_t* residual, scalar_t* grad_input,
                   scalar_t* grad_residual, const Walk& walk, const Channel<acc_t>& ch, acc_t param,
                   const acc_t* mean_dy, const acc_t* mean_dy_xhat) {
@@ -388,14 +388,14 @@ void elemt_kernel(const scalar_t* grad, const scalar_t* saved, const scalar_t* r
   // `c` is the channel (channels_first) or the first channel of the lane (rows).
   auto element = [&]<typename T>(int64_t index, int64_t c) {
     T dy, x_hat;
-    dy_and_xhat<A, kFromOutput, kResidual, T>(
+    dy_and_xhat<A, kFromOutput, T>(
         grad, saved, residual, index, channel_lane<T>(ch.mean, c, rows), channel_lane<T>(ch.invstd, c, rows),
         channel_lane<T>(ch.scale, c, rows), channel_lane<T>(ch.inv_scale, c, rows),
         channel_lane<T>(ch.shift, c, rows), param, dy, x_hat);
     const T result = channel_lane<T>(k, c, rows) *
                      (dy - channel_lane<T>(mdy, c, rows) - x_hat * channel_lane<T>(mdyx, c, rows));
     store_lane(grad_input + index, result);
-    if constexpr (kResidualGrad) store_lane(grad_residual + index, dy);
+    if (grad_residual != nullptr) store_lane(grad_residual + index, dy);
   };
   if (!rows) {
     at::parallel_for(0, walk.planes(), walk.plane_grain(), [&](int64_t begin, int64_t end) {
@@ -432,11 +432,23 @@ void with_activation(Act act, F&& f) {
   }
 }
 
-// Runtime flags become template parameters, so no element loop tests them.
+// The activation and the source of x_hat are template parameters (they
+// change the arithmetic); whether a residual is read or its gradient written
+// is a runtime test per vector, uniform and predicted, which keeps the number
+// of instantiations (and the first-use build time) down. ReLU cannot be
+// inverted, so it is never instantiated from the output.
 template <typename F>
-void with_flag(bool flag, F&& f) {
-  if (flag) return f(std::true_type{});
-  return f(std::false_type{});
+void with_backward_variant(Act act, bool from_output, F&& f) {
+  with_activation(act, [&](auto a) {
+    if constexpr (decltype(a)::value == Act::Relu) {
+      TORCH_CHECK_VALUE(!from_output, "abn backward: relu is not invertible, so it needs the saved input");
+      f(a, std::false_type{});
+    } else if (from_output) {
+      f(a, std::true_type{});
+    } else {
+      f(a, std::false_type{});
+    }
+  });
 }
 
 void check_channel_vector(const std::optional<at::Tensor>& t, int64_t C, const char* op, const char* name) {
@@ -475,11 +487,9 @@ void forward_into(const at::Tensor& x, const at::Tensor& mean, const at::Tensor&
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
     const auto ch = fold_channels<acc_t>(walk.g.channels, mean, invstd, weight, bias, weight_eps);
     with_activation(act, [&](auto a) {
-      with_flag(residual.has_value(), [&](auto has_residual) {
-        forward_kernel<decltype(a)::value, decltype(has_residual)::value, scalar_t, acc_t>(
-            x.const_data_ptr<scalar_t>(), maybe_ptr<scalar_t>(residual), out.mutable_data_ptr<scalar_t>(), walk, ch,
-            static_cast<acc_t>(param));
-      });
+      forward_kernel<decltype(a)::value, scalar_t, acc_t>(x.const_data_ptr<scalar_t>(), maybe_ptr<scalar_t>(residual),
+                                                         out.mutable_data_ptr<scalar_t>(), walk, ch,
+                                                         static_cast<acc_t>(param));
     });
   });
 }
@@ -526,15 +536,10 @@ std::tuple<at::Tensor, at::Tensor> abn_backward_reduce_cpu(
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, saved.scalar_type(), "abn_backward_reduce_cpu", [&] {
       using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
       const auto ch = fold_channels<acc_t>(C, mean, invstd, weight, bias, weight_eps);
-      with_activation(act, [&](auto a) {
-        with_flag(saved_is_output, [&](auto from_output) {
-          with_flag(residual.has_value(), [&](auto has_residual) {
-            reduce_kernel<decltype(a)::value, decltype(from_output)::value, decltype(has_residual)::value, scalar_t,
-                          acc_t>(grad.const_data_ptr<scalar_t>(), saved.const_data_ptr<scalar_t>(),
-                                 maybe_ptr<scalar_t>(residual), walk, ch, static_cast<acc_t>(param), sum_dy.data(),
-                                 sum_dy_xhat.data());
-          });
-        });
+      with_backward_variant(act, saved_is_output, [&](auto a, auto from_output) {
+        reduce_kernel<decltype(a)::value, decltype(from_output)::value, scalar_t, acc_t>(
+            grad.const_data_ptr<scalar_t>(), saved.const_data_ptr<scalar_t>(), maybe_ptr<scalar_t>(residual), walk,
+            ch, static_cast<acc_t>(param), sum_dy.data(), sum_dy_xhat.data());
       });
     });
   }
@@ -569,19 +574,12 @@ std::tuple<at::Tensor, at::Tensor> abn_backward_elemt_cpu(
       const auto ch = fold_channels<acc_t>(C, mean, invstd, weight, bias, weight_eps);
       const at::Tensor mdy = mean_dy.to(acc_type).contiguous();
       const at::Tensor mdyx = mean_dy_xhat.to(acc_type).contiguous();
-      with_activation(act, [&](auto a) {
-        with_flag(saved_is_output, [&](auto from_output) {
-          with_flag(residual.has_value(), [&](auto has_residual) {
-            with_flag(want_residual_grad, [&](auto residual_grad) {
-              elemt_kernel<decltype(a)::value, decltype(from_output)::value, decltype(has_residual)::value,
-                           decltype(residual_grad)::value, scalar_t, acc_t>(
-                  grad.const_data_ptr<scalar_t>(), saved.const_data_ptr<scalar_t>(), maybe_ptr<scalar_t>(residual),
-                  grad_input.mutable_data_ptr<scalar_t>(),
-                  want_residual_grad ? grad_residual.mutable_data_ptr<scalar_t>() : nullptr, walk, ch,
-                  static_cast<acc_t>(param), mdy.const_data_ptr<acc_t>(), mdyx.const_data_ptr<acc_t>());
-            });
-          });
-        });
+      with_backward_variant(act, saved_is_output, [&](auto a, auto from_output) {
+        elemt_kernel<decltype(a)::value, decltype(from_output)::value, scalar_t, acc_t>(
+            grad.const_data_ptr<scalar_t>(), saved.const_data_ptr<scalar_t>(), maybe_ptr<scalar_t>(residual),
+            grad_input.mutable_data_ptr<scalar_t>(),
+            want_residual_grad ? grad_residual.mutable_data_ptr<scalar_t>() : nullptr, walk, ch,
+            static_cast<acc_t>(param), mdy.const_data_ptr<acc_t>(), mdyx.const_data_ptr<acc_t>());
       });
     });
   }
