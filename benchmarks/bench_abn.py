@@ -76,14 +76,16 @@ def test_forward_backward(benchmark, implementation, device, shape, dtype, layou
     plain = build("torch", shape[1]).to(device)
     saved_plain = memory.activation_bytes(lambda t: plain(t * 1), source, exclude=plain)
     benchmark.extra_info.update(activation_bytes=saved, activation_bytes_ratio=saved / saved_plain)
-    benchmark.pedantic(step, warmup_rounds=2, rounds=10 if device == "cpu" else 50)
+    benchmark.pedantic(step, warmup_rounds=3, rounds=30 if device == "cpu" else 50)
 
 
-def resnet_variants():
-    return ["plain", "abn", "inplace"]
+# Named like the layer benchmarks' implementations, so tables line up.
+RESNET_VARIANTS = [pytest.param("plain", id="torch-cpu-resnet50"),
+                   pytest.param("abn", id="effilayers-abn-cpu-resnet50"),
+                   pytest.param("inplace", id="effilayers-inplace-cpu-resnet50")]
 
 
-@pytest.mark.parametrize("norm_act", resnet_variants())
+@pytest.mark.parametrize("norm_act", RESNET_VARIANTS)
 def test_resnet50_activation_bytes(benchmark, norm_act):
     """Activation bytes of ResNet-50 at 224x224 (target for norm_act="inplace":
     <= 0.55x of plain). Timed: one forward pass on CPU, batch 2."""
@@ -97,4 +99,4 @@ def test_resnet50_activation_bytes(benchmark, norm_act):
     saved_plain = memory.activation_bytes(plain, x)
     benchmark.group = "resnet50 224x224 activation bytes (batch 2, cpu forward time)"
     benchmark.extra_info.update(activation_bytes=saved, activation_bytes_ratio=saved / saved_plain)
-    benchmark.pedantic(lambda: model(x), warmup_rounds=1, rounds=3)
+    benchmark.pedantic(lambda: model(x), warmup_rounds=2, rounds=7)

@@ -1,7 +1,8 @@
 """Markdown table of a pytest-benchmark JSON: per group, each entry's median
-and its ratio to effilayers' median in the same group.
+time as a ratio to the baseline entry's (plain PyTorch), and its activation
+bytes ratio when the benchmark recorded one.
 
-    python benchmarks/summarize.py benchmarks/results/stats-cpu-2026-11-22.json
+    python benchmarks/summarize.py benchmarks/results/abn-cpu-2026-11-22.json --baseline torch
 """
 
 from __future__ import annotations
@@ -13,36 +14,46 @@ from collections import defaultdict
 
 
 def implementation(name: str) -> str:
+    """The implementation part of a parametrised benchmark name."""
     match = re.search(r"\[([a-z_-]+?)-(cpu|cuda)-", name)
+    if match:
+        return match.group(1)
+    match = re.search(r"\[([^\]]+)\]", name)
     return match.group(1) if match else name
 
 
-def summarize(path: str) -> str:
+def summarize(path: str, baseline: str) -> str:
     with open(path) as handle:
         data = json.load(handle)
-    groups: dict[str, dict[str, float]] = defaultdict(dict)
+    groups: dict[str, dict[str, dict]] = defaultdict(dict)
     for bench in data["benchmarks"]:
-        groups[bench["group"]][implementation(bench["name"])] = bench["stats"]["median"]
-    names = sorted({impl for group in groups.values() for impl in group}, key=lambda n: (n != "effilayers", n))
+        groups[bench["group"]][implementation(bench["name"])] = bench
+    names = sorted({impl for group in groups.values() for impl in group}, key=lambda n: (n != baseline, n))
     info = data["machine_info"].get("effilayers", {})
     lines = [
         f"Device: {info.get('device', '?')}, {info.get('threads', '?')} threads, torch {info.get('torch', '?')}. "
-        f"Command: `{info.get('command', '?')}`",
+        f"Command: `{info.get('command', '?')}`. Time: median (ratio to {baseline}); "
+        "memory: activation bytes ratio to plain PyTorch where measured.",
         "",
-        "| case | " + " | ".join(f"{n} (median)" for n in names) + " |",
+        "| case | " + " | ".join(names) + " |",
         "| --- |" + " --- |" * len(names),
     ]
     for group in sorted(groups):
-        ours = groups[group].get("effilayers")
+        base = groups[group].get(baseline)
         cells = []
         for name in names:
-            median = groups[group].get(name)
-            if median is None:
+            bench = groups[group].get(name)
+            if bench is None:
                 cells.append("–")
-            elif ours and name != "effilayers":
-                cells.append(f"{median * 1e3:.2f} ms ({median / ours:.1f}×)")
-            else:
-                cells.append(f"{median * 1e3:.2f} ms")
+                continue
+            median = bench["stats"]["median"]
+            cell = f"{median * 1e3:.2f} ms"
+            if base is not None and name != baseline:
+                cell += f" ({median / base['stats']['median']:.2f}×)"
+            memory_ratio = bench.get("extra_info", {}).get("activation_bytes_ratio")
+            if memory_ratio is not None:
+                cell += f", mem {memory_ratio:.2f}×"
+            cells.append(cell)
         lines.append(f"| {group} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -50,7 +61,9 @@ def summarize(path: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("result", help="a pytest-benchmark JSON file")
-    print(summarize(parser.parse_args().result))
+    parser.add_argument("--baseline", default="torch", help="implementation the ratios are taken against")
+    args = parser.parse_args()
+    print(summarize(args.result, args.baseline))
 
 
 if __name__ == "__main__":
