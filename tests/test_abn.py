@@ -394,3 +394,11 @@ def test_sync_two_gloo_processes_match_whole_batch(tmp_path, sizes, backend):
         for name in ("running_mean", "running_var", "num_batches_tracked"):
             torch.testing.assert_close(results[rank]["state"][name], reference.state_dict()[name], rtol=1e-10,
                                        atol=1e-12)
+
+
+def test_double_backward_raises_instead_of_being_wrong(device):
+    x = channel_varied((4, 3, 5), torch.float64, device).requires_grad_()
+    out = InPlaceABN(3).to(device=device, dtype=torch.float64)(x * 1)
+    (grad,) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError):
+        grad.sum().backward()

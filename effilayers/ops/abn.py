@@ -32,6 +32,7 @@ import math
 from typing import Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 import torch.distributed as dist
 
 from .. import backends
@@ -433,6 +434,7 @@ class _ABNFunction(torch.autograd.Function):
         return output
 
     @staticmethod
+    @once_differentiable  # the backward kernels have no derivative: a clear error on double backward
     def backward(ctx, grad_output):
         grad_input, grad_weight, grad_bias, grad_residual = _backward(ctx, grad_output, False)
         return grad_input, grad_weight, grad_bias, grad_residual, *([None] * 9)
@@ -451,6 +453,7 @@ class _InPlaceABNFunction(torch.autograd.Function):
         return x
 
     @staticmethod
+    @once_differentiable  # the backward kernels have no derivative: a clear error on double backward
     def backward(ctx, grad_output):
         grad_input, grad_weight, grad_bias, grad_residual = _backward(ctx, grad_output, True)
         return grad_input, grad_weight, grad_bias, grad_residual, *([None] * 10)
