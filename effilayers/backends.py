@@ -131,6 +131,8 @@ def _library_status(kind: str) -> Optional[str]:
                 _state.libraries[kind] = None
             except _build.ExtensionUnavailable as error:
                 _state.libraries[kind] = str(error)
+            except Exception as error:  # noqa: BLE001 - an unwritable cache, a stale .so: fall back, say why
+                _state.libraries[kind] = f"{type(error).__name__}: {error}"
         return _state.libraries[kind]
 
 

@@ -82,6 +82,16 @@ class SavedStorage:
     saved_by: int  # how many saved-tensor slots point into it
 
 
+class _Saved:
+    """What the meter hands autograd for one saved tensor."""
+
+    __slots__ = ("tensor", "version", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor, version: int) -> None:
+        self.tensor = tensor
+        self.version = version
+
+
 class ActivationMeter:
     """Context manager that records every tensor autograd saves inside it.
 
@@ -98,20 +108,29 @@ class ActivationMeter:
         self._saved: list[weakref.ref] = []
         self._hooks: Optional[torch.autograd.graph.saved_tensors_hooks] = None
 
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        # Hand autograd a detached alias (same storage and version counter),
-        # not the tensor itself: a node that saves its own output would
-        # otherwise hold that output, whose grad_fn holds the node, and the
-        # graph would never be freed. The weak reference then lives exactly
-        # as long as autograd keeps the saved tensor.
-        saved = tensor.detach()
+    def _pack(self, tensor: torch.Tensor) -> "_Saved":
+        # Hand autograd a holder of a detached alias (same storage and version
+        # counter), not the tensor itself: a node that saves its own output
+        # would otherwise hold that output, whose grad_fn holds the node, and
+        # the graph would never be freed. The weak reference then lives
+        # exactly as long as autograd keeps the saved tensor.
+        saved = _Saved(tensor.detach(), tensor._version)
         if not isinstance(tensor, nn.Parameter):
             self._saved.append(weakref.ref(saved))
         return saved
 
     @staticmethod
-    def _unpack(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
+    def _unpack(saved: "_Saved") -> torch.Tensor:
+        # With hooks installed autograd skips its own check that a saved
+        # tensor was not modified in place; keep it, or an in-place layer
+        # misused under the meter would give silently wrong gradients.
+        if saved.tensor._version != saved.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: a saved {tuple(saved.tensor.shape)} {saved.tensor.dtype} tensor is at version "
+                f"{saved.tensor._version}; expected version {saved.version} (effilayers.memory meter)"
+            )
+        return saved.tensor
 
     def __enter__(self) -> "ActivationMeter":
         self._excluded = _excluded_keys(self._exclude)
@@ -128,9 +147,10 @@ class ActivationMeter:
         """The distinct saved storages, largest first."""
         found: dict[tuple[str, int], list] = {}
         for ref in self._saved:
-            tensor = ref()
-            if tensor is None:
+            holder = ref()
+            if holder is None:
                 continue
+            tensor = holder.tensor
             storage = tensor.untyped_storage()
             if storage.nbytes() == 0:
                 continue

@@ -236,11 +236,25 @@ def test_tiny_weights_are_clamped_with_their_sign(device):
     out = run_ours(ours, x)
     expected_scale = torch.tensor([1e-2, -1e-2, 0.5], device=device).view(1, 3, 1)
     torch.testing.assert_close(out, x * expected_scale / torch.sqrt(torch.tensor(1 + 1e-5)), rtol=1e-5, atol=1e-7)
-    # The clamp is flat where active: no gradient for those weights.
+    # The gradient passes straight through the clamp, so tiny (even zero)
+    # weights still train.
     ours.train()
     x = channel_varied((4, 3, 4), torch.float32, device).requires_grad_()
     run_ours(ours, x).pow(2).sum().backward()
-    assert ours.weight.grad[0] == 0 and ours.weight.grad[1] == 0 and ours.weight.grad[2] != 0
+    assert (ours.weight.grad != 0).all()
+
+
+def test_zero_initialised_weight_trains(device):
+    module = InPlaceABN(3).to(device)
+    nn.init.zeros_(module.weight)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    for step in range(3):
+        optimizer.zero_grad()
+        x = channel_varied((8, 3, 4), torch.float32, device, seed=step)
+        target = channel_varied((8, 3, 4), torch.float32, device, seed=10 + step)
+        (run_ours(module, x) - target).pow(2).mean().backward()
+        optimizer.step()
+    assert (module.weight.abs() > 1e-3).any()
 
 
 # ---- memory --------------------------------------------------------------------------------------
@@ -320,6 +334,60 @@ def test_constructor_errors(build, error, message):
 def test_input_errors(cls, make_input, error, message):
     with pytest.raises(error, match=message):
         cls(3)(make_input())
+
+
+def test_residual_aliasing_the_input_is_refused(device):
+    hidden = channel_varied((4, 3, 5), torch.float32, device) * 1
+    with pytest.raises(ValueError, match="residual shares memory with the input"):
+        InPlaceABN(3).to(device)(hidden, hidden)
+
+
+@pytest.mark.parametrize("cls", [InPlaceABN, ABN], ids=["InPlaceABN", "ABN"])
+def test_empty_batch_like_batchnorm(device, cls):
+    ours, plain = twin_modules(cls, 3, 4, "leaky_relu", 0.01, device)
+    x = torch.empty(0, 3, 5, 5, device=device)
+    out = run_ours(ours, x)
+    expected = F.leaky_relu(plain(x), 0.01)
+    assert out.shape == expected.shape == x.shape
+    assert int(ours.num_batches_tracked) == int(plain.num_batches_tracked) == 1
+    assert torch.equal(ours.running_mean, plain.running_mean) and torch.equal(ours.running_var, plain.running_var)
+
+
+@pytest.mark.parametrize("cls", [InPlaceABN, ABN], ids=["InPlaceABN", "ABN"])
+def test_tracking_switched_off_after_construction_like_batchnorm(device, cls):
+    ours, plain = twin_modules(cls, 3, 4, "leaky_relu", 0.01, device, torch.float64)
+    x = channel_varied((4, 3, 5, 5), torch.float64, device)
+    run_ours(ours, x), plain(x)  # one training step fills the running statistics
+    for module in (ours, plain):
+        module.track_running_stats = False
+    for training in (True, False):
+        ours.train(training), plain.train(training)
+        y = channel_varied((4, 3, 5, 5), torch.float64, device, seed=int(training))
+        torch.testing.assert_close(run_ours(ours, y), F.leaky_relu(plain(y), 0.01), rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(ours.running_mean, plain.running_mean)
+        assert int(ours.num_batches_tracked) == int(plain.num_batches_tracked)
+
+
+def test_double_backward_through_parameters_raises(device):
+    first = nn.Linear(5, 3).to(device=device, dtype=torch.float64)
+    module = ABN(3).to(device=device, dtype=torch.float64)
+    x = torch.randn(8, 5, dtype=torch.float64, device=device, requires_grad=True)
+    (grad,) = torch.autograd.grad(module(first(x)).pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError):
+        torch.autograd.grad(grad.pow(2).sum(), [first.weight])
+
+
+def test_sync_only_communicates_while_training(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        module = InPlaceABNSync(3, track_running_stats=False)
+        assert module._group() is dist.group.WORLD
+        module.eval()
+        assert module._group() is None
+    finally:
+        dist.destroy_process_group()
 
 
 def test_residual_must_match():

@@ -184,3 +184,27 @@ def test_info_json_and_function():
     assert {row["op"] for row in report["ops"]} == set(backends.registered_ops())
     json.dumps(report)  # serialisable for benchmark results
     assert report["torch"] == torch.__version__
+
+
+def test_unusable_cache_directory_falls_back_with_the_reason(tmp_path):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where the cache directory should be")
+    result = run_python(
+        """
+        import warnings, torch
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import effilayers
+            mean, var, count = effilayers.batch_stats(torch.ones(4, 2))
+            effilayers.batch_stats(torch.ones(4, 2))
+        ours = [w for w in caught if "effilayers" in str(w.message)]
+        print(len(ours), effilayers.backends.choice("batch_stats", "cpu").backend, var.tolist())
+        print(ours[0].message)
+        """,
+        tmp_path,
+        EFFILAYERS_CACHE_DIR=str(blocker / "cache"),
+    )
+    assert result.returncode == 0, result.stderr
+    first, message = result.stdout.strip().splitlines()
+    assert first == "1 reference [0.0, 0.0]"
+    assert "Error" in message  # the OSError's type and text are in the warning

@@ -173,3 +173,13 @@ def test_backward_works_through_the_meter():
     out.pow(2).sum().backward()
     for got, want in zip([p.grad for p in block.parameters()] + [x.grad], expected):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_meter_keeps_autograd_inplace_check():
+    x = torch.randn(5, 5, requires_grad=True)
+    with memory.track_activations() as meter:
+        hidden = (x * 2).sigmoid()  # sigmoid saves its output
+        hidden.mul_(3)  # ...which is then overwritten
+    assert meter.bytes == 5 * 5 * 4
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        hidden.sum().backward()

@@ -94,15 +94,16 @@ class ABN(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _statistics_args(self) -> dict:
-        # As BatchNorm: batch statistics in training or without running
-        # statistics; running statistics updated only in training.
-        if not self.track_running_stats:
-            return {"training": True, "running_mean": None, "running_var": None, "num_batches_tracked": None}
+        # BatchNorm's rules: batch statistics while training or when there
+        # are no running statistics; running statistics read in eval, and
+        # updated in training only while track_running_stats is on.
+        has_running = self.running_mean is not None or self.running_var is not None
+        use_running = has_running and (not self.training or self.track_running_stats)
         return {
-            "training": self.training,
-            "running_mean": self.running_mean,
-            "running_var": self.running_var,
-            "num_batches_tracked": self.num_batches_tracked if self.training else None,
+            "training": self.training or not has_running,
+            "running_mean": self.running_mean if use_running else None,
+            "running_var": self.running_var if use_running else None,
+            "num_batches_tracked": self.num_batches_tracked if self.training and self.track_running_stats else None,
         }
 
     def _check_input(self, x: torch.Tensor) -> None:
@@ -142,6 +143,13 @@ class InPlaceABN(ABN):
     The input must not be needed afterwards: it is overwritten, and autograd
     raises if something that saved it later needs it. A leaf tensor that
     requires grad (a model input) cannot be overwritten and raises.
+
+    The weight gradient passes straight through the clamp, so a weight that
+    starts at zero (``zero_init_residual``) still trains. Backward rebuilds
+    ``x_hat = (act^-1(z) - bias) / s``, which magnifies the rounding of the
+    stored output by ``1 / |s|``: in float16/bfloat16, channels whose
+    ``|weight|`` is tiny next to ``|bias|`` get noisy gradients. Use
+    :class:`ABN` for such layers, or a larger ``weight_eps``.
     """
 
     _inplace = True
@@ -181,6 +189,8 @@ class InPlaceABNSync(InPlaceABN):
         self.process_group = process_group
 
     def _group(self):
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        # Like SyncBatchNorm: only training synchronises, so evaluation on one
+        # rank (or uneven numbers of eval batches) never waits for the others.
+        if not self.training or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             return None
         return self.process_group if self.process_group is not None else torch.distributed.group.WORLD

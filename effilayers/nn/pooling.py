@@ -11,7 +11,6 @@ same maxima, ties included.
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 import torch.nn.functional as F
 from torch import nn
 
@@ -26,7 +25,6 @@ class _MaxPool2dRecompute(torch.autograd.Function):
         return F.max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode)
 
     @staticmethod
-    @once_differentiable  # the backward kernels have no derivative: a clear error on double backward
     def backward(ctx, grad_output):
         (x,) = ctx.saved_tensors
         kernel_size, stride, padding, dilation, ceil_mode = ctx.pool_args

@@ -32,7 +32,6 @@ import math
 from typing import Optional
 
 import torch
-from torch.autograd.function import once_differentiable
 import torch.distributed as dist
 
 from .. import backends
@@ -351,7 +350,11 @@ def _statistics(x, running_mean, running_var, num_batches_tracked, training, mom
     """(mean, invstd, count) to normalise with; updates running stats in training."""
     if training:
         mean, var, count = _global_batch_stats(x, group)
-        if count <= 1:
+        if count == 0:  # an empty batch, as BatchNorm: nothing to normalise, statistics untouched
+            if num_batches_tracked is not None:
+                num_batches_tracked.add_(1)
+            return mean, torch.rsqrt(var + eps), count
+        if count == 1:
             raise ValueError(
                 f"{where}: expected more than 1 value per channel when training, got input size {tuple(x.shape)}"
                 + (" across all ranks" if _distributed(group) else "")
@@ -414,10 +417,10 @@ def _backward(ctx, grad_output, saved_is_output):
             grad_residual = None
     grad_weight = grad_bias = None
     if need_weight:
-        grad_weight = local_dy_xhat
-        if ctx.weight_eps > 0:  # the clamp is flat where it is active
-            grad_weight = torch.where(weight.abs() >= ctx.weight_eps, grad_weight, torch.zeros_like(grad_weight))
-        grad_weight = grad_weight.to(weight.dtype)
+        # Straight through the clamp: where |weight| < weight_eps the clamp
+        # is flat, and its true derivative (zero) would freeze a weight that
+        # starts or decays there (zero_init_residual) for good.
+        grad_weight = local_dy_xhat.to(weight.dtype)
     if need_bias:
         grad_bias = local_dy.to(bias.dtype)
     return grad_input, grad_weight, grad_bias, grad_residual
@@ -434,7 +437,6 @@ class _ABNFunction(torch.autograd.Function):
         return output
 
     @staticmethod
-    @once_differentiable  # the backward kernels have no derivative: a clear error on double backward
     def backward(ctx, grad_output):
         grad_input, grad_weight, grad_bias, grad_residual = _backward(ctx, grad_output, False)
         return grad_input, grad_weight, grad_bias, grad_residual, *([None] * 9)
@@ -453,7 +455,6 @@ class _InPlaceABNFunction(torch.autograd.Function):
         return x
 
     @staticmethod
-    @once_differentiable  # the backward kernels have no derivative: a clear error on double backward
     def backward(ctx, grad_output):
         grad_input, grad_weight, grad_bias, grad_residual = _backward(ctx, grad_output, True)
         return grad_input, grad_weight, grad_bias, grad_residual, *([None] * 10)
@@ -498,7 +499,8 @@ def abn(x, weight=None, bias=None, running_mean=None, running_var=None, training
     """
     check_activation(activation, activation_param, inplace=False, where="abn")
     _check_inputs(x, weight, bias, residual, running_mean, running_var, training, eps, momentum, "abn")
-    if momentum is None and training and running_mean is not None and num_batches_tracked is None:
+    if momentum is None and training and (running_mean is not None or running_var is not None) \
+            and num_batches_tracked is None:
         raise ValueError("abn: momentum=None (cumulative average) needs num_batches_tracked")
     return _ABNFunction.apply(x, weight, bias, residual, running_mean, running_var, num_batches_tracked, training,
                               momentum, float(eps), activation, float(activation_param), group)
@@ -516,10 +518,16 @@ def inplace_abn(x, weight=None, bias=None, running_mean=None, running_var=None, 
             "inplace_abn: input is a leaf tensor that requires grad (for example the model's input); "
             "it cannot be overwritten. Pass x.clone() or use effilayers.nn.ABN."
         )
-    if momentum is None and training and running_mean is not None and num_batches_tracked is None:
+    if momentum is None and training and (running_mean is not None or running_var is not None) \
+            and num_batches_tracked is None:
         raise ValueError("inplace_abn: momentum=None (cumulative average) needs num_batches_tracked")
     if not (isinstance(weight_eps, (int, float)) and weight_eps > 0):
         raise ValueError(f"inplace_abn: weight_eps must be a positive float, got {weight_eps!r}")
+    if residual is not None and residual.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        raise ValueError(
+            "inplace_abn: residual shares memory with the input, which is overwritten; backward needs the "
+            "residual as it was. Pass a residual that is not a view of the input (or use abn)."
+        )
     return _InPlaceABNFunction.apply(x, weight, bias, residual, running_mean, running_var, num_batches_tracked,
                                      training, momentum, float(eps), activation, float(activation_param),
                                      float(weight_eps), group)
