@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "common/checks.h"
+#include "common/schemas.h"
 #include "cpu/vec.h"
 
 namespace effilayers {
@@ -590,20 +591,10 @@ std::tuple<at::Tensor, at::Tensor> abn_backward_elemt_cpu(
 }  // namespace effilayers
 
 TORCH_LIBRARY_FRAGMENT(effilayers_cpu, m) {
-  m.def(
-      "abn_forward(Tensor x, Tensor mean, Tensor invstd, Tensor? weight, Tensor? bias, Tensor? residual, "
-      "str activation, float activation_param, float weight_eps) -> Tensor");
-  m.def(
-      "abn_forward_(Tensor(a!) x, Tensor mean, Tensor invstd, Tensor? weight, Tensor? bias, Tensor? residual, "
-      "str activation, float activation_param, float weight_eps) -> ()");
-  m.def(
-      "abn_backward_reduce(Tensor grad, Tensor saved, Tensor mean, Tensor invstd, Tensor? weight, Tensor? bias, "
-      "Tensor? residual, str activation, float activation_param, float weight_eps, bool saved_is_output) "
-      "-> (Tensor, Tensor)");
-  m.def(
-      "abn_backward_elemt(Tensor grad, Tensor saved, Tensor mean, Tensor invstd, Tensor? weight, Tensor? bias, "
-      "Tensor? residual, str activation, float activation_param, float weight_eps, bool saved_is_output, "
-      "Tensor mean_dy, Tensor mean_dy_xhat, bool want_residual_grad) -> (Tensor, Tensor)");
+  m.def(effilayers::schema::kAbnForward);
+  m.def(effilayers::schema::kAbnForwardInplace);
+  m.def(effilayers::schema::kAbnBackwardReduce);
+  m.def(effilayers::schema::kAbnBackwardElemt);
 }
 
 TORCH_LIBRARY_IMPL(effilayers_cpu, CPU, m) {

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "common/checks.h"
+#include "common/schemas.h"
 #include "cpu/vec.h"
 
 namespace effilayers {
@@ -309,8 +310,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_stats_cpu(const at::Tensor&
 }  // namespace
 }  // namespace effilayers
 
-TORCH_LIBRARY_FRAGMENT(effilayers_cpu, m) {
-  m.def("batch_stats(Tensor input, int correction) -> (Tensor mean, Tensor var, Tensor count)");
-}
+TORCH_LIBRARY_FRAGMENT(effilayers_cpu, m) { m.def(effilayers::schema::kBatchStats); }
 
 TORCH_LIBRARY_IMPL(effilayers_cpu, CPU, m) { m.impl("batch_stats", &effilayers::batch_stats_cpu); }

@@ -26,6 +26,7 @@
 #include <type_traits>
 
 #include "abn.cuh"
+#include "elementwise.cuh"
 
 namespace effilayers {
 namespace cuda {
@@ -42,36 +43,8 @@ constexpr int kTileRows = 8;
 constexpr int kBlocksPerSm = 16;
 constexpr int64_t kMaxGridX = 0x7fffffff;
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // ---- scalar helpers --------------------------------------------------------------
-
-template <typename scalar_t, typename acc_t>
-__device__ __forceinline__ acc_t load(const scalar_t* p) {
-  return static_cast<acc_t>(*p);
-}
-template <>
-__device__ __forceinline__ float load<__half, float>(const __half* p) {
-  return __half2float(*p);
-}
-template <>
-__device__ __forceinline__ float load<__nv_bfloat16, float>(const __nv_bfloat16* p) {
-  return __bfloat162float(*p);
-}
-
-// Round to nearest even, as Tensor.to(dtype) does.
-template <typename scalar_t, typename acc_t>
-__device__ __forceinline__ scalar_t to_scalar(acc_t v) {
-  return static_cast<scalar_t>(v);
-}
-template <>
-__device__ __forceinline__ __half to_scalar<__half, float>(float v) {
-  return __float2half_rn(v);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 to_scalar<__nv_bfloat16, float>(float v) {
-  return __float2bfloat16_rn(v);
-}
 
 // Explicit float/double overloads: the reference computes in acc_t, so a
 // float must not be promoted to a double call (or vice versa).

@@ -23,25 +23,12 @@
 #include <tuple>
 
 #include "common/checks.h"
+#include "common/schemas.h"
+#include "cuda/binding.h"
 #include "cuda/abn.cuh"
 
 namespace effilayers {
 namespace {
-
-cuda::DType kernel_dtype(at::ScalarType type, const char* op) {
-  switch (type) {
-    case at::kHalf:
-      return cuda::DType::Half;
-    case at::kBFloat16:
-      return cuda::DType::BFloat16;
-    case at::kFloat:
-      return cuda::DType::Float;
-    case at::kDouble:
-      return cuda::DType::Double;
-    default:
-      TORCH_CHECK_TYPE(false, op, ": unsupported dtype ", type);
-  }
-}
 
 at::ScalarType acc_type_of(const at::Tensor& x) { return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
 
@@ -199,20 +186,10 @@ std::tuple<at::Tensor, at::Tensor> abn_backward_elemt_cuda(
 }  // namespace effilayers
 
 TORCH_LIBRARY_FRAGMENT(effilayers_cuda, m) {
-  m.def(
-      "abn_forward(Tensor x, Tensor mean, Tensor invstd, Tensor? weight, Tensor? bias, Tensor? residual, "
-      "str activation, float activation_param, float weight_eps) -> Tensor");
-  m.def(
-      "abn_forward_(Tensor(a!) x, Tensor mean, Tensor invstd, Tensor? weight, Tensor? bias, Tensor? residual, "
-      "str activation, float activation_param, float weight_eps) -> ()");
-  m.def(
-      "abn_backward_reduce(Tensor grad, Tensor saved, Tensor mean, Tensor invstd, Tensor? weight, Tensor? bias, "
-      "Tensor? residual, str activation, float activation_param, float weight_eps, bool saved_is_output) "
-      "-> (Tensor, Tensor)");
-  m.def(
-      "abn_backward_elemt(Tensor grad, Tensor saved, Tensor mean, Tensor invstd, Tensor? weight, Tensor? bias, "
-      "Tensor? residual, str activation, float activation_param, float weight_eps, bool saved_is_output, "
-      "Tensor mean_dy, Tensor mean_dy_xhat, bool want_residual_grad) -> (Tensor, Tensor)");
+  m.def(effilayers::schema::kAbnForward);
+  m.def(effilayers::schema::kAbnForwardInplace);
+  m.def(effilayers::schema::kAbnBackwardReduce);
+  m.def(effilayers::schema::kAbnBackwardElemt);
 }
 
 TORCH_LIBRARY_IMPL(effilayers_cuda, CUDA, m) {

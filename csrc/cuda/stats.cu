@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "elementwise.cuh"
 #include "stats.cuh"
 
 namespace effilayers {
@@ -80,19 +81,6 @@ __device__ Moments<T> block_combine(Moments<T> m) {
     m = warp_combine(m);
   }
   return m;
-}
-
-template <typename scalar_t, typename acc_t>
-__device__ __forceinline__ acc_t load(const scalar_t* p) {
-  return static_cast<acc_t>(*p);
-}
-template <>
-__device__ __forceinline__ float load<__half, float>(const __half* p) {
-  return __half2float(*p);
-}
-template <>
-__device__ __forceinline__ float load<__nv_bfloat16, float>(const __nv_bfloat16* p) {
-  return __bfloat162float(*p);
 }
 
 template <typename scalar_t, typename acc_t>
@@ -206,8 +194,6 @@ cudaError_t launch(const void* input, const StatsPlan& plan, int64_t correction,
                                                                           part_count, mean, var);
   return cudaGetLastError();
 }
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace
 

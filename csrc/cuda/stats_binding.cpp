@@ -13,25 +13,12 @@
 #include <tuple>
 
 #include "common/checks.h"
+#include "common/schemas.h"
+#include "cuda/binding.h"
 #include "cuda/stats.cuh"
 
 namespace effilayers {
 namespace {
-
-cuda::DType kernel_dtype(at::ScalarType type) {
-  switch (type) {
-    case at::kHalf:
-      return cuda::DType::Half;
-    case at::kBFloat16:
-      return cuda::DType::BFloat16;
-    case at::kFloat:
-      return cuda::DType::Float;
-    case at::kDouble:
-      return cuda::DType::Double;
-    default:
-      TORCH_CHECK_TYPE(false, "batch_stats: unsupported dtype ", type);
-  }
-}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_stats_cuda(const at::Tensor& input_arg, int64_t correction) {
   check_batch_input(input_arg, "batch_stats");
@@ -50,7 +37,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_stats_cuda(const at::Tensor
   const cuda::StatsPlan plan = cuda::plan_batch_stats(g.batch, g.channels, g.spatial, g.channels_last);
   at::Tensor workspace =
       at::empty({std::max<int64_t>(1, cuda::batch_stats_workspace_elements(plan))}, acc_options);
-  C10_CUDA_CHECK(cuda::batch_stats(input.const_data_ptr(), kernel_dtype(input.scalar_type()), plan, correction,
+  C10_CUDA_CHECK(cuda::batch_stats(input.const_data_ptr(), kernel_dtype(input.scalar_type(), "batch_stats"), plan, correction,
                                    mean.mutable_data_ptr(), var.mutable_data_ptr(), workspace.mutable_data_ptr(),
                                    c10::cuda::getCurrentCUDAStream()));
   return {mean, var, count};
@@ -59,8 +46,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_stats_cuda(const at::Tensor
 }  // namespace
 }  // namespace effilayers
 
-TORCH_LIBRARY_FRAGMENT(effilayers_cuda, m) {
-  m.def("batch_stats(Tensor input, int correction) -> (Tensor mean, Tensor var, Tensor count)");
-}
+TORCH_LIBRARY_FRAGMENT(effilayers_cuda, m) { m.def(effilayers::schema::kBatchStats); }
 
 TORCH_LIBRARY_IMPL(effilayers_cuda, CUDA, m) { m.impl("batch_stats", &effilayers::batch_stats_cuda); }

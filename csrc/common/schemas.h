@@ -1,0 +1,32 @@
+// Operator schemas of the compiled kernels, one string per op, shared by the
+// CPU library (namespace effilayers_cpu) and the CUDA one (effilayers_cuda)
+// so the two cannot drift apart. They match the Python custom ops in
+// effilayers/ops/.
+#pragma once
+
+namespace effilayers {
+namespace schema {
+
+constexpr const char* kBatchStats =
+    "batch_stats(Tensor input, int correction) -> (Tensor mean, Tensor var, Tensor count)";
+
+constexpr const char* kAbnForward =
+    "abn_forward(Tensor x, Tensor mean, Tensor invstd, Tensor? weight, Tensor? bias, Tensor? residual, "
+    "str activation, float activation_param, float weight_eps) -> Tensor";
+
+constexpr const char* kAbnForwardInplace =
+    "abn_forward_(Tensor(a!) x, Tensor mean, Tensor invstd, Tensor? weight, Tensor? bias, Tensor? residual, "
+    "str activation, float activation_param, float weight_eps) -> ()";
+
+constexpr const char* kAbnBackwardReduce =
+    "abn_backward_reduce(Tensor grad, Tensor saved, Tensor mean, Tensor invstd, Tensor? weight, Tensor? bias, "
+    "Tensor? residual, str activation, float activation_param, float weight_eps, bool saved_is_output) "
+    "-> (Tensor, Tensor)";
+
+constexpr const char* kAbnBackwardElemt =
+    "abn_backward_elemt(Tensor grad, Tensor saved, Tensor mean, Tensor invstd, Tensor? weight, Tensor? bias, "
+    "Tensor? residual, str activation, float activation_param, float weight_eps, bool saved_is_output, "
+    "Tensor mean_dy, Tensor mean_dy_xhat, bool want_residual_grad) -> (Tensor, Tensor)";
+
+}  // namespace schema
+}  // namespace effilayers

@@ -1,0 +1,43 @@
+// Device-side loads and stores between tensor dtypes and the accumulation
+// type, shared by the CUDA kernels. CUDA headers only.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace effilayers {
+namespace cuda {
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+template <typename scalar_t, typename acc_t>
+__device__ __forceinline__ acc_t load(const scalar_t* p) {
+  return static_cast<acc_t>(*p);
+}
+template <>
+__device__ __forceinline__ float load<__half, float>(const __half* p) {
+  return __half2float(*p);
+}
+template <>
+__device__ __forceinline__ float load<__nv_bfloat16, float>(const __nv_bfloat16* p) {
+  return __bfloat162float(*p);
+}
+
+// Round to nearest even, as Tensor.to(dtype) does.
+template <typename scalar_t, typename acc_t>
+__device__ __forceinline__ scalar_t to_scalar(acc_t v) {
+  return static_cast<scalar_t>(v);
+}
+template <>
+__device__ __forceinline__ __half to_scalar<__half, float>(float v) {
+  return __float2half_rn(v);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 to_scalar<__nv_bfloat16, float>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+}  // namespace cuda
+}  // namespace effilayers
