@@ -2,9 +2,13 @@
 
 ``resnet18`` ... ``wide_resnet50_2`` take ``norm_act="plain" | "abn" | "inplace"``;
 see :mod:`effilayers.models.resnet`.
+
+``densenet121`` ... ``densenet264`` take ``memory_efficient=True | False``;
+see :mod:`effilayers.models.densenet`.
 """
 
-from . import resnet
+from . import densenet, resnet
+from .densenet import DenseNet, densenet121, densenet161, densenet169, densenet201, densenet264
 from .resnet import (
     ResNet,
     resnet18,
@@ -26,4 +30,11 @@ __all__ = [
     "resnet152",
     "resnext50_32x4d",
     "wide_resnet50_2",
+    "densenet",
+    "DenseNet",
+    "densenet121",
+    "densenet161",
+    "densenet169",
+    "densenet201",
+    "densenet264",
 ]

@@ -1,0 +1,300 @@
+"""DenseNet (Huang et al., 2017) with memory-efficient dense layers.
+
+Every layer of a dense block sees the concatenation of all earlier feature
+maps of the block, passes it through BatchNorm, ReLU and a 1x1 "bottleneck"
+convolution (``bn_size * growth_rate`` channels), then BatchNorm, ReLU and a
+3x3 convolution producing ``growth_rate`` new channels. Transitions between
+blocks halve the channels (1x1 convolution) and the resolution (2x2 average
+pooling).
+
+``memory_efficient=True`` (the default) runs the first half of each layer
+through :func:`effilayers.ops.densenet.bottleneck`, which keeps only the
+layer's input maps (kept by the block anyway) and per-channel statistics,
+and recomputes the concatenation, BatchNorm and ReLU in backward. Autograd
+would otherwise keep two copies of the growing concatenation per layer, so a
+block's saved activations grow quadratically with its depth; with the
+recomputation they grow linearly. ``memory_efficient=False`` is the plain
+``cat -> norm1 -> relu1 -> conv1`` path. Both use the same modules, so they
+have the same parameters, buffers and state-dict keys, compute the same
+function and update the running statistics once per forward in the same way.
+
+Dropout (``drop_rate > 0``) is applied to the output of ``conv2``, after the
+recomputed part, so it is never recomputed: its mask is drawn once, in the
+forward pass, and backward uses that same mask in both modes.
+
+State-dict keys: for the ImageNet stem (``small_inputs=False``) module names
+and registration order are exactly torchvision's, so its ``densenet121``,
+``densenet161``, ``densenet169`` and ``densenet201`` checkpoints load with a
+strict ``load_state_dict``. Checkpoints written by very old torchvision
+versions name the layer modules ``norm.1``, ``conv.2``, ...; a load hook
+renames them (``denselayer1.norm.1.weight`` -> ``denselayer1.norm1.weight``).
+
+``small_inputs=True`` is the CIFAR form of DenseNet-BC: a single 3x3
+convolution as the stem, without ``norm0``, ``relu0`` and ``pool0``, so its
+keys differ from torchvision's (there is no torchvision counterpart), e.g.
+depth 100, k = 12::
+
+    DenseNet(growth_rate=12, block_config=(16, 16, 16), num_init_features=24,
+             small_inputs=True, num_classes=10)
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops.densenet import bottleneck
+
+__all__ = [
+    "DenseNet",
+    "DenseLayer",
+    "DenseBlock",
+    "Transition",
+    "densenet121",
+    "densenet161",
+    "densenet169",
+    "densenet201",
+    "densenet264",
+]
+
+# Old torchvision checkpoints: "denselayer3.norm.1.weight" for today's
+# "denselayer3.norm1.weight" (Sequential-style dotted indices).
+_LEGACY_KEY = re.compile(
+    r"^(.*denselayer\d+\.)(norm|relu|conv)\.([12])\.(weight|bias|running_mean|running_var|num_batches_tracked)$"
+)
+
+
+def _positive_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"DenseNet: {name} must be an int, got {type(value).__name__}")
+    if value <= 0:
+        raise ValueError(f"DenseNet: {name} must be positive, got {value}")
+    return value
+
+
+def _check_bool(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"DenseNet: {name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def _check_drop_rate(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"DenseNet: drop_rate must be a float, got {type(value).__name__}")
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"DenseNet: drop_rate must be in [0, 1), got {value}")
+    return float(value)
+
+
+class DenseLayer(nn.Module):
+    """Bottleneck (norm1, relu1, conv1 1x1) then norm2, relu2, conv2 (3x3),
+    producing ``growth_rate`` channels from the list of earlier maps."""
+
+    def __init__(self, num_input_features: int, growth_rate: int, bn_size: int, drop_rate: float,
+                 memory_efficient: bool = True) -> None:
+        super().__init__()
+        inner = bn_size * growth_rate
+        self.norm1 = nn.BatchNorm2d(num_input_features)
+        self.relu1 = nn.ReLU(inplace=True)
+        self.conv1 = nn.Conv2d(num_input_features, inner, kernel_size=1, stride=1, bias=False)
+        self.norm2 = nn.BatchNorm2d(inner)
+        self.relu2 = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(inner, growth_rate, kernel_size=3, stride=1, padding=1, bias=False)
+        self.drop_rate = float(drop_rate)
+        self.memory_efficient = memory_efficient
+
+    def _bottleneck_naive(self, features: list[torch.Tensor]) -> torch.Tensor:
+        return self.conv1(self.relu1(self.norm1(torch.cat(features, 1))))
+
+    def _bottleneck_efficient(self, features: list[torch.Tensor]) -> torch.Tensor:
+        norm = self.norm1
+        # BatchNorm2d's own rule for which statistics to use and whether to update.
+        training = norm.training or norm.running_mean is None
+        update = norm.training and norm.track_running_stats
+        return bottleneck(
+            features, norm.weight, norm.bias,
+            norm.running_mean if not norm.training or norm.track_running_stats else None,
+            norm.running_var if not norm.training or norm.track_running_stats else None,
+            self.conv1.weight, training, norm.momentum, norm.eps,
+            norm.num_batches_tracked if update else None,
+        )
+
+    def forward(self, features: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+        features = [features] if isinstance(features, torch.Tensor) else list(features)
+        if self.memory_efficient:
+            out = self._bottleneck_efficient(features)
+        else:
+            out = self._bottleneck_naive(features)
+        out = self.conv2(self.relu2(self.norm2(out)))
+        if self.drop_rate > 0:
+            out = F.dropout(out, p=self.drop_rate, training=self.training)
+        return out
+
+
+class DenseBlock(nn.ModuleDict):
+    """``num_layers`` dense layers named ``denselayer1``, ``denselayer2``, ...;
+    returns the input and every new map concatenated along channels."""
+
+    def __init__(self, num_layers: int, num_input_features: int, bn_size: int, growth_rate: int,
+                 drop_rate: float, memory_efficient: bool = True) -> None:
+        super().__init__()
+        for i in range(num_layers):
+            self[f"denselayer{i + 1}"] = DenseLayer(num_input_features + i * growth_rate, growth_rate, bn_size,
+                                                    drop_rate, memory_efficient)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = [x]
+        for layer in self.values():
+            features.append(layer(features))
+        return torch.cat(features, 1)
+
+
+class Transition(nn.Sequential):
+    """norm, relu, 1x1 conv to ``num_output_features``, 2x2 average pooling."""
+
+    def __init__(self, num_input_features: int, num_output_features: int) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm2d(num_input_features)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv = nn.Conv2d(num_input_features, num_output_features, kernel_size=1, stride=1, bias=False)
+        self.pool = nn.AvgPool2d(kernel_size=2, stride=2)
+
+
+class DenseNet(nn.Module):
+    """DenseNet-BC: stem, dense blocks joined by halving transitions, a final
+    BatchNorm + ReLU, global average pooling and a linear classifier.
+
+    Args:
+        growth_rate: channels each dense layer adds (k).
+        block_config: dense layers per block.
+        num_init_features: channels of the stem convolution.
+        bn_size: bottleneck width as a multiple of ``growth_rate``.
+        drop_rate: dropout probability after each layer's ``conv2``, in [0, 1).
+        num_classes: classifier outputs.
+        memory_efficient: recompute each bottleneck's concatenation, norm and
+            ReLU in backward instead of keeping them (module docstring).
+        small_inputs: CIFAR-style 3x3 stem without norm0/pool0 (state-dict keys
+            then differ from torchvision's).
+    """
+
+    def __init__(self, growth_rate: int = 32, block_config: Sequence[int] = (6, 12, 24, 16),
+                 num_init_features: int = 64, bn_size: int = 4, drop_rate: float = 0.0, num_classes: int = 1000,
+                 memory_efficient: bool = True, small_inputs: bool = False) -> None:
+        super().__init__()
+        _positive_int(growth_rate, "growth_rate")
+        _positive_int(num_init_features, "num_init_features")
+        _positive_int(bn_size, "bn_size")
+        _positive_int(num_classes, "num_classes")
+        drop_rate = _check_drop_rate(drop_rate)
+        _check_bool(memory_efficient, "memory_efficient")
+        _check_bool(small_inputs, "small_inputs")
+        if isinstance(block_config, (str, bytes)) or not isinstance(block_config, Sequence):
+            raise TypeError(f"DenseNet: block_config must be a sequence of ints, got {type(block_config).__name__}")
+        block_config = tuple(block_config)
+        if not block_config:
+            raise ValueError("DenseNet: block_config must name at least one dense block")
+        for i, n in enumerate(block_config):
+            _positive_int(n, f"block_config[{i}]")
+        self.memory_efficient = memory_efficient
+        self.small_inputs = small_inputs
+
+        if small_inputs:
+            stem = [("conv0", nn.Conv2d(3, num_init_features, kernel_size=3, stride=1, padding=1, bias=False))]
+        else:
+            stem = [
+                ("conv0", nn.Conv2d(3, num_init_features, kernel_size=7, stride=2, padding=3, bias=False)),
+                ("norm0", nn.BatchNorm2d(num_init_features)),
+                ("relu0", nn.ReLU(inplace=True)),
+                ("pool0", nn.MaxPool2d(kernel_size=3, stride=2, padding=1)),
+            ]
+        self.features = nn.Sequential(OrderedDict(stem))
+        channels = num_init_features
+        for i, num_layers in enumerate(block_config):
+            self.features.add_module(f"denseblock{i + 1}", DenseBlock(
+                num_layers, channels, bn_size, growth_rate, drop_rate, memory_efficient))
+            channels += num_layers * growth_rate
+            if i != len(block_config) - 1:
+                self.features.add_module(f"transition{i + 1}", Transition(channels, channels // 2))
+                channels //= 2
+        self.features.add_module("norm5", nn.BatchNorm2d(channels))
+        self.classifier = nn.Linear(channels, num_classes)
+        self._init_weights()
+        self.register_load_state_dict_pre_hook(_rename_legacy_keys)
+
+    def _init_weights(self) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Conv2d):
+                nn.init.kaiming_normal_(module.weight)
+            elif isinstance(module, nn.BatchNorm2d):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Linear):
+                nn.init.zeros_(module.bias)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Up to and including the final norm + ReLU: (N, C, H', W')."""
+        return F.relu(self.features(x), inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.adaptive_avg_pool2d(self.forward_features(x), 1)
+        return self.classifier(torch.flatten(x, 1))
+
+
+def _rename_legacy_keys(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                        error_msgs) -> None:
+    # Only keys under this model's prefix: the hook also runs when the model
+    # is a submodule of something larger.
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        match = _LEGACY_KEY.match(key[len(prefix):])
+        if match:
+            head, kind, index, leaf = match.groups()
+            state_dict[f"{prefix}{head}{kind}{index}.{leaf}"] = state_dict.pop(key)
+
+
+def _densenet(growth_rate: int, block_config: Sequence[int], num_init_features: int, kwargs: dict) -> DenseNet:
+    for name in ("weights", "pretrained", "progress"):
+        if name in kwargs:
+            raise TypeError(
+                f"effilayers DenseNets take no {name!r} argument: they ship no weights. Build the torchvision "
+                "model with its weights and load them: model.load_state_dict(torchvision_model.state_dict())"
+            )
+    fixed = dict(growth_rate=growth_rate, block_config=tuple(block_config), num_init_features=num_init_features)
+    for name, value in fixed.items():
+        given = kwargs.get(name, value)
+        if (tuple(given) if name == "block_config" and isinstance(given, Sequence) else given) != value:
+            raise ValueError(f"this model fixes {name}={value}, got {name}={given!r}; "
+                             "use DenseNet(...) directly for other values")
+    return DenseNet(**dict(kwargs, **fixed))
+
+
+def densenet121(**kwargs: Any) -> DenseNet:
+    """DenseNet-121 (k = 32, blocks 6-12-24-16, 64 stem channels). Keyword
+    arguments go to :class:`DenseNet`; torchvision's checkpoints load strictly."""
+    return _densenet(32, (6, 12, 24, 16), 64, kwargs)
+
+
+def densenet161(**kwargs: Any) -> DenseNet:
+    """DenseNet-161 (k = 48, blocks 6-12-36-24, 96 stem channels); see :func:`densenet121`."""
+    return _densenet(48, (6, 12, 36, 24), 96, kwargs)
+
+
+def densenet169(**kwargs: Any) -> DenseNet:
+    """DenseNet-169 (k = 32, blocks 6-12-32-32, 64 stem channels); see :func:`densenet121`."""
+    return _densenet(32, (6, 12, 32, 32), 64, kwargs)
+
+
+def densenet201(**kwargs: Any) -> DenseNet:
+    """DenseNet-201 (k = 32, blocks 6-12-48-32, 64 stem channels); see :func:`densenet121`."""
+    return _densenet(32, (6, 12, 48, 32), 64, kwargs)
+
+
+def densenet264(**kwargs: Any) -> DenseNet:
+    """DenseNet-264 (k = 32, blocks 6-12-64-48, 64 stem channels), from the
+    DenseNet paper; torchvision has no such model, so there are no checkpoints
+    to load, but its keys follow the same scheme."""
+    return _densenet(32, (6, 12, 64, 48), 64, kwargs)

@@ -1,0 +1,226 @@
+"""The DenseNet bottleneck ``conv1x1(relu(batch_norm(cat(features))))`` with
+recomputation.
+
+A dense layer feeds the concatenation of every earlier feature map of its
+block through BatchNorm, ReLU and a 1x1 convolution. Autograd would keep the
+concatenation (BatchNorm's input) and the ReLU output (the convolution's
+input) for every layer: two copies of a tensor that grows with the layer
+index, so a block's activation memory grows quadratically with its depth.
+
+:func:`bottleneck` keeps only what the block holds anyway, the input feature
+maps themselves, plus the per-channel batch statistics ``(mean, invstd)``.
+Backward rebuilds the concatenation, the normalised values and the ReLU
+output for this one layer, uses them and drops them, so only one layer's
+concatenated buffer exists at a time. BatchNorm's backward is written out
+analytically (the statistics are constants of the recomputation, so nothing
+has to be differentiated through them a second time)::
+
+    x_hat = (x - mean) * invstd
+    dbias   = sum(dy)             dweight = sum(dy * x_hat)
+    dx      = weight * invstd * (dy - dbias / n - x_hat * dweight / n)
+
+with ``dy`` the gradient at BatchNorm's output (after the ReLU mask) and ``n``
+the values per channel; in eval mode the statistics are the running ones and
+``dx = weight * invstd * dy``.
+
+Running statistics follow ``torch.nn.BatchNorm2d``: they and
+``num_batches_tracked`` are updated once, in the forward call (backward never
+touches them); ``running_var`` receives the unbiased variance; with
+``momentum=None`` the update is a cumulative average
+(factor ``1 / num_batches_tracked``). Without running statistics (``None``)
+batch statistics are used in eval mode too, as BatchNorm does.
+
+Statistics come from :func:`effilayers.ops.stats.batch_stats` (accumulated in
+float32, float64 for float64 input); the rest is plain PyTorch, the CPU path.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from .stats import batch_stats, stats_dtype
+
+__all__ = ["bottleneck"]
+
+
+def _channel_view(t: torch.Tensor, dim: int) -> torch.Tensor:
+    return t.view([1, -1] + [1] * (dim - 2))
+
+
+def _normalized(x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor) -> torch.Tensor:
+    """x_hat in the statistics' dtype, as a fresh buffer (x is the recomputed
+    concatenation, so reusing its storage is safe when the dtype allows)."""
+    dim = x.dim()
+    if x.dtype == mean.dtype:
+        return x.sub_(_channel_view(mean, dim)).mul_(_channel_view(invstd, dim))
+    return (x.to(mean.dtype) - _channel_view(mean, dim)) * _channel_view(invstd, dim)
+
+
+def _activated(x_hat: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+               out_dtype: torch.dtype) -> torch.Tensor:
+    dim = x_hat.dim()
+    y = x_hat
+    if weight is not None:
+        y = y * _channel_view(weight.to(x_hat.dtype), dim)
+    if bias is not None:
+        y = y + _channel_view(bias.to(x_hat.dtype), dim)
+    elif y is x_hat:
+        y = x_hat.clone()  # x_hat is still needed in backward; never clamp it in place
+    return y.clamp_min_(0).to(out_dtype)
+
+
+class _Bottleneck(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight, bias, running_mean, running_var, num_batches_tracked, conv_weight,
+                training, momentum, eps, *features):
+        x = torch.cat(features, 1)
+        acc = stats_dtype(x.dtype)
+        use_batch_stats = training or running_mean is None or running_var is None
+        if use_batch_stats:
+            mean, var, count = batch_stats(x)
+            n = int(count)
+            if n <= 1:
+                raise ValueError(
+                    f"bottleneck: training needs more than one value per channel, got input shape {tuple(x.shape)}")
+            invstd = torch.rsqrt(var + eps)
+            if training and running_mean is not None and running_var is not None:
+                # Once per forward, exactly like BatchNorm2d; backward recomputes
+                # from the saved statistics and never comes back here.
+                factor = momentum
+                if num_batches_tracked is not None:
+                    num_batches_tracked.add_(1)
+                    if momentum is None:
+                        factor = 1.0 / float(num_batches_tracked)
+                unbiased = var * (n / (n - 1))
+                running_mean.mul_(1 - factor).add_(mean.to(running_mean.dtype), alpha=factor)
+                running_var.mul_(1 - factor).add_(unbiased.to(running_var.dtype), alpha=factor)
+        else:
+            n = 0
+            # Copies: a later training forward may update the buffers before this backward runs.
+            mean = running_mean.detach().to(acc, copy=True)
+            invstd = torch.rsqrt(running_var.detach().to(acc) + eps)
+        y = _activated(_normalized(x, mean, invstd), weight, bias, x.dtype)
+        del x
+        out = torch.nn.functional.conv2d(y, conv_weight.to(y.dtype))
+        ctx.use_batch_stats = use_batch_stats
+        ctx.count = n
+        ctx.num_features = len(features)
+        ctx.splits = [f.shape[1] for f in features]
+        ctx.save_for_backward(weight, bias, conv_weight, mean, invstd, *features)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if torch.is_grad_enabled():
+            # create_graph=True: the analytic backward treats the batch
+            # statistics as constants, so its own derivative would be wrong.
+            # (once_differentiable would only detach it, and autograd.grad
+            # with explicit inputs would then drop those terms silently.)
+            raise RuntimeError("effilayers DenseNet bottleneck does not support double backward (create_graph=True)")
+        weight, bias, conv_weight, mean, invstd, *features = ctx.saved_tensors
+        x = torch.cat(features, 1)
+        in_dtype = x.dtype
+        dim = x.dim()
+        x_hat = _normalized(x, mean, invstd)
+        del x
+        y = _activated(x_hat, weight, bias, in_dtype)
+        need_input = any(ctx.needs_input_grad[9:]) or ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        grad_y, grad_conv = torch.ops.aten.convolution_backward(
+            grad_out, y, conv_weight.to(in_dtype), None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1,
+            [need_input, ctx.needs_input_grad[5], False])[:2]
+        if grad_conv is not None:
+            grad_conv = grad_conv.to(conv_weight.dtype)
+        if not need_input:
+            return (None,) * 5 + (grad_conv,) + (None,) * (3 + ctx.num_features)
+        # Through the ReLU: its output is zero exactly where it cut.
+        grad_bn = grad_y.to(mean.dtype).masked_fill_(y <= 0, 0)
+        del y, grad_y
+        reduce_dims = [0] + list(range(2, dim))
+        grad_bias = grad_bn.sum(reduce_dims)
+        grad_weight = (grad_bn * x_hat).sum(reduce_dims)
+        scale = invstd if weight is None else invstd * weight.to(mean.dtype)
+        grad_x = None
+        if any(ctx.needs_input_grad[9:]):
+            if ctx.use_batch_stats:
+                n = ctx.count
+                grad_x = x_hat.mul_(_channel_view(grad_weight / n, dim))
+                grad_x = grad_bn.sub_(_channel_view(grad_bias / n, dim)).sub_(grad_x)
+            else:
+                grad_x = grad_bn
+            grad_x = grad_x.mul_(_channel_view(scale, dim)).to(in_dtype)
+        grad_features = [None] * ctx.num_features if grad_x is None else list(torch.split(grad_x, ctx.splits, 1))
+        grad_features = [g if need else None for g, need in zip(grad_features, ctx.needs_input_grad[9:])]
+        return (
+            None if weight is None or not ctx.needs_input_grad[0] else grad_weight.to(weight.dtype),
+            None if bias is None or not ctx.needs_input_grad[1] else grad_bias.to(bias.dtype),
+            None, None, None,
+            grad_conv,
+            None, None, None,
+            *grad_features,
+        )
+
+
+def bottleneck(
+    features: Sequence[torch.Tensor],
+    weight: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    running_mean: Optional[torch.Tensor],
+    running_var: Optional[torch.Tensor],
+    conv_weight: torch.Tensor,
+    training: bool,
+    momentum: Optional[float] = 0.1,
+    eps: float = 1e-5,
+    num_batches_tracked: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``conv2d(relu(batch_norm(cat(features, 1))), conv_weight)`` keeping only
+    ``features`` and per-channel statistics for backward (module docstring).
+
+    Args:
+        features: the (N, C_i, H, W) maps to concatenate along channels; same
+            N, H, W, dtype and device.
+        weight, bias: BatchNorm's affine parameters, (sum C_i,) or None.
+        running_mean, running_var: BatchNorm's buffers, updated in place in
+            training mode; None for batch statistics in every mode.
+        conv_weight: (C_out, sum C_i, 1, 1), no bias, stride 1.
+        training: batch statistics (and a running-statistics update) when true.
+        momentum: running-statistics factor; None for a cumulative average.
+        eps: added to the variance.
+        num_batches_tracked: BatchNorm's counter, incremented in training mode.
+    """
+    if isinstance(features, torch.Tensor):
+        features = [features]
+    features = list(features)
+    if not features:
+        raise ValueError("bottleneck: features must hold at least one tensor")
+    for i, f in enumerate(features):
+        if not isinstance(f, torch.Tensor):
+            raise TypeError(f"bottleneck: features[{i}] must be a torch.Tensor, got {type(f).__name__}")
+    first = features[0]
+    if first.dim() != 4:
+        raise ValueError(f"bottleneck: features must be 4-D (N, C, H, W), got shape {tuple(first.shape)}")
+    for i, f in enumerate(features[1:], 1):
+        if f.dim() != 4 or f.shape[0] != first.shape[0] or f.shape[2:] != first.shape[2:]:
+            raise ValueError(f"bottleneck: features[{i}] has shape {tuple(f.shape)}, incompatible with "
+                             f"features[0] {tuple(first.shape)} (same N, H, W needed)")
+        if f.dtype != first.dtype or f.device != first.device:
+            raise TypeError("bottleneck: every feature must have the same dtype and device")
+    channels = sum(f.shape[1] for f in features)
+    if not isinstance(conv_weight, torch.Tensor) or conv_weight.dim() != 4 or \
+            tuple(conv_weight.shape[1:]) != (channels, 1, 1):
+        shape = tuple(conv_weight.shape) if isinstance(conv_weight, torch.Tensor) else type(conv_weight).__name__
+        raise ValueError(f"bottleneck: conv_weight must be (C_out, {channels}, 1, 1), got {shape}")
+    for name, t in (("weight", weight), ("bias", bias), ("running_mean", running_mean), ("running_var", running_var)):
+        if t is not None and tuple(t.shape) != (channels,):
+            raise ValueError(f"bottleneck: {name} must have shape ({channels},), got {tuple(t.shape)}")
+    if (running_mean is None) != (running_var is None):
+        raise ValueError("bottleneck: running_mean and running_var must both be tensors or both be None")
+    if momentum is not None and (isinstance(momentum, bool) or not isinstance(momentum, (int, float))):
+        raise TypeError(f"bottleneck: momentum must be a float or None, got {type(momentum).__name__}")
+    if momentum is None and training and running_mean is not None and num_batches_tracked is None:
+        raise ValueError("bottleneck: momentum=None (cumulative average) needs num_batches_tracked")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps < 0:
+        raise ValueError(f"bottleneck: eps must be a non-negative float, got {eps!r}")
+    return _Bottleneck.apply(weight, bias, running_mean, running_var, num_batches_tracked, conv_weight,
+                             bool(training), None if momentum is None else float(momentum), float(eps), *features)

@@ -1,0 +1,339 @@
+"""DenseNet: the recomputing bottleneck Function against autograd, the
+memory-efficient model against the plain one (outputs, gradients, running
+statistics), torchvision's state-dict keys, legacy checkpoint keys, and the
+activation memory the recomputation saves."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import effilayers
+from effilayers import memory, models
+from effilayers.models.densenet import DenseNet
+from effilayers.ops.densenet import bottleneck
+
+KEYS = json.loads((Path(__file__).parent / "data" / "torchvision_state_dict_keys.json").read_text())
+TORCHVISION_DENSENETS = ["densenet121", "densenet161", "densenet169", "densenet201"]
+
+
+def _bottleneck_inputs(channels, dtype=torch.float64, seed=0, size=(3, 4, 5)):
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(channels)
+    features = [torch.randn(size[0], c, *size[1:], dtype=dtype, generator=gen).requires_grad_() for c in channels]
+    weight = (torch.rand(total, dtype=dtype, generator=gen) + 0.5).requires_grad_()
+    bias = torch.randn(total, dtype=dtype, generator=gen).mul_(0.5).requires_grad_()
+    conv_weight = torch.randn(4, total, 1, 1, dtype=dtype, generator=gen).requires_grad_()
+    running_mean = torch.randn(total, dtype=dtype, generator=gen)
+    running_var = torch.rand(total, dtype=dtype, generator=gen) + 0.5
+    return features, weight, bias, conv_weight, running_mean, running_var
+
+
+# ---- the Function -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("channels", [(2, 3), (1, 2, 3)], ids=["2-features", "3-features"])
+def test_bottleneck_gradcheck(training, channels):
+    features, weight, bias, conv_weight, running_mean, running_var = _bottleneck_inputs(channels, size=(2, 3, 3))
+
+    def fn(weight, bias, conv_weight, *features):
+        # Fresh buffers per call: gradcheck evaluates many times.
+        return bottleneck(list(features), weight, bias, running_mean.clone(), running_var.clone(), conv_weight,
+                          training)
+
+    # The reference statistics kernel: gradcheck makes hundreds of tiny calls,
+    # where it is the cheaper one.
+    with effilayers.use_backend("reference"):
+        assert torch.autograd.gradcheck(fn, (weight, bias, conv_weight, *features))
+
+
+@pytest.mark.parametrize("momentum", [0.1, None], ids=["momentum", "cumulative"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_bottleneck_matches_batch_norm_and_updates_running_stats_once(training, momentum):
+    features, weight, bias, conv_weight, running_mean, running_var = _bottleneck_inputs((2, 3, 1))
+    ours = [running_mean.clone(), running_var.clone(), torch.tensor(4)]
+    theirs = [running_mean.clone(), running_var.clone(), torch.tensor(4)]
+
+    out = bottleneck(features, weight, bias, ours[0], ours[1], conv_weight, training, momentum, 1e-5, ours[2])
+    out.sum().backward()  # must not touch the running statistics again
+    grads = [t.grad.clone() for t in (weight, bias, conv_weight, *features)]
+    for t in (weight, bias, conv_weight, *features):
+        t.grad = None
+
+    # BatchNorm2d's own update rule for the buffers, F.batch_norm for the
+    # function (sharing the leaves, so gradients land in the same place).
+    norm = nn.BatchNorm2d(6, momentum=momentum).double().train(training)
+    with torch.no_grad():
+        norm.running_mean.copy_(theirs[0])
+        norm.running_var.copy_(theirs[1])
+        norm.num_batches_tracked.fill_(4)
+    factor = momentum if momentum is not None else 1.0 / 5
+    if not training:
+        factor = 0.0
+    normalized = F.batch_norm(torch.cat(features, 1), theirs[0], theirs[1], weight, bias, training, factor, 1e-5)
+    with torch.no_grad():
+        norm(torch.cat(features, 1))
+    expected = F.conv2d(F.relu(normalized), conv_weight)
+    expected.sum().backward()
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    for buffers in (theirs, [norm.running_mean, norm.running_var]):
+        torch.testing.assert_close(ours[0], buffers[0], rtol=0, atol=1e-14)
+        torch.testing.assert_close(ours[1], buffers[1], rtol=0, atol=1e-14)
+    assert int(ours[2]) == int(norm.num_batches_tracked) == (5 if training else 4)
+    for ours_grad, t in zip(grads, (weight, bias, conv_weight, *features)):
+        torch.testing.assert_close(ours_grad, t.grad, rtol=0, atol=1e-12)
+
+
+def test_bottleneck_keeps_only_its_inputs_and_statistics():
+    features = [torch.randn(2, c, 8, 8, requires_grad=True) for c in (16, 8, 8)]
+    norm = nn.BatchNorm2d(32)
+    conv = nn.Conv2d(32, 16, 1, bias=False)
+    with memory.track_activations(exclude=[norm, conv]) as meter:
+        out = bottleneck(features, norm.weight, norm.bias, norm.running_mean, norm.running_var, conv.weight,
+                         True, 0.1, 1e-5, norm.num_batches_tracked)
+    feature_bytes = sum(f.numel() * f.element_size() for f in features)
+    stats_bytes = 2 * 32 * 4  # mean and invstd, float32
+    assert meter.bytes == feature_bytes + stats_bytes, meter.largest()
+    del out
+
+
+@pytest.mark.parametrize(
+    "call, error",
+    [
+        (lambda f, w: bottleneck([], None, None, None, None, w, True), ValueError),
+        (lambda f, w: bottleneck([f, "x"], None, None, None, None, w, True), TypeError),
+        (lambda f, w: bottleneck([f], None, None, None, None, w[:, :2], True), ValueError),
+        (lambda f, w: bottleneck([f, f[:1]], None, None, None, None, w, True), ValueError),
+        (lambda f, w: bottleneck([f], None, None, torch.zeros(3), None, w, True), ValueError),
+        (lambda f, w: bottleneck([f], None, None, torch.zeros(3), torch.ones(3), w, True, None), ValueError),
+        (lambda f, w: bottleneck([f[:1, :, :1, :1]], None, None, None, None, w, True), ValueError),
+    ],
+    ids=["empty", "not-a-tensor", "conv-shape", "batch-mismatch", "half-running", "cumulative-no-counter",
+         "one-value-per-channel"],
+)
+def test_bottleneck_rejects_bad_arguments(call, error):
+    with pytest.raises(error):
+        call(torch.randn(2, 3, 4, 4), torch.randn(5, 3, 1, 1))
+
+
+# ---- the model: memory_efficient against the plain path ------------------------------------------
+
+
+def _pair(dtype=torch.float64, seed=0, **kwargs):
+    options = dict(growth_rate=4, block_config=(2, 3), num_init_features=8, bn_size=2, num_classes=5)
+    options.update(kwargs)
+    torch.manual_seed(seed)
+    efficient = DenseNet(memory_efficient=True, **options).to(dtype)
+    naive = DenseNet(memory_efficient=False, **options).to(dtype)
+    naive.load_state_dict(efficient.state_dict())
+    # Non-trivial affine parameters, so their gradients are exercised.
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for a, b in zip(efficient.modules(), naive.modules()):
+            if isinstance(a, nn.BatchNorm2d):
+                a.weight.copy_(torch.rand(a.num_features, generator=gen) + 0.5)
+                a.bias.copy_(torch.randn(a.num_features, generator=gen) * 0.2)
+                b.weight.copy_(a.weight)
+                b.bias.copy_(a.bias)
+    return efficient, naive
+
+
+def _forward_backward(model, x, seed=0):
+    x = x.clone().requires_grad_()
+    torch.manual_seed(seed)  # same dropout masks in both models
+    out = model(x)
+    out.square().sum().backward()
+    return out.detach(), x.grad, {name: p.grad for name, p in model.named_parameters()}
+
+
+def _assert_same(efficient, naive, x, rtol, atol, seed=0):
+    out_e, gx_e, grads_e = _forward_backward(efficient, x, seed)
+    out_n, gx_n, grads_n = _forward_backward(naive, x, seed)
+    torch.testing.assert_close(out_e, out_n, rtol=rtol, atol=atol)
+    torch.testing.assert_close(gx_e, gx_n, rtol=rtol, atol=atol)
+    assert grads_e.keys() == grads_n.keys()
+    for name in grads_e:
+        torch.testing.assert_close(grads_e[name], grads_n[name], rtol=rtol, atol=atol, msg=name)
+
+
+@pytest.mark.parametrize("small_inputs", [True, False], ids=["cifar-stem", "imagenet-stem"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_gradients_match_the_plain_model_float64(small_inputs, training):
+    efficient, naive = _pair(small_inputs=small_inputs)
+    efficient.train(training)
+    naive.train(training)
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    _assert_same(efficient, naive, x, rtol=1e-9, atol=1e-10)
+
+
+def test_gradients_match_the_plain_model_float32():
+    efficient, naive = _pair(dtype=torch.float32, growth_rate=6, block_config=(3, 4), num_init_features=12)
+    x = torch.randn(4, 3, 32, 32)
+    _assert_same(efficient, naive, x, rtol=1e-4, atol=1e-5)
+
+
+def test_dropout_is_identical_under_recomputation():
+    # Dropout follows conv2, outside the recomputed bottleneck: one mask per
+    # forward, drawn in the same order in both models.
+    efficient, naive = _pair(drop_rate=0.3, small_inputs=True)
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    _assert_same(efficient, naive, x, rtol=1e-9, atol=1e-10, seed=7)
+
+
+@pytest.mark.parametrize("momentum", [0.1, None], ids=["momentum", "cumulative"])
+def test_running_statistics_match_after_three_training_steps(momentum):
+    efficient, naive = _pair(dtype=torch.float32, small_inputs=True)
+    for model in (efficient, naive):
+        for module in model.modules():
+            if isinstance(module, nn.BatchNorm2d):
+                module.momentum = momentum
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (efficient, naive)]
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x = torch.randn(4, 3, 16, 16, generator=gen)
+        for model, optimizer in zip((efficient, naive), optimizers):
+            optimizer.zero_grad()
+            model(x).square().mean().backward()
+            optimizer.step()
+    buffers_e, buffers_n = dict(efficient.named_buffers()), dict(naive.named_buffers())
+    assert buffers_e.keys() == buffers_n.keys()
+    for name in buffers_e:
+        if name.endswith("num_batches_tracked"):
+            assert int(buffers_e[name]) == int(buffers_n[name]) == 3, name
+        else:
+            torch.testing.assert_close(buffers_e[name], buffers_n[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+# ---- state dicts ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("memory_efficient", [True, False])
+@pytest.mark.parametrize("name", TORCHVISION_DENSENETS)
+def test_state_dict_keys_are_torchvisions(name, memory_efficient):
+    with torch.device("meta"):
+        model = getattr(models, name)(memory_efficient=memory_efficient)
+    assert list(model.state_dict()) == KEYS[name]
+
+
+def test_densenet264_and_small_inputs_keys():
+    with torch.device("meta"):
+        model = models.densenet264()
+        cifar = DenseNet(growth_rate=12, block_config=(16, 16, 16), num_init_features=24, small_inputs=True,
+                         num_classes=10)
+    blocks = {k.split(".")[1] for k in model.state_dict() if k.startswith("features.denseblock")}
+    assert blocks == {"denseblock1", "denseblock2", "denseblock3", "denseblock4"}
+    assert "features.denseblock4.denselayer48.conv2.weight" in model.state_dict()
+    assert "features.denseblock3.denselayer64.conv2.weight" in model.state_dict()
+    # The CIFAR stem is one 3x3 convolution: no norm0 / pool0 keys.
+    keys = list(cifar.state_dict())
+    assert keys[0] == "features.conv0.weight" and keys[1].startswith("features.denseblock1.denselayer1.norm1")
+    assert not any("norm0" in k for k in keys)
+    assert cifar.features.conv0.kernel_size == (3, 3) and cifar.classifier.in_features == 342
+
+
+def test_legacy_checkpoint_keys_load():
+    torch.manual_seed(0)
+    source = DenseNet(growth_rate=4, block_config=(2, 2), num_init_features=8, num_classes=3)
+    legacy = {re.sub(r"(denselayer\d+\.)(norm|relu|conv)([12])\.", r"\1\2.\3.", k): v
+              for k, v in source.state_dict().items()}
+    assert "features.denseblock1.denselayer1.norm.1.weight" in legacy
+    assert "features.denseblock2.denselayer2.conv.2.weight" in legacy
+    target = DenseNet(growth_rate=4, block_config=(2, 2), num_init_features=8, num_classes=3)
+    target.load_state_dict(legacy)  # strict
+    for key, value in source.state_dict().items():
+        torch.testing.assert_close(target.state_dict()[key], value, rtol=0, atol=0)
+    # Nested under a prefix (the hook only renames its own keys).
+    wrapper = nn.Sequential(copy.deepcopy(target))
+    wrapper.load_state_dict({f"0.{k}": v for k, v in legacy.items()})
+
+
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        (dict(growth_rate=0), ValueError),
+        (dict(growth_rate=2.5), TypeError),
+        (dict(block_config=()), ValueError),
+        (dict(block_config=(2, 0)), ValueError),
+        (dict(block_config=3), TypeError),
+        (dict(drop_rate=1.0), ValueError),
+        (dict(drop_rate=-0.1), ValueError),
+        (dict(num_init_features=0), ValueError),
+        (dict(bn_size=-1), ValueError),
+        (dict(num_classes=0), ValueError),
+        (dict(memory_efficient="yes"), TypeError),
+    ],
+)
+def test_bad_arguments(kwargs, error):
+    with pytest.raises(error):
+        DenseNet(**kwargs)
+
+
+def test_builders_reject_weights_and_other_architectures():
+    with pytest.raises(TypeError, match="no 'weights'"):
+        models.densenet121(weights="IMAGENET1K_V1")
+    with pytest.raises(ValueError, match="fixes growth_rate"):
+        models.densenet121(growth_rate=12)
+
+
+# ---- memory -----------------------------------------------------------------------------------
+
+
+def _linear_fit(xs, ys):
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    intercept = my - slope * mx
+    residual = sum((y - (slope * x + intercept)) ** 2 for x, y in zip(xs, ys))
+    total = sum((y - my) ** 2 for y in ys)
+    return slope, intercept, 1 - residual / total
+
+
+def test_activation_bytes_grow_linearly_with_depth():
+    depths = [40, 100, 190]
+    x = torch.randn(2, 3, 32, 32)
+    measured = {}
+    for memory_efficient in (True, False):
+        measured[memory_efficient] = []
+        for depth in depths:
+            layers = (depth - 4) // 6
+            model = DenseNet(growth_rate=12, block_config=(layers,) * 3, num_init_features=24, small_inputs=True,
+                             num_classes=10, memory_efficient=memory_efficient)
+            measured[memory_efficient].append(memory.activation_bytes(model, x))
+    slope, intercept, r2 = _linear_fit(depths, measured[True])
+    naive_slope, naive_intercept, naive_r2 = _linear_fit(depths, measured[False])
+    print(f"\nDenseNet-BC k=12, 2x3x32x32, activation bytes at depths {depths}:")
+    print(f"  memory_efficient: {measured[True]} -> {slope:.0f} B/depth + {intercept:.0f}, R^2 = {r2:.6f}")
+    print(f"  naive:            {measured[False]} -> {naive_slope:.0f} B/depth + {naive_intercept:.0f}, "
+          f"R^2 = {naive_r2:.6f}")
+    assert r2 > 0.999
+    assert slope < 0.5 * naive_slope
+
+
+def test_densenet121_keeps_at_most_half_the_activations():
+    x = torch.randn(2, 3, 64, 64)
+    torch.manual_seed(0)
+    efficient = models.densenet121(memory_efficient=True)
+    naive = models.densenet121(memory_efficient=False)
+    efficient_bytes = memory.activation_bytes(efficient, x)
+    naive_bytes = memory.activation_bytes(naive, x)
+    ratio = efficient_bytes / naive_bytes
+    print(f"\ndensenet121 2x3x64x64: memory_efficient {efficient_bytes} B, naive {naive_bytes} B, ratio {ratio:.3f}")
+    assert ratio <= 0.5
+
+
+def test_double_backward_raises():
+    from effilayers.models import DenseNet
+
+    model = DenseNet(growth_rate=4, block_config=(2,), num_init_features=8, bn_size=2, num_classes=3,
+                     small_inputs=True).double()
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(model(x).pow(2).sum(), x, create_graph=True)
