@@ -239,18 +239,19 @@ template <Act A, typename scalar_t, typename acc_t>
 void forward_kernel(const scalar_t* x, const scalar_t* residual, scalar_t* out, const Walk& walk,
                     const Channel<acc_t>& ch, acc_t param) {
   const int64_t C = walk.g.channels, S = walk.g.spatial;
-  // y = x * a + b with a = s * invstd, b = beta - mean * a
-  std::vector<acc_t> a(C), b(C);
-  for (int64_t c = 0; c < C; ++c) {
-    a[c] = ch.scale[c] * ch.invstd[c];
-    b[c] = ch.shift[c] - ch.mean[c] * a[c];
-  }
+  // y = (x - mean) * a + beta with a = s * invstd. Folding the mean into
+  // the shift (x * a + (beta - mean * a)) saves a subtraction but cancels
+  // when |mean| >> std, which costs real accuracy in float32.
+  std::vector<acc_t> a(C);
+  const acc_t* mean = ch.mean.data();
+  const acc_t* b = ch.shift.data();
+  for (int64_t c = 0; c < C; ++c) a[c] = ch.scale[c] * ch.invstd[c];
   if (!walk.g.channels_last) {
     at::parallel_for(0, walk.planes(), walk.plane_grain(), [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
         const int64_t c = p % C, base = p * S;
         for_lanes<acc_t>(S, [&]<typename T>(int64_t i) {
-          T y = load_lane<T>(x + base + i) * splat<T>(a[c]) + splat<T>(b[c]);
+          T y = (load_lane<T>(x + base + i) - splat<T>(mean[c])) * splat<T>(a[c]) + splat<T>(b[c]);
           if (residual != nullptr) y += load_lane<T>(residual + base + i);
           store_lane(out + base + i, activate<A>(y, splat<T>(param)));
         });
@@ -264,7 +265,8 @@ void forward_kernel(const scalar_t* x, const scalar_t* residual, scalar_t* out, 
       for (int64_t r = r0; r < r1; ++r) {
         const int64_t base = r * C;
         for_lanes<acc_t>(C, [&]<typename T>(int64_t c) {
-          T y = load_lane<T>(x + base + c) * load_lane<T>(a.data() + c) + load_lane<T>(b.data() + c);
+          T y = (load_lane<T>(x + base + c) - load_lane<T>(mean + c)) * load_lane<T>(a.data() + c) +
+                load_lane<T>(b + c);
           if (residual != nullptr) y += load_lane<T>(residual + base + c);
           store_lane(out + base + c, activate<A>(y, splat<T>(param)));
         });
