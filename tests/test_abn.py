@@ -409,6 +409,7 @@ def test_sync_without_process_group_is_inplace_abn():
 def _sync_worker(rank, world, init_file, sizes, backend, result_file):
     import torch.distributed as dist
 
+    torch.set_num_threads(1)  # two ranks on two cores: no intra-op threads to oversubscribe or tear down
     with effilayers.use_backend(backend):
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
         try:
@@ -426,6 +427,9 @@ def _sync_worker(rank, world, init_file, sizes, backend, result_file):
                 results.append(out.detach())
             torch.save({"out": results, "grad": part.grad, "weight_grad": module.weight.grad,
                         "bias_grad": module.bias.grad, "state": module.state_dict()}, f"{result_file}.{rank}")
+            # Tear down together: a rank that destroys its gloo group while
+            # its peer still uses the connection can abort the process.
+            dist.barrier()
         finally:
             dist.destroy_process_group()
 
