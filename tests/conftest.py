@@ -49,12 +49,18 @@ def activate_backend(op_name: str, backend: str, device: str):
     return context
 
 
-@pytest.fixture(params=BACKEND_PARAMS)
-def stats_device(request):
-    """Runs the test with batch_stats forced to one backend; yields the device."""
+def forced_backend(request, op_name: str):
+    """Body of a fixture parametrised by (backend, device) pairs: runs the
+    test with that backend forced and yields the device."""
     backend, device = request.param
-    context = activate_backend("batch_stats", backend, device)
+    context = activate_backend(op_name, backend, device)
     try:
         yield torch.device(device)
     finally:
         context.__exit__(None, None, None)
+
+
+@pytest.fixture(params=BACKEND_PARAMS)
+def stats_device(request):
+    """Runs the test with batch_stats forced to one backend; yields the device."""
+    yield from forced_backend(request, "batch_stats")

@@ -14,7 +14,7 @@ from effilayers import memory
 from effilayers.functional import abn, inplace_abn
 from effilayers.nn import ABN, InPlaceABN, InPlaceABNSync
 
-from .conftest import activate_backend
+from .conftest import activate_backend, forced_backend
 from .helpers import channel_varied, to_layout
 
 ACTIVATIONS = [("leaky_relu", 0.1), ("elu", 0.8), ("identity", 0.0)]
@@ -26,12 +26,7 @@ TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 1e-2, tor
 
 @pytest.fixture(params=BACKENDS)
 def device(request):
-    backend, device = request.param
-    context = activate_backend("abn_forward", backend, device)
-    try:
-        yield torch.device(device)
-    finally:
-        context.__exit__(None, None, None)
+    yield from forced_backend(request, "abn_forward")
 
 
 def batch_norm_class(rank):

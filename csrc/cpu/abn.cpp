@@ -520,18 +520,36 @@ void abn_forward_inplace_cpu(at::Tensor& x, const at::Tensor& mean, const at::Te
   if (!readable.is_same(x)) x.copy_(readable);  // strides no kernel walks: computed on a copy
 }
 
+// What both backward kernels start from: checked arguments, the saved
+// tensor in a layout the kernels walk, and grad/residual with its strides.
+struct BackwardInputs {
+  Act act;
+  at::Tensor saved, grad;
+  std::optional<at::Tensor> residual;
+  Walk walk;
+
+  BackwardInputs(const at::Tensor& grad_arg, const at::Tensor& saved_arg, const at::Tensor& mean,
+                 const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
+                 const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual_arg,
+                 const std::string& activation, const char* op)
+      : act((check_common(saved_arg, mean, invstd, weight, bias, op), parse_activation(activation, op))),
+        saved(readable_batch(saved_arg)),
+        grad(matching(grad_arg, saved, op, "grad")),
+        residual(matching(residual_arg, saved, op, "residual")),
+        walk(batch_geometry(saved)) {}
+};
+
 std::tuple<at::Tensor, at::Tensor> abn_backward_reduce_cpu(
     const at::Tensor& grad_arg, const at::Tensor& saved_arg, const at::Tensor& mean, const at::Tensor& invstd,
     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& residual_arg, std::string activation, double param, double weight_eps,
     bool saved_is_output) {
-  const char* op = "abn_backward_reduce";
-  check_common(saved_arg, mean, invstd, weight, bias, op);
-  const Act act = parse_activation(activation, op);
-  const at::Tensor saved = readable_batch(saved_arg);
-  const at::Tensor grad = matching(grad_arg, saved, op, "grad");
-  const auto residual = matching(residual_arg, saved, op, "residual");
-  const Walk walk(batch_geometry(saved));
+  const BackwardInputs in(grad_arg, saved_arg, mean, invstd, weight, bias, residual_arg, activation,
+                          "abn_backward_reduce");
+  const at::Tensor &saved = in.saved, &grad = in.grad;
+  const auto& residual = in.residual;
+  const Walk& walk = in.walk;
+  const Act act = in.act;
   const int64_t C = walk.g.channels;
   const auto acc_type = saved.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   std::vector<double> sum_dy(C, 0.0), sum_dy_xhat(C, 0.0);
@@ -559,12 +577,11 @@ std::tuple<at::Tensor, at::Tensor> abn_backward_elemt_cpu(
     const std::optional<at::Tensor>& residual_arg, std::string activation, double param, double weight_eps,
     bool saved_is_output, const at::Tensor& mean_dy, const at::Tensor& mean_dy_xhat, bool want_residual_grad) {
   const char* op = "abn_backward_elemt";
-  check_common(saved_arg, mean, invstd, weight, bias, op);
-  const Act act = parse_activation(activation, op);
-  const at::Tensor saved = readable_batch(saved_arg);
-  const at::Tensor grad = matching(grad_arg, saved, op, "grad");
-  const auto residual = matching(residual_arg, saved, op, "residual");
-  const Walk walk(batch_geometry(saved));
+  const BackwardInputs in(grad_arg, saved_arg, mean, invstd, weight, bias, residual_arg, activation, op);
+  const at::Tensor &saved = in.saved, &grad = in.grad;
+  const auto& residual = in.residual;
+  const Walk& walk = in.walk;
+  const Act act = in.act;
   const int64_t C = walk.g.channels;
   check_channel_vector(mean_dy, C, op, "mean_dy");
   check_channel_vector(mean_dy_xhat, C, op, "mean_dy_xhat");
