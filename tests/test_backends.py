@@ -208,3 +208,38 @@ def test_unusable_cache_directory_falls_back_with_the_reason(tmp_path):
     first, message = result.stdout.strip().splitlines()
     assert first == "1 reference [0.0, 0.0]"
     assert "Error" in message  # the OSError's type and text are in the warning
+
+
+def test_new_build_directory_starts_from_the_newest_finished_build(tmp_path):
+    """A changed source rebuilds only what changed: the new cache directory
+    gets the newest finished build's objects and ninja state, timestamps kept,
+    and no object written there after its library was linked."""
+    from effilayers import _build
+
+    name = _build.library_name("cpu")
+
+    def finished_build(directory: str, linked_at: float, objects: dict[str, float]) -> Path:
+        path = tmp_path / directory
+        path.mkdir()
+        for file_name, modified_at in {**objects, f"{name}.so": linked_at}.items():
+            (path / file_name).write_text(directory)
+            os.utime(path / file_name, (modified_at, modified_at))
+        return path
+
+    finished_build(f"{name}-old", 1000.0, {"abn.o": 900.0, ".ninja_log": 990.0})
+    finished_build(f"{name}-new", 2000.0, {"abn.o": 1900.0, "stats.o": 2500.0, ".ninja_log": 2001.0})
+    (tmp_path / f"{name}-unfinished").mkdir()
+    (tmp_path / f"{name}-unfinished" / "abn.o").write_text("half")
+
+    target = tmp_path / f"{name}-target"
+    target.mkdir()
+    _build._seed_from_previous_build("cpu", target)
+    assert sorted(p.name for p in target.iterdir()) == [".ninja_log", "abn.o"]  # stats.o is newer than the link
+    assert (target / "abn.o").read_text() == f"{name}-new"
+    assert (target / "abn.o").stat().st_mtime == 1900.0
+
+    # A directory that already has its own build files is left alone.
+    (target / "build.ninja").write_text("")
+    (target / "abn.o").unlink()
+    _build._seed_from_previous_build("cpu", target)
+    assert not (target / "abn.o").exists()
