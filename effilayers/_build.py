@@ -210,14 +210,19 @@ def _seed_from_previous_build(kind: str, build_dir: Path) -> None:
     library (about a minute on 2 cores) into that one file's compile."""
     if (build_dir / "build.ninja").exists():
         return
+    # Builds from this source tree first: ninja compares whole command lines,
+    # and those name the csrc/ directory (several checkouts share one cache).
+    include_flag = f"-I{csrc_dir()} "
     finished = []
     for sibling in build_dir.parent.glob(f"{library_name(kind)}-*"):
         library = sibling / f"{library_name(kind)}.so"
-        if sibling != build_dir and library.exists():
-            finished.append((library.stat().st_mtime, sibling))
+        recipe = sibling / "build.ninja"
+        if sibling != build_dir and library.exists() and recipe.exists():
+            same_tree = include_flag in recipe.read_text(errors="replace")
+            finished.append((same_tree, library.stat().st_mtime, sibling))
     if not finished:
         return
-    built_at, newest = max(finished)
+    _, built_at, newest = max(finished)
     for path in newest.glob("*.o"):
         # Only objects the finished link used: one newer than the library
         # may be half-written by a build running there now.

@@ -218,9 +218,10 @@ def test_new_build_directory_starts_from_the_newest_finished_build(tmp_path):
 
     name = _build.library_name("cpu")
 
-    def finished_build(directory: str, linked_at: float, objects: dict[str, float]) -> Path:
+    def finished_build(directory: str, linked_at: float, objects: dict[str, float], root=_build.csrc_dir()) -> Path:
         path = tmp_path / directory
         path.mkdir()
+        (path / "build.ninja").write_text(f"cflags = -I{root} -O3\n")
         for file_name, modified_at in {**objects, f"{name}.so": linked_at}.items():
             (path / file_name).write_text(directory)
             os.utime(path / file_name, (modified_at, modified_at))
@@ -228,6 +229,8 @@ def test_new_build_directory_starts_from_the_newest_finished_build(tmp_path):
 
     finished_build(f"{name}-old", 1000.0, {"abn.o": 900.0, ".ninja_log": 990.0})
     finished_build(f"{name}-new", 2000.0, {"abn.o": 1900.0, "stats.o": 2500.0, ".ninja_log": 2001.0})
+    # Newest of all, but built from another checkout: its commands differ.
+    finished_build(f"{name}-other-checkout", 3000.0, {"abn.o": 2900.0}, root="/elsewhere/csrc")
     (tmp_path / f"{name}-unfinished").mkdir()
     (tmp_path / f"{name}-unfinished" / "abn.o").write_text("half")
 
