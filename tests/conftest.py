@@ -35,6 +35,14 @@ BACKEND_PARAMS = [
 ]
 
 
+# Ops whose GPU kernel is written in Triton add these: the same kernels run
+# on CPU tensors under TRITON_INTERPRET=1 (small shapes; CI does this).
+TRITON_PARAMS = [
+    pytest.param(("triton", "cpu"), id="triton-interpreter"),
+    pytest.param(("triton", "cuda"), id="triton-cuda", marks=pytest.mark.gpu),
+]
+
+
 def activate_backend(op_name: str, backend: str, device: str):
     """Context manager forcing ``backend``; skips (or fails under
     EFFILAYERS_REQUIRE_COMPILED=1) when it cannot run here."""
@@ -43,7 +51,11 @@ def activate_backend(op_name: str, backend: str, device: str):
     chosen = effilayers.backends.choice(op_name, device)
     if chosen.kernel is None:
         context.__exit__(None, None, None)
-        if REQUIRE_COMPILED and backend in ("cpp", "cuda") and (device == "cpu" or HAS_CUDA):
+        # Under CI (EFFILAYERS_REQUIRE_COMPILED=1, TRITON_INTERPRET=1) every
+        # kernel that can run on this machine must run, the Triton ones
+        # through the interpreter included.
+        required = backend in ("cpp", "cuda", "triton") and (device == "cpu" or HAS_CUDA)
+        if REQUIRE_COMPILED and required:
             pytest.fail(f"compiled backend required but unavailable: {chosen.error}")
         pytest.skip(chosen.error)
     return context

@@ -47,3 +47,14 @@ def test_wheel_ships_the_kernel_sources(tmp_path):
         if source.suffix in (".h", ".cuh", ".cpp", ".cu"):
             assert f"effilayers/csrc/{source.relative_to(ROOT / 'csrc')}" in names, source
     assert not any(name.endswith(".so") for name in names)  # nothing compiled unless asked
+
+
+def test_every_subpackage_is_listed():
+    """A new subpackage left out of pyproject's list works in an editable
+    install and vanishes from the wheel."""
+    listed = set(pyproject()["tool"]["setuptools"]["packages"])
+    found = {
+        ".".join(init.parent.relative_to(ROOT).parts)
+        for init in (ROOT / "effilayers").rglob("__init__.py")
+    }
+    assert found <= listed, sorted(found - listed)
