@@ -24,13 +24,13 @@ KEYS = json.loads((Path(__file__).parent / "data" / "torchvision_state_dict_keys
 TORCHVISION_DENSENETS = ["densenet121", "densenet161", "densenet169", "densenet201"]
 
 
-def _bottleneck_inputs(channels, dtype=torch.float64, seed=0, size=(3, 4, 5)):
+def _bottleneck_inputs(channels, dtype=torch.float64, seed=0, size=(3, 4, 5), kernel=1):
     gen = torch.Generator().manual_seed(seed)
     total = sum(channels)
     features = [torch.randn(size[0], c, *size[1:], dtype=dtype, generator=gen).requires_grad_() for c in channels]
     weight = (torch.rand(total, dtype=dtype, generator=gen) + 0.5).requires_grad_()
     bias = torch.randn(total, dtype=dtype, generator=gen).mul_(0.5).requires_grad_()
-    conv_weight = torch.randn(4, total, 1, 1, dtype=dtype, generator=gen).requires_grad_()
+    conv_weight = torch.randn(4, total, kernel, kernel, dtype=dtype, generator=gen).requires_grad_()
     running_mean = torch.randn(total, dtype=dtype, generator=gen)
     running_var = torch.rand(total, dtype=dtype, generator=gen) + 0.5
     return features, weight, bias, conv_weight, running_mean, running_var
@@ -39,15 +39,30 @@ def _bottleneck_inputs(channels, dtype=torch.float64, seed=0, size=(3, 4, 5)):
 # ---- the Function -----------------------------------------------------------------------------
 
 
+def _statistics(features):
+    """(mean, biased var) of the concatenation, the way a dense block shares them."""
+    with torch.no_grad():
+        stats = [effilayers.batch_stats(f)[:2] for f in features]
+    return torch.cat([m for m, _ in stats]), torch.cat([v for _, v in stats])
+
+
+@pytest.mark.parametrize(
+    "channels, kernel, shared",
+    [((2, 3), 1, False), ((1, 2, 3), 1, False), ((1, 2, 3), 1, True), ((3,), 3, False), ((1, 2), 3, True)],
+    ids=["2-features", "3-features", "3-features-shared-stats", "one-map-3x3", "2-features-3x3-shared-stats"],
+)
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
-@pytest.mark.parametrize("channels", [(2, 3), (1, 2, 3)], ids=["2-features", "3-features"])
-def test_bottleneck_gradcheck(training, channels):
-    features, weight, bias, conv_weight, running_mean, running_var = _bottleneck_inputs(channels, size=(2, 3, 3))
+def test_bottleneck_gradcheck(training, channels, kernel, shared):
+    features, weight, bias, conv_weight, running_mean, running_var = _bottleneck_inputs(
+        channels, size=(2, 3, 3), kernel=kernel)
 
     def fn(weight, bias, conv_weight, *features):
-        # Fresh buffers per call: gradcheck evaluates many times.
+        # Fresh buffers per call: gradcheck evaluates many times. Shared
+        # statistics are recomputed from the perturbed features, as the block
+        # would, so the analytic backward must account for them.
         return bottleneck(list(features), weight, bias, running_mean.clone(), running_var.clone(), conv_weight,
-                          training)
+                          training, padding=kernel // 2,
+                          batch_statistics=_statistics(features) if shared else None)
 
     # The reference statistics kernel: gradcheck makes hundreds of tiny calls,
     # where it is the cheaper one.
@@ -92,6 +107,32 @@ def test_bottleneck_matches_batch_norm_and_updates_running_stats_once(training, 
         torch.testing.assert_close(ours_grad, t.grad, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_shared_statistics_change_nothing(dtype):
+    features, weight, bias, conv_weight, running_mean, running_var = _bottleneck_inputs((3, 2, 2), dtype=dtype,
+                                                                                        kernel=3)
+    results = []
+    for shared in (False, True):
+        buffers = [running_mean.clone(), running_var.clone(), torch.tensor(0)]
+        out = bottleneck(features, weight, bias, buffers[0], buffers[1], conv_weight, True, 0.1, 1e-5, buffers[2],
+                         padding=1, batch_statistics=_statistics(features) if shared else None)
+        grads = torch.autograd.grad(out.square().sum(), [weight, bias, conv_weight, *features])
+        results.append((out, *buffers, *grads))
+    for without, with_shared in zip(*results):
+        torch.testing.assert_close(with_shared, without, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_one_feature_map_is_never_written(dtype):
+    # One map is normalised as it is, not copied: the in-place shortcut for
+    # the recomputed concatenation must not reach it.
+    features, weight, bias, conv_weight, running_mean, running_var = _bottleneck_inputs((3,), dtype=dtype)
+    before = features[0].detach().clone()
+    out = bottleneck(features, weight, bias, running_mean, running_var, conv_weight, True)
+    out.sum().backward()
+    assert torch.equal(features[0].detach(), before)
+
+
 def test_bottleneck_keeps_only_its_inputs_and_statistics():
     features = [torch.randn(2, c, 8, 8, requires_grad=True) for c in (16, 8, 8)]
     norm = nn.BatchNorm2d(32)
@@ -115,9 +156,16 @@ def test_bottleneck_keeps_only_its_inputs_and_statistics():
         (lambda f, w: bottleneck([f], None, None, torch.zeros(3), None, w, True), ValueError),
         (lambda f, w: bottleneck([f], None, None, torch.zeros(3), torch.ones(3), w, True, None), ValueError),
         (lambda f, w: bottleneck([f[:1, :, :1, :1]], None, None, None, None, w, True), ValueError),
+        (lambda f, w: bottleneck([f], None, None, None, None, w, True, padding=-1), ValueError),
+        (lambda f, w: bottleneck([f], None, None, None, None, w, True, batch_statistics=torch.zeros(3)), TypeError),
+        (lambda f, w: bottleneck([f], None, None, None, None, w, True,
+                                 batch_statistics=(torch.zeros(2), torch.ones(2))), ValueError),
+        (lambda f, w: bottleneck([f], None, None, None, None, w, True,
+                                 batch_statistics=(torch.zeros(3, dtype=torch.float64), torch.ones(3))), ValueError),
     ],
     ids=["empty", "not-a-tensor", "conv-shape", "batch-mismatch", "half-running", "cumulative-no-counter",
-         "one-value-per-channel"],
+         "one-value-per-channel", "negative-padding", "statistics-not-a-pair", "statistics-shape",
+         "statistics-dtype"],
 )
 def test_bottleneck_rejects_bad_arguments(call, error):
     with pytest.raises(error):
@@ -317,16 +365,41 @@ def test_activation_bytes_grow_linearly_with_depth():
     assert slope < 0.5 * naive_slope
 
 
-def test_densenet121_keeps_at_most_half_the_activations():
-    x = torch.randn(2, 3, 64, 64)
+def test_densenet121_at_224_keeps_at_most_a_third_of_the_activations():
+    """The issue's target: <= 0.33x the naive model's activation bytes at
+    224x224 (measured 0.309x; torchvision-style checkpointing: 0.48x)."""
+    x = torch.randn(1, 3, 224, 224)
     torch.manual_seed(0)
     efficient = models.densenet121(memory_efficient=True)
     naive = models.densenet121(memory_efficient=False)
     efficient_bytes = memory.activation_bytes(efficient, x)
     naive_bytes = memory.activation_bytes(naive, x)
     ratio = efficient_bytes / naive_bytes
-    print(f"\ndensenet121 2x3x64x64: memory_efficient {efficient_bytes} B, naive {naive_bytes} B, ratio {ratio:.3f}")
-    assert ratio <= 0.5
+    print(f"\ndensenet121 1x3x224x224: memory_efficient {efficient_bytes} B, naive {naive_bytes} B, ratio {ratio:.3f}")
+    assert ratio <= 0.33
+
+
+def test_statistics_are_computed_once_per_feature_map(monkeypatch):
+    """In training, each channel of a block is reduced once when its map
+    appears (plus each layer's norm2 input), not once per later layer."""
+    from effilayers.models import densenet as densenet_module
+    from effilayers.ops import densenet as ops_module
+
+    reduced = []
+
+    def counting(original):
+        def wrapper(x, *args):
+            reduced.append(x.shape[1])
+            return original(x, *args)
+        return wrapper
+
+    monkeypatch.setattr(densenet_module, "batch_stats", counting(densenet_module.batch_stats))
+    monkeypatch.setattr(ops_module, "batch_stats", counting(ops_module.batch_stats))
+    growth, layers, start, bn_size = 4, 5, 6, 2
+    block = densenet_module.DenseBlock(layers, start, bn_size, growth, 0.0, memory_efficient=True)
+    block(torch.randn(2, start, 5, 5, requires_grad=True)).sum().backward()
+    # block input + every new map, each once; every layer's norm2 input once.
+    assert sorted(reduced) == sorted([start] + [growth] * (layers - 1) + [bn_size * growth] * layers)
 
 
 def test_double_backward_raises():

@@ -30,8 +30,16 @@ touches them); ``running_var`` receives the unbiased variance; with
 (factor ``1 / num_batches_tracked``). Without running statistics (``None``)
 batch statistics are used in eval mode too, as BatchNorm does.
 
+The same Function serves every "norm, ReLU, convolution" step of a DenseNet
+(``padding=1`` for the 3x3 ``conv2`` of a dense layer, one input map for
+``norm2`` and for a transition): each keeps only its input and statistics.
+
 Statistics come from :func:`effilayers.ops.stats.batch_stats` (accumulated in
-float32, float64 for float64 input); the rest is plain PyTorch, the CPU path.
+float32, float64 for float64 input). In a dense block a channel's batch
+statistics are the same in every later layer that normalises it, so the block
+computes them once per new feature map and passes them in
+(``batch_statistics=``); only each layer's ``weight`` and ``bias`` differ.
+The rest is plain PyTorch, the CPU path.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .stats import batch_stats, stats_dtype
+from .stats import batch_stats, stats_dtype, values_per_channel
 
 __all__ = ["bottleneck"]
 
@@ -49,11 +57,19 @@ def _channel_view(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t.view([1, -1] + [1] * (dim - 2))
 
 
-def _normalized(x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor) -> torch.Tensor:
-    """x_hat in the statistics' dtype, as a fresh buffer (x is the recomputed
-    concatenation, so reusing its storage is safe when the dtype allows)."""
+def _concatenated(features: Sequence[torch.Tensor]) -> tuple[torch.Tensor, bool]:
+    """The input of the norm, and whether it is a private buffer that may be
+    overwritten (one map is used as it is, never copied)."""
+    if len(features) == 1:
+        return features[0], False
+    return torch.cat(features, 1), True
+
+
+def _normalized(x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor, private: bool) -> torch.Tensor:
+    """x_hat in the statistics' dtype, reusing x's storage when x is a
+    private buffer of that dtype (the recomputed concatenation)."""
     dim = x.dim()
-    if x.dtype == mean.dtype:
+    if private and x.dtype == mean.dtype:
         return x.sub_(_channel_view(mean, dim)).mul_(_channel_view(invstd, dim))
     return (x.to(mean.dtype) - _channel_view(mean, dim)) * _channel_view(invstd, dim)
 
@@ -74,13 +90,17 @@ def _activated(x_hat: torch.Tensor, weight: Optional[torch.Tensor], bias: Option
 class _Bottleneck(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight, bias, running_mean, running_var, num_batches_tracked, conv_weight,
-                training, momentum, eps, *features):
-        x = torch.cat(features, 1)
+                training, momentum, eps, padding, shared_mean, shared_var, *features):
+        x, private = _concatenated(features)
         acc = stats_dtype(x.dtype)
         use_batch_stats = training or running_mean is None or running_var is None
         if use_batch_stats:
-            mean, var, count = batch_stats(x)
-            n = int(count)
+            if shared_mean is not None:
+                mean, var = shared_mean.detach(), shared_var.detach()
+                n = values_per_channel(x)
+            else:
+                mean, var, count = batch_stats(x)
+                n = int(count)
             if n <= 1:
                 raise ValueError(
                     f"bottleneck: training needs more than one value per channel, got input shape {tuple(x.shape)}")
@@ -101,9 +121,10 @@ class _Bottleneck(torch.autograd.Function):
             # Copies: a later training forward may update the buffers before this backward runs.
             mean = running_mean.detach().to(acc, copy=True)
             invstd = torch.rsqrt(running_var.detach().to(acc) + eps)
-        y = _activated(_normalized(x, mean, invstd), weight, bias, x.dtype)
+        y = _activated(_normalized(x, mean, invstd, private), weight, bias, x.dtype)
         del x
-        out = torch.nn.functional.conv2d(y, conv_weight.to(y.dtype))
+        out = torch.nn.functional.conv2d(y, conv_weight.to(y.dtype), padding=padding)
+        ctx.padding = padding
         ctx.use_batch_stats = use_batch_stats
         ctx.count = n
         ctx.num_features = len(features)
@@ -120,20 +141,21 @@ class _Bottleneck(torch.autograd.Function):
             # with explicit inputs would then drop those terms silently.)
             raise RuntimeError("effilayers DenseNet bottleneck does not support double backward (create_graph=True)")
         weight, bias, conv_weight, mean, invstd, *features = ctx.saved_tensors
-        x = torch.cat(features, 1)
+        x, private = _concatenated(features)
         in_dtype = x.dtype
         dim = x.dim()
-        x_hat = _normalized(x, mean, invstd)
+        x_hat = _normalized(x, mean, invstd, private)
         del x
         y = _activated(x_hat, weight, bias, in_dtype)
-        need_input = any(ctx.needs_input_grad[9:]) or ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        first_feature = _FIRST_FEATURE
+        need_input = any(ctx.needs_input_grad[first_feature:]) or ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         grad_y, grad_conv = torch.ops.aten.convolution_backward(
-            grad_out, y, conv_weight.to(in_dtype), None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1,
+            grad_out, y, conv_weight.to(in_dtype), None, [1, 1], [ctx.padding] * 2, [1, 1], False, [0, 0], 1,
             [need_input, ctx.needs_input_grad[5], False])[:2]
         if grad_conv is not None:
             grad_conv = grad_conv.to(conv_weight.dtype)
         if not need_input:
-            return (None,) * 5 + (grad_conv,) + (None,) * (3 + ctx.num_features)
+            return (None,) * 5 + (grad_conv,) + (None,) * (first_feature - 6 + ctx.num_features)
         # Through the ReLU: its output is zero exactly where it cut.
         grad_bn = grad_y.to(mean.dtype).masked_fill_(y <= 0, 0)
         del y, grad_y
@@ -142,7 +164,7 @@ class _Bottleneck(torch.autograd.Function):
         grad_weight = (grad_bn * x_hat).sum(reduce_dims)
         scale = invstd if weight is None else invstd * weight.to(mean.dtype)
         grad_x = None
-        if any(ctx.needs_input_grad[9:]):
+        if any(ctx.needs_input_grad[first_feature:]):
             if ctx.use_batch_stats:
                 n = ctx.count
                 grad_x = x_hat.mul_(_channel_view(grad_weight / n, dim))
@@ -151,15 +173,19 @@ class _Bottleneck(torch.autograd.Function):
                 grad_x = grad_bn
             grad_x = grad_x.mul_(_channel_view(scale, dim)).to(in_dtype)
         grad_features = [None] * ctx.num_features if grad_x is None else list(torch.split(grad_x, ctx.splits, 1))
-        grad_features = [g if need else None for g, need in zip(grad_features, ctx.needs_input_grad[9:])]
+        grad_features = [g if need else None for g, need in zip(grad_features, ctx.needs_input_grad[first_feature:])]
         return (
             None if weight is None or not ctx.needs_input_grad[0] else grad_weight.to(weight.dtype),
             None if bias is None or not ctx.needs_input_grad[1] else grad_bias.to(bias.dtype),
             None, None, None,
             grad_conv,
-            None, None, None,
+            *(None,) * (first_feature - 6),
             *grad_features,
         )
+
+
+# Position of the first feature map among _Bottleneck.forward's inputs.
+_FIRST_FEATURE = 12
 
 
 def bottleneck(
@@ -173,9 +199,12 @@ def bottleneck(
     momentum: Optional[float] = 0.1,
     eps: float = 1e-5,
     num_batches_tracked: Optional[torch.Tensor] = None,
+    padding: int = 0,
+    batch_statistics: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> torch.Tensor:
-    """``conv2d(relu(batch_norm(cat(features, 1))), conv_weight)`` keeping only
-    ``features`` and per-channel statistics for backward (module docstring).
+    """``conv2d(relu(batch_norm(cat(features, 1))), conv_weight, padding=padding)``
+    keeping only ``features`` and per-channel statistics for backward (module
+    docstring).
 
     Args:
         features: the (N, C_i, H, W) maps to concatenate along channels; same
@@ -183,11 +212,18 @@ def bottleneck(
         weight, bias: BatchNorm's affine parameters, (sum C_i,) or None.
         running_mean, running_var: BatchNorm's buffers, updated in place in
             training mode; None for batch statistics in every mode.
-        conv_weight: (C_out, sum C_i, 1, 1), no bias, stride 1.
+        conv_weight: (C_out, sum C_i, kH, kW), no bias, stride 1, no groups.
         training: batch statistics (and a running-statistics update) when true.
         momentum: running-statistics factor; None for a cumulative average.
         eps: added to the variance.
         num_batches_tracked: BatchNorm's counter, incremented in training mode.
+        padding: zero padding of the convolution on every side.
+        batch_statistics: ``(mean, biased variance)`` of the concatenation,
+            each ``(sum C_i,)`` in float32 (float64 for float64 features),
+            when the caller already has them; used only where batch
+            statistics are (training, or no running statistics). They must
+            be the statistics of exactly these features: nothing checks the
+            values, and the backward formula assumes it.
     """
     if isinstance(features, torch.Tensor):
         features = [features]
@@ -207,10 +243,22 @@ def bottleneck(
         if f.dtype != first.dtype or f.device != first.device:
             raise TypeError("bottleneck: every feature must have the same dtype and device")
     channels = sum(f.shape[1] for f in features)
-    if not isinstance(conv_weight, torch.Tensor) or conv_weight.dim() != 4 or \
-            tuple(conv_weight.shape[1:]) != (channels, 1, 1):
+    if not isinstance(conv_weight, torch.Tensor) or conv_weight.dim() != 4 or conv_weight.shape[1] != channels:
         shape = tuple(conv_weight.shape) if isinstance(conv_weight, torch.Tensor) else type(conv_weight).__name__
-        raise ValueError(f"bottleneck: conv_weight must be (C_out, {channels}, 1, 1), got {shape}")
+        raise ValueError(f"bottleneck: conv_weight must be (C_out, {channels}, kH, kW), got {shape}")
+    if isinstance(padding, bool) or not isinstance(padding, int) or padding < 0:
+        raise ValueError(f"bottleneck: padding must be a non-negative int, got {padding!r}")
+    shared_mean = shared_var = None
+    if batch_statistics is not None:
+        if not isinstance(batch_statistics, (tuple, list)) or len(batch_statistics) != 2:
+            raise TypeError("bottleneck: batch_statistics must be a (mean, var) pair of tensors")
+        shared_mean, shared_var = batch_statistics
+        expected = stats_dtype(first.dtype)
+        for name, t in (("mean", shared_mean), ("var", shared_var)):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (channels,) or t.dtype != expected:
+                got = (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"bottleneck: batch_statistics {name} must be a ({channels},) {expected} "
+                                 f"tensor, got {got}")
     for name, t in (("weight", weight), ("bias", bias), ("running_mean", running_mean), ("running_var", running_var)):
         if t is not None and tuple(t.shape) != (channels,):
             raise ValueError(f"bottleneck: {name} must have shape ({channels},), got {tuple(t.shape)}")
@@ -223,4 +271,5 @@ def bottleneck(
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps < 0:
         raise ValueError(f"bottleneck: eps must be a non-negative float, got {eps!r}")
     return _Bottleneck.apply(weight, bias, running_mean, running_var, num_batches_tracked, conv_weight,
-                             bool(training), None if momentum is None else float(momentum), float(eps), *features)
+                             bool(training), None if momentum is None else float(momentum), float(eps), padding,
+                             shared_mean, shared_var, *features)
