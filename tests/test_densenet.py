@@ -186,7 +186,7 @@ def _pair(dtype=torch.float64, seed=0, **kwargs):
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for a, b in zip(efficient.modules(), naive.modules()):
-            if isinstance(a, nn.BatchNorm2d):
+            if isinstance(a, (nn.BatchNorm2d, effilayers.nn.ABN)):
                 a.weight.copy_(torch.rand(a.num_features, generator=gen) + 0.5)
                 a.bias.copy_(torch.randn(a.num_features, generator=gen) * 0.2)
                 b.weight.copy_(a.weight)
@@ -263,12 +263,53 @@ def test_running_statistics_match_after_three_training_steps(momentum):
 # ---- state dicts ------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("norm_act", ["plain", "inplace"])
 @pytest.mark.parametrize("memory_efficient", [True, False])
 @pytest.mark.parametrize("name", TORCHVISION_DENSENETS)
-def test_state_dict_keys_are_torchvisions(name, memory_efficient):
+def test_state_dict_keys_are_torchvisions(name, memory_efficient, norm_act):
     with torch.device("meta"):
-        model = getattr(models, name)(memory_efficient=memory_efficient)
+        model = getattr(models, name)(memory_efficient=memory_efficient, norm_act=norm_act)
     assert list(model.state_dict()) == KEYS[name]
+
+
+# ---- norm_act="inplace": norm2 and norm0 as InPlaceABN ----------------------------------------
+
+
+def test_inplace_norm_act_uses_in_place_abn_and_matches_its_plain_path():
+    efficient, naive = _pair(norm_act="inplace", drop_rate=0.2)
+    layer = efficient.features.denseblock1.denselayer1
+    assert isinstance(layer.norm2, effilayers.nn.InPlaceABN) and layer.norm2.activation == "leaky_relu"
+    assert isinstance(efficient.features.norm0, effilayers.nn.InPlaceABN)
+    assert isinstance(efficient.features.pool0, effilayers.nn.MaxPool2d)
+    _assert_same(efficient.train(), naive.train(), torch.randn(2, 3, 32, 32, dtype=torch.float64), 1e-9, 1e-10)
+
+
+def test_inplace_norm_act_computes_the_leaky_relu_model():
+    """The same weights in a plain model whose norm2/norm0 activations are
+    leaky_relu(0.01) give the same outputs and gradients: the opt-in changes
+    the activation and nothing else."""
+    torch.manual_seed(0)
+    options = dict(growth_rate=4, block_config=(2, 3), num_init_features=8, bn_size=2, num_classes=5)
+    inplace = DenseNet(norm_act="inplace", **options).double()
+    leaky = DenseNet(memory_efficient=False, **options).double()
+    leaky.load_state_dict(inplace.state_dict())
+    leaky.features.relu0 = nn.LeakyReLU(0.01)
+    for module in leaky.modules():
+        if isinstance(module, models.densenet.DenseLayer):
+            module.relu2 = nn.LeakyReLU(0.01)
+    _assert_same(inplace.train(), leaky.train(), torch.randn(2, 3, 32, 32, dtype=torch.float64), 1e-9, 1e-10)
+
+
+def test_revert_gives_back_batch_norm_and_the_same_function():
+    torch.manual_seed(0)
+    model = DenseNet(growth_rate=4, block_config=(2, 3), num_init_features=8, bn_size=2, num_classes=5,
+                     norm_act="inplace").double().eval()
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    expected = model(x)
+    effilayers.revert(model)
+    layer = model.features.denseblock2.denselayer3
+    assert type(layer.norm2) is nn.BatchNorm2d and isinstance(layer.relu2, nn.LeakyReLU)
+    torch.testing.assert_close(model(x), expected, rtol=0, atol=1e-12)
 
 
 def test_densenet264_and_small_inputs_keys():
@@ -317,6 +358,8 @@ def test_legacy_checkpoint_keys_load():
         (dict(bn_size=-1), ValueError),
         (dict(num_classes=0), ValueError),
         (dict(memory_efficient="yes"), TypeError),
+        (dict(norm_act="abn"), ValueError),
+        (dict(norm_act=None), ValueError),
     ],
 )
 def test_bad_arguments(kwargs, error):
@@ -374,9 +417,14 @@ def test_densenet121_at_224_keeps_at_most_a_third_of_the_activations():
     naive = models.densenet121(memory_efficient=False)
     efficient_bytes = memory.activation_bytes(efficient, x)
     naive_bytes = memory.activation_bytes(naive, x)
+    inplace_bytes = memory.activation_bytes(models.densenet121(norm_act="inplace"), x)
     ratio = efficient_bytes / naive_bytes
-    print(f"\ndensenet121 1x3x224x224: memory_efficient {efficient_bytes} B, naive {naive_bytes} B, ratio {ratio:.3f}")
+    print(f"\ndensenet121 1x3x224x224: memory_efficient {efficient_bytes} B ({ratio:.3f}x), "
+          f"norm_act='inplace' {inplace_bytes} B ({inplace_bytes / naive_bytes:.3f}x), naive {naive_bytes} B")
     assert ratio <= 0.33
+    # In place, norm2 keeps the same one map as the recomputation does; the
+    # stem (norm0 in place, no int64 pool indices) is where it saves.
+    assert inplace_bytes < efficient_bytes
 
 
 def test_statistics_are_computed_once_per_feature_map(monkeypatch):

@@ -62,7 +62,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..convert import FusedActivation, fused_norm
+from ..nn import ABN, MaxPool2d
 from ..ops.densenet import bottleneck
+from .resnet import INPLACE_SLOPE
 from ..ops.stats import batch_stats
 
 __all__ = [
@@ -96,6 +99,17 @@ def _check_bool(value: Any, name: str) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"DenseNet: {name} must be a bool, got {type(value).__name__}")
     return value
+
+
+NORM_ACTS = ("plain", "inplace")
+
+
+def _check_norm_act(norm_act: Any) -> str:
+    if not isinstance(norm_act, str) or norm_act not in NORM_ACTS:
+        # ResNet's "abn" (BatchNorm + ReLU fused, not in place) would keep
+        # what the recomputing path already avoids keeping.
+        raise ValueError(f"DenseNet: norm_act must be one of {', '.join(map(repr, NORM_ACTS))}, got {norm_act!r}")
+    return norm_act
 
 
 def _check_drop_rate(value: Any) -> float:
@@ -132,19 +146,37 @@ def _norm_relu_conv(features: list[torch.Tensor], norm: nn.BatchNorm2d, conv: nn
     )
 
 
+def _plain_norm_relu(norm: nn.Module, relu: nn.Module) -> bool:
+    """Whether ``norm`` then ``relu`` is exactly BatchNorm2d + ReLU, the pair
+    the recomputing Function implements (modules swapped by a user, or by
+    :func:`effilayers.convert` / :func:`effilayers.revert`, take the plain
+    module path instead)."""
+    return type(norm) is nn.BatchNorm2d and type(relu) is nn.ReLU
+
+
 class DenseLayer(nn.Module):
     """Bottleneck (norm1, relu1, conv1 1x1) then norm2, relu2, conv2 (3x3),
-    producing ``growth_rate`` channels from the list of earlier maps."""
+    producing ``growth_rate`` channels from the list of earlier maps.
+
+    ``norm_act="inplace"`` makes ``norm2`` an :class:`effilayers.nn.InPlaceABN`
+    with leaky_relu(0.01) written over conv1's output (``relu2`` becomes a
+    pass-through); ``norm1`` cannot work in place, its input is the block's
+    maps."""
 
     def __init__(self, num_input_features: int, growth_rate: int, bn_size: int, drop_rate: float,
-                 memory_efficient: bool = True) -> None:
+                 memory_efficient: bool = True, norm_act: str = "plain") -> None:
         super().__init__()
+        _check_norm_act(norm_act)
         inner = bn_size * growth_rate
         self.norm1 = nn.BatchNorm2d(num_input_features)
         self.relu1 = nn.ReLU(inplace=True)
         self.conv1 = nn.Conv2d(num_input_features, inner, kernel_size=1, stride=1, bias=False)
-        self.norm2 = nn.BatchNorm2d(inner)
-        self.relu2 = nn.ReLU(inplace=True)
+        if norm_act == "inplace":
+            self.norm2 = fused_norm(inner, activation="leaky_relu", activation_param=INPLACE_SLOPE, in_place=True)
+            self.relu2 = FusedActivation("norm2")
+        else:
+            self.norm2 = nn.BatchNorm2d(inner)
+            self.relu2 = nn.ReLU(inplace=True)
         self.conv2 = nn.Conv2d(inner, growth_rate, kernel_size=3, stride=1, padding=1, bias=False)
         self.drop_rate = float(drop_rate)
         self.memory_efficient = memory_efficient
@@ -158,11 +190,15 @@ class DenseLayer(nn.Module):
         their per-channel (mean, biased variance), when the block has them
         (memory-efficient mode uses them instead of recomputing)."""
         features = [features] if isinstance(features, torch.Tensor) else list(features)
-        if self.memory_efficient:
+        if self.memory_efficient and _plain_norm_relu(self.norm1, self.relu1):
             out = _norm_relu_conv(features, self.norm1, self.conv1, batch_statistics)
+        else:
+            out = self._bottleneck_naive(features)
+        if self.memory_efficient and _plain_norm_relu(self.norm2, self.relu2):
             out = _norm_relu_conv([out], self.norm2, self.conv2)
         else:
-            out = self.conv2(self.relu2(self.norm2(self._bottleneck_naive(features))))
+            # InPlaceABN writes over conv1's output, the one copy kept.
+            out = self.conv2(self.relu2(self.norm2(out)))
         if self.drop_rate > 0:
             out = F.dropout(out, p=self.drop_rate, training=self.training)
         return out
@@ -173,18 +209,19 @@ class DenseBlock(nn.ModuleDict):
     returns the input and every new map concatenated along channels."""
 
     def __init__(self, num_layers: int, num_input_features: int, bn_size: int, growth_rate: int,
-                 drop_rate: float, memory_efficient: bool = True) -> None:
+                 drop_rate: float, memory_efficient: bool = True, norm_act: str = "plain") -> None:
         super().__init__()
         for i in range(num_layers):
             self[f"denselayer{i + 1}"] = DenseLayer(num_input_features + i * growth_rate, growth_rate, bn_size,
-                                                    drop_rate, memory_efficient)
+                                                    drop_rate, memory_efficient, norm_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         features = [x]
         layers = list(self.values())
         # A channel's batch statistics are the same in every layer that
         # normalises it: compute them once per map, when it appears.
-        share = any(layer.memory_efficient and _uses_batch_statistics(layer.norm1) for layer in layers)
+        share = any(layer.memory_efficient and _plain_norm_relu(layer.norm1, layer.relu1)
+                    and _uses_batch_statistics(layer.norm1) for layer in layers)
         means: list[torch.Tensor] = []
         variances: list[torch.Tensor] = []
         for layer in layers:
@@ -214,7 +251,7 @@ class Transition(nn.Sequential):
         self.memory_efficient = memory_efficient
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.memory_efficient:
+        if not (self.memory_efficient and _plain_norm_relu(self.norm, self.relu)):
             return super().forward(x)
         return self.pool(_norm_relu_conv([x], self.norm, self.conv))
 
@@ -234,11 +271,18 @@ class DenseNet(nn.Module):
             ReLU in backward instead of keeping them (module docstring).
         small_inputs: CIFAR-style 3x3 stem without norm0/pool0 (state-dict keys
             then differ from torchvision's).
+        norm_act: ``"plain"`` (BatchNorm2d + ReLU, torchvision's function) or
+            ``"inplace"``: every ``norm2`` and the stem's ``norm0`` become
+            :class:`effilayers.nn.InPlaceABN` with leaky_relu(0.01), written
+            over the convolution output before them, and ``pool0`` an
+            :class:`effilayers.nn.MaxPool2d` that recomputes its argmax. A
+            different (if close) function: opt in to train or fine-tune with
+            it. Keys are unchanged, so torchvision checkpoints still load.
     """
 
     def __init__(self, growth_rate: int = 32, block_config: Sequence[int] = (6, 12, 24, 16),
                  num_init_features: int = 64, bn_size: int = 4, drop_rate: float = 0.0, num_classes: int = 1000,
-                 memory_efficient: bool = True, small_inputs: bool = False) -> None:
+                 memory_efficient: bool = True, small_inputs: bool = False, norm_act: str = "plain") -> None:
         super().__init__()
         _positive_int(growth_rate, "growth_rate")
         _positive_int(num_init_features, "num_init_features")
@@ -247,6 +291,7 @@ class DenseNet(nn.Module):
         drop_rate = _check_drop_rate(drop_rate)
         _check_bool(memory_efficient, "memory_efficient")
         _check_bool(small_inputs, "small_inputs")
+        _check_norm_act(norm_act)
         if isinstance(block_config, (str, bytes)) or not isinstance(block_config, Sequence):
             raise TypeError(f"DenseNet: block_config must be a sequence of ints, got {type(block_config).__name__}")
         block_config = tuple(block_config)
@@ -256,9 +301,18 @@ class DenseNet(nn.Module):
             _positive_int(n, f"block_config[{i}]")
         self.memory_efficient = memory_efficient
         self.small_inputs = small_inputs
+        self.norm_act = norm_act
 
         if small_inputs:
             stem = [("conv0", nn.Conv2d(3, num_init_features, kernel_size=3, stride=1, padding=1, bias=False))]
+        elif norm_act == "inplace":
+            stem = [
+                ("conv0", nn.Conv2d(3, num_init_features, kernel_size=7, stride=2, padding=3, bias=False)),
+                ("norm0", fused_norm(num_init_features, activation="leaky_relu", activation_param=INPLACE_SLOPE,
+                                     in_place=True)),
+                ("relu0", FusedActivation("norm0")),
+                ("pool0", MaxPool2d(kernel_size=3, stride=2, padding=1)),
+            ]
         else:
             stem = [
                 ("conv0", nn.Conv2d(3, num_init_features, kernel_size=7, stride=2, padding=3, bias=False)),
@@ -270,7 +324,7 @@ class DenseNet(nn.Module):
         channels = num_init_features
         for i, num_layers in enumerate(block_config):
             self.features.add_module(f"denseblock{i + 1}", DenseBlock(
-                num_layers, channels, bn_size, growth_rate, drop_rate, memory_efficient))
+                num_layers, channels, bn_size, growth_rate, drop_rate, memory_efficient, norm_act))
             channels += num_layers * growth_rate
             if i != len(block_config) - 1:
                 self.features.add_module(f"transition{i + 1}", Transition(channels, channels // 2, memory_efficient))
@@ -284,7 +338,7 @@ class DenseNet(nn.Module):
         for module in self.modules():
             if isinstance(module, nn.Conv2d):
                 nn.init.kaiming_normal_(module.weight)
-            elif isinstance(module, nn.BatchNorm2d):
+            elif isinstance(module, (nn.BatchNorm2d, ABN)):
                 nn.init.ones_(module.weight)
                 nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Linear):
