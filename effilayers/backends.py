@@ -157,6 +157,11 @@ def _compiled_kernel(op: OpKernels, backend: str) -> Callable:
     return getattr(getattr(torch.ops, namespace), getattr(op, backend)).default
 
 
+def _accelerated_kernels(op: OpKernels, device_type: str) -> list[str]:
+    """The non-reference backends ``op`` provides for ``device_type``."""
+    return [b for b in _DEFAULT_ORDER.get(device_type, ()) if b != "reference" and op.provides(b)]
+
+
 def _resolve(op: OpKernels, device_type: str) -> Choice:
     forced = _state.preference
     order = forced if forced is not None else _DEFAULT_ORDER.get(device_type, ("reference",))
@@ -174,6 +179,10 @@ def _resolve(op: OpKernels, device_type: str) -> Choice:
             kernel = _compiled_kernel(op, backend)
         if forced is not None:
             reason = f"forced by {_state.preference_source}={','.join(forced)}"
+        elif backend == "reference" and not _accelerated_kernels(op, device_type):
+            # Not a fallback: PyTorch ops are this op's implementation on
+            # this device (e.g. the DenseNet bottleneck on CPU).
+            reason = f"the PyTorch implementation is this op's {device_type} path"
         elif rejected:
             reason = "fallback; " + "; ".join(rejected)
         else:
@@ -204,7 +213,7 @@ def choice(op_name: str, device_type: str) -> Choice:
             if op is None:
                 raise KeyError(f"unknown effilayers op {op_name!r}; registered: {registered_ops()}")
             resolved = _resolve(op, device_type)
-            if _state.preference is None and resolved.backend == "reference" and device_type in _DEFAULT_ORDER:
+            if _state.preference is None and resolved.backend == "reference" and _accelerated_kernels(op, device_type):
                 _warn_fallback(device_type, resolved.reason)
             _state.choices[key] = resolved
         return _state.choices[key]

@@ -246,3 +246,18 @@ def test_new_build_directory_starts_from_the_newest_finished_build(tmp_path):
     (target / "abn.o").unlink()
     _build._seed_from_previous_build("cpu", target)
     assert not (target / "abn.o").exists()
+
+
+def test_an_op_whose_cpu_path_is_pytorch_does_not_warn():
+    """The DenseNet bottleneck has no C++ kernel by design (its CPU path is
+    PyTorch ops): choosing that path is not a fallback and must not warn."""
+    import warnings
+
+    from effilayers.ops import densenet  # noqa: F401 - registers the op
+
+    with effilayers.use_backend(None), warnings.catch_warnings():
+        backends._state.choices.pop(("dense_bottleneck_forward", "cpu"), None)
+        warnings.simplefilter("error")
+        chosen = backends.choice("dense_bottleneck_forward", "cpu")
+    assert chosen.backend == "reference"
+    assert "this op's cpu path" in chosen.reason

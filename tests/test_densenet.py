@@ -458,3 +458,141 @@ def test_double_backward_raises():
     x = torch.randn(2, 3, 8, 8, dtype=torch.float64, requires_grad=True)
     with pytest.raises(RuntimeError, match="double backward"):
         torch.autograd.grad(model(x).pow(2).sum(), x, create_graph=True)
+
+
+# ---- the 1x1 ops: PyTorch (CPU path) and Triton (virtual concatenation) -------------------------
+
+from effilayers.ops import densenet as densenet_ops  # noqa: E402
+
+from .conftest import BACKEND_PARAMS, TRITON_PARAMS, activate_backend, forced_backend  # noqa: E402
+
+OP_PARAMS = [p for p in BACKEND_PARAMS if "cuda-cuda" not in p.id and "cpp" not in p.id] + TRITON_PARAMS
+
+
+@pytest.fixture(params=OP_PARAMS)
+def op_device(request):
+    """Both 1x1 ops forced to one backend (the forward op's name decides the
+    skip; both ops have the same backends)."""
+    yield from forced_backend(request, "dense_bottleneck_forward")
+
+
+@pytest.fixture
+def poisoned_outputs(monkeypatch):
+    """Triton's output buffers start as NaN, so an element no kernel writes fails."""
+    try:
+        from effilayers.kernels import densenet as kernels
+    except ImportError:
+        return
+    original = kernels._output_like
+    monkeypatch.setattr(kernels, "_output_like", lambda first, channels: original(first, channels).fill_(float("nan")))
+
+
+def _op_case(device, dtype, layout, channels=(8, 37, 5), size=(2, 7, 5), seed=0, c_out=70):
+    gen = torch.Generator().manual_seed(seed)
+    memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    features = [(torch.randn(size[0], c, *size[1:], generator=gen) * (1 + i) + i)
+                .to(device=device, dtype=dtype).contiguous(memory_format=memory_format)
+                for i, c in enumerate(channels)]
+    total = sum(channels)
+    mean = torch.cat([f.double().mean((0, 2, 3)) for f in features]).float()
+    var = torch.cat([f.double().var((0, 2, 3), unbiased=False) for f in features]).float()
+    invstd = torch.rsqrt(var + 1e-5)
+    weight = torch.rand(total, generator=gen) + 0.5
+    bias = torch.randn(total, generator=gen) * 0.3
+    conv_weight = (torch.randn(c_out, total, 1, 1, generator=gen) / total ** 0.5).to(dtype)
+    vectors = [t.to(device) for t in (mean, invstd, weight, bias)]
+    return features, vectors, conv_weight.to(device)
+
+
+def _op_reference(features, vectors, conv_weight, grad_out, batch_stats):
+    """float64 autograd through cat, batch_norm, relu, conv2d."""
+    x = torch.cat([f.detach().double().cpu() for f in features], 1).requires_grad_()
+    mean, invstd, weight, bias = (v.double().cpu().requires_grad_() for v in vectors)
+    cw = conv_weight.detach().double().cpu().requires_grad_()
+    if batch_stats:
+        # The statistics are the batch's own: their dependence on x is part of dx.
+        var, mu = torch.var_mean(x, dim=(0, 2, 3), correction=0)
+        x_hat = (x - mu.view(1, -1, 1, 1)) * torch.rsqrt(var.view(1, -1, 1, 1) + 1e-5)
+    else:
+        x_hat = (x - mean.detach().view(1, -1, 1, 1)) * invstd.detach().view(1, -1, 1, 1)
+    out = F.conv2d(F.relu(x_hat * weight.view(1, -1, 1, 1) + bias.view(1, -1, 1, 1)), cw)
+    out.backward(grad_out.double().cpu())
+    return out, x.grad, bias.grad, weight.grad, cw.grad
+
+
+OP_TOLERANCES = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.float16: dict(rtol=1e-2, atol=2e-2)}
+
+
+@pytest.mark.parametrize("batch_stats", [True, False], ids=["batch-stats", "running-stats"])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_pointwise_ops_match_float64(op_device, poisoned_outputs, dtype, layout, batch_stats):
+    features, vectors, conv_weight = _op_case(op_device, dtype, layout)
+    grad_out = torch.randn(2, 70, 7, 5, generator=torch.Generator().manual_seed(1)).to(op_device, dtype)
+    out = densenet_ops._forward_op(features, *vectors, conv_weight)
+    grad_input, grad_bias, grad_weight, grad_conv = densenet_ops._backward_op(
+        grad_out, features, *vectors, conv_weight, batch_stats, True, True)
+    expected = _op_reference(features, vectors, conv_weight, grad_out, batch_stats)
+    tolerance = OP_TOLERANCES[dtype]
+    assert out.dtype == dtype and grad_input.dtype == dtype and grad_conv.dtype == dtype
+    if layout == "channels_last":
+        assert out.is_contiguous(memory_format=torch.channels_last)
+    for name, got, want in zip(["out", "grad_input", "grad_bias", "grad_weight", "grad_conv"],
+                               [out, grad_input, grad_bias, grad_weight, grad_conv], expected):
+        torch.testing.assert_close(got.double().cpu(), want, msg=name, **tolerance)
+
+
+def test_pointwise_ops_skip_what_is_not_asked_for(op_device):
+    features, vectors, conv_weight = _op_case(op_device, torch.float32, "contiguous")
+    grad_out = torch.randn(2, 70, 7, 5, device=op_device)
+    grad_input, grad_bias, grad_weight, grad_conv = densenet_ops._backward_op(
+        grad_out, features, *vectors, conv_weight, True, False, True)
+    assert grad_input.numel() == grad_bias.numel() == grad_weight.numel() == 0
+    expected = _op_reference(features, vectors, conv_weight, grad_out, True)[4]
+    torch.testing.assert_close(grad_conv.double().cpu(), expected, rtol=1e-4, atol=1e-4)
+    grad_input, _, _, grad_conv = densenet_ops._backward_op(
+        grad_out, features, *vectors, conv_weight, True, True, False)
+    assert grad_input.shape == (2, 50, 7, 5) and grad_conv.numel() == 0
+
+
+MODEL_BACKENDS = [
+    pytest.param(("cpp,reference", "cpu"), id="pytorch-cpu"),
+    pytest.param(("triton,cpp", "cpu"), id="triton-interpreter"),
+    pytest.param(("triton,cuda", "cuda"), id="triton-cuda", marks=pytest.mark.gpu),
+]
+
+
+@pytest.fixture(params=MODEL_BACKENDS)
+def model_device(request):
+    """The 1x1 ops on one backend, every other op on its compiled kernel."""
+    preference, device = request.param
+    context = activate_backend("dense_bottleneck_forward", preference, device)
+    try:
+        yield torch.device(device)
+    finally:
+        context.__exit__(None, None, None)
+
+
+def test_model_on_the_pointwise_backend_matches_the_naive_model(model_device):
+    """memory_efficient DenseNet with its 1x1 ops on this backend against the
+    plain model (float32; the naive model runs PyTorch's own kernels)."""
+    op_device = model_device
+    torch.manual_seed(0)
+    options = dict(growth_rate=4, block_config=(2, 2), num_init_features=8, bn_size=2, num_classes=5,
+                   small_inputs=True)
+    efficient = DenseNet(memory_efficient=True, **options).to(op_device)
+    naive = DenseNet(memory_efficient=False, **options).to(op_device)
+    naive.load_state_dict(efficient.state_dict())
+    x = torch.randn(3, 3, 12, 12, device=op_device)
+    _assert_same(efficient.train(), naive.train(), x, rtol=1e-4, atol=1e-4)
+    for a, b in zip(efficient.buffers(), naive.buffers()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_pointwise_ops_opcheck():
+    features, vectors, conv_weight = _op_case("cpu", torch.float32, "channels_last", channels=(3, 2), c_out=4)
+    grad_out = torch.randn(2, 4, 7, 5)
+    with effilayers.use_backend("reference"):
+        torch.library.opcheck(densenet_ops._forward_op, (features, *vectors, conv_weight))
+        torch.library.opcheck(densenet_ops._backward_op,
+                              (grad_out, features, *vectors, conv_weight, True, True, True))

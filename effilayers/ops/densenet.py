@@ -48,6 +48,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .. import backends
 from .stats import batch_stats, stats_dtype, values_per_channel
 
 __all__ = ["bottleneck"]
@@ -74,36 +75,171 @@ def _normalized(x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor, priva
     return (x.to(mean.dtype) - _channel_view(mean, dim)) * _channel_view(invstd, dim)
 
 
-def _activated(x_hat: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-               out_dtype: torch.dtype) -> torch.Tensor:
+def _affine_vectors(weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                    mean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """BatchNorm's weight and bias in the statistics' dtype (ones and zeros
+    without affine parameters)."""
+    w = torch.ones_like(mean) if weight is None else weight.detach().to(mean.dtype)
+    b = torch.zeros_like(mean) if bias is None else bias.detach().to(mean.dtype)
+    return w, b
+
+
+def _nothing(like: torch.Tensor) -> torch.Tensor:
+    """An output that was not asked for: empty, and its own tensor (a custom
+    op's outputs may not alias one another)."""
+    return like.new_empty(0)
+
+
+def _is_pointwise(conv_weight: torch.Tensor, padding: int) -> bool:
+    return padding == 0 and conv_weight.shape[2:] == (1, 1)
+
+
+def _activated(features: Sequence[torch.Tensor], mean: torch.Tensor, invstd: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_hat, relu(x_hat * weight + bias) in the maps' dtype), recomputed."""
+    x, private = _concatenated(features)
+    x_hat = _normalized(x, mean, invstd, private)
+    del x
     dim = x_hat.dim()
-    y = x_hat
-    if weight is not None:
-        y = y * _channel_view(weight.to(x_hat.dtype), dim)
-    if bias is not None:
-        y = y + _channel_view(bias.to(x_hat.dtype), dim)
-    elif y is x_hat:
-        y = x_hat.clone()  # x_hat is still needed in backward; never clamp it in place
-    return y.clamp_min_(0).to(out_dtype)
+    y = torch.addcmul(_channel_view(bias, dim), x_hat, _channel_view(weight, dim))
+    return x_hat, y.clamp_min_(0).to(features[0].dtype)
+
+
+def _forward_reference(features: Sequence[torch.Tensor], mean: torch.Tensor, invstd: torch.Tensor,
+                       weight: torch.Tensor, bias: torch.Tensor, conv_weight: torch.Tensor,
+                       padding: int = 0) -> torch.Tensor:
+    """cat, BatchNorm with the given statistics, ReLU and the convolution in
+    PyTorch ops: the CPU path and the oracle of the Triton kernels. Holds the
+    concatenation and the activation for the duration of the call only."""
+    _, y = _activated(features, mean, invstd, weight, bias)
+    return torch.nn.functional.conv2d(y, conv_weight, padding=padding)
+
+
+def _backward_reference(grad_out: torch.Tensor, features: Sequence[torch.Tensor], mean: torch.Tensor,
+                        invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, conv_weight: torch.Tensor,
+                        batch_stats: bool, need_input: bool, need_conv: bool, padding: int = 0):
+    """Gradients of :func:`_forward_reference` with respect to the maps,
+    BatchNorm's bias and weight and the convolution weight (module
+    docstring for the formulas). Returns ``(grad_input, grad_bias,
+    grad_weight, grad_conv)``, ``grad_input`` the gradient of the
+    concatenation; entries not asked for are empty."""
+    x_hat, y = _activated(features, mean, invstd, weight, bias)
+    dim = x_hat.dim()
+    grad_y, grad_conv = torch.ops.aten.convolution_backward(
+        grad_out, y, conv_weight, None, [1, 1], [padding] * 2, [1, 1], False, [0, 0], 1,
+        [need_input, need_conv, False])[:2]
+    grad_conv = grad_conv if need_conv else mean.new_empty(0)
+    if not need_input:
+        return _nothing(mean), _nothing(mean), _nothing(mean), grad_conv
+    # Through the ReLU: its output is zero exactly where it cut.
+    grad_z = grad_y.to(mean.dtype).masked_fill_(y <= 0, 0)
+    del y, grad_y
+    reduce_dims = [0] + list(range(2, dim))
+    grad_bias = grad_z.sum(reduce_dims)
+    grad_weight = (grad_z * x_hat).sum(reduce_dims)
+    if batch_stats:
+        n = x_hat.numel() // max(x_hat.shape[1], 1)
+        grad_x = x_hat.mul_(_channel_view(grad_weight / n, dim))
+        grad_x = grad_z.sub_(_channel_view(grad_bias / n, dim)).sub_(grad_x)
+    else:
+        grad_x = grad_z
+    grad_x = grad_x.mul_(_channel_view(invstd * weight, dim)).to(features[0].dtype)
+    return grad_x, grad_bias, grad_weight, grad_conv
+
+
+def _forward_triton(features, mean, invstd, weight, bias, conv_weight):
+    if features[0].dtype == torch.float64:
+        # tl.dot has no float64 here; the exact path serves double precision.
+        return _forward_reference(features, mean, invstd, weight, bias, conv_weight)
+    from ..kernels import densenet as kernels
+
+    return kernels.bottleneck_forward(features, mean, invstd, weight, bias, conv_weight)
+
+
+def _backward_triton(grad_out, features, mean, invstd, weight, bias, conv_weight, batch_stats, need_input,
+                     need_conv):
+    if features[0].dtype == torch.float64:
+        return _backward_reference(grad_out, features, mean, invstd, weight, bias, conv_weight, batch_stats,
+                                   need_input, need_conv)
+    from ..kernels import densenet as kernels
+
+    grad_input, grad_bias, grad_weight, grad_conv = kernels.bottleneck_backward(
+        grad_out, features, mean, invstd, weight, bias, conv_weight, batch_stats, need_input, need_conv)
+    if not need_conv:
+        grad_conv = _nothing(mean)
+    if not need_input:
+        return _nothing(mean), _nothing(mean), _nothing(mean), grad_conv
+    return grad_input, grad_bias, grad_weight, grad_conv
+
+
+backends.register(backends.OpKernels(name="dense_bottleneck_forward", reference=_forward_reference,
+                                     triton=_forward_triton))
+backends.register(backends.OpKernels(name="dense_bottleneck_backward", reference=_backward_reference,
+                                     triton=_backward_triton))
+
+
+@torch.library.custom_op("effilayers::dense_bottleneck_forward", mutates_args=())
+def _forward_op(features: list[torch.Tensor], mean: torch.Tensor, invstd: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor, conv_weight: torch.Tensor) -> torch.Tensor:
+    """conv1x1(relu(batch_norm(cat(features)))) with given statistics; no autograd
+    of its own (the Function below differentiates it)."""
+    return backends.kernel("dense_bottleneck_forward", features[0].device)(
+        features, mean, invstd, weight, bias, conv_weight)
+
+
+@_forward_op.register_fake
+def _(features, mean, invstd, weight, bias, conv_weight):
+    first = features[0]
+    channels_last = first.stride(1) == 1 and first.shape[1] > 1
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    return torch.empty((first.shape[0], conv_weight.shape[0], *first.shape[2:]), dtype=first.dtype,
+                       device=first.device, memory_format=layout)
+
+
+@torch.library.custom_op("effilayers::dense_bottleneck_backward", mutates_args=())
+def _backward_op(grad_out: torch.Tensor, features: list[torch.Tensor], mean: torch.Tensor, invstd: torch.Tensor,
+                 weight: torch.Tensor, bias: torch.Tensor, conv_weight: torch.Tensor, batch_stats: bool,
+                 need_input: bool, need_conv: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad of the concatenation, grad_bias, grad_weight, grad_conv) of the
+    forward op; entries not asked for are empty."""
+    return backends.kernel("dense_bottleneck_backward", grad_out.device)(
+        grad_out, features, mean, invstd, weight, bias, conv_weight, batch_stats, need_input, need_conv)
+
+
+@_backward_op.register_fake
+def _(grad_out, features, mean, invstd, weight, bias, conv_weight, batch_stats, need_input, need_conv):
+    first = features[0]
+    channels_last = first.stride(1) == 1 and first.shape[1] > 1
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    channels = sum(f.shape[1] for f in features)
+    grad_input = torch.empty((first.shape[0], channels, *first.shape[2:]), dtype=first.dtype, device=first.device,
+                             memory_format=layout) if need_input else _nothing(mean)
+    grad_bias = torch.empty_like(mean) if need_input else _nothing(mean)
+    grad_weight = torch.empty_like(mean) if need_input else _nothing(mean)
+    return grad_input, grad_bias, grad_weight, torch.empty_like(conv_weight) if need_conv else _nothing(mean)
 
 
 class _Bottleneck(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight, bias, running_mean, running_var, num_batches_tracked, conv_weight,
                 training, momentum, eps, padding, shared_mean, shared_var, *features):
-        x, private = _concatenated(features)
-        acc = stats_dtype(x.dtype)
+        first = features[0]
+        acc = stats_dtype(first.dtype)
         use_batch_stats = training or running_mean is None or running_var is None
         if use_batch_stats:
+            n = values_per_channel(first)
             if shared_mean is not None:
                 mean, var = shared_mean.detach(), shared_var.detach()
-                n = values_per_channel(x)
             else:
-                mean, var, count = batch_stats(x)
-                n = int(count)
+                # Per-channel statistics of a concatenation are those of its
+                # parts: no concatenated copy just to reduce it.
+                parts = [batch_stats(f)[:2] for f in features]
+                mean = torch.cat([m for m, _ in parts])
+                var = torch.cat([v for _, v in parts])
             if n <= 1:
-                raise ValueError(
-                    f"bottleneck: training needs more than one value per channel, got input shape {tuple(x.shape)}")
+                channels = sum(f.shape[1] for f in features)
+                raise ValueError("bottleneck: training needs more than one value per channel, got input shape "
+                                 f"{(first.shape[0], channels, *first.shape[2:])}")
             invstd = torch.rsqrt(var + eps)
             if training and running_mean is not None and running_var is not None:
                 # Once per forward, exactly like BatchNorm2d; backward recomputes
@@ -121,14 +257,14 @@ class _Bottleneck(torch.autograd.Function):
             # Copies: a later training forward may update the buffers before this backward runs.
             mean = running_mean.detach().to(acc, copy=True)
             invstd = torch.rsqrt(running_var.detach().to(acc) + eps)
-        y = _activated(_normalized(x, mean, invstd, private), weight, bias, x.dtype)
-        del x
-        out = torch.nn.functional.conv2d(y, conv_weight.to(y.dtype), padding=padding)
+        vectors = _affine_vectors(weight, bias, mean)
+        if _is_pointwise(conv_weight, padding):
+            out = _forward_op(list(features), mean, invstd, *vectors, conv_weight.to(features[0].dtype))
+        else:
+            out = _forward_reference(features, mean, invstd, *vectors, conv_weight.to(features[0].dtype), padding)
         ctx.padding = padding
         ctx.use_batch_stats = use_batch_stats
-        ctx.count = n
         ctx.num_features = len(features)
-        ctx.splits = [f.shape[1] for f in features]
         ctx.save_for_backward(weight, bias, conv_weight, mean, invstd, *features)
         return out
 
@@ -141,38 +277,23 @@ class _Bottleneck(torch.autograd.Function):
             # with explicit inputs would then drop those terms silently.)
             raise RuntimeError("effilayers DenseNet bottleneck does not support double backward (create_graph=True)")
         weight, bias, conv_weight, mean, invstd, *features = ctx.saved_tensors
-        x, private = _concatenated(features)
-        in_dtype = x.dtype
-        dim = x.dim()
-        x_hat = _normalized(x, mean, invstd, private)
-        del x
-        y = _activated(x_hat, weight, bias, in_dtype)
         first_feature = _FIRST_FEATURE
-        need_input = any(ctx.needs_input_grad[first_feature:]) or ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        grad_y, grad_conv = torch.ops.aten.convolution_backward(
-            grad_out, y, conv_weight.to(in_dtype), None, [1, 1], [ctx.padding] * 2, [1, 1], False, [0, 0], 1,
-            [need_input, ctx.needs_input_grad[5], False])[:2]
-        if grad_conv is not None:
-            grad_conv = grad_conv.to(conv_weight.dtype)
-        if not need_input:
-            return (None,) * 5 + (grad_conv,) + (None,) * (first_feature - 6 + ctx.num_features)
-        # Through the ReLU: its output is zero exactly where it cut.
-        grad_bn = grad_y.to(mean.dtype).masked_fill_(y <= 0, 0)
-        del y, grad_y
-        reduce_dims = [0] + list(range(2, dim))
-        grad_bias = grad_bn.sum(reduce_dims)
-        grad_weight = (grad_bn * x_hat).sum(reduce_dims)
-        scale = invstd if weight is None else invstd * weight.to(mean.dtype)
-        grad_x = None
-        if any(ctx.needs_input_grad[first_feature:]):
-            if ctx.use_batch_stats:
-                n = ctx.count
-                grad_x = x_hat.mul_(_channel_view(grad_weight / n, dim))
-                grad_x = grad_bn.sub_(_channel_view(grad_bias / n, dim)).sub_(grad_x)
-            else:
-                grad_x = grad_bn
-            grad_x = grad_x.mul_(_channel_view(scale, dim)).to(in_dtype)
-        grad_features = [None] * ctx.num_features if grad_x is None else list(torch.split(grad_x, ctx.splits, 1))
+        need_features = any(ctx.needs_input_grad[first_feature:])
+        need_input = need_features or ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        need_conv = ctx.needs_input_grad[5]
+        in_dtype = features[0].dtype
+        vectors = _affine_vectors(weight, bias, mean)
+        args = (grad_out, features, mean, invstd, *vectors, conv_weight.to(in_dtype), ctx.use_batch_stats,
+                need_input, need_conv)
+        if _is_pointwise(conv_weight, ctx.padding):
+            grad_input, grad_bias, grad_weight, grad_conv = _backward_op(*args)
+        else:
+            grad_input, grad_bias, grad_weight, grad_conv = _backward_reference(*args, padding=ctx.padding)
+        grad_conv = grad_conv.to(conv_weight.dtype) if need_conv else None
+        if need_features:
+            grad_features = list(torch.split(grad_input, [f.shape[1] for f in features], 1))
+        else:
+            grad_features = [None] * ctx.num_features
         grad_features = [g if need else None for g, need in zip(grad_features, ctx.needs_input_grad[first_feature:])]
         return (
             None if weight is None or not ctx.needs_input_grad[0] else grad_weight.to(weight.dtype),

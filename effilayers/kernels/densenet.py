@@ -1,0 +1,338 @@
+"""Triton kernels of the DenseNet bottleneck ``conv1x1(relu(batch_norm(cat(features))))``.
+
+A 1x1 convolution is a GEMM: ``out[m, o] = sum_k y[m, k] * W[o, k]`` over the
+pixels ``m`` (N*H*W rows) and the input channels ``k``. Here ``y`` is never
+written anywhere: it is ``relu((x - mean) * scale + bias)`` of the
+concatenated input ``x``, and the K loop of every GEMM below walks the list of
+feature maps directly ("virtual concatenation"), normalising and rectifying
+each tile as it is loaded. ``scale`` is ``weight * invstd``.
+
+The list of maps arrives as a table, one int64 row per map:
+``(data pointer, channels, first channel in the concatenation, stride of n,
+stride of c, stride of h*w)``. Any layout whose h and w merge into one stride
+works, so NCHW and channels_last maps are read in place; the K loop runs over
+a second table of (map, first channel) tiles built on the host.
+
+Kernels:
+
+``_forward``        out = y @ W^T, written in the layout of the first map.
+``_grad_input``     dy = dout @ W per (pixel block, channel tile), through the
+                    ReLU mask (recomputed); per-block partial sums of
+                    dz and dz * x_hat (BatchNorm's reductions) go to a small
+                    buffer reduced on the host (deterministic, no atomics);
+                    dz is written into the gradient of the concatenation
+                    (the output that autograd splits among the maps), or,
+                    with running statistics, the finished dx = dz * scale.
+``_finish_grad_input``  dx = scale * (dz - mean(dz) - x_hat * mean(dz * x_hat)),
+                    in place over dz (batch statistics only).
+``_grad_weight``    dW = dout^T @ y with y recomputed per tile.
+
+Accumulation is float32 throughout; ``tl.dot`` takes the maps' dtype (fp16,
+bf16, or fp32 as TF32 when torch allows TF32 convolutions, as cuDNN would).
+Block sizes: 64 pixels x 64 output channels x 32 input channels keeps the
+three tiles of a float32 dot (8 KB + 8 KB + 16 KB accumulator) in registers
+of 4 warps; DenseNet's bottleneck has 128 output channels (2 tiles) and its
+maps have 32 channels each (one K tile per map). They are untuned: no GPU
+was available when this was written, so no block size was measured.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+TABLE_COLUMNS = 6
+BLOCK_M = 64
+BLOCK_N = 64
+BLOCK_K = 32
+NUM_WARPS = 4
+
+
+@triton.jit
+def _tile_of_map(table, tiles, t, offs_m, M, HW, dtype_ptr, BLOCK_K: tl.constexpr):
+    """Pointers, mask and channel numbers of K tile ``t`` for the rows offs_m."""
+    f = tl.load(tiles + 2 * t)
+    k_start = tl.load(tiles + 2 * t + 1)
+    row = table + f * 6
+    base = tl.load(row).to(dtype_ptr.dtype)
+    channels = tl.load(row + 1)
+    first = tl.load(row + 2)
+    stride_n = tl.load(row + 3)
+    stride_c = tl.load(row + 4)
+    stride_hw = tl.load(row + 5)
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    mask_k = offs_k < channels
+    n = offs_m // HW
+    hw = offs_m % HW
+    offsets = (n * stride_n + hw * stride_hw)[:, None] + offs_k[None, :].to(tl.int64) * stride_c
+    mask = (offs_m < M)[:, None] & mask_k[None, :]
+    return base, offsets, mask, first + offs_k, mask_k
+
+
+@triton.jit
+def _gradient_tile(grad_table, tiles, t, offs_m, HW, channel, dtype_ptr):
+    """Base pointer and offsets of K tile ``t`` in the gradient buffer (one
+    (N, K, H, W) tensor; ``channel`` counts in the concatenation)."""
+    base = tl.load(grad_table).to(dtype_ptr.dtype)
+    stride_n = tl.load(grad_table + 1)
+    stride_c = tl.load(grad_table + 2)
+    stride_hw = tl.load(grad_table + 3)
+    n = offs_m // HW
+    hw = offs_m % HW
+    return base, (n * stride_n + hw * stride_hw)[:, None] + channel[None, :] * stride_c
+
+
+@triton.jit
+def _activated(x, channel, mask_k, mean, scale, bias):
+    """relu((x - mean) * scale + bias) in float32, zero in padding channels."""
+    mu = tl.load(mean + channel, mask=mask_k, other=0.0)
+    s = tl.load(scale + channel, mask=mask_k, other=0.0)
+    b = tl.load(bias + channel, mask=mask_k, other=0.0)
+    z = (x.to(tl.float32) - mu[None, :]) * s[None, :] + b[None, :]
+    return tl.maximum(z, 0.0)
+
+
+@triton.jit
+def _forward(table, tiles, num_tiles, mean, scale, bias, weight, out,
+             M, HW, K, C_OUT, out_stride_n, out_stride_c, out_stride_hw,
+             ALLOW_TF32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < C_OUT
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for t in range(num_tiles):
+        base, offsets, mask, channel, mask_k = _tile_of_map(table, tiles, t, offs_m, M, HW, weight, BLOCK_K)
+        x = tl.load(base + offsets, mask=mask, other=0.0)
+        y = _activated(x, channel, mask_k, mean, scale, bias).to(weight.dtype.element_ty)
+        w = tl.load(weight + offs_n[None, :].to(tl.int64) * K + channel[:, None],
+                    mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if ALLOW_TF32:
+            acc += tl.dot(y, w)
+        else:
+            acc += tl.dot(y, w, input_precision="ieee")
+    n = offs_m // HW
+    hw = offs_m % HW
+    destination = out + (n * out_stride_n + hw * out_stride_hw)[:, None] + offs_n[None, :].to(tl.int64) * out_stride_c
+    tl.store(destination, acc.to(out.dtype.element_ty), mask=(offs_m < M)[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _grad_input(table, grad_table, tiles, mean, invstd, scale, bias, weight, grad_out, partial_dz, partial_dz_xhat,
+                M, HW, K, C_OUT, go_stride_n, go_stride_c, go_stride_hw,
+                BATCH_STATS: tl.constexpr, ALLOW_TF32: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    t = tl.program_id(1)
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    base, offsets, mask, channel, mask_k = _tile_of_map(table, tiles, t, offs_m, M, HW, weight, BLOCK_K)
+    n = offs_m // HW
+    hw = offs_m % HW
+    row_offsets = n * go_stride_n + hw * go_stride_hw
+    # dy = dout @ W over every output channel.
+    grad_y = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    for o_start in range(0, C_OUT, BLOCK_N):
+        offs_o = o_start + tl.arange(0, BLOCK_N)
+        mask_o = offs_o < C_OUT
+        g = tl.load(grad_out + row_offsets[:, None] + offs_o[None, :].to(tl.int64) * go_stride_c,
+                    mask=mask_m[:, None] & mask_o[None, :], other=0.0)
+        w = tl.load(weight + offs_o[:, None].to(tl.int64) * K + channel[None, :],
+                    mask=mask_o[:, None] & mask_k[None, :], other=0.0)
+        if ALLOW_TF32:
+            grad_y += tl.dot(g, w)
+        else:
+            grad_y += tl.dot(g, w, input_precision="ieee")
+    # Through the ReLU (recomputed: its output is positive exactly where it passed).
+    x = tl.load(base + offsets, mask=mask, other=0.0).to(tl.float32)
+    y = _activated(x, channel, mask_k, mean, scale, bias)
+    grad_z = tl.where(y > 0.0, grad_y, 0.0)
+    mu = tl.load(mean + channel, mask=mask_k, other=0.0)
+    inv = tl.load(invstd + channel, mask=mask_k, other=0.0)
+    x_hat = (x - mu[None, :]) * inv[None, :]
+    partial_offsets = pid_m.to(tl.int64) * K + channel
+    tl.store(partial_dz + partial_offsets, tl.sum(grad_z, axis=0), mask=mask_k)
+    tl.store(partial_dz_xhat + partial_offsets, tl.sum(grad_z * x_hat, axis=0), mask=mask_k)
+    grad_base, grad_offsets = _gradient_tile(grad_table, tiles, t, offs_m, HW, channel, weight)
+    if BATCH_STATS:
+        tl.store(grad_base + grad_offsets, grad_z.to(weight.dtype.element_ty), mask=mask)
+    else:
+        s = tl.load(scale + channel, mask=mask_k, other=0.0)
+        tl.store(grad_base + grad_offsets, (grad_z * s[None, :]).to(weight.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _finish_grad_input(table, grad_table, tiles, mean, invstd, scale, mean_dz, mean_dz_xhat, M, HW, dtype_ptr,
+                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    t = tl.program_id(1)
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    base, offsets, mask, channel, mask_k = _tile_of_map(table, tiles, t, offs_m, M, HW, dtype_ptr, BLOCK_K)
+    grad_base, grad_offsets = _gradient_tile(grad_table, tiles, t, offs_m, HW, channel, dtype_ptr)
+    x = tl.load(base + offsets, mask=mask, other=0.0).to(tl.float32)
+    grad_z = tl.load(grad_base + grad_offsets, mask=mask, other=0.0).to(tl.float32)
+    mu = tl.load(mean + channel, mask=mask_k, other=0.0)
+    inv = tl.load(invstd + channel, mask=mask_k, other=0.0)
+    s = tl.load(scale + channel, mask=mask_k, other=0.0)
+    a = tl.load(mean_dz + channel, mask=mask_k, other=0.0)
+    b = tl.load(mean_dz_xhat + channel, mask=mask_k, other=0.0)
+    x_hat = (x - mu[None, :]) * inv[None, :]
+    grad_x = s[None, :] * (grad_z - a[None, :] - x_hat * b[None, :])
+    tl.store(grad_base + grad_offsets, grad_x.to(dtype_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _grad_weight(table, tiles, mean, scale, bias, grad_out, grad_weight, dtype_ptr,
+                 M, HW, K, C_OUT, go_stride_n, go_stride_c, go_stride_hw,
+                 ALLOW_TF32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_o = tl.program_id(0)
+    t = tl.program_id(1)
+    offs_o = pid_o * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_o = offs_o < C_OUT
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    channel = tl.zeros((BLOCK_K,), dtype=tl.int64)
+    mask_k = channel < 0
+    for m_start in range(0, M, BLOCK_M):
+        offs_m = m_start + tl.arange(0, BLOCK_M).to(tl.int64)
+        mask_m = offs_m < M
+        base, offsets, mask, channel, mask_k = _tile_of_map(table, tiles, t, offs_m, M, HW, dtype_ptr, BLOCK_K)
+        x = tl.load(base + offsets, mask=mask, other=0.0)
+        # Rows past M must not contribute relu(bias): zero them.
+        y = tl.where(mask_m[:, None], _activated(x, channel, mask_k, mean, scale, bias), 0.0)
+        n = offs_m // HW
+        hw = offs_m % HW
+        g = tl.load(grad_out + (n * go_stride_n + hw * go_stride_hw)[None, :] + offs_o[:, None].to(tl.int64) * go_stride_c,
+                    mask=mask_o[:, None] & mask_m[None, :], other=0.0)
+        if ALLOW_TF32:
+            acc += tl.dot(g, y.to(dtype_ptr.dtype.element_ty))
+        else:
+            acc += tl.dot(g, y.to(dtype_ptr.dtype.element_ty), input_precision="ieee")
+    tl.store(grad_weight + offs_o[:, None].to(tl.int64) * K + channel[None, :], acc,
+             mask=mask_o[:, None] & mask_k[None, :])
+
+
+# ---- host side ------------------------------------------------------------------------------------
+
+
+def _readable(feature: torch.Tensor) -> torch.Tensor:
+    """The map itself when its h and w merge into one stride (NCHW and
+    channels_last both do), else a contiguous copy."""
+    _, _, _, width = feature.shape
+    stride_n, stride_c, stride_h, stride_w = feature.stride()
+    if stride_h == width * stride_w or feature.shape[2] == 1:
+        return feature
+    return feature.contiguous()
+
+
+def _pixel_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """(stride of n, stride of c, stride of the merged h*w index)."""
+    return t.stride(0), t.stride(1), t.stride(3)
+
+
+def _tables(features: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    rows, tiles, first = [], [], 0
+    for index, feature in enumerate(features):
+        stride_n, stride_c, stride_hw = _pixel_strides(feature)
+        channels = feature.shape[1]
+        rows.append([feature.data_ptr(), channels, first, stride_n, stride_c, stride_hw])
+        tiles.extend([index, start] for start in range(0, channels, BLOCK_K))
+        first += channels
+    device = features[0].device
+    table = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+    tile_table = torch.tensor(tiles, dtype=torch.int64).to(device, non_blocking=True)
+    return table, tile_table, len(tiles)
+
+
+def _allow_tf32(dtype: torch.dtype) -> bool:
+    return dtype == torch.float32 and torch.backends.cudnn.allow_tf32
+
+
+def _output_like(first: torch.Tensor, channels: int) -> torch.Tensor:
+    n, _, h, w = first.shape
+    channels_last = first.dim() == 4 and first.stride(1) == 1 and first.shape[1] > 1
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    return torch.empty((n, channels, h, w), device=first.device, dtype=first.dtype, memory_format=layout)
+
+
+def bottleneck_forward(features: Sequence[torch.Tensor], mean: torch.Tensor, invstd: torch.Tensor,
+                       weight: torch.Tensor, bias: torch.Tensor, conv_weight: torch.Tensor) -> torch.Tensor:
+    """``conv1x1(relu((cat(features) - mean) * invstd * weight + bias), conv_weight)``;
+    the per-channel vectors float32 (K,), conv_weight (C_out, K, 1, 1) in the maps' dtype."""
+    scale = invstd * weight
+    features = [_readable(f) for f in features]
+    first = features[0]
+    batch, _, height, width = first.shape
+    total, hw = batch * height * width, height * width
+    matrix = conv_weight.reshape(conv_weight.shape[0], -1).contiguous()
+    c_out, k = matrix.shape
+    out = _output_like(first, c_out)
+    if total == 0 or c_out == 0:
+        return out
+    table, tiles, num_tiles = _tables(features)
+    grid = (triton.cdiv(total, BLOCK_M), triton.cdiv(c_out, BLOCK_N))
+    _forward[grid](table, tiles, num_tiles, mean, scale, bias, matrix, out, total, hw, k, c_out,
+                   *_pixel_strides(out), ALLOW_TF32=_allow_tf32(first.dtype),
+                   BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
+    return out
+
+
+def bottleneck_backward(grad_out: torch.Tensor, features: Sequence[torch.Tensor], mean: torch.Tensor,
+                        invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, conv_weight: torch.Tensor,
+                        batch_stats: bool, need_input: bool, need_conv: bool):
+    """Gradients of :func:`bottleneck_forward` with BatchNorm's backward fused.
+
+    Returns ``(grad_input, sum_dz, sum_dz_xhat, grad_conv)``: ``grad_input``
+    is the gradient of the concatenation, (N, K, H, W), None unless
+    ``need_input``; ``sum_dz`` is the gradient of BatchNorm's bias,
+    ``sum_dz_xhat`` that of its weight; ``grad_conv`` None unless
+    ``need_conv``. With ``batch_stats`` the statistics are the batch's own
+    (their dependence on the input is part of dx); else they are constants.
+    """
+    scale = invstd * weight
+    features = [_readable(f) for f in features]
+    first = features[0]
+    batch, _, height, width = first.shape
+    total, hw = batch * height * width, height * width
+    matrix = conv_weight.reshape(conv_weight.shape[0], -1).contiguous()
+    c_out, k = matrix.shape
+    grad_out = grad_out if grad_out.stride(2) == width * grad_out.stride(3) else grad_out.contiguous()
+    table, tiles, num_tiles = _tables(features)
+    allow_tf32 = _allow_tf32(first.dtype)
+    go_strides = _pixel_strides(grad_out)
+    grad_input: Optional[torch.Tensor] = None
+    sum_dz = torch.zeros(k, device=first.device, dtype=torch.float32)
+    sum_dz_xhat = torch.zeros_like(sum_dz)
+    if need_input and total > 0:
+        # One buffer for every map's gradient (the caller splits it), in
+        # the layout of the first map.
+        grad_input = _output_like(first, k)
+        grad_table = torch.tensor([grad_input.data_ptr(), *_pixel_strides(grad_input)],
+                                  dtype=torch.int64).to(first.device)
+        blocks = triton.cdiv(total, BLOCK_M)
+        partial_dz = torch.zeros((blocks, k), device=first.device, dtype=torch.float32)
+        partial_dz_xhat = torch.zeros_like(partial_dz)
+        _grad_input[(blocks, num_tiles)](
+            table, grad_table, tiles, mean, invstd, scale, bias, matrix, grad_out, partial_dz, partial_dz_xhat,
+            total, hw, k, c_out, *go_strides, BATCH_STATS=batch_stats, ALLOW_TF32=allow_tf32,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
+        sum_dz = partial_dz.sum(0)
+        sum_dz_xhat = partial_dz_xhat.sum(0)
+        if batch_stats:
+            _finish_grad_input[(blocks, num_tiles)](
+                table, grad_table, tiles, mean, invstd, scale, sum_dz / total, sum_dz_xhat / total, total, hw,
+                matrix, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
+    elif need_input:
+        grad_input = _output_like(first, k).zero_()
+    grad_conv = None
+    if need_conv:
+        grad_weight = torch.zeros((c_out, k), device=first.device, dtype=torch.float32)
+        if total > 0 and c_out > 0:
+            _grad_weight[(triton.cdiv(c_out, BLOCK_N), num_tiles)](
+                table, tiles, mean, scale, bias, grad_out, grad_weight, matrix, total, hw, k, c_out, *go_strides,
+                ALLOW_TF32=allow_tf32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
+        grad_conv = grad_weight.to(conv_weight.dtype).view_as(conv_weight)
+    return grad_input, sum_dz, sum_dz_xhat, grad_conv
