@@ -176,6 +176,7 @@ class Setup:
     channels_last: bool
     steps: int
     train_steps: int
+    compile: bool = False
 
     def autocast(self) -> ContextManager:
         if self.dtype == torch.float32:
@@ -239,12 +240,17 @@ def _num_classes(model: nn.Module, setup: Setup) -> int:
     return logits.shape[1]
 
 
-def _measure(model: nn.Module, setup: Setup, num_classes: int, tick: Callable[[], None]) -> dict[str, Any]:
+def _measure(model: nn.Module, setup: Setup, num_classes: int, tick: Callable[[], None],
+             eager: Optional[nn.Module] = None) -> dict[str, Any]:
+    """``model`` is what is timed (compiled with --compile); activation bytes
+    are counted on ``eager`` (the same module uncompiled, the same function):
+    saved-tensor hooks see what eager autograd keeps, not a compiled graph."""
     optimizer = _optimizer(model)
     images, labels = setup.data(setup.batch, num_classes, seed=SEED)
     with setup.autocast():
-        activation = memory.activation_bytes(model, images)
-    _train_step(model, optimizer, setup, images, labels)  # warm-up: first-call allocations and kernel builds
+        activation = memory.activation_bytes(eager if eager is not None else model, images)
+    # Warm-up: first-call allocations, kernel builds and, with --compile, compilation.
+    _train_step(model, optimizer, setup, images, labels)
     tick()
     peak = None
     if setup.device.type == "cuda":
@@ -345,17 +351,22 @@ def _run_model(variants: list[Variant], setup: Setup, max_batch_limit: Optional[
                 notes.append("state dict incompatible with plain PyTorch's: own initialisation from the same seed")
         initial_state = copy.deepcopy(model.state_dict())
         model = _prepare(model, setup)
-        measured = _measure(model, setup, num_classes, bar.update)
+        runner = model
+        if setup.compile:
+            # Modules under torch.compile: effilayers' ops are custom ops
+            # with fake implementations, so they stay in the graph.
+            runner = torch.compile(model)
+        measured = _measure(runner, setup, num_classes, bar.update, eager=model)
         losses = None
         if setup.train_steps:
             model.load_state_dict(initial_state)
-            losses = _train_curve(model, setup, num_classes, bar.update)
+            losses = _train_curve(runner, setup, num_classes, bar.update)
         max_batch = None
         if max_batch_limit is not None:
-            max_batch = _cuda_max_batch(model, setup, num_classes, max_batch_limit)
+            max_batch = _cuda_max_batch(runner, setup, num_classes, max_batch_limit)
         results.append(Result(variant.model, variant.name, same_weights, losses=losses, max_batch=max_batch,
                               notes=notes, **measured))
-        del model, initial_state
+        del model, runner, initial_state
         gc.collect()
         if setup.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -452,6 +463,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                         help="float32, or autocast to bfloat16/float16 (float16 needs CUDA)")
     parser.add_argument("--channels-last", action="store_true", help="channels_last model and images")
+    parser.add_argument("--compile", action="store_true",
+                        help="run every variant under torch.compile (the first step, which compiles, is not timed; "
+                             "activation bytes are counted on the eager module)")
     parser.add_argument("--steps", type=int, help="timed training steps per variant (default: 10 on CUDA, 3 on CPU)")
     parser.add_argument("--train", type=int, default=0, metavar="N",
                         help="also train N steps per variant from the same weights and data; report the losses")
@@ -480,7 +494,8 @@ def _setup(args: argparse.Namespace) -> Setup:
                   batch=args.batch if args.batch is not None else (32 if on_cuda else 2),
                   size=args.size if args.size is not None else (224 if on_cuda else 64),
                   dtype=dtype, channels_last=args.channels_last,
-                  steps=args.steps if args.steps is not None else (10 if on_cuda else 3), train_steps=args.train)
+                  steps=args.steps if args.steps is not None else (10 if on_cuda else 3), train_steps=args.train,
+                  compile=args.compile)
     for name, value, minimum in (("--batch", setup.batch, 1), ("--size", setup.size, 32), ("--steps", setup.steps, 1),
                                  ("--train", setup.train_steps, 0), ("--max-batch-limit", args.max_batch_limit, 1)):
         if value < minimum:
@@ -507,7 +522,8 @@ def _run(argv: list[str]) -> int:
         variants_per_model.append(_builtin_variants(spec) if spec in BUILTIN_MODELS else _custom_variants(spec))
 
     print(f"effilayers bench: {setup.device.type}, batch {setup.batch}, {setup.size}x{setup.size}, "
-          f"{args.dtype}{', channels_last' if setup.channels_last else ''}, "
+          f"{args.dtype}{', channels_last' if setup.channels_last else ''}"
+          f"{', torch.compile' if setup.compile else ''}, "
           f"1 warm-up + {setup.steps} timed steps per variant", flush=True)
     ticks_per_variant = 1 + setup.steps + setup.train_steps
     bar = _progress(sum(len(v) for v in variants_per_model) * ticks_per_variant)
@@ -538,7 +554,8 @@ def _run(argv: list[str]) -> int:
             "command": shlex.join([sys.executable, "-m", "effilayers.bench", *argv]),
             "argv": list(argv),
             "settings": {"device": setup.device.type, "batch": setup.batch, "size": setup.size, "dtype": args.dtype,
-                         "channels_last": setup.channels_last, "steps": setup.steps, "train": setup.train_steps,
+                         "channels_last": setup.channels_last, "compile": setup.compile, "steps": setup.steps,
+                         "train": setup.train_steps,
                          "max_batch_limit": args.max_batch_limit if args.max_batch else None},
             "environment": collect(),
             "results": [vars(r) for r in results],

@@ -120,6 +120,24 @@ def test_module_callable_model_with_training_curves(tmp_path, capsys):
         assert (tmp_path / "bench.png").read_bytes()[:8] == PNG_SIGNATURE
 
 
+def test_compile_times_compiled_modules_and_counts_eager_activations(tmp_path, capsys):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    args = ("--model", "tests.test_bench:tiny_convertible_model", "--size", "32", "--batch", "2", "--steps", "1")
+    compiled = run_bench(tmp_path, *args, "--compile")
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2  # one per variant at least
+    assert compiled["settings"]["compile"] is True
+    assert "torch.compile" in capsys.readouterr().out
+    eager = run_bench(tmp_path, *args)
+    assert eager["settings"]["compile"] is False
+    for variant, result in by_variant(compiled).items():
+        assert result["activation_bytes"] == by_variant(eager)[variant]["activation_bytes"]
+        assert result["step_time_s"] > 0
+    torch._dynamo.reset()
+
+
 def test_model_that_does_not_convert_has_one_variant(tmp_path):
     report = run_bench(tmp_path, "--model", "tests.test_bench:tiny_model_without_norm", "--size", "32",
                        "--batch", "2", "--steps", "1")
