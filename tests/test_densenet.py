@@ -655,3 +655,35 @@ def test_block_output_used_out_of_place_trains():
     torch.testing.assert_close(outputs[0][1], outputs[1][1], rtol=0, atol=1e-12)
     for a, b in zip(outputs[0][2], outputs[1][2]):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-11)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch_stats", [True, False], ids=["batch-stats", "running-stats"])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_pointwise_ops_bf16_on_gpu(layout, batch_stats):
+    """bf16 on the real GPU (the interpreter has no bf16 arithmetic)."""
+    with effilayers.use_backend("triton"):
+        features, vectors, conv_weight = _op_case("cuda", torch.bfloat16, layout)
+        grad_out = torch.randn(2, 70, 7, 5, device="cuda", dtype=torch.bfloat16)
+        out = densenet_ops._forward_op(features, *vectors, conv_weight)
+        grads = densenet_ops._backward_op(grad_out, features, *vectors, conv_weight, batch_stats, True, True)
+    expected = _op_reference(features, vectors, conv_weight, grad_out, batch_stats)
+    for got, want in zip([out, *grads], expected):
+        torch.testing.assert_close(got.double().cpu(), want, rtol=2e-2, atol=5e-2)
+
+
+@pytest.mark.gpu
+def test_densenet264_trains_at_batch_64_bf16_224():
+    """Issue 4's capacity target: DenseNet-264, batch 64, 224x224, bf16
+    autocast, one training step on one 80 GB GPU."""
+    model = models.densenet264().cuda().to(memory_format=torch.channels_last)
+    x = torch.randn(64, 3, 224, 224, device="cuda").contiguous(memory_format=torch.channels_last)
+    target = torch.randint(0, 1000, (64,), device="cuda")
+    with memory.track_cuda_peak() as peak:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x).float(), target)
+        loss.backward()
+        torch.cuda.synchronize()
+    print(f"\ndensenet264 64x3x224x224 bf16: peak {peak.peak_bytes / 2**30:.1f} GiB")
+    assert torch.isfinite(loss)
+    assert peak.peak_bytes < 80 * 10**9
