@@ -1,0 +1,106 @@
+"""The README's headline table, generated from committed ``effilayers-bench``
+results (never typed by hand).
+
+    python -m effilayers.bench --json benchmarks/results/bench-<device>-<date>.json
+    python benchmarks/headline.py benchmarks/results/bench-<device>-<date>.json [more.json ...] --readme README.md
+
+Prints one markdown table per results file (device, settings and the exact
+command above it); with ``--readme`` the text between
+``<!-- headline:start -->`` and ``<!-- headline:end -->`` in that file is
+replaced by them. tests/test_bench.py checks that the README's table is what
+this script makes of the files it names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+START = "<!-- headline:start -->"
+END = "<!-- headline:end -->"
+
+
+def _mib(value: Optional[int]) -> str:
+    return "n/a" if value is None else f"{value / 2**20:,.1f}"
+
+
+def _with_ratio(text: str, ratio: Optional[float]) -> str:
+    return text if ratio is None else f"{text} ({ratio:.2f}×)"
+
+
+def _device(report: dict) -> str:
+    environment = report.get("environment", {})
+    device = environment.get("device")
+    if isinstance(device, dict):
+        name = device.get("name") or device.get("type")
+    else:
+        name = device
+    threads = environment.get("threads")
+    return f"{name}" + (f", {threads} threads" if threads and report["settings"]["device"] == "cpu" else "")
+
+
+def table(report: dict, source: str) -> str:
+    settings = report["settings"]
+    results = report["results"]
+    max_batch = any(r.get("max_batch") is not None for r in results)
+    header = ["model", "variant", "activation MiB", "CUDA peak MiB", "step ms", "images/s"]
+    if max_batch:
+        header.append("max batch")
+    lines = [
+        f"`{source}`: {_device(report)}; batch {settings['batch']}, {settings['size']}×{settings['size']}, "
+        f"{settings['dtype']}{', channels_last' if settings.get('channels_last') else ''}"
+        f"{', torch.compile' if settings.get('compile') else ''}; median of {settings['steps']} steps. "
+        f"Command: `{report['command']}`. Ratios are to plain PyTorch.",
+        "",
+        "| " + " | ".join(header) + " |",
+        "| " + " | ".join("---" for _ in header) + " |",
+    ]
+    for r in results:
+        ratios = r.get("ratios", {})
+        row = [r["model"], r["variant"],
+               _with_ratio(_mib(r["activation_bytes"]), ratios.get("activation_bytes")),
+               _with_ratio(_mib(r.get("cuda_peak_bytes")), ratios.get("cuda_peak_bytes")),
+               _with_ratio(f"{r['step_time_s'] * 1e3:.1f}", ratios.get("step_time")),
+               _with_ratio(f"{r['images_per_s']:.1f}", ratios.get("images_per_s"))]
+        if max_batch:
+            row.append(_with_ratio(str(r.get("max_batch")), ratios.get("max_batch")))
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def render(paths: list[str]) -> str:
+    blocks = []
+    for path in paths:
+        report = json.loads(Path(path).read_text())
+        blocks.append(table(report, Path(path).as_posix()))
+    return "\n\n".join(blocks)
+
+
+def replace_in(readme: str, rendered: str) -> str:
+    if readme.count(START) != 1 or readme.count(END) != 1 or readme.index(START) > readme.index(END):
+        raise ValueError(f"the README must contain one {START} ... {END} section")
+    head, rest = readme.split(START)
+    _, tail = rest.split(END)
+    return f"{head}{START}\n{rendered}\n{END}{tail}"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", nargs="+", help="JSON files written by effilayers-bench --json")
+    parser.add_argument("--readme", help="replace the headline section of this file")
+    args = parser.parse_args(argv)
+    rendered = render(args.results)
+    if args.readme:
+        path = Path(args.readme)
+        path.write_text(replace_in(path.read_text(), rendered))
+        print(f"updated {path}")
+    else:
+        print(rendered)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
