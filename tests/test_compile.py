@@ -88,3 +88,27 @@ def test_densenet_bottleneck_compiles_fullgraph():
     torch.testing.assert_close(compiled, eager)
     for a, b in zip(compiled_grads, eager_grads):
         torch.testing.assert_close(a, b)
+
+
+def test_memory_efficient_densenet_compiles_fullgraph():
+    """A whole memory-efficient DenseNet (shared statistics, recomputing
+    Functions; the block buffer steps aside under compile) traces in one
+    graph and trains like the naive model."""
+    from effilayers.models import DenseNet
+
+    options = dict(growth_rate=4, block_config=(2,), num_init_features=8, bn_size=2, num_classes=5,
+                   small_inputs=True)
+    torch.manual_seed(0)
+    efficient = DenseNet(memory_efficient=True, **options)
+    naive = DenseNet(memory_efficient=False, **options)
+    naive.load_state_dict(efficient.state_dict())
+    x = torch.randn(2, 3, 8, 8)
+    compiled = torch.compile(efficient, fullgraph=True)(x)
+    compiled.square().sum().backward()
+    expected = naive(x)
+    expected.square().sum().backward()
+    torch.testing.assert_close(compiled, expected, rtol=1e-5, atol=1e-6)
+    for a, b in zip(efficient.parameters(), naive.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5)
+    for a, b in zip(efficient.buffers(), naive.buffers()):
+        torch.testing.assert_close(a, b)

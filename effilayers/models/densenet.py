@@ -294,9 +294,12 @@ class DenseBlock(nn.ModuleDict):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         layers = list(self.values())
         buffer = None
-        if x.dim() == 4 and layers and all(layer.memory_efficient for layer in layers):
-            # Zero-copy concatenation: the maps live in one buffer from the
-            # start, so the output is not a second copy of all of them.
+        # Zero-copy concatenation: the maps live in one buffer from the start,
+        # so the output is not a second copy of all of them. Not under
+        # torch.compile, which cannot trace the storage aliasing (Tensor.set_)
+        # and plans what its graph keeps itself.
+        if x.dim() == 4 and layers and all(layer.memory_efficient for layer in layers) \
+                and not torch.compiler.is_compiling():
             channels = x.shape[1] + sum(layer.conv2.out_channels for layer in layers)
             buffer = _BlockBuffer(x, channels)
             x = _IntoBuffer.apply(x, buffer, 0)
