@@ -25,7 +25,8 @@ Kernels:
                     with running statistics, the finished dx = dz * scale.
 ``_finish_grad_input``  dx = scale * (dz - mean(dz) - x_hat * mean(dz * x_hat)),
                     in place over dz (batch statistics only).
-``_grad_weight``    dW = dout^T @ y with y recomputed per tile.
+``_grad_weight``    dW = dout^T @ y with y recomputed per tile, split over
+                    ranges of pixels (partial sums added on the host).
 
 Accumulation is float32 throughout; ``tl.dot`` takes the maps' dtype (fp16,
 bf16, or fp32 as TF32 when torch allows TF32 convolutions, as cuDNN would).
@@ -186,20 +187,27 @@ def _finish_grad_input(table, grad_table, tiles, mean, invstd, scale, mean_dz, m
 
 
 @triton.jit
-def _grad_weight(table, tiles, mean, scale, bias, grad_out, grad_weight, dtype_ptr,
-                 M, HW, K, C_OUT, go_stride_n, go_stride_c, go_stride_hw,
+def _grad_weight(table, tiles, mean, scale, bias, grad_out, partial_grad_weight, dtype_ptr,
+                 M, HW, K, C_OUT, go_stride_n, go_stride_c, go_stride_hw, ROWS_PER_SPLIT,
                  ALLOW_TF32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_o = tl.program_id(0)
     t = tl.program_id(1)
+    split = tl.program_id(2)
     offs_o = pid_o * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_o = offs_o < C_OUT
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     channel = tl.zeros((BLOCK_K,), dtype=tl.int64)
     mask_k = channel < 0
-    for m_start in range(0, M, BLOCK_M):
+    # Split-K over the pixels: DenseNet's dW is a small (C_out x K) matrix
+    # reduced over N*H*W rows, so (C_out tiles x K tiles) programs alone
+    # would leave most of the GPU idle. Each split writes its own partial
+    # sum; the host adds them (deterministic, no atomics).
+    m_first = split.to(tl.int64) * ROWS_PER_SPLIT
+    m_last = tl.minimum(m_first + ROWS_PER_SPLIT, M)
+    for m_start in range(m_first, m_last, BLOCK_M):
         offs_m = m_start + tl.arange(0, BLOCK_M).to(tl.int64)
-        mask_m = offs_m < M
-        base, offsets, mask, channel, mask_k = _tile_of_map(table, tiles, t, offs_m, M, HW, dtype_ptr, BLOCK_K)
+        mask_m = offs_m < m_last
+        base, offsets, mask, channel, mask_k = _tile_of_map(table, tiles, t, offs_m, m_last, HW, dtype_ptr, BLOCK_K)
         x = tl.load(base + offsets, mask=mask, other=0.0)
         # Rows past M must not contribute relu(bias): zero them.
         y = tl.where(mask_m[:, None], _activated(x, channel, mask_k, mean, scale, bias), 0.0)
@@ -211,7 +219,8 @@ def _grad_weight(table, tiles, mean, scale, bias, grad_out, grad_weight, dtype_p
             acc += tl.dot(g, y.to(dtype_ptr.dtype.element_ty))
         else:
             acc += tl.dot(g, y.to(dtype_ptr.dtype.element_ty), input_precision="ieee")
-    tl.store(grad_weight + offs_o[:, None].to(tl.int64) * K + channel[None, :], acc,
+    destination = partial_grad_weight + split.to(tl.int64) * C_OUT * K
+    tl.store(destination + offs_o[:, None].to(tl.int64) * K + channel[None, :], acc,
              mask=mask_o[:, None] & mask_k[None, :])
 
 
@@ -245,6 +254,18 @@ def _tables(features: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tenso
     table = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
     tile_table = torch.tensor(tiles, dtype=torch.int64).to(device, non_blocking=True)
     return table, tile_table, len(tiles)
+
+
+def _pixel_splits(device: torch.device, rows: int, programs: int) -> int:
+    """How many pixel ranges dW's reduction is split into: enough programs
+    for about four per multiprocessor on a GPU (two under the interpreter,
+    so the tests exercise the partial sums), never more than one per block
+    of rows."""
+    if device.type == "cuda":
+        target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        target = 2 * programs
+    return max(1, min(triton.cdiv(rows, BLOCK_M), triton.cdiv(target, programs)))
 
 
 def _allow_tf32(dtype: torch.dtype) -> bool:
@@ -329,10 +350,18 @@ def bottleneck_backward(grad_out: torch.Tensor, features: Sequence[torch.Tensor]
         grad_input = _output_like(first, k).zero_()
     grad_conv = None
     if need_conv:
-        grad_weight = torch.zeros((c_out, k), device=first.device, dtype=torch.float32)
         if total > 0 and c_out > 0:
-            _grad_weight[(triton.cdiv(c_out, BLOCK_N), num_tiles)](
-                table, tiles, mean, scale, bias, grad_out, grad_weight, matrix, total, hw, k, c_out, *go_strides,
-                ALLOW_TF32=allow_tf32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
+            output_tiles = triton.cdiv(c_out, BLOCK_N)
+            splits = _pixel_splits(first.device, total, output_tiles * num_tiles)
+            rows_per_split = triton.cdiv(triton.cdiv(total, splits), BLOCK_M) * BLOCK_M
+            splits = triton.cdiv(total, rows_per_split)
+            partial = torch.zeros((splits, c_out, k), device=first.device, dtype=torch.float32)
+            _grad_weight[(output_tiles, num_tiles, splits)](
+                table, tiles, mean, scale, bias, grad_out, partial, matrix, total, hw, k, c_out, *go_strides,
+                rows_per_split, ALLOW_TF32=allow_tf32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                num_warps=NUM_WARPS)
+            grad_weight = partial.sum(0)
+        else:
+            grad_weight = torch.zeros((c_out, k), device=first.device, dtype=torch.float32)
         grad_conv = grad_weight.to(conv_weight.dtype).view_as(conv_weight)
     return grad_input, sum_dz, sum_dz_xhat, grad_conv
