@@ -345,7 +345,7 @@ class ChunkedAdam(Optimizer):
                 if not p.is_contiguous():
                     raise ValueError(f"{name}: parameters must be contiguous (got strides {p.stride()} for "
                                      f"shape {tuple(p.shape)}); call .contiguous() on the parameter's data")
-        group = {k: v for k, v in param_group.items()}
+        group = dict(param_group, params=params)  # a generator is consumed by the checks above
         _check_hyperparameters(name, group.get("lr", self.defaults["lr"]), group.get("betas", self.defaults["betas"]),
                                group.get("eps", self.defaults["eps"]),
                                group.get("weight_decay", self.defaults["weight_decay"]))
