@@ -43,10 +43,11 @@ def _adam_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_s
                  DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr,
                  BLOCK: tl.constexpr):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < n
+    limit = n
     if CHECK_INF:
-        # A skipped step stores nothing.
-        mask = mask & (tl.load(found_inf_ptr) == 0)
+        # A skipped step stores nothing: no element is in range.
+        limit = tl.where(tl.load(found_inf_ptr) == 0, n, 0)
+    mask = offsets < limit
     step = tl.load(step_ptr).to(tl.float32)
     # log(beta) comes from the host in float64 rounded once: beta2 = 0.999
     # rounded to float32 first would move log(beta2) by 3e-5 relative.
