@@ -24,9 +24,11 @@ from .conftest import BACKEND_PARAMS, TRITON_PARAMS, activate_backend, forced_ba
 FP32_TOL = dict(rtol=1e-5, atol=1e-6)
 TRITON_TOL = dict(rtol=1e-5, atol=2e-5)
 # bf16 states (8 bits of mantissa for exp_avg / exp_avg_sq), 100 steps of
-# lr 1e-2 on the test MLP: measured max |param - torch's| 2.2e-3 on params of
-# size ~0.3 (the update direction is off by ~0.4 % per step). Documented in README.
-BF16_STATE_TOL = dict(rtol=0, atol=1e-2)
+# lr 1e-2 on the test MLP: measured max |param - torch's fp32 AdamW| 1.7e-3
+# on parameters up to 0.52, relative L2 error per tensor 0.6 %. The bounds
+# are ~3x that (documented in README).
+BF16_STATE_TOL = dict(rtol=0, atol=5e-3)
+BF16_STATE_REL_L2 = 0.02
 
 
 @pytest.fixture(params=BACKEND_PARAMS + TRITON_PARAMS)
@@ -132,6 +134,17 @@ def test_kernel_skipped_step_writes_nothing(adam_device):
                maximize=False)
     for old, new in zip(before, (*inputs[0], inputs[2], inputs[3], inputs[4])):
         assert torch.equal(old, new)
+
+
+def test_opcheck():
+    """Schema, fake implementation and the mutation annotations agree."""
+    inputs = _kernel_inputs(torch.float32, torch.float32, False, True, "cpu", shapes=[(5, 3), (7,)])
+    params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, _ = inputs
+    torch.library.opcheck(
+        torch.ops.effilayers.adam_step_.default,
+        (params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, None, torch.tensor([2.0]), None, None,
+         1e-2, 0.9, 0.999, 1e-8, 0.1, True, False),
+    )
 
 
 def test_kernel_rejects_bad_arguments():
@@ -244,8 +257,10 @@ def test_bf16_states_track_fp32_within_documented_tolerance():
     _train(actual, optimizer, 100)
     assert all(s["exp_avg"].dtype == torch.bfloat16 for s in optimizer.state.values())
     _assert_same_params(actual, expected, **BF16_STATE_TOL)
+    for p, q in zip(actual.parameters(), expected.parameters()):
+        assert ((p - q).norm() / q.norm()).item() <= BF16_STATE_REL_L2
     worst = max((p - q).abs().max().item() for p, q in zip(actual.parameters(), expected.parameters()))
-    assert worst > 0  # bf16 rounding is really in play
+    assert worst > 1e-5  # bf16 rounding is really in play
 
 
 @pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float16])
