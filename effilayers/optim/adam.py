@@ -475,9 +475,10 @@ class ChunkedAdam(Optimizer):
                 work.append((chunk, start, stop, grads[start:stop]))
         if not work:
             return
-        # The CPU kernel reads these once, after the first download is waited on.
-        cpu_scale = None if grad_scale is None else grad_scale.to("cpu", torch.float32, non_blocking=True)
-        cpu_found = None if found_inf is None else found_inf.to("cpu", torch.float32, non_blocking=True)
+        # Blocking copies: a non_blocking device-to-host copy may return before
+        # the value lands, and the CPU kernel must wait for the gradients anyway.
+        cpu_scale = None if grad_scale is None else grad_scale.to("cpu", torch.float32)
+        cpu_found = None if found_inf is None else found_inf.to("cpu", torch.float32)
         pending = transfers.copy_down(*work[0])
         for position, (chunk, start, stop, _) in enumerate(work):
             done = pending
