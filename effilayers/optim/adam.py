@@ -35,12 +35,16 @@ of gradients it has seen, so the common case stays one kernel per chunk.
 
 Chunk size
 ----------
-Default ``2**24`` elements (64 MiB of fp32 per state buffer). With the
-parameters read in place the kernel's speed barely depends on the chunk size
-on CPU (see benchmarks/bench_optim.py, ``chunk_size`` group); the size mostly
-sets the granularity of CPU offload (one chunk is on the CPU while the next
-one's gradients travel) and how much the last, partly filled chunk of a group
-can waste (nothing: chunks are allocated at the size of what they hold).
+Default ``2**24`` elements (64 MiB of fp32 per state buffer). Measured on
+the 2-core CPU this was written on (benchmarks/bench_optim.py, group
+``chunk_size cpu 16M``, results/optim-cpu-2026-11-22.json): a step over 16M
+parameters took 48, 46, 36 and 49 ms (medians) with chunks of 2^20, 2^22,
+2^24 and 2^26 elements, on a machine shared with other jobs: no trend beyond
+the noise, because the kernel reads parameters in place and a chunk costs one
+fork/join. 2^24 was the fastest run and keeps a chunk small enough to
+pipeline CPU offload (one chunk on the CPU while the next one's gradients
+travel); re-measure on a GPU for the offload pipeline. Chunks are allocated at
+the size of what they hold, so a partly filled last chunk wastes nothing.
 
 Offload
 -------
