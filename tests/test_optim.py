@@ -288,6 +288,42 @@ def test_low_precision_params_with_master_follow_fp32(param_dtype):
         assert torch.equal(p.detach(), master.to(param_dtype))
 
 
+def test_low_precision_params_grad_scaler_skip_and_master_round_trip():
+    """bf16 parameters, fp32 masters, GradScaler: an overflow step changes
+    nothing; a reloaded optimizer continues from the saved masters (not from
+    the rounded parameters)."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(9, 5).to(torch.bfloat16)), torch.nn.Parameter(torch.randn(40).bfloat16())]
+    optimizer = ChunkedAdamW(params, lr=1e-2, chunk_size=32)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    generator = torch.Generator().manual_seed(2)
+
+    def step(overflow=False):
+        optimizer.zero_grad()
+        loss = sum((p.float() * torch.randn(p.shape, generator=generator)).sum() for p in params)
+        scaler.scale(loss * (float("inf") if overflow else 1.0)).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+    for _ in range(3):
+        step()
+    saved = copy.deepcopy(optimizer.state_dict())
+    before = [p.detach().clone() for p in params]
+    step(overflow=True)
+    assert all(torch.equal(p, q) for p, q in zip(params, before))
+    after = optimizer.state_dict()["state"]
+    for index, entry in saved["state"].items():
+        assert float(after[index]["step"]) == float(entry["step"]) == 3.0
+        assert torch.equal(after[index]["master_param"], entry["master_param"])
+        assert not torch.equal(entry["master_param"], params[index].detach().float())  # masters carry more bits
+
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    reloaded = ChunkedAdamW(twin, lr=1e-2, chunk_size=1000)
+    reloaded.load_state_dict(copy.deepcopy(saved))
+    for index, entry in reloaded.state_dict()["state"].items():
+        assert torch.equal(entry["master_param"], saved["state"][index]["master_param"])
+
+
 # -- state dicts ----------------------------------------------------------------
 
 def test_state_dict_has_torch_layout_and_loads_into_torch_and_back():
