@@ -158,7 +158,7 @@ def test_kernel_rejects_bad_arguments():
         adam_step_(params, grads, torch.zeros(11), state.clone(), None, None, step, **hyper)
     with pytest.raises(TypeError, match="grads\\[0\\] must all have dtype"):
         adam_step_(params, [grads[0].double()], state.clone(), state.clone(), None, None, step, **hyper)
-    with pytest.raises(ValueError, match="must be contiguous"):
+    with pytest.raises(ValueError, match="grads\\[0\\] must have its strides"):
         adam_step_([torch.randn(4, 3).t()], grads, state.clone(), state.clone(), None, None, step, **hyper)
     # the compiled kernel checks for itself when called directly
     with effilayers.use_backend("cpp"):
@@ -493,11 +493,46 @@ def test_invalid_group_hyperparameters_are_named():
         ChunkedAdamW([dict(params=model.head.parameters(), betas=(0.9, 1.5))])
 
 
-def test_complex_and_non_contiguous_parameters_are_rejected():
+def test_complex_and_non_dense_parameters_are_rejected():
     with pytest.raises(TypeError, match="does not support complex parameters"):
         ChunkedAdam([torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))])
-    with pytest.raises(ValueError, match="parameters must be contiguous"):
-        ChunkedAdam([torch.nn.Parameter(torch.randn(4, 3).t())])
+    with pytest.raises(ValueError, match="parameters must be dense"):
+        ChunkedAdam([torch.nn.Parameter(torch.randn(4, 6)[:, ::2])])
+
+
+def test_channels_last_parameters_match_torch(adam_device):
+    """Dense non-contiguous parameters (a channels_last conv, a transposed
+    matrix) are updated in place in their own memory order; their states and
+    state-dict entries keep the parameter's strides."""
+    backend, device = adam_device
+    steps = 30 if backend != "triton" or device.type == "cuda" else 8
+
+    def make():
+        torch.manual_seed(0)
+        conv = torch.nn.Conv2d(3, 8, 3).to(device, memory_format=torch.channels_last)
+        matrix = torch.nn.Parameter(torch.randn(6, 5, device=device).t())  # dense, strides (1, 5)
+        return conv, matrix
+
+    results = []
+    for cls in (torch.optim.AdamW, ChunkedAdamW):
+        conv, matrix = make()
+        kwargs = {} if cls is torch.optim.AdamW else {"chunk_size": 100}
+        optimizer = cls([*conv.parameters(), matrix], lr=1e-2, amsgrad=True, **kwargs)
+        generator = torch.Generator().manual_seed(5)
+        for _ in range(steps):
+            x = torch.randn(2, 3, 6, 6, generator=generator).to(device).contiguous(memory_format=torch.channels_last)
+            optimizer.zero_grad()
+            (conv(x).square().mean() + (matrix @ torch.randn(6, 2, generator=generator).to(device)).square().mean()
+             ).backward()
+            optimizer.step()
+        results.append((conv, matrix, optimizer))
+    (conv_t, matrix_t, _), (conv_o, matrix_o, optimizer) = results
+    assert conv_o.weight.is_contiguous(memory_format=torch.channels_last) and matrix_o.stride() == (1, 5)
+    tol = TRITON_TOL if backend == "triton" else FP32_TOL
+    for p, q in ((conv_o.weight, conv_t.weight), (conv_o.bias, conv_t.bias), (matrix_o, matrix_t)):
+        torch.testing.assert_close(p, q, **tol)
+    state = optimizer.state[conv_o.weight]
+    assert state["exp_avg"].stride() == conv_o.weight.stride()
 
 
 def test_sparse_gradients_are_rejected():

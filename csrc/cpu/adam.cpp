@@ -7,7 +7,9 @@
 // read and written where they live (no gather into a flat copy); only the
 // states are flat. One at::parallel_for covers the whole run: each thread
 // takes a contiguous slice of the flat index range and walks the tensors
-// that slice touches.
+// that slice touches. A parameter may be any dense layout (channels_last
+// included): the states follow its memory order, and its gradient must share
+// its strides (the optimizer arranges that).
 //
 // Lanes: 8 floats per AVX2 register, with bf16 widened by a 16-bit shift and
 // narrowed with round-to-nearest-even (the same rounding as c10::BFloat16,
@@ -178,6 +180,15 @@ void update_range(param_t* param, const param_t* grad, float* master, state_t* e
   }
 }
 
+// Same strides wherever a dimension has more than one element: the two
+// tensors then hold their values in the same memory order.
+bool same_layout(const at::Tensor& a, const at::Tensor& b) {
+  for (int64_t d = 0; d < a.dim(); ++d) {
+    if (a.size(d) != 1 && a.stride(d) != b.stride(d)) return false;
+  }
+  return true;
+}
+
 float read_scalar(const at::Tensor& t, const char* name) {
   TORCH_CHECK_VALUE(t.numel() == 1, "adam_step_: ", name, " must have one element, got ", t.numel());
   TORCH_CHECK_VALUE(t.device().is_cpu(), "adam_step_: ", name, " must be on the CPU for the CPU kernel, got ",
@@ -236,8 +247,9 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, const at::Tensor
                      "adam_step_: params[", t, "] / grads[", t, "] must all have dtype ", param_type);
     TORCH_CHECK_VALUE(params[t].sizes() == grads[t].sizes(), "adam_step_: grads[", t, "] has shape ",
                       grads[t].sizes(), ", param ", params[t].sizes());
-    TORCH_CHECK_VALUE(params[t].is_contiguous() && grads[t].is_contiguous(), "adam_step_: params[", t,
-                      "] and grads[", t, "] must be contiguous");
+    TORCH_CHECK_VALUE(params[t].is_non_overlapping_and_dense() && same_layout(params[t], grads[t]),
+                      "adam_step_: params[", t, "] must be dense (contiguous or a permutation of it, like "
+                      "channels_last) and grads[", t, "] must have its strides");
     TORCH_CHECK_VALUE(params[t].device().is_cpu() && grads[t].device().is_cpu(), "adam_step_: params[", t,
                       "] and grads[", t, "] must be on the CPU");
     total += params[t].numel();

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops.adam import check_adam_arguments
+from ..ops.adam import check_adam_arguments, memory_flat
 
 # 1024 elements x (p, g, m, v) per program: enough bytes in flight per SM for
 # a memory-bound update; 4 warps keep 8 elements per thread.
@@ -93,8 +93,8 @@ def _log(beta: float) -> float:
 
 def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
     if len(tensors) == 1:
-        return tensors[0].view(-1)
-    return torch.cat([t.reshape(-1) for t in tensors])
+        return memory_flat(tensors[0])
+    return torch.cat([memory_flat(t) for t in tensors])
 
 
 def adam_step_triton(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, master, step, grad_scale, found_inf,
@@ -120,4 +120,4 @@ def adam_step_triton(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, master,
     )
     if len(params) > 1:
         pieces = torch.split(flat_params, [p.numel() for p in params])
-        torch._foreach_copy_(list(params), [piece.view(p.shape) for piece, p in zip(pieces, params)])
+        torch._foreach_copy_([memory_flat(p) for p in params], list(pieces))

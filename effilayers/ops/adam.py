@@ -7,11 +7,13 @@ in flat buffers (``effilayers.optim`` keeps them in fixed-size chunks)::
                step, grad_scale, found_inf,
                lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay, maximize)
 
-* ``params`` / ``grads``: lists of contiguous tensors of one dtype (float16,
-  bfloat16, float32, float64); the grads have the params' dtype and shapes.
+* ``params`` / ``grads``: lists of dense tensors of one dtype (float16,
+  bfloat16, float32, float64): contiguous, or any permutation of it such as
+  channels_last; each grad has its param's dtype, shape and strides.
 * ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` for amsgrad): 1-D,
   ``sum(p.numel())`` long, float32 or bfloat16 (float64 for float64 params);
-  element ``k`` belongs to the ``k``-th value of the params laid end to end.
+  element ``k`` belongs to the ``k``-th value of the params laid end to end
+  *in memory order* (for a channels_last param, its channels_last order).
 * ``master``: optional float32 copy of the params, same flat layout. When
   given, the update is applied to ``master`` and ``params`` receive its
   rounded value (fp16/bf16 training with fp32 master weights).
@@ -54,6 +56,31 @@ def compute_dtype(param_dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if param_dtype == torch.float64 else torch.float32
 
 
+def is_dense(t: torch.Tensor) -> bool:
+    """True when ``t`` fills one block of memory without gaps or overlaps
+    (contiguous, channels_last or any other permutation of contiguous)."""
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda pair: pair[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same strides wherever a dimension has more than one element."""
+    return all(size == 1 or sa == sb for size, sa, sb in zip(a.shape, a.stride(), b.stride()))
+
+
+def memory_flat(t: torch.Tensor) -> torch.Tensor:
+    """A dense tensor's elements in memory order, as a 1-D view."""
+    if t.is_contiguous():
+        return t.view(-1)
+    return t.as_strided((t.numel(),), (1,), t.storage_offset())
+
+
 def check_adam_arguments(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, master, step) -> None:
     """The checks every backend relies on (the C++ kernel repeats them)."""
     if len(params) != len(grads):
@@ -70,8 +97,10 @@ def check_adam_arguments(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, mas
                             f"got {p.dtype} / {g.dtype}")
         if p.shape != g.shape:
             raise ValueError(f"adam_step_: grads[{index}] has shape {tuple(g.shape)}, param {tuple(p.shape)}")
-        if not (p.is_contiguous() and g.is_contiguous()):
-            raise ValueError(f"adam_step_: params[{index}] and grads[{index}] must be contiguous")
+        if not (is_dense(p) and same_layout(p, g)):
+            raise ValueError(f"adam_step_: params[{index}] must be dense (contiguous or a permutation of it, "
+                             f"like channels_last) and grads[{index}] must have its strides; got strides "
+                             f"{p.stride()} and {g.stride()}")
         total += p.numel()
     state_dtype = exp_avg.dtype
     allowed = (torch.float64,) if dtype == torch.float64 else STATE_DTYPES
@@ -114,8 +143,8 @@ def adam_step_reference(
     host-side branch, so this path does not synchronise either."""
     check_adam_arguments(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, master, step)
     acc = compute_dtype(params[0].dtype)
-    flat_grad = torch.cat([g.reshape(-1) for g in grads]).to(acc)
-    old_param = master if master is not None else torch.cat([p.reshape(-1) for p in params])
+    flat_grad = torch.cat([memory_flat(g) for g in grads]).to(acc)
+    old_param = master if master is not None else torch.cat([memory_flat(p) for p in params])
     param = old_param.to(acc)
     if grad_scale is not None:
         flat_grad = flat_grad / grad_scale.to(acc)
@@ -158,12 +187,12 @@ def adam_step_reference(
         master.copy_(new_master)
         rounded = new_master
     else:
-        flat_params = torch.cat([p.reshape(-1) for p in params])
+        flat_params = torch.cat([memory_flat(p) for p in params])
         rounded = param.to(params[0].dtype)
         if skip is not None:
             rounded = torch.where(skip, flat_params, rounded)
     pieces = torch.split(rounded.to(params[0].dtype), [p.numel() for p in params])
-    torch._foreach_copy_(list(params), [piece.view(p.shape) for piece, p in zip(pieces, params)])
+    torch._foreach_copy_([memory_flat(p) for p in params], list(pieces))
 
 
 @torch.library.custom_op(

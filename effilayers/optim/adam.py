@@ -68,7 +68,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch.optim import Optimizer
 
-from ..ops.adam import adam_step_
+from ..ops.adam import adam_step_, is_dense, memory_flat, same_layout
 
 __all__ = ["ChunkedAdam", "ChunkedAdamW", "chunked_adam", "DEFAULT_CHUNK_SIZE"]
 
@@ -152,11 +152,13 @@ class _Chunk:
         return self._empty(dtype).zero_()
 
     def _flat_params(self) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1) for p in self.params])
+        return torch.cat([memory_flat(p.detach()) for p in self.params])
 
     def view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
-        start, stop = self.offsets[index], self.offsets[index + 1]
-        return flat[start:stop].view(self.params[index].shape)
+        # the flat range holds the parameter in its memory order: view it
+        # with the parameter's strides (channels_last stays channels_last)
+        param = self.params[index]
+        return flat.as_strided(param.shape, param.stride(), flat.storage_offset() + self.offsets[index])
 
     def ensure_amsgrad(self) -> None:
         if self.max_exp_avg_sq is None:
@@ -279,7 +281,7 @@ class ChunkedAdam(Optimizer):
     and the overflow flag to the kernel), LR schedulers,
     ``zero_grad(set_to_none=True)`` and parameters without a gradient in a
     step. Not supported, with an error: sparse gradients, complex parameters,
-    non-contiguous parameters, ``differentiable=True``.
+    parameters that are not dense (strided views), ``differentiable=True``.
     """
 
     _default_decoupled = False
@@ -346,9 +348,10 @@ class ChunkedAdam(Optimizer):
                                     "optimize torch.view_as_real(param) instead")
                 if p.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
                     raise TypeError(f"{name}: parameters must be floating point, got {p.dtype}")
-                if not p.is_contiguous():
-                    raise ValueError(f"{name}: parameters must be contiguous (got strides {p.stride()} for "
-                                     f"shape {tuple(p.shape)}); call .contiguous() on the parameter's data")
+                if not is_dense(p):
+                    raise ValueError(f"{name}: parameters must be dense, contiguous or a permutation of it like "
+                                     f"channels_last (got strides {p.stride()} for shape {tuple(p.shape)}); "
+                                     "call .contiguous() on the parameter's data")
         group = dict(param_group, params=params)  # a generator is consumed by the checks above
         _check_hyperparameters(name, group.get("lr", self.defaults["lr"]), group.get("betas", self.defaults["betas"]),
                                group.get("eps", self.defaults["eps"]),
@@ -443,8 +446,8 @@ class ChunkedAdam(Optimizer):
         grads = []
         for p in chunk.params:
             g = p.grad
-            if g is not None and not g.is_contiguous():
-                g = g.contiguous()
+            if g is not None and not same_layout(g, p):
+                g = torch.empty_like(p).copy_(g)  # the parameter's strides
             grads.append(g)
         return grads
 
