@@ -68,7 +68,8 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch.optim import Optimizer
 
-from ..ops.adam import adam_step_, is_dense, memory_flat, same_layout
+from ..ops.adam import _adam_step_op as adam_step_op
+from ..ops.adam import check_adam_arguments, is_dense, memory_flat, same_layout
 
 __all__ = ["ChunkedAdam", "ChunkedAdamW", "chunked_adam", "DEFAULT_CHUNK_SIZE"]
 
@@ -96,20 +97,27 @@ def chunked_adam(
     weight_decay: float,
     decoupled_weight_decay: bool,
     maximize: bool,
+    check: bool = True,
 ) -> None:
     """Functional core: one Adam/AdamW step of a run of parameters that share
     a step count, with flat states (``exp_avg`` etc. cover the params laid end
     to end). ``steps`` holds one float32 counter per parameter; it is advanced
-    by ``1 - found_inf`` here, on its own device, before the kernel reads it."""
+    by ``1 - found_inf`` here, on its own device, before the kernel reads it.
+    ``check=False`` skips the Python-side argument checks (the optimizer's
+    chunks satisfy them by construction; the C++ kernel checks regardless)."""
     if found_inf is None:
         steps.add_(1)
     else:
         steps.add_(1).sub_(found_inf.to(steps.device, torch.float32, non_blocking=True))
-    adam_step_(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, master, steps[:1],
-               None if grad_scale is None else grad_scale.to(exp_avg.device, torch.float32),
-               None if found_inf is None else found_inf.to(exp_avg.device, torch.float32),
-               lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-               decoupled_weight_decay=decoupled_weight_decay, maximize=maximize)
+    if check:
+        check_adam_arguments(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, master, steps[:1])
+    # The op itself, not the checking wrapper: its per-tensor Python checks
+    # cost ~15 us per parameter, and the kernels check again where it matters.
+    adam_step_op(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, master, steps[:1],
+                 None if grad_scale is None else grad_scale.to(exp_avg.device, torch.float32),
+                 None if found_inf is None else found_inf.to(exp_avg.device, torch.float32),
+                 float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
+                 bool(decoupled_weight_decay), bool(maximize))
 
 
 class _Chunk:
@@ -144,6 +152,7 @@ class _Chunk:
         self.steps = torch.zeros(len(params), dtype=torch.float32, device=state_device)
         # Host-side classes of parameters known to share a step count.
         self.step_class = [0] * len(params)
+        self.uniform = True
 
     def _empty(self, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(self.numel, dtype=dtype, device=self.state_device, pin_memory=self.pin)
@@ -180,7 +189,7 @@ class _Chunk:
         """Maximal ranges of parameters that have a gradient now and share a
         step count; updates the host-side classes for the ones left out."""
         count = len(self.params)
-        if all(has_grad) and all(c == self.step_class[0] for c in self.step_class):
+        if self.uniform and all(has_grad):
             return [(0, count)]
         runs: list[tuple[int, int]] = []
         start = None
@@ -202,12 +211,14 @@ class _Chunk:
                     renamed[old] = fresh
                     fresh += 1
                 self.step_class[index] = renamed[old]
+        self.uniform = len(set(self.step_class)) == 1
         return runs
 
     def reclassify_from_steps(self) -> None:
         values = self.steps.tolist()
         ids: dict[float, int] = {}
         self.step_class = [ids.setdefault(v, len(ids)) for v in values]
+        self.uniform = len(ids) <= 1
 
 
 class _Transfers:
@@ -446,7 +457,7 @@ class ChunkedAdam(Optimizer):
         grads = []
         for p in chunk.params:
             g = p.grad
-            if g is not None and not same_layout(g, p):
+            if g is not None and g.stride() != p.stride() and not same_layout(g, p):
                 g = torch.empty_like(p).copy_(g)  # the parameter's strides
             grads.append(g)
         return grads
@@ -459,11 +470,11 @@ class ChunkedAdam(Optimizer):
         for start, stop in chunk.runs([g is not None for g in grads]):
             lo, hi = chunk.offsets[start], chunk.offsets[stop]
             chunked_adam(
-                [p.detach() for p in chunk.params[start:stop]], grads[start:stop],
+                chunk.params[start:stop], grads[start:stop],
                 chunk.exp_avg[lo:hi], chunk.exp_avg_sq[lo:hi],
                 chunk.max_exp_avg_sq[lo:hi] if amsgrad else None,
                 chunk.master[lo:hi] if chunk.master is not None else None,
-                chunk.steps[start:stop], grad_scale, found_inf, **hyper)
+                chunk.steps[start:stop], grad_scale, found_inf, check=False, **hyper)
 
     def _step_staged(self, chunks: list[_Chunk], device: torch.device, grad_scale, found_inf, amsgrad: bool,
                      hyper: dict) -> None:
@@ -500,7 +511,7 @@ class ChunkedAdam(Optimizer):
                 params, master = [chunk.master[lo:hi]], None
             chunked_adam(params, [grad_flat], chunk.exp_avg[lo:hi], chunk.exp_avg_sq[lo:hi],
                          chunk.max_exp_avg_sq[lo:hi] if amsgrad else None, master, chunk.steps[start:stop],
-                         cpu_scale, cpu_found, **hyper)
+                         cpu_scale, cpu_found, check=False, **hyper)
             transfers.copy_up(chunk, start, stop)
         transfers.finish()
 
