@@ -6,7 +6,8 @@ DeepSpeedCPUAdam, on the same parameters and the same thread count.
 
 Groups: ``adamw <device> <numel>`` (100M fp32 parameters, the issue's target
 size, and 4M for a quick run), and ``chunk_size cpu 16M`` (ChunkedAdamW at
-several chunk sizes; how the default was chosen). The step of an optimizer
+several chunk sizes; how the default was chosen), and ``adamw cpu 2000
+tensors x 2048`` (per-tensor overhead). The step of an optimizer
 on 100M parameters is memory-bound: ``extra_info["bytes_moved"]`` counts the
 bytes a one-pass update must read and write (28 per parameter with fp32
 states, 20 with bf16 states); GB/s = bytes_moved / time.
@@ -105,6 +106,24 @@ def test_chunk_size(benchmark, chunk_size):
     benchmark.extra_info.update(numel=16_000_000, chunk_size=chunk_size, threads=torch.get_num_threads())
     try:
         _time_steps(benchmark, optimizer, "cpu", rounds=10)
+    finally:
+        del optimizer, params
+        gc.collect()
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_many_small_tensors(benchmark, implementation):
+    """Per-tensor overhead: 2000 tensors of 2048 elements (4M in all), like a
+    model with many small layers."""
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(2048, generator=generator)) for _ in range(2000)]
+    for p in params:
+        p.grad = torch.randn(2048, generator=generator)
+    optimizer = make_optimizer(implementation, params)
+    benchmark.group = "adamw cpu 2000 tensors x 2048"
+    benchmark.extra_info.update(numel=2000 * 2048, tensors=2000, threads=torch.get_num_threads())
+    try:
+        _time_steps(benchmark, optimizer, "cpu", rounds=20)
     finally:
         del optimizer, params
         gc.collect()
