@@ -77,8 +77,11 @@ def _time_steps(benchmark, optimizer, device, rounds):
     benchmark.pedantic(run, warmup_rounds=1, rounds=rounds)
 
 
+ALL_SIZES = sorted({n for sizes in SIZES.values() for n in sizes})
+
+
 @pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("numel", sorted({n for sizes in SIZES.values() for n in sizes}), ids=lambda n: f"{n // 10**6}M")
+@pytest.mark.parametrize("numel", ALL_SIZES, ids=lambda n: f"{n // 10**6}M")
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_adamw_step(benchmark, implementation, device, numel):
     if numel not in SIZES[device]:

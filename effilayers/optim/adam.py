@@ -38,10 +38,11 @@ Chunk size
 Default ``2**24`` elements (64 MiB of fp32 per state buffer). Measured on
 the 2-core CPU this was written on (benchmarks/bench_optim.py, group
 ``chunk_size cpu 16M``, results/optim-cpu-2026-11-22.json): a step over 16M
-parameters took 48, 46, 36 and 49 ms (medians) with chunks of 2^20, 2^22,
-2^24 and 2^26 elements, on a machine shared with other jobs: no trend beyond
-the noise, because the kernel reads parameters in place and a chunk costs one
-fork/join. 2^24 was the fastest run and keeps a chunk small enough to
+parameters took 40, 42, 26 and 30 ms (medians; an earlier run: 48, 46, 36,
+49) with chunks of 2^20, 2^22, 2^24 and 2^26 elements, on a machine shared
+with other jobs. Larger chunks mean fewer fork/joins (the kernel reads the
+parameters in place, so a chunk costs little else); 2^24 was the fastest in
+both runs and keeps a chunk small enough to
 pipeline CPU offload (one chunk on the CPU while the next one's gradients
 travel); re-measure on a GPU for the offload pipeline. Chunks are allocated at
 the size of what they hold, so a partly filled last chunk wastes nothing.
@@ -287,6 +288,9 @@ class ChunkedAdam(Optimizer):
     * ``offload``: ``None`` or ``"cpu"`` (states and master weights in CPU
       memory; see the module docstring).
     * ``chunk_size``: elements per chunk (default ``2**24``).
+
+    Host synchronisation: none per step on GPU, except that a tensor ``lr``
+    (or tensor betas) is read with ``float()`` each step; use Python floats.
 
     Works with ``torch.amp.GradScaler`` (``scaler.step(opt)`` hands the scale
     and the overflow flag to the kernel), LR schedulers,
