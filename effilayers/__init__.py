@@ -3,7 +3,7 @@
 Start with ``python -m effilayers.info`` to see which kernels run here.
 """
 
-from . import backends, functional, memory, nn, ops
+from . import backends, functional, memory, nn, ops, optim
 from .backends import use_backend
 from ._info import info
 from .ops import batch_stats, combine_batch_stats
@@ -15,5 +15,5 @@ from . import models
 
 __version__ = "0.1.0.dev0"
 
-__all__ = ["backends", "functional", "memory", "nn", "ops", "models", "info", "use_backend", "convert", "revert",
+__all__ = ["backends", "functional", "memory", "nn", "ops", "optim", "models", "info", "use_backend", "convert", "revert",
            "batch_stats", "combine_batch_stats", "__version__"]

@@ -28,5 +28,13 @@ constexpr const char* kAbnBackwardElemt =
     "Tensor? residual, str activation, float activation_param, float weight_eps, bool saved_is_output, "
     "Tensor mean_dy, Tensor mean_dy_xhat, bool want_residual_grad) -> (Tensor, Tensor)";
 
+// Fused Adam/AdamW update of a run of parameters whose states lie end to end
+// in flat buffers (effilayers/ops/adam.py describes the arguments).
+constexpr const char* kAdamStep =
+    "adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
+    "Tensor(d!)? max_exp_avg_sq, Tensor(e!)? master, Tensor step, Tensor? grad_scale, Tensor? found_inf, "
+    "float lr, float beta1, float beta2, float eps, float weight_decay, bool decoupled_weight_decay, "
+    "bool maximize) -> ()";
+
 }  // namespace schema
 }  // namespace effilayers

@@ -1,5 +1,6 @@
 """Autograd-aware functional ops, each backed by one ``effilayers::`` custom op."""
 
+from .adam import adam_step_, adam_step_reference
 from .stats import batch_stats, batch_stats_reference, combine_batch_stats
 
-__all__ = ["batch_stats", "batch_stats_reference", "combine_batch_stats"]
+__all__ = ["adam_step_", "adam_step_reference", "batch_stats", "batch_stats_reference", "combine_batch_stats"]

@@ -1,0 +1,132 @@
+"""One optimizer step: effilayers ChunkedAdamW (fp32 and bf16 states) against
+torch.optim.AdamW (foreach and fused) and, when installed, DeepSpeed's
+DeepSpeedCPUAdam, on the same parameters and the same thread count.
+
+    python -m pytest benchmarks/bench_optim.py --benchmark-group-by=group
+
+Groups: ``adamw <device> <numel>`` (100M fp32 parameters, the issue's target
+size, and 4M for a quick run), and ``chunk_size cpu 16M`` (ChunkedAdamW at
+several chunk sizes; how the default was chosen), and ``adamw cpu 2000
+tensors x 2048`` (per-tensor overhead). The step of an optimizer
+on 100M parameters is memory-bound: ``extra_info["bytes_moved"]`` counts the
+bytes a one-pass update must read and write (28 per parameter with fp32
+states, 20 with bf16 states); GB/s = bytes_moved / time.
+
+Parameters are split like a transformer's (a few large matrices, many small
+vectors), so per-tensor overheads show up as they would in a model.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from effilayers.optim import ChunkedAdamW
+
+from .conftest import devices, synchronize
+
+SIZES = {"cpu": [100_000_000, 4_000_000], "cuda": [100_000_000, 1_000_000_000]}
+IMPLEMENTATIONS = ["torch-foreach", "torch-fused", "effilayers", "effilayers-bf16-states", "deepspeed-cpu-adam"]
+
+
+def make_params(numel: int, device: str) -> list[torch.nn.Parameter]:
+    """~numel fp32 parameters: 4096x1024 matrices, each followed by two
+    1024-long vectors (bias / norm weight), until the budget is spent."""
+    generator = torch.Generator().manual_seed(0)
+    params, remaining = [], numel
+    while remaining > 0:
+        rows = min(4096, max(1, remaining // 1024))
+        for shape in ((rows, 1024), (1024,), (1024,)):
+            if remaining <= 0:
+                break
+            count = min(remaining, shape[0] * (shape[1] if len(shape) > 1 else 1))
+            tensor = torch.randn(count, generator=generator).div_(32)
+            params.append(torch.nn.Parameter(tensor.to(device)))
+            remaining -= count
+    for p in params:
+        p.grad = torch.randn_like(p).div_(100)
+    return params
+
+
+def make_optimizer(implementation: str, params, chunk_size=None):
+    kwargs = dict(lr=1e-3, weight_decay=0.01)
+    if implementation == "torch-foreach":
+        return torch.optim.AdamW(params, foreach=True, **kwargs)
+    if implementation == "torch-fused":
+        return torch.optim.AdamW(params, fused=True, **kwargs)
+    if implementation == "effilayers":
+        extra = {} if chunk_size is None else {"chunk_size": chunk_size}
+        return ChunkedAdamW(params, **kwargs, **extra)
+    if implementation == "effilayers-bf16-states":
+        return ChunkedAdamW(params, state_dtype=torch.bfloat16, **kwargs)
+    if implementation == "deepspeed-cpu-adam":
+        deepspeed_adam = pytest.importorskip("deepspeed.ops.adam")
+        return deepspeed_adam.DeepSpeedCPUAdam(params, adamw_mode=True, **kwargs)
+    raise ValueError(implementation)
+
+
+def _time_steps(benchmark, optimizer, device, rounds):
+    optimizer.step()  # states allocated outside the timing
+
+    def run():
+        optimizer.step()
+        synchronize(device)
+
+    benchmark.pedantic(run, warmup_rounds=1, rounds=rounds)
+
+
+ALL_SIZES = sorted({n for sizes in SIZES.values() for n in sizes})
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("numel", ALL_SIZES, ids=lambda n: f"{n // 10**6}M")
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_adamw_step(benchmark, implementation, device, numel):
+    if numel not in SIZES[device]:
+        pytest.skip(f"{numel} parameters not benchmarked on {device}")
+    if implementation == "deepspeed-cpu-adam" and device != "cpu":
+        pytest.skip("DeepSpeedCPUAdam runs on CPU parameters")
+    params = make_params(numel, device)
+    optimizer = make_optimizer(implementation, params)
+    state_bytes = 2 if implementation == "effilayers-bf16-states" else 4
+    benchmark.group = f"adamw {device} {numel // 10**6}M fp32 params"
+    benchmark.extra_info.update(numel=numel, threads=torch.get_num_threads(),
+                                bytes_moved=numel * (12 + 4 * state_bytes))  # p, g read; p written; m, v both
+    try:
+        _time_steps(benchmark, optimizer, device, rounds=5 if numel >= 10**8 else 20)
+    finally:
+        del optimizer, params
+        gc.collect()
+
+
+@pytest.mark.parametrize("chunk_size", [1 << 20, 1 << 22, 1 << 24, 1 << 26], ids=lambda c: f"2^{c.bit_length() - 1}")
+def test_chunk_size(benchmark, chunk_size):
+    params = make_params(16_000_000, "cpu")
+    optimizer = make_optimizer("effilayers", params, chunk_size=chunk_size)
+    benchmark.group = "chunk_size cpu 16M fp32 params"
+    benchmark.extra_info.update(numel=16_000_000, chunk_size=chunk_size, threads=torch.get_num_threads())
+    try:
+        _time_steps(benchmark, optimizer, "cpu", rounds=10)
+    finally:
+        del optimizer, params
+        gc.collect()
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_many_small_tensors(benchmark, implementation):
+    """Per-tensor overhead: 2000 tensors of 2048 elements (4M in all), like a
+    model with many small layers."""
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(2048, generator=generator)) for _ in range(2000)]
+    for p in params:
+        p.grad = torch.randn(2048, generator=generator)
+    optimizer = make_optimizer(implementation, params)
+    benchmark.group = "adamw cpu 2000 tensors x 2048"
+    benchmark.extra_info.update(numel=2000 * 2048, tensors=2000, threads=torch.get_num_threads())
+    try:
+        _time_steps(benchmark, optimizer, "cpu", rounds=20)
+    finally:
+        del optimizer, params
+        gc.collect()

@@ -1,0 +1,607 @@
+"""Adam and AdamW with their states in flat chunks, updated by one fused kernel
+per chunk: drop-in replacements for ``torch.optim.Adam`` / ``torch.optim.AdamW``.
+
+Layout
+------
+Each parameter's ``exp_avg``, ``exp_avg_sq`` (``max_exp_avg_sq`` with
+amsgrad) and, for fp16/bf16 parameters, its fp32 master copy live in flat
+buffers: *chunks* of at most ``chunk_size`` elements, one set per (param
+group, device, parameter dtype), filled in the order in which parameters
+first receive a gradient. A parameter larger than ``chunk_size`` gets a chunk
+of its own. The parameters themselves stay where the user put them (their
+``.data`` is never re-pointed into a flat buffer, so no user-visible storage
+changes); the kernel reads each parameter and gradient in place and the
+states from the chunk, in one pass. A step is therefore one
+``effilayers::adam_step_`` call per chunk, with no per-tensor math in Python.
+
+``self.state[p]`` holds views into the chunks (``step`` is a 0-dim view into
+the chunk's per-parameter step counter), so ``state_dict()`` has exactly
+``torch.optim.Adam``'s layout: ``{"state": {i: {"step", "exp_avg",
+"exp_avg_sq"[, "max_exp_avg_sq"][, "master_param"]}}, "param_groups": [...]}``,
+tensors shaped like their parameter. Like torch's, the returned tensors are
+references (here: views of the chunks), not copies.
+
+Steps without host synchronisation
+----------------------------------
+The step counters are tensors on the state device. Before a chunk's kernel
+runs, its counters are increased by ``1 - found_inf`` (by 1 without a
+GradScaler), and the kernel derives the bias corrections from the counter
+itself and writes nothing when ``found_inf`` is non-zero: a skipped step
+changes nothing, step count included, without the host reading a flag.
+Parameters that get no gradient in a step are left out of that step (like
+torch), which splits the chunk into runs of parameters that share a step
+count; the host tracks which parameters may have diverged from the pattern
+of gradients it has seen, so the common case stays one kernel per chunk.
+
+Chunk size
+----------
+Default ``2**24`` elements (64 MiB of fp32 per state buffer). Measured on
+the 2-core CPU this was written on (benchmarks/bench_optim.py, group
+``chunk_size cpu 16M``, results/optim-cpu-2026-11-22.json): a step over 16M
+parameters took 40, 42, 26 and 30 ms (medians; an earlier run: 48, 46, 36,
+49) with chunks of 2^20, 2^22, 2^24 and 2^26 elements, on a machine shared
+with other jobs. Larger chunks mean fewer fork/joins (the kernel reads the
+parameters in place, so a chunk costs little else); 2^24 was the fastest in
+both runs and keeps a chunk small enough to
+pipeline CPU offload (one chunk on the CPU while the next one's gradients
+travel); re-measure on a GPU for the offload pipeline. Chunks are allocated at
+the size of what they hold, so a partly filled last chunk wastes nothing.
+
+Offload
+-------
+``offload="cpu"`` keeps states and master weights in CPU memory (pinned when
+CUDA is present). For CUDA parameters each chunk's gradients are copied down
+into a pinned staging buffer on a side stream, the C++ CPU kernel updates the
+chunk, and the parameters are copied back up on another side stream, the
+copies of one chunk overlapping the CPU work on its neighbour. For CPU
+parameters the states are already on the CPU and the step is the ordinary one.
+The staged pipeline has not been run on a GPU in this repository yet (no GPU
+was available when it was written); the same code runs in the tests with the
+streams replaced by synchronous copies.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+from torch.optim import Optimizer
+
+from ..ops.adam import _adam_step_op as adam_step_op
+from ..ops.adam import check_adam_arguments, is_dense, memory_flat, same_layout
+
+__all__ = ["ChunkedAdam", "ChunkedAdamW", "chunked_adam", "DEFAULT_CHUNK_SIZE"]
+
+DEFAULT_CHUNK_SIZE = 1 << 24
+_STATE_DTYPES = (torch.float32, torch.bfloat16)
+_OFFLOAD = (None, "cpu")
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def chunked_adam(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    max_exp_avg_sq: Optional[torch.Tensor],
+    master: Optional[torch.Tensor],
+    steps: torch.Tensor,
+    grad_scale: Optional[torch.Tensor] = None,
+    found_inf: Optional[torch.Tensor] = None,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled_weight_decay: bool,
+    maximize: bool,
+    check: bool = True,
+) -> None:
+    """Functional core: one Adam/AdamW step of a run of parameters that share
+    a step count, with flat states (``exp_avg`` etc. cover the params laid end
+    to end). ``steps`` holds one float32 counter per parameter; it is advanced
+    by ``1 - found_inf`` here, on its own device, before the kernel reads it.
+    ``check=False`` skips the Python-side argument checks (the optimizer's
+    chunks satisfy them by construction; the C++ kernel checks regardless)."""
+    if found_inf is None:
+        steps.add_(1)
+    else:
+        steps.add_(1).sub_(found_inf.to(steps.device, torch.float32, non_blocking=True))
+    if check:
+        check_adam_arguments(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, master, steps[:1])
+    # The op itself, not the checking wrapper: its per-tensor Python checks
+    # cost ~15 us per parameter, and the kernels check again where it matters.
+    adam_step_op(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, master, steps[:1],
+                 None if grad_scale is None else grad_scale.to(exp_avg.device, torch.float32),
+                 None if found_inf is None else found_inf.to(exp_avg.device, torch.float32),
+                 float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
+                 bool(decoupled_weight_decay), bool(maximize))
+
+
+class _Chunk:
+    """The states of a run of parameters of one group, device and dtype."""
+
+    def __init__(self, params: list[torch.Tensor], state_device: torch.device, state_dtype: torch.dtype,
+                 master: bool, amsgrad: bool, staged: bool, pin: bool) -> None:
+        self.params = params
+        self.sizes = [p.numel() for p in params]
+        self.offsets = [0, *itertools.accumulate(self.sizes)]
+        self.numel = self.offsets[-1]
+        self.param_dtype = params[0].dtype
+        self.param_device = params[0].device
+        self.state_device = state_device
+        self.pin = pin
+        self.state_dtype = state_dtype
+        self.exp_avg = self._zeros(state_dtype)
+        self.exp_avg_sq = self._zeros(state_dtype)
+        self.max_exp_avg_sq = self._zeros(state_dtype) if amsgrad else None
+        self.master = None
+        if master or staged:
+            # staged (offloaded) chunks keep the parameters' CPU copy here
+            dtype = torch.float32 if master else self.param_dtype
+            self.master = self._empty(dtype)
+            self.master.copy_(self._flat_params().to(state_device))
+        self.master_is_fp32 = master
+        # Offload staging: the gradients come down into `grad_staging`; a
+        # low-precision parameter copy goes up from `param_staging`.
+        self.staged = staged
+        self.grad_staging = self._empty(self.param_dtype) if staged else None
+        self.param_staging = self._empty(self.param_dtype) if staged and master else None
+        self.steps = torch.zeros(len(params), dtype=torch.float32, device=state_device)
+        # Host-side classes of parameters known to share a step count.
+        self.step_class = [0] * len(params)
+        self.uniform = True
+
+    def _empty(self, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(self.numel, dtype=dtype, device=self.state_device, pin_memory=self.pin)
+
+    def _zeros(self, dtype: torch.dtype) -> torch.Tensor:
+        return self._empty(dtype).zero_()
+
+    def _flat_params(self) -> torch.Tensor:
+        return torch.cat([memory_flat(p.detach()) for p in self.params])
+
+    def view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        # the flat range holds the parameter in its memory order: view it
+        # with the parameter's strides (channels_last stays channels_last)
+        param = self.params[index]
+        return flat.as_strided(param.shape, param.stride(), flat.storage_offset() + self.offsets[index])
+
+    def ensure_amsgrad(self) -> None:
+        if self.max_exp_avg_sq is None:
+            self.max_exp_avg_sq = self._zeros(self.state_dtype)
+
+    def param_state(self, index: int) -> dict[str, torch.Tensor]:
+        state = {
+            "step": self.steps[index],
+            "exp_avg": self.view(self.exp_avg, index),
+            "exp_avg_sq": self.view(self.exp_avg_sq, index),
+        }
+        if self.max_exp_avg_sq is not None:
+            state["max_exp_avg_sq"] = self.view(self.max_exp_avg_sq, index)
+        if self.master_is_fp32:
+            state["master_param"] = self.view(self.master, index)
+        return state
+
+    def runs(self, has_grad: list[bool]) -> list[tuple[int, int]]:
+        """Maximal ranges of parameters that have a gradient now and share a
+        step count; updates the host-side classes for the ones left out."""
+        count = len(self.params)
+        if self.uniform and all(has_grad):
+            return [(0, count)]
+        runs: list[tuple[int, int]] = []
+        start = None
+        for index in range(count + 1):
+            ends = (index == count or not has_grad[index]
+                    or (start is not None and self.step_class[index] != self.step_class[start]))
+            if start is not None and ends:
+                runs.append((start, index))
+                start = None
+            if index < count and has_grad[index] and start is None:
+                start = index
+        # Parameters skipped now fall behind the ones that step: new classes.
+        renamed: dict[int, int] = {}
+        fresh = max(self.step_class) + 1
+        for index, present in enumerate(has_grad):
+            if not present:
+                old = self.step_class[index]
+                if old not in renamed:
+                    renamed[old] = fresh
+                    fresh += 1
+                self.step_class[index] = renamed[old]
+        self.uniform = len(set(self.step_class)) == 1
+        return runs
+
+    def reclassify_from_steps(self) -> None:
+        values = self.steps.tolist()
+        ids: dict[float, int] = {}
+        self.step_class = [ids.setdefault(v, len(ids)) for v in values]
+        self.uniform = len(ids) <= 1
+
+
+class _Transfers:
+    """Copies between parameter device and CPU states for offloaded chunks.
+    On CUDA: side streams and events, so chunk i+1's gradients come down while
+    the CPU updates chunk i, and parameters go up while the CPU works on the
+    next chunk. Without CUDA every copy is synchronous and waits are no-ops."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.down = torch.cuda.Stream(device)
+            self.up = torch.cuda.Stream(device)
+            self.main = torch.cuda.current_stream(device)
+
+    def copy_down(self, chunk: _Chunk, start: int, stop: int, grads: list[torch.Tensor]):
+        targets = [chunk.view(chunk.grad_staging, i) for i in range(start, stop)]
+        if not self.cuda:
+            torch._foreach_copy_(targets, grads)
+            return None
+        # the gradients were produced on the main stream
+        self.down.wait_stream(self.main)
+        with torch.cuda.stream(self.down):
+            torch._foreach_copy_(targets, grads, non_blocking=True)
+            for g in grads:
+                g.record_stream(self.down)
+            done = torch.cuda.Event()
+            done.record(self.down)
+        return done
+
+    def wait_down(self, done) -> None:
+        if done is not None:
+            done.synchronize()
+
+    def copy_up(self, chunk: _Chunk, start: int, stop: int) -> None:
+        source = chunk.param_staging if chunk.param_staging is not None else chunk.master
+        params = [p.detach() for p in chunk.params[start:stop]]
+        sources = [chunk.view(source, i) for i in range(start, stop)]
+        if not self.cuda:
+            torch._foreach_copy_(params, sources)
+            return
+        self.up.wait_stream(self.main)
+        with torch.cuda.stream(self.up):
+            torch._foreach_copy_(params, sources, non_blocking=True)
+
+    def finish(self) -> None:
+        if self.cuda:
+            self.main.wait_stream(self.up)
+
+
+class ChunkedAdam(Optimizer):
+    """``torch.optim.Adam`` with flat-chunk states and one fused kernel per chunk.
+
+    Arguments as ``torch.optim.Adam`` (``lr``, ``betas``, ``eps``,
+    ``weight_decay``, ``amsgrad``, ``maximize``, ``decoupled_weight_decay``;
+    ``foreach``, ``fused`` and ``capturable`` are accepted and ignored: there
+    is one implementation), plus:
+
+    * ``state_dtype``: ``torch.float32`` (default) or ``torch.bfloat16`` for
+      ``exp_avg``/``exp_avg_sq``/``max_exp_avg_sq`` (float64 parameters
+      always keep float64 states). bf16 states halve the optimizer memory;
+      the update is computed in fp32 and rounded to nearest even on store.
+    * ``master_weights``: keep an fp32 copy of fp16/bf16 parameters in the
+      chunks and update that (default True); the parameter receives the
+      rounded result.
+    * ``offload``: ``None`` or ``"cpu"`` (states and master weights in CPU
+      memory; see the module docstring).
+    * ``chunk_size``: elements per chunk (default ``2**24``).
+
+    Host synchronisation: none per step on GPU, except that a tensor ``lr``
+    (or tensor betas) is read with ``float()`` each step; use Python floats.
+
+    Works with ``torch.amp.GradScaler`` (``scaler.step(opt)`` hands the scale
+    and the overflow flag to the kernel), LR schedulers,
+    ``zero_grad(set_to_none=True)`` and parameters without a gradient in a
+    step. Not supported, with an error: sparse gradients, complex parameters,
+    parameters that are not dense (strided views), ``differentiable=True``.
+    """
+
+    _default_decoupled = False
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0,
+        amsgrad: bool = False,
+        *,
+        foreach: Optional[bool] = None,
+        maximize: bool = False,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: Optional[bool] = None,
+        decoupled_weight_decay: Optional[bool] = None,
+        state_dtype: torch.dtype = torch.float32,
+        master_weights: bool = True,
+        offload: Optional[str] = None,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+    ) -> None:
+        name = type(self).__name__
+        _check_hyperparameters(name, lr, betas, eps, weight_decay)
+        if differentiable:
+            raise ValueError(f"{name}: differentiable=True is not supported (the update runs in a fused kernel)")
+        if state_dtype not in _STATE_DTYPES:
+            raise TypeError(f"{name}: state_dtype must be torch.float32 or torch.bfloat16, got {state_dtype!r}")
+        if offload not in _OFFLOAD:
+            raise ValueError(f"{name}: offload must be None or 'cpu', got {offload!r}")
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+            raise ValueError(f"{name}: chunk_size must be a positive int (elements per chunk), got {chunk_size!r}")
+        if decoupled_weight_decay is None:
+            decoupled_weight_decay = self._default_decoupled
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        maximize=maximize, foreach=foreach, capturable=capturable, differentiable=False,
+                        fused=fused, decoupled_weight_decay=decoupled_weight_decay)
+        self.state_dtype = state_dtype
+        self.master_weights = bool(master_weights)
+        self.offload = offload
+        self.chunk_size = chunk_size
+        # (group index, device, dtype) -> chunks, in order of first use
+        self._chunks: dict[tuple[int, torch.device, torch.dtype], list[_Chunk]] = defaultdict(list)
+        self._location: dict[torch.Tensor, tuple[_Chunk, int]] = {}
+        # Exercise the offload staging on CPU parameters (tests); on CUDA it
+        # is on whenever offload="cpu".
+        self._force_staging = False
+        self._transfers: dict[torch.device, _Transfers] = {}
+        super().__init__(params, defaults)
+        # GradScaler.step hands us `grad_scale` and `found_inf` as attributes.
+        self._step_supports_amp_scaling = True
+
+    # -- construction --------------------------------------------------
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        name = type(self).__name__
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        for p in params:
+            if isinstance(p, torch.Tensor):
+                if p.is_complex():
+                    raise TypeError(f"{name} does not support complex parameters (got {p.dtype}); "
+                                    "optimize torch.view_as_real(param) instead")
+                if p.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+                    raise TypeError(f"{name}: parameters must be floating point, got {p.dtype}")
+                if not is_dense(p):
+                    raise ValueError(f"{name}: parameters must be dense, contiguous or a permutation of it like "
+                                     f"channels_last (got strides {p.stride()} for shape {tuple(p.shape)}); "
+                                     "call .contiguous() on the parameter's data")
+        group = dict(param_group, params=params)  # a generator is consumed by the checks above
+        _check_hyperparameters(name, group.get("lr", self.defaults["lr"]), group.get("betas", self.defaults["betas"]),
+                               group.get("eps", self.defaults["eps"]),
+                               group.get("weight_decay", self.defaults["weight_decay"]))
+        super().add_param_group(group)
+
+    # -- chunk bookkeeping ---------------------------------------------
+    def _state_device(self, device: torch.device) -> torch.device:
+        return torch.device("cpu") if self.offload == "cpu" else device
+
+    def _staged(self, device: torch.device) -> bool:
+        return self.offload == "cpu" and (device.type != "cpu" or self._force_staging)
+
+    def _assign(self, group_index: int, params: list[torch.Tensor]) -> None:
+        """Give chunks to parameters that have none yet, in the order given."""
+        group = self.param_groups[group_index]
+        by_key: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+        for p in params:
+            by_key[(p.device, p.dtype)].append(p)
+        for (device, dtype), members in by_key.items():
+            state_dtype = torch.float64 if dtype == torch.float64 else self.state_dtype
+            master = self.master_weights and dtype in _LOW_PRECISION
+            staged = self._staged(device)
+            state_device = self._state_device(device)
+            pin = state_device.type == "cpu" and device.type == "cuda"
+            current: list[torch.Tensor] = []
+            filled = 0
+
+            def close() -> None:
+                if current:
+                    chunk = _Chunk(list(current), state_device, state_dtype, master, group["amsgrad"], staged, pin)
+                    self._chunks[(group_index, device, dtype)].append(chunk)
+                    for index, member in enumerate(chunk.params):
+                        self._location[member] = (chunk, index)
+                        self.state[member] = chunk.param_state(index)
+
+            for p in members:
+                if current and filled + p.numel() > self.chunk_size:
+                    close()
+                    current, filled = [], 0
+                current.append(p)
+                filled += p.numel()
+            close()
+
+    def chunk_layout(self) -> list[dict[str, Any]]:
+        """One entry per chunk: group, device, dtypes, element count, params."""
+        layout = []
+        for (group_index, device, dtype), chunks in self._chunks.items():
+            for chunk in chunks:
+                layout.append({"group": group_index, "device": str(device), "param_dtype": dtype,
+                               "state_dtype": chunk.state_dtype, "numel": chunk.numel, "params": len(chunk.params),
+                               "master": chunk.master_is_fp32, "state_device": str(chunk.state_device)})
+        return layout
+
+    # -- the step ---------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        name = type(self).__name__
+        for group_index, group in enumerate(self.param_groups):
+            fresh = []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"{name} does not support sparse gradients, please consider SparseAdam instead")
+                if p not in self._location:
+                    fresh.append(p)
+            if fresh:
+                self._assign(group_index, fresh)
+            beta1, beta2 = group["betas"]
+            hyper = dict(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                         weight_decay=float(group["weight_decay"]),
+                         decoupled_weight_decay=bool(group["decoupled_weight_decay"]),
+                         maximize=bool(group["maximize"]))
+            for (index, device, _), chunks in self._chunks.items():
+                if index != group_index:
+                    continue
+                if any(chunk.staged for chunk in chunks):
+                    self._step_staged(chunks, device, grad_scale, found_inf, group["amsgrad"], hyper)
+                    continue
+                for chunk in chunks:
+                    self._step_chunk(chunk, grad_scale, found_inf, group["amsgrad"], hyper)
+        return loss
+
+    def _grads(self, chunk: _Chunk) -> list[Optional[torch.Tensor]]:
+        grads = []
+        for p in chunk.params:
+            g = p.grad
+            if g is not None and g.stride() != p.stride() and not same_layout(g, p):
+                g = torch.empty_like(p).copy_(g)  # the parameter's strides
+            grads.append(g)
+        return grads
+
+    def _step_chunk(self, chunk: _Chunk, grad_scale, found_inf, amsgrad: bool, hyper: dict) -> None:
+        grads = self._grads(chunk)
+        if amsgrad and chunk.max_exp_avg_sq is None:
+            chunk.ensure_amsgrad()
+            self._refresh_state(chunk)
+        for start, stop in chunk.runs([g is not None for g in grads]):
+            lo, hi = chunk.offsets[start], chunk.offsets[stop]
+            chunked_adam(
+                chunk.params[start:stop], grads[start:stop],
+                chunk.exp_avg[lo:hi], chunk.exp_avg_sq[lo:hi],
+                chunk.max_exp_avg_sq[lo:hi] if amsgrad else None,
+                chunk.master[lo:hi] if chunk.master is not None else None,
+                chunk.steps[start:stop], grad_scale, found_inf, check=False, **hyper)
+
+    def _step_staged(self, chunks: list[_Chunk], device: torch.device, grad_scale, found_inf, amsgrad: bool,
+                     hyper: dict) -> None:
+        """Offloaded chunks: gradients down, CPU kernel, parameters up; the
+        next run's gradients are on their way while the CPU works."""
+        transfers = self._transfers.get(device)
+        if transfers is None:
+            transfers = self._transfers[device] = _Transfers(device)
+        work = []
+        for chunk in chunks:
+            grads = self._grads(chunk)
+            if amsgrad and chunk.max_exp_avg_sq is None:
+                chunk.ensure_amsgrad()
+                self._refresh_state(chunk)
+            for start, stop in chunk.runs([g is not None for g in grads]):
+                work.append((chunk, start, stop, grads[start:stop]))
+        if not work:
+            return
+        # Blocking copies: a non_blocking device-to-host copy may return before
+        # the value lands, and the CPU kernel must wait for the gradients anyway.
+        cpu_scale = None if grad_scale is None else grad_scale.to("cpu", torch.float32)
+        cpu_found = None if found_inf is None else found_inf.to("cpu", torch.float32)
+        pending = transfers.copy_down(*work[0])
+        for position, (chunk, start, stop, _) in enumerate(work):
+            done = pending
+            if position + 1 < len(work):
+                pending = transfers.copy_down(*work[position + 1])
+            transfers.wait_down(done)
+            lo, hi = chunk.offsets[start], chunk.offsets[stop]
+            grad_flat = chunk.grad_staging[lo:hi]
+            if chunk.master_is_fp32:
+                params, master = [chunk.param_staging[lo:hi]], chunk.master[lo:hi]
+            else:
+                params, master = [chunk.master[lo:hi]], None
+            chunked_adam(params, [grad_flat], chunk.exp_avg[lo:hi], chunk.exp_avg_sq[lo:hi],
+                         chunk.max_exp_avg_sq[lo:hi] if amsgrad else None, master, chunk.steps[start:stop],
+                         cpu_scale, cpu_found, check=False, **hyper)
+            transfers.copy_up(chunk, start, stop)
+        transfers.finish()
+
+    def _refresh_state(self, chunk: _Chunk) -> None:
+        for index, p in enumerate(chunk.params):
+            self.state[p] = chunk.param_state(index)
+
+    # -- state dict -------------------------------------------------------
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads torch.optim.Adam/AdamW state dicts and this class's own, into
+        any chunk size. States are converted to this optimizer's
+        ``state_dtype`` (an fp32 torch checkpoint loaded with
+        ``state_dtype=torch.bfloat16`` is rounded to bf16; a bf16 checkpoint
+        loaded with bf16 states stays bit-identical). Master weights come from
+        ``master_param`` when present, else from the parameters."""
+        name = type(self).__name__
+        groups = self.param_groups
+        saved_groups = state_dict["param_groups"]
+        if len(groups) != len(saved_groups):
+            raise ValueError(f"{name}.load_state_dict: loaded state dict has {len(saved_groups)} parameter groups, "
+                             f"this optimizer has {len(groups)}")
+        for group, saved in zip(groups, saved_groups):
+            if len(group["params"]) != len(saved["params"]):
+                raise ValueError(f"{name}.load_state_dict: loaded state dict contains a parameter group that "
+                                 "doesn't match the size of optimizer's group")
+        for group, saved in zip(groups, saved_groups):
+            for key, value in saved.items():
+                if key != "params":
+                    group[key] = value
+            group.setdefault("decoupled_weight_decay", self._default_decoupled)
+        saved_state = state_dict["state"]
+        self._chunks.clear()
+        self._location.clear()
+        self.state = defaultdict(dict)
+        for group_index, (group, saved) in enumerate(zip(groups, saved_groups)):
+            with_state = [(p, saved_state[i]) for p, i in zip(group["params"], saved["params"]) if i in saved_state]
+            if not with_state:
+                continue
+            self._assign(group_index, [p for p, _ in with_state])
+            touched = set()
+            with torch.no_grad():
+                for p, entry in with_state:
+                    chunk, index = self._location[p]
+                    touched.add(id(chunk))
+                    chunk.steps[index] = float(entry["step"])
+                    chunk.view(chunk.exp_avg, index).copy_(entry["exp_avg"])
+                    chunk.view(chunk.exp_avg_sq, index).copy_(entry["exp_avg_sq"])
+                    if "max_exp_avg_sq" in entry:
+                        chunk.ensure_amsgrad()
+                        chunk.view(chunk.max_exp_avg_sq, index).copy_(entry["max_exp_avg_sq"])
+                    if chunk.master_is_fp32 and "master_param" in entry:
+                        chunk.view(chunk.master, index).copy_(entry["master_param"])
+            for chunks in self._chunks.values():
+                for chunk in chunks:
+                    if id(chunk) in touched:
+                        chunk.reclassify_from_steps()
+                        self._refresh_state(chunk)
+
+
+class ChunkedAdamW(ChunkedAdam):
+    """``torch.optim.AdamW`` (decoupled weight decay, default 0.01) on flat
+    chunks; see :class:`ChunkedAdam` for the extra arguments."""
+
+    _default_decoupled = True
+
+    def __init__(self, params: Iterable, lr: float | torch.Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, **kwargs: Any) -> None:
+        kwargs.setdefault("decoupled_weight_decay", True)
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
+
+
+def _check_hyperparameters(name: str, lr, betas, eps, weight_decay) -> None:
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"{name}: lr as a Tensor must have one element, got {lr.numel()}")
+        lr = float(lr)
+    if not isinstance(lr, (int, float)) or not 0.0 <= lr:
+        raise ValueError(f"{name}: lr must be a float >= 0, got {lr!r}")
+    if not 0.0 <= eps:
+        raise ValueError(f"{name}: eps must be >= 0, got {eps!r}")
+    try:
+        beta1, beta2 = betas
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: betas must be a pair (beta1, beta2), got {betas!r}") from None
+    for index, beta in enumerate((beta1, beta2)):
+        if not 0.0 <= float(beta) < 1.0:
+            raise ValueError(f"{name}: betas[{index}] must be in [0, 1), got {beta!r}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"{name}: weight_decay must be >= 0, got {weight_decay!r}")

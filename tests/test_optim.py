@@ -1,0 +1,606 @@
+"""ChunkedAdam / ChunkedAdamW and the fused adam_step_ kernel.
+
+Kernel tests compare every backend with the reference computed in float64 on
+the same (already rounded) inputs; optimizer tests compare 100-step
+trajectories with torch.optim.Adam / AdamW (fp32: rtol 1e-5, atol 1e-6).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import effilayers
+from effilayers.ops.adam import adam_step_, adam_step_reference
+from effilayers.optim import ChunkedAdam, ChunkedAdamW
+
+from .conftest import BACKEND_PARAMS, TRITON_PARAMS, activate_backend, forced_backend
+
+# Trajectories: fp32 states track torch to rounding. The Triton kernel derives
+# the bias corrections from the step counter in float32 on the device (no
+# host sync), which moves them by ~1e-7 relative: a looser atol.
+FP32_TOL = dict(rtol=1e-5, atol=1e-6)
+TRITON_TOL = dict(rtol=1e-5, atol=2e-5)
+# bf16 states (8 bits of mantissa for exp_avg / exp_avg_sq), 100 steps of
+# lr 1e-2 on the test MLP: measured max |param - torch's fp32 AdamW| 1.7e-3
+# on parameters up to 0.52, relative L2 error per tensor 0.6 %. The bounds
+# are ~3x that (documented in README).
+BF16_STATE_TOL = dict(rtol=0, atol=5e-3)
+BF16_STATE_REL_L2 = 0.02
+
+
+@pytest.fixture(params=BACKEND_PARAMS + TRITON_PARAMS)
+def adam_device(request):
+    """Runs the test with adam_step forced to one backend; yields (backend, device)."""
+    backend = request.param[0]
+    for device in forced_backend(request, "adam_step"):
+        yield backend, device
+
+
+def _varied(shape, dtype, seed, scale=1.0, positive=False):
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randn(shape, generator=generator, dtype=torch.float64)
+    values = values * torch.logspace(-2, 0, values.numel(), dtype=torch.float64).view(shape) * scale
+    if positive:
+        values = values.abs() + 1e-4 * scale
+    return values.to(dtype)
+
+
+# -- the kernel ---------------------------------------------------------------
+
+KERNEL_SHAPES = [(3, 5), (17,), (1,), (70001,), (2, 3, 4)]  # odd sizes, one longer than a CPU grain
+DTYPE_CASES = [  # (param dtype, state dtype, fp32 master)
+    (torch.float32, torch.float32, False),
+    (torch.float32, torch.bfloat16, False),
+    (torch.bfloat16, torch.float32, True),
+    (torch.float16, torch.float32, True),
+    (torch.bfloat16, torch.bfloat16, False),
+    (torch.float64, torch.float64, False),
+]
+OPTION_CASES = [
+    dict(weight_decay=0.1, decoupled_weight_decay=True, maximize=False, amsgrad=False, scaled=False),
+    dict(weight_decay=0.1, decoupled_weight_decay=False, maximize=True, amsgrad=True, scaled=True),
+    dict(weight_decay=0.0, decoupled_weight_decay=False, maximize=False, amsgrad=True, scaled=False),
+]
+
+
+def _kernel_inputs(param_dtype, state_dtype, master, amsgrad, device, shapes=KERNEL_SHAPES):
+    params = [_varied(s, param_dtype, seed=i).to(device) for i, s in enumerate(shapes)]
+    grads = [_varied(s, param_dtype, seed=100 + i, scale=3.0).to(device) for i, s in enumerate(shapes)]
+    n = sum(p.numel() for p in params)
+    exp_avg = _varied((n,), state_dtype, seed=7, scale=0.1).to(device)
+    exp_avg_sq = _varied((n,), state_dtype, seed=8, scale=0.01, positive=True).to(device)
+    max_exp_avg_sq = (_varied((n,), state_dtype, seed=9, scale=0.01, positive=True).to(device)
+                      if amsgrad else None)
+    master_flat = (torch.cat([p.reshape(-1) for p in params]).float() + 1e-4) if master else None
+    return params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, master_flat
+
+
+@pytest.mark.parametrize("param_dtype,state_dtype,master", DTYPE_CASES, ids=lambda c: str(c).replace("torch.", ""))
+@pytest.mark.parametrize("options", OPTION_CASES, ids=["adamw", "adam-maximize-amsgrad-scaled", "amsgrad"])
+def test_kernel_matches_float64_reference(adam_device, param_dtype, state_dtype, master, options):
+    backend, device = adam_device
+    if backend == "triton" and (param_dtype == torch.float64 or (device.type == "cpu" and (
+            param_dtype != torch.float32 or state_dtype != torch.float32))):
+        pytest.skip("the Triton interpreter has no bf16/fp16 arithmetic; the GPU kernel has no float64")
+    options = dict(options)
+    amsgrad, scaled = options.pop("amsgrad"), options.pop("scaled")
+    inputs = _kernel_inputs(param_dtype, state_dtype, master, amsgrad, device)
+    params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, master_flat = inputs
+    # the expected result: the same rounded inputs, in float64
+    def float64_copy(x):
+        if x is None:
+            return None
+        return x.double().clone() if isinstance(x, torch.Tensor) else [t.double().clone() for t in x]
+
+    expected = [float64_copy(x) for x in (params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq)]
+    exp_params = [t.clone() for t in expected[0]]
+    if master_flat is not None:
+        pieces = torch.split(master_flat.double(), [p.numel() for p in params])
+        exp_params = [piece.view(p.shape).clone() for piece, p in zip(pieces, params)]
+    scale = torch.tensor([1024.0], device=device) if scaled else None
+    exp_grads = [g * 1024.0 for g in expected[1]] if scaled else expected[1]
+    real_grads = [(g.double() * 1024.0).to(param_dtype) for g in grads] if scaled else grads
+    step = torch.tensor([7.0], device=device)
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, **options)
+    adam_step_reference(exp_params, [g.cpu() for g in exp_grads] if device.type == "cpu" else exp_grads,
+                        expected[2], expected[3], expected[4], None, step, scale, None,
+                        *hyper.values())
+    adam_step_(params, real_grads, exp_avg, exp_avg_sq, max_exp_avg_sq, master_flat, step, scale, None, **hyper)
+
+    # fp32: |g| up to 3, so the rounding of m - g is ~1e-7 absolute
+    state_tol = dict(rtol=1e-2, atol=1e-6) if state_dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(exp_avg.double(), expected[2].to(device), **state_tol)
+    torch.testing.assert_close(exp_avg_sq.double(), expected[3].to(device), **state_tol)
+    if amsgrad:
+        torch.testing.assert_close(max_exp_avg_sq.double(), expected[4].to(device), **state_tol)
+    param_tol = {torch.float32: dict(rtol=1e-5, atol=1e-7), torch.float64: dict(rtol=1e-12, atol=1e-14),
+                 torch.float16: dict(rtol=1e-3, atol=1e-5), torch.bfloat16: dict(rtol=1e-2, atol=1e-5)}[param_dtype]
+    for actual, wanted in zip(params, exp_params):
+        torch.testing.assert_close(actual.double(), wanted.to(device), **param_tol)
+    if master_flat is not None:
+        torch.testing.assert_close(master_flat.double(), torch.cat([p.reshape(-1) for p in exp_params]).to(device),
+                                   rtol=1e-5, atol=1e-7)
+        # the low-precision parameter is the master rounded once
+        torch.testing.assert_close(torch.cat([p.reshape(-1) for p in params]), master_flat.to(param_dtype),
+                                   rtol=0, atol=0)
+
+
+def test_kernel_skipped_step_writes_nothing(adam_device):
+    _, device = adam_device
+    inputs = _kernel_inputs(torch.float32, torch.float32, False, True, device, shapes=[(5, 3), (1030,)])
+    before = [t.clone() for t in (*inputs[0], inputs[2], inputs[3], inputs[4])]
+    grads = [g.clone().fill_(float("inf")) for g in inputs[1]]
+    adam_step_(inputs[0], grads, inputs[2], inputs[3], inputs[4], None, torch.tensor([3.0], device=device),
+               torch.tensor([2.0 ** 16], device=device), torch.tensor([1.0], device=device),
+               lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled_weight_decay=True,
+               maximize=False)
+    for old, new in zip(before, (*inputs[0], inputs[2], inputs[3], inputs[4])):
+        assert torch.equal(old, new)
+
+
+def test_opcheck():
+    """Schema, fake implementation and the mutation annotations agree."""
+    inputs = _kernel_inputs(torch.float32, torch.float32, False, True, "cpu", shapes=[(5, 3), (7,)])
+    params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, _ = inputs
+    torch.library.opcheck(
+        torch.ops.effilayers.adam_step_.default,
+        (params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, None, torch.tensor([2.0]), None, None,
+         1e-2, 0.9, 0.999, 1e-8, 0.1, True, False),
+    )
+
+
+def test_kernel_rejects_bad_arguments():
+    params = [torch.randn(3, 4)]
+    grads = [torch.randn(3, 4)]
+    state = torch.zeros(12)
+    step = torch.tensor([1.0])
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled_weight_decay=False,
+                 maximize=False)
+    with pytest.raises(ValueError, match="exp_avg must be a contiguous 1-D tensor of 12"):
+        adam_step_(params, grads, torch.zeros(11), state.clone(), None, None, step, **hyper)
+    with pytest.raises(TypeError, match="grads\\[0\\] must all have dtype"):
+        adam_step_(params, [grads[0].double()], state.clone(), state.clone(), None, None, step, **hyper)
+    with pytest.raises(ValueError, match="grads\\[0\\] must have its strides"):
+        adam_step_([torch.randn(4, 3).t()], grads, state.clone(), state.clone(), None, None, step, **hyper)
+    # the compiled kernel checks for itself when called directly
+    with effilayers.use_backend("cpp"):
+        if effilayers.backends.choice("adam_step", "cpu").kernel is not None:
+            with pytest.raises(ValueError, match="states must be contiguous 1-D CPU tensors of 12"):
+                torch.ops.effilayers_cpu.adam_step_(params, grads, torch.zeros(11), state.clone(), None, None, step,
+                                                     None, None, 1e-3, 0.9, 0.999, 1e-8, 0.0, False, False)
+
+
+# -- optimizer trajectories ---------------------------------------------------
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(7, 33), torch.nn.Tanh(), torch.nn.Linear(33, 19),
+                                        torch.nn.Tanh())
+        self.head = torch.nn.Linear(19, 5)
+        self.spare = torch.nn.Linear(19, 5)  # used only on some steps
+
+    def forward(self, x, use_spare=False):
+        h = self.body(x)
+        out = self.head(h)
+        return out + self.spare(h) if use_spare else out
+
+
+def _net(dtype=torch.float32):
+    torch.manual_seed(0)
+    return _Net().to(dtype)
+
+
+def _train(model, optimizer, steps, *, sign=1.0, scheduler=None, clip=None, spare_every=0, set_to_none=True,
+           seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        x = torch.randn(16, 7, generator=generator).to(next(model.parameters()).dtype)
+        y = torch.randn(16, 5, generator=generator).to(x.dtype)
+        optimizer.zero_grad(set_to_none=set_to_none)
+        use_spare = spare_every > 0 and step % spare_every == 0
+        loss = sign * torch.nn.functional.mse_loss(model(x, use_spare), y)
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+
+
+def _assert_same_params(a, b, **tol):
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p.detach().double(), q.detach().double(), msg=lambda m: f"{name}: {m}", **tol)
+
+
+TRAJECTORY_CASES = {
+    "adamw": (torch.optim.AdamW, ChunkedAdamW, dict(lr=1e-2), {}),
+    "adam-l2": (torch.optim.Adam, ChunkedAdam, dict(lr=1e-2, weight_decay=0.05), {}),
+    "amsgrad": (torch.optim.AdamW, ChunkedAdamW, dict(lr=1e-2, amsgrad=True), {}),
+    "maximize": (torch.optim.AdamW, ChunkedAdamW, dict(lr=1e-2, maximize=True), dict(sign=-1.0)),
+    "no-grad-steps": (torch.optim.AdamW, ChunkedAdamW, dict(lr=1e-2, weight_decay=0.1), dict(spare_every=3)),
+    "clip-zero-grad-keep": (torch.optim.Adam, ChunkedAdam, dict(lr=1e-2), dict(clip=0.5, set_to_none=False)),
+}
+
+
+@pytest.mark.parametrize("case", list(TRAJECTORY_CASES))
+def test_trajectory_matches_torch(adam_device, case):
+    backend, device = adam_device
+    torch_class, our_class, kwargs, train = TRAJECTORY_CASES[case]
+    steps = 100 if backend != "triton" or device.type == "cuda" else 15  # the interpreter is slow
+    expected, actual = _net().to(device), _net().to(device)
+    _train(expected, torch_class(expected.parameters(), **kwargs), steps, **train)
+    # chunk_size 300: the net is split over several chunks, one parameter larger than a chunk
+    _train(actual, our_class(actual.parameters(), chunk_size=300, **kwargs), steps, **train)
+    _assert_same_params(actual, expected, **(TRITON_TOL if backend == "triton" else FP32_TOL))
+
+
+def test_param_groups_and_scheduler_match_torch(adam_device):
+    backend, device = adam_device
+    steps = 100 if backend != "triton" or device.type == "cuda" else 12
+
+    def groups(model):
+        return [dict(params=model.body.parameters(), lr=3e-3, betas=(0.8, 0.99), weight_decay=0.2),
+                dict(params=model.head.parameters(), eps=1e-6, amsgrad=True),
+                dict(params=model.spare.parameters(), maximize=False, weight_decay=0.0)]
+
+    expected, actual = _net().to(device), _net().to(device)
+    for model, cls in ((expected, torch.optim.AdamW), (actual, ChunkedAdamW)):
+        optimizer = cls(groups(model), lr=1e-2, **({} if cls is torch.optim.AdamW else {"chunk_size": 64}))
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=[3e-2, 1e-2, 5e-3], total_steps=steps)
+        _train(model, optimizer, steps, scheduler=scheduler, spare_every=2)
+    _assert_same_params(actual, expected, **(TRITON_TOL if backend == "triton" else FP32_TOL))
+
+
+def test_bf16_states_track_fp32_within_documented_tolerance():
+    expected, actual = _net(), _net()
+    _train(expected, torch.optim.AdamW(expected.parameters(), lr=1e-2), 100)
+    optimizer = ChunkedAdamW(actual.parameters(), lr=1e-2, state_dtype=torch.bfloat16)
+    _train(actual, optimizer, 100)
+    assert all(s["exp_avg"].dtype == torch.bfloat16 for s in optimizer.state.values())
+    _assert_same_params(actual, expected, **BF16_STATE_TOL)
+    for p, q in zip(actual.parameters(), expected.parameters()):
+        assert ((p - q).norm() / q.norm()).item() <= BF16_STATE_REL_L2
+    worst = max((p - q).abs().max().item() for p, q in zip(actual.parameters(), expected.parameters()))
+    assert worst > 1e-5  # bf16 rounding is really in play
+
+
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_params_with_master_follow_fp32(param_dtype):
+    """Same gradients fed to an fp32 torch AdamW and to bf16/fp16 parameters
+    with fp32 masters: the masters follow torch's fp32 parameters tightly,
+    the parameters are the masters rounded."""
+    torch.manual_seed(0)
+    start = [torch.randn(13, 7).to(param_dtype), torch.randn(301).to(param_dtype)]
+    ours = [torch.nn.Parameter(t.clone()) for t in start]
+    theirs = [torch.nn.Parameter(t.float()) for t in start]
+    optimizer = ChunkedAdamW(ours, lr=1e-2, chunk_size=128)
+    reference = torch.optim.AdamW(theirs, lr=1e-2)
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(30):
+        grads = [torch.randn(p.shape, generator=generator).to(param_dtype) for p in ours]
+        for p, q, g in zip(ours, theirs, grads):
+            p.grad, q.grad = g.clone(), g.float()
+        optimizer.step()
+        reference.step()
+    for p, q in zip(ours, theirs):
+        master = optimizer.state[p]["master_param"]
+        assert master.dtype == torch.float32
+        torch.testing.assert_close(master, q.detach(), **FP32_TOL)
+        assert torch.equal(p.detach(), master.to(param_dtype))
+
+
+def test_low_precision_params_grad_scaler_skip_and_master_round_trip():
+    """bf16 parameters, fp32 masters, GradScaler: an overflow step changes
+    nothing; a reloaded optimizer continues from the saved masters (not from
+    the rounded parameters)."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(9, 5).to(torch.bfloat16)), torch.nn.Parameter(torch.randn(40).bfloat16())]
+    optimizer = ChunkedAdamW(params, lr=1e-2, chunk_size=32)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    generator = torch.Generator().manual_seed(2)
+
+    def step(overflow=False):
+        optimizer.zero_grad()
+        loss = sum((p.float() * torch.randn(p.shape, generator=generator)).sum() for p in params)
+        scaler.scale(loss * (float("inf") if overflow else 1.0)).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+    for _ in range(3):
+        step()
+    saved = copy.deepcopy(optimizer.state_dict())
+    before = [p.detach().clone() for p in params]
+    step(overflow=True)
+    assert all(torch.equal(p, q) for p, q in zip(params, before))
+    after = optimizer.state_dict()["state"]
+    for index, entry in saved["state"].items():
+        assert float(after[index]["step"]) == float(entry["step"]) == 3.0
+        assert torch.equal(after[index]["master_param"], entry["master_param"])
+        assert not torch.equal(entry["master_param"], params[index].detach().float())  # masters carry more bits
+
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    reloaded = ChunkedAdamW(twin, lr=1e-2, chunk_size=1000)
+    reloaded.load_state_dict(copy.deepcopy(saved))
+    for index, entry in reloaded.state_dict()["state"].items():
+        assert torch.equal(entry["master_param"], saved["state"][index]["master_param"])
+
+
+# -- state dicts ----------------------------------------------------------------
+
+def test_state_dict_has_torch_layout_and_loads_into_torch_and_back():
+    torch_model, our_model = _net(), _net()
+    torch_opt = torch.optim.AdamW(torch_model.parameters(), lr=1e-2, amsgrad=True)
+    our_opt = ChunkedAdamW(our_model.parameters(), lr=1e-2, amsgrad=True, chunk_size=200)
+    _train(torch_model, torch_opt, 10, spare_every=3)
+    _train(our_model, our_opt, 10, spare_every=3)
+    ours, theirs = our_opt.state_dict(), torch_opt.state_dict()
+    assert ours["param_groups"] == theirs["param_groups"]
+    assert ours["state"].keys() == theirs["state"].keys()
+    for index, entry in theirs["state"].items():
+        assert ours["state"][index].keys() == entry.keys()
+        for key, value in entry.items():
+            assert ours["state"][index][key].shape == value.shape and ours["state"][index][key].dtype == value.dtype
+            torch.testing.assert_close(ours["state"][index][key], value, **FP32_TOL)
+
+    # ours -> torch, torch -> ours (different chunk size), continue both
+    next_torch_model, next_our_model = copy.deepcopy(our_model), copy.deepcopy(torch_model)
+    next_torch_opt = torch.optim.AdamW(next_torch_model.parameters())
+    next_torch_opt.load_state_dict(copy.deepcopy(ours))
+    next_our_opt = ChunkedAdamW(next_our_model.parameters(), chunk_size=57)
+    next_our_opt.load_state_dict(copy.deepcopy(theirs))
+    assert next_our_opt.param_groups[0]["amsgrad"] and next_our_opt.param_groups[0]["lr"] == 1e-2
+    _train(next_torch_model, next_torch_opt, 10, spare_every=3, seed=5)
+    _train(next_our_model, next_our_opt, 10, spare_every=3, seed=5)
+    _train(torch_model, torch_opt, 10, spare_every=3, seed=5)
+    _assert_same_params(next_torch_model, torch_model, rtol=1e-4, atol=1e-5)
+    _assert_same_params(next_our_model, torch_model, **FP32_TOL)
+
+
+def test_state_dict_round_trip_across_chunk_sizes_and_bf16_dtype_kept():
+    model = _net()
+    optimizer = ChunkedAdamW(model.parameters(), lr=1e-2, state_dtype=torch.bfloat16, chunk_size=100)
+    _train(model, optimizer, 5, spare_every=2)
+    saved = copy.deepcopy(optimizer.state_dict())
+    twin = copy.deepcopy(model)
+    loaded = ChunkedAdamW(twin.parameters(), state_dtype=torch.bfloat16, chunk_size=10_000)
+    loaded.load_state_dict(saved)
+    assert len(loaded.chunk_layout()) == 1 and len(optimizer.chunk_layout()) > 1
+    again = loaded.state_dict()
+    for index, entry in saved["state"].items():
+        for key, value in entry.items():
+            assert again["state"][index][key].dtype == value.dtype
+            assert torch.equal(again["state"][index][key], value), (index, key)
+    _train(model, optimizer, 5, spare_every=2, seed=9)
+    _train(twin, loaded, 5, spare_every=2, seed=9)
+    _assert_same_params(twin, model, rtol=0, atol=0)
+
+    # an fp32 torch checkpoint loaded with bf16 states is rounded to bf16
+    fp32_model = _net()
+    fp32_opt = torch.optim.AdamW(fp32_model.parameters(), lr=1e-2)
+    _train(fp32_model, fp32_opt, 3)
+    into_bf16 = ChunkedAdamW(fp32_model.parameters(), state_dtype=torch.bfloat16)
+    into_bf16.load_state_dict(fp32_opt.state_dict())
+    theirs = fp32_opt.state_dict()["state"]
+    for index, entry in into_bf16.state_dict()["state"].items():
+        assert entry["exp_avg"].dtype == torch.bfloat16
+        assert torch.equal(entry["exp_avg"], theirs[index]["exp_avg"].to(torch.bfloat16))
+
+
+def test_skipped_parameters_keep_their_own_step_counts():
+    model = _net()
+    optimizer = ChunkedAdamW(model.parameters(), lr=1e-2)
+    _train(model, optimizer, 7, spare_every=3)  # spare gets gradients at steps 0, 3, 6
+    state = optimizer.state_dict()["state"]
+    steps = [float(entry["step"]) for entry in state.values()]
+    assert steps == [7.0] * 6 + [3.0, 3.0]
+
+
+# -- AMP ----------------------------------------------------------------------
+
+def test_grad_scaler_overflow_step_changes_nothing_and_later_steps_match_torch():
+    torch_model, our_model = _net(), _net()
+    torch_opt = torch.optim.AdamW(torch_model.parameters(), lr=1e-2)
+    our_opt = ChunkedAdamW(our_model.parameters(), lr=1e-2, chunk_size=300)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) for _ in range(2)]
+    _train(our_model, our_opt, 2)
+    _train(torch_model, torch_opt, 2)
+    before = copy.deepcopy(our_opt.state_dict())
+    params_before = [p.detach().clone() for p in our_model.parameters()]
+    generator = torch.Generator().manual_seed(4)
+    for step in range(6):
+        x, y = torch.randn(16, 7, generator=generator), torch.randn(16, 5, generator=generator)
+        for model, optimizer, scaler in ((torch_model, torch_opt, scalers[0]), (our_model, our_opt, scalers[1])):
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            if step == 0:
+                loss = loss * float("inf")  # overflow: the step must be skipped
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        if step == 0:
+            assert all(torch.equal(p, q) for p, q in zip(our_model.parameters(), params_before))
+            after = our_opt.state_dict()
+            for index, entry in before["state"].items():
+                for key, value in entry.items():
+                    assert torch.equal(after["state"][index][key], value), (index, key)
+            assert scalers[1].get_scale() == 2.0 ** 9
+    _assert_same_params(our_model, torch_model, **FP32_TOL)
+
+
+# -- offload ------------------------------------------------------------------
+
+@pytest.mark.parametrize("staged", [False, True], ids=["cpu-params", "staging-pipeline"])
+def test_offload_cpu_matches_torch(staged):
+    """offload="cpu": with CPU parameters the ordinary path; `staged` runs the
+    CUDA pipeline's code (staging buffers, chunk-by-chunk download, CPU
+    kernel, upload) with the streams replaced by synchronous copies."""
+    expected, actual = _net(), _net()
+    _train(expected, torch.optim.AdamW(expected.parameters(), lr=1e-2, amsgrad=True), 30, spare_every=4)
+    optimizer = ChunkedAdamW(actual.parameters(), lr=1e-2, amsgrad=True, offload="cpu", chunk_size=256)
+    optimizer._force_staging = staged
+    _train(actual, optimizer, 30, spare_every=4)
+    _assert_same_params(actual, expected, **FP32_TOL)
+    assert all(entry["state_device"] == "cpu" for entry in optimizer.chunk_layout())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
+def test_offload_cuda_keeps_no_state_on_gpu_and_matches_torch(param_dtype):
+    expected, actual = _net().cuda(), _net().to("cuda", param_dtype)
+    _train(expected, torch.optim.AdamW(expected.parameters(), lr=1e-2), 20)
+    optimizer = ChunkedAdamW(actual.parameters(), lr=1e-2, offload="cpu", chunk_size=256)
+    _train(actual, optimizer, 20)
+    for entry in optimizer.state.values():
+        assert all(t.device.type == "cpu" for t in entry.values())
+    tol = FP32_TOL if param_dtype == torch.float32 else dict(rtol=0, atol=5e-2)
+    _assert_same_params(actual, expected, **tol)
+
+
+# -- chunks ---------------------------------------------------------------------
+
+def test_chunks_follow_first_use_and_size():
+    model = _net()
+    optimizer = ChunkedAdamW(model.parameters(), chunk_size=300)
+    _train(model, optimizer, 1)  # spare gets no gradient in the first step
+    layout = optimizer.chunk_layout()
+    sizes = [p.numel() for p in list(model.parameters())[:6]]
+    assert sum(entry["numel"] for entry in layout) == sum(sizes)
+    assert all(entry["numel"] <= 300 or entry["params"] == 1 for entry in layout)
+    _train(model, optimizer, 1, spare_every=1)
+    assert optimizer.chunk_layout()[-1]["numel"] == sum(p.numel() for p in model.spare.parameters())
+
+
+# -- errors -------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(lr=-1.0), ValueError, "lr must be a float >= 0"),
+    (dict(betas=(1.0, 0.999)), ValueError, "betas\\[0\\] must be in \\[0, 1\\)"),
+    (dict(betas=(0.9, -0.1)), ValueError, "betas\\[1\\] must be in \\[0, 1\\)"),
+    (dict(eps=-1e-8), ValueError, "eps must be >= 0"),
+    (dict(weight_decay=-0.1), ValueError, "weight_decay must be >= 0"),
+    (dict(state_dtype=torch.float16), TypeError, "state_dtype must be torch.float32 or torch.bfloat16"),
+    (dict(offload="disk"), ValueError, "offload must be None or 'cpu'"),
+    (dict(chunk_size=0), ValueError, "chunk_size must be a positive int"),
+    (dict(differentiable=True), ValueError, "differentiable=True is not supported"),
+])
+def test_invalid_hyperparameters_are_named(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        ChunkedAdamW(_net().parameters(), **kwargs)
+
+
+def test_invalid_group_hyperparameters_are_named():
+    model = _net()
+    with pytest.raises(ValueError, match="betas\\[1\\] must be in"):
+        ChunkedAdamW([dict(params=model.head.parameters(), betas=(0.9, 1.5))])
+
+
+def test_complex_and_non_dense_parameters_are_rejected():
+    with pytest.raises(TypeError, match="does not support complex parameters"):
+        ChunkedAdam([torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))])
+    with pytest.raises(ValueError, match="parameters must be dense"):
+        ChunkedAdam([torch.nn.Parameter(torch.randn(4, 6)[:, ::2])])
+
+
+def test_channels_last_parameters_match_torch(adam_device):
+    """Dense non-contiguous parameters (a channels_last conv, a transposed
+    matrix) are updated in place in their own memory order; their states and
+    state-dict entries keep the parameter's strides."""
+    backend, device = adam_device
+    steps = 30 if backend != "triton" or device.type == "cuda" else 8
+
+    def make():
+        torch.manual_seed(0)
+        conv = torch.nn.Conv2d(3, 8, 3).to(device, memory_format=torch.channels_last)
+        matrix = torch.nn.Parameter(torch.randn(6, 5, device=device).t())  # dense, strides (1, 5)
+        return conv, matrix
+
+    results = []
+    for cls in (torch.optim.AdamW, ChunkedAdamW):
+        conv, matrix = make()
+        kwargs = {} if cls is torch.optim.AdamW else {"chunk_size": 100}
+        optimizer = cls([*conv.parameters(), matrix], lr=1e-2, amsgrad=True, **kwargs)
+        generator = torch.Generator().manual_seed(5)
+        for _ in range(steps):
+            x = torch.randn(2, 3, 6, 6, generator=generator).to(device).contiguous(memory_format=torch.channels_last)
+            optimizer.zero_grad()
+            (conv(x).square().mean() + (matrix @ torch.randn(6, 2, generator=generator).to(device)).square().mean()
+             ).backward()
+            optimizer.step()
+        results.append((conv, matrix, optimizer))
+    (conv_t, matrix_t, _), (conv_o, matrix_o, optimizer) = results
+    assert conv_o.weight.is_contiguous(memory_format=torch.channels_last) and matrix_o.stride() == (1, 5)
+    tol = TRITON_TOL if backend == "triton" else FP32_TOL
+    for p, q in ((conv_o.weight, conv_t.weight), (conv_o.bias, conv_t.bias), (matrix_o, matrix_t)):
+        torch.testing.assert_close(p, q, **tol)
+    state = optimizer.state[conv_o.weight]
+    assert state["exp_avg"].stride() == conv_o.weight.stride()
+
+
+def test_sparse_gradients_are_rejected():
+    embedding = torch.nn.Embedding(10, 3, sparse=True)
+    optimizer = ChunkedAdamW(embedding.parameters())
+    embedding(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="does not support sparse gradients"):
+        optimizer.step()
+
+
+# -- ZeroRedundancyOptimizer ----------------------------------------------------
+
+def _zero_worker(rank, world, init_file, result_file):
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        model = _net()
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=ChunkedAdamW, lr=1e-2,
+                                            chunk_size=300)
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(10):
+            x, y = torch.randn(16, 7, generator=generator), torch.randn(16, 5, generator=generator)
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()  # same data on both ranks: no all-reduce needed
+            optimizer.step()
+        optimizer.consolidate_state_dict(to=0)
+        state = optimizer.state_dict() if rank == 0 else None
+        torch.save({"params": [p.detach() for p in model.parameters()], "state": state}, f"{result_file}.{rank}")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_zero_redundancy_optimizer_two_gloo_processes(tmp_path):
+    import torch.multiprocessing as mp
+
+    activate_backend("adam_step", "cpp", "cpu").__exit__(None, None, None)  # build once, before the workers
+    result_file = tmp_path / "result"
+    mp.start_processes(_zero_worker, args=(2, str(tmp_path / "init"), str(result_file)), nprocs=2, join=True,
+                       start_method="spawn")
+    results = [torch.load(f"{result_file}.{rank}") for rank in range(2)]
+    expected = _net()
+    _train(expected, torch.optim.AdamW(expected.parameters(), lr=1e-2), 10)
+    for result in results:
+        for p, q in zip(result["params"], expected.parameters()):
+            torch.testing.assert_close(p, q.detach(), **FP32_TOL)
+    state = results[0]["state"]
+    assert sorted(state["state"]) == list(range(6))  # spare never gets a gradient here
+    assert all(float(entry["step"]) == 10.0 for entry in state["state"].values())
+
+
+@pytest.mark.gpu
+def test_cuda_trajectory_matches_torch_fused():
+    expected, actual = _net().cuda(), _net().cuda()
+    _train(expected, torch.optim.AdamW(expected.parameters(), lr=1e-2, fused=True), 100)
+    _train(actual, ChunkedAdamW(actual.parameters(), lr=1e-2, chunk_size=300), 100)
+    _assert_same_params(actual, expected, **TRITON_TOL)
+
+
+def test_optimizer_is_exported():
+    assert effilayers.optim.ChunkedAdamW is ChunkedAdamW
+    assert "adam_step" in effilayers.backends.registered_ops()
