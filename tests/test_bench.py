@@ -77,7 +77,8 @@ def test_resnet50_json_report(resnet_report, capsys):
     assert {"command", "argv", "settings", "environment", "results"} <= set(report)
     assert "effilayers.bench" in report["command"] and "--model resnet50" in report["command"]
     assert report["settings"] == {"device": "cpu", "batch": 2, "size": 32, "dtype": "float32",
-                                  "channels_last": False, "steps": 1, "train": 0, "max_batch_limit": None}
+                                  "channels_last": False, "steps": 1, "train": 0, "max_batch_limit": None,
+                                  "compile": False}
     assert {"torch", "device", "ops"} <= set(report["environment"])
     results = by_variant(report)
     assert list(results) == ["plain PyTorch", "effilayers ABN", "effilayers InPlaceABN"]
