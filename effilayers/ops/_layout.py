@@ -1,0 +1,99 @@
+"""Viewing a tensor as (outer, reduced, inner) without copying it.
+
+Row-wise ops (softmax over ``dim``, cross-entropy over the class dimension)
+and reductions over some dimensions all walk the same three index ranges:
+``outer`` independent problems, each reducing ``reduced`` values that sit
+``reduced_stride`` elements apart, repeated for ``inner`` neighbouring
+problems ``inner_stride`` apart. A kernel written for that form reads the last
+dimension of a contiguous tensor (``inner == 1``), a leading dimension
+(``outer == 1``), the channel dimension of a channels_last tensor, a transposed
+matrix and most slices in place, because each group of dimensions is merged
+only where its strides nest (``stride[d] == stride[d + 1] * size[d + 1]``).
+
+Where a group does not merge (a reduction over dimensions 0 and 2 of a
+contiguous tensor, a doubly strided slice), :func:`three_groups` returns
+``None`` and the caller copies (``.contiguous()`` after moving the reduced
+dimensions together); kernels document that copy as the one case that costs an
+input-sized buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+__all__ = ["ThreeGroups", "merge_dims", "three_groups", "normalize_dims"]
+
+
+@dataclass(frozen=True)
+class ThreeGroups:
+    outer: int
+    reduced: int
+    inner: int
+    outer_stride: int
+    reduced_stride: int
+    inner_stride: int
+
+    @property
+    def numel(self) -> int:
+        return self.outer * self.reduced * self.inner
+
+
+def normalize_dims(dim, ndim: int, name: str = "dim", op: str = "effilayers") -> tuple[int, ...]:
+    """``dim`` (int, sequence of ints or None for all) as sorted, distinct,
+    non-negative ints; raises TypeError/IndexError like torch does."""
+    if dim is None:
+        return tuple(range(ndim))
+    dims = (dim,) if isinstance(dim, int) and not isinstance(dim, bool) else dim
+    try:
+        dims = list(dims)
+    except TypeError:
+        raise TypeError(f"{op}: {name} must be an int, a sequence of ints or None, got {type(dim).__name__}") from None
+    result = []
+    rank = max(ndim, 1)  # a 0-dim tensor accepts dim 0 and -1, as torch does
+    for d in dims:
+        if isinstance(d, bool) or not isinstance(d, int):
+            raise TypeError(f"{op}: {name} must contain ints, got {d!r}")
+        if not -rank <= d < rank:
+            raise IndexError(f"{op}: {name} {d} is out of range for a tensor with {ndim} dimensions "
+                             f"(expected -{rank} <= {name} < {rank})")
+        d = d % rank
+        if d in result:
+            raise ValueError(f"{op}: {name} {d} appears more than once in {dim!r}")
+        result.append(d)
+    return tuple(sorted(result))
+
+
+def merge_dims(sizes: Sequence[int], strides: Sequence[int]) -> Optional[tuple[int, int]]:
+    """(size, stride) of one index running over ``sizes`` in row-major order,
+    or None when the strides do not nest. Size-1 dimensions are ignored."""
+    pairs = [(s, t) for s, t in zip(sizes, strides) if s != 1]
+    if not pairs:
+        return 1, 1
+    size, stride = pairs[-1]
+    for s, t in reversed(pairs[:-1]):
+        if t != stride * size:
+            return None
+        size *= s
+    return size, stride
+
+
+def three_groups(x: torch.Tensor, dims: Sequence[int]) -> Optional[ThreeGroups]:
+    """``x`` as (outer, reduced, inner) when ``dims`` (sorted, distinct) are a
+    run of consecutive dimensions and each of the three groups merges;
+    otherwise None. An empty run (``dims == ()``) reduces one value."""
+    sizes, strides = list(x.shape), list(x.stride())
+    if dims and list(dims) != list(range(dims[0], dims[-1] + 1)):
+        return None
+    first = dims[0] if dims else x.dim()
+    last = dims[-1] + 1 if dims else x.dim()
+    groups = []
+    for lo, hi in ((0, first), (first, last), (last, x.dim())):
+        merged = merge_dims(sizes[lo:hi], strides[lo:hi])
+        if merged is None:
+            return None
+        groups.append(merged)
+    (outer, outer_stride), (reduced, reduced_stride), (inner, inner_stride) = groups
+    return ThreeGroups(outer, reduced, inner, outer_stride, reduced_stride, inner_stride)
