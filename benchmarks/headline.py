@@ -42,6 +42,15 @@ def _device(report: dict) -> str:
     return f"{name}" + (f", {threads} threads" if threads and report["settings"]["device"] == "cpu" else "")
 
 
+def _command(report: dict) -> str:
+    """The recorded command, with the interpreter's absolute path shortened
+    to ``python`` (the rest is verbatim)."""
+    words = report["command"].split(" ", 1)
+    if words and Path(words[0]).name.startswith("python"):
+        words[0] = "python"
+    return " ".join(words)
+
+
 def table(report: dict, source: str) -> str:
     settings = report["settings"]
     results = report["results"]
@@ -53,7 +62,7 @@ def table(report: dict, source: str) -> str:
         f"`{source}`: {_device(report)}; batch {settings['batch']}, {settings['size']}×{settings['size']}, "
         f"{settings['dtype']}{', channels_last' if settings.get('channels_last') else ''}"
         f"{', torch.compile' if settings.get('compile') else ''}; median of {settings['steps']} steps. "
-        f"Command: `{report['command']}`. Ratios are to plain PyTorch.",
+        f"Command: `{_command(report)}`. Ratios are to plain PyTorch.",
         "",
         "| " + " | ".join(header) + " |",
         "| " + " | ".join("---" for _ in header) + " |",

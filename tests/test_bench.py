@@ -206,3 +206,24 @@ def test_argparse_rejects_unknown_dtype():
     with pytest.raises(SystemExit) as exited:
         bench.main(["--dtype", "int8"])
     assert exited.value.code == 2
+
+
+def test_readme_headline_is_generated_from_the_committed_results(monkeypatch):
+    """The README's headline table is exactly what benchmarks/headline.py makes
+    of the results files it names: nobody edits the numbers by hand."""
+    import re
+    from pathlib import Path
+
+    from benchmarks import headline
+
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    assert readme.count(headline.START) == 1 and readme.count(headline.END) == 1
+    section = readme.split(headline.START)[1].split(headline.END)[0]
+    sources = re.findall(r"^`(benchmarks/results/[^`]+\.json)`:", section, flags=re.MULTILINE)
+    assert sources, "the headline section names no results file"
+    monkeypatch.chdir(root)
+    for source in sources:
+        report = json.loads(Path(source).read_text())
+        assert {"command", "settings", "environment", "results"} <= set(report)
+    assert section.strip() == headline.render(sources).strip()
