@@ -31,7 +31,7 @@ import os
 import threading
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Union
 
 import torch
 
@@ -60,13 +60,15 @@ def parse_preference(value: Optional[str]) -> Optional[tuple[str, ...]]:
 @dataclass
 class OpKernels:
     """What one op provides. Compiled kernels are named by their op in the
-    ``effilayers_cpu`` / ``effilayers_cuda`` namespaces; Triton kernels are
-    Python callables taking the same arguments as the reference."""
+    ``effilayers_cpu`` / ``effilayers_cuda`` namespaces, or given as a Python
+    callable that composes compiled kernels of that library (it is available
+    exactly when the library is); Triton kernels are Python callables taking
+    the same arguments as the reference."""
 
     name: str
     reference: Callable
-    cpp: Optional[str] = None
-    cuda: Optional[str] = None
+    cpp: Optional[Union[str, Callable]] = None
+    cuda: Optional[Union[str, Callable]] = None
     triton: Optional[Callable] = None
 
     def provides(self, backend: str) -> bool:
@@ -153,6 +155,9 @@ def _availability(op: OpKernels, backend: str, device_type: str) -> Optional[str
 
 
 def _compiled_kernel(op: OpKernels, backend: str) -> Callable:
+    implementation = getattr(op, backend)
+    if callable(implementation):
+        return implementation
     namespace = f"effilayers_{_COMPILED_KIND[backend]}"
     return getattr(getattr(torch.ops, namespace), getattr(op, backend)).default
 

@@ -249,15 +249,36 @@ def test_new_build_directory_starts_from_the_newest_finished_build(tmp_path):
 
 
 def test_an_op_whose_cpu_path_is_pytorch_does_not_warn():
-    """The DenseNet bottleneck has no C++ kernel by design (its CPU path is
-    PyTorch ops): choosing that path is not a fallback and must not warn."""
+    """An op with a Triton GPU kernel and no C++ kernel by design (its CPU
+    path is PyTorch ops): choosing that path on CPU is not a fallback and
+    must not warn."""
     import warnings
 
-    from effilayers.ops import densenet  # noqa: F401 - registers the op
-
-    with effilayers.use_backend(None), warnings.catch_warnings():
-        backends._state.choices.pop(("dense_bottleneck_forward", "cpu"), None)
-        warnings.simplefilter("error")
-        chosen = backends.choice("dense_bottleneck_forward", "cpu")
+    name = "test_pytorch_on_cpu"
+    backends.register(backends.OpKernels(name=name, reference=lambda x: x, triton=lambda x: x))
+    try:
+        with effilayers.use_backend(None), warnings.catch_warnings():
+            warnings.simplefilter("error")
+            chosen = backends.choice(name, "cpu")
+    finally:
+        backends._state.ops.pop(name)
+        backends._state.choices.pop((name, "cpu"), None)
     assert chosen.backend == "reference"
     assert "this op's cpu path" in chosen.reason
+
+
+def test_a_cpp_kernel_may_be_a_composition_of_compiled_kernels():
+    """The DenseNet bottleneck's CPU kernel is a Python function over ABN's C++
+    kernels: it is chosen, as a compiled kernel, exactly when the library is."""
+    from effilayers.ops import densenet
+
+    with effilayers.use_backend(None):
+        backends._state.choices.pop(("dense_bottleneck_forward", "cpu"), None)
+        chosen = backends.choice("dense_bottleneck_forward", "cpu")
+    if chosen.backend != "cpp":
+        from .conftest import REQUIRE_COMPILED
+
+        assert not REQUIRE_COMPILED, chosen.reason
+        pytest.skip(f"the C++ library is unavailable here: {chosen.reason}")
+    assert chosen.backend == "cpp" and chosen.kernel is densenet._forward_cpp
+    assert chosen.reason == "compiled kernel"

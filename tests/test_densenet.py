@@ -20,6 +20,8 @@ from effilayers import memory, models
 from effilayers.models.densenet import DenseNet
 from effilayers.ops.densenet import bottleneck
 
+from .conftest import BACKEND_PARAMS, TRITON_PARAMS, activate_backend, forced_backend
+
 KEYS = json.loads((Path(__file__).parent / "data" / "torchvision_state_dict_keys.json").read_text())
 TORCHVISION_DENSENETS = ["densenet121", "densenet161", "densenet169", "densenet201"]
 
@@ -52,7 +54,8 @@ def _statistics(features):
     ids=["2-features", "3-features", "3-features-shared-stats", "one-map-3x3", "2-features-3x3-shared-stats"],
 )
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
-def test_bottleneck_gradcheck(training, channels, kernel, shared):
+@pytest.mark.parametrize("backend", ["reference", "cpp"])
+def test_bottleneck_gradcheck(training, channels, kernel, shared, backend):
     features, weight, bias, conv_weight, running_mean, running_var = _bottleneck_inputs(
         channels, size=(2, 3, 3), kernel=kernel)
 
@@ -64,10 +67,13 @@ def test_bottleneck_gradcheck(training, channels, kernel, shared):
                           training, padding=kernel // 2,
                           batch_statistics=_statistics(features) if shared else None)
 
-    # The reference statistics kernel: gradcheck makes hundreds of tiny calls,
-    # where it is the cheaper one.
-    with effilayers.use_backend("reference"):
+    # Every op on this backend (cpp: the bottleneck's CPU path composes ABN's
+    # C++ kernels; the statistics come from the C++ kernel too).
+    context = activate_backend("dense_bottleneck_forward", backend, "cpu")
+    try:
         assert torch.autograd.gradcheck(fn, (weight, bias, conv_weight, *features))
+    finally:
+        context.__exit__(None, None, None)
 
 
 @pytest.mark.parametrize("momentum", [0.1, None], ids=["momentum", "cumulative"])
@@ -464,9 +470,9 @@ def test_double_backward_raises():
 
 from effilayers.ops import densenet as densenet_ops  # noqa: E402
 
-from .conftest import BACKEND_PARAMS, TRITON_PARAMS, activate_backend, forced_backend  # noqa: E402
 
-OP_PARAMS = [p for p in BACKEND_PARAMS if "cuda-cuda" not in p.id and "cpp" not in p.id] + TRITON_PARAMS
+# cpp: the CPU path composes ABN's C++ kernels around PyTorch's convolution.
+OP_PARAMS = [p for p in BACKEND_PARAMS if "cuda-cuda" not in p.id] + TRITON_PARAMS
 
 
 @pytest.fixture(params=OP_PARAMS)
@@ -504,7 +510,7 @@ def _op_case(device, dtype, layout, channels=(8, 37, 5), size=(2, 7, 5), seed=0,
     return features, vectors, conv_weight.to(device)
 
 
-def _op_reference(features, vectors, conv_weight, grad_out, batch_stats):
+def _op_reference(features, vectors, conv_weight, grad_out, batch_stats, padding=0):
     """float64 autograd through cat, batch_norm, relu, conv2d."""
     x = torch.cat([f.detach().double().cpu() for f in features], 1).requires_grad_()
     mean, invstd, weight, bias = (v.double().cpu().requires_grad_() for v in vectors)
@@ -515,7 +521,7 @@ def _op_reference(features, vectors, conv_weight, grad_out, batch_stats):
         x_hat = (x - mu.view(1, -1, 1, 1)) * torch.rsqrt(var.view(1, -1, 1, 1) + 1e-5)
     else:
         x_hat = (x - mean.detach().view(1, -1, 1, 1)) * invstd.detach().view(1, -1, 1, 1)
-    out = F.conv2d(F.relu(x_hat * weight.view(1, -1, 1, 1) + bias.view(1, -1, 1, 1)), cw)
+    out = F.conv2d(F.relu(x_hat * weight.view(1, -1, 1, 1) + bias.view(1, -1, 1, 1)), cw, padding=padding)
     out.backward(grad_out.double().cpu())
     return out, x.grad, bias.grad, weight.grad, cw.grad
 
@@ -529,9 +535,9 @@ OP_TOLERANCES = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.float16: dict(
 def test_pointwise_ops_match_float64(op_device, poisoned_outputs, dtype, layout, batch_stats):
     features, vectors, conv_weight = _op_case(op_device, dtype, layout)
     grad_out = torch.randn(2, 70, 7, 5, generator=torch.Generator().manual_seed(1)).to(op_device, dtype)
-    out = densenet_ops._forward_op(features, *vectors, conv_weight)
+    out = densenet_ops._forward_op(features, *vectors, conv_weight, 0)
     grad_input, grad_bias, grad_weight, grad_conv = densenet_ops._backward_op(
-        grad_out, features, *vectors, conv_weight, batch_stats, True, True)
+        grad_out, features, *vectors, conv_weight, batch_stats, True, True, 0)
     expected = _op_reference(features, vectors, conv_weight, grad_out, batch_stats)
     tolerance = OP_TOLERANCES[dtype]
     assert out.dtype == dtype and grad_input.dtype == dtype and grad_conv.dtype == dtype
@@ -542,21 +548,38 @@ def test_pointwise_ops_match_float64(op_device, poisoned_outputs, dtype, layout,
         torch.testing.assert_close(got.double().cpu(), want, msg=name, **tolerance)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_padded_ops_match_float64(op_device, layout):
+    """A 3x3 convolution (norm2 -> conv2 of a dense layer) through the same
+    ops: the CPU kernel composes ABN's C++ kernels, Triton hands it to
+    PyTorch ops."""
+    features, vectors, _ = _op_case(op_device, torch.float32, layout, channels=(6, 3))
+    conv_weight = (torch.randn(5, 9, 3, 3, generator=torch.Generator().manual_seed(2)) / 9).to(op_device)
+    grad_out = torch.randn(2, 5, 7, 5, generator=torch.Generator().manual_seed(1)).to(op_device)
+    out = densenet_ops._forward_op(features, *vectors, conv_weight, 1)
+    grads = densenet_ops._backward_op(grad_out, features, *vectors, conv_weight, True, True, True, 1)
+    expected = _op_reference(features, vectors, conv_weight, grad_out, True, padding=1)
+    for name, got, want in zip(["out", "grad_input", "grad_bias", "grad_weight", "grad_conv"],
+                               [out, *grads], expected):
+        torch.testing.assert_close(got.double().cpu(), want, msg=name, **OP_TOLERANCES[torch.float32])
+
+
 def test_pointwise_ops_skip_what_is_not_asked_for(op_device):
     features, vectors, conv_weight = _op_case(op_device, torch.float32, "contiguous")
     grad_out = torch.randn(2, 70, 7, 5, device=op_device)
     grad_input, grad_bias, grad_weight, grad_conv = densenet_ops._backward_op(
-        grad_out, features, *vectors, conv_weight, True, False, True)
+        grad_out, features, *vectors, conv_weight, True, False, True, 0)
     assert grad_input.numel() == grad_bias.numel() == grad_weight.numel() == 0
     expected = _op_reference(features, vectors, conv_weight, grad_out, True)[4]
     torch.testing.assert_close(grad_conv.double().cpu(), expected, rtol=1e-4, atol=1e-4)
     grad_input, _, _, grad_conv = densenet_ops._backward_op(
-        grad_out, features, *vectors, conv_weight, True, True, False)
+        grad_out, features, *vectors, conv_weight, True, True, False, 0)
     assert grad_input.shape == (2, 50, 7, 5) and grad_conv.numel() == 0
 
 
 MODEL_BACKENDS = [
-    pytest.param(("cpp,reference", "cpu"), id="pytorch-cpu"),
+    pytest.param(("cpp", "cpu"), id="cpp-cpu"),
+    pytest.param(("reference", "cpu"), id="reference-cpu"),
     pytest.param(("triton,cpp", "cpu"), id="triton-interpreter"),
     pytest.param(("triton,cuda", "cuda"), id="triton-cuda", marks=pytest.mark.gpu),
 ]
@@ -592,10 +615,11 @@ def test_model_on_the_pointwise_backend_matches_the_naive_model(model_device):
 def test_pointwise_ops_opcheck():
     features, vectors, conv_weight = _op_case("cpu", torch.float32, "channels_last", channels=(3, 2), c_out=4)
     grad_out = torch.randn(2, 4, 7, 5)
-    with effilayers.use_backend("reference"):
-        torch.library.opcheck(densenet_ops._forward_op, (features, *vectors, conv_weight))
-        torch.library.opcheck(densenet_ops._backward_op,
-                              (grad_out, features, *vectors, conv_weight, True, True, True))
+    for backend in ("reference", "cpp"):
+        with effilayers.use_backend(backend):
+            torch.library.opcheck(densenet_ops._forward_op, (features, *vectors, conv_weight, 0))
+            torch.library.opcheck(densenet_ops._backward_op,
+                                  (grad_out, features, *vectors, conv_weight, True, True, True, 0))
 
 
 # ---- the block buffer: zero-copy concatenation -------------------------------------------------
@@ -665,8 +689,8 @@ def test_pointwise_ops_bf16_on_gpu(layout, batch_stats):
     with effilayers.use_backend("triton"):
         features, vectors, conv_weight = _op_case("cuda", torch.bfloat16, layout)
         grad_out = torch.randn(2, 70, 7, 5, device="cuda", dtype=torch.bfloat16)
-        out = densenet_ops._forward_op(features, *vectors, conv_weight)
-        grads = densenet_ops._backward_op(grad_out, features, *vectors, conv_weight, batch_stats, True, True)
+        out = densenet_ops._forward_op(features, *vectors, conv_weight, 0)
+        grads = densenet_ops._backward_op(grad_out, features, *vectors, conv_weight, batch_stats, True, True, 0)
     expected = _op_reference(features, vectors, conv_weight, grad_out, batch_stats)
     for got, want in zip([out, *grads], expected):
         torch.testing.assert_close(got.double().cpu(), want, rtol=2e-2, atol=5e-2)

@@ -39,7 +39,18 @@ float32, float64 for float64 input). In a dense block a channel's batch
 statistics are the same in every later layer that normalises it, so the block
 computes them once per new feature map and passes them in
 (``batch_statistics=``); only each layer's ``weight`` and ``bias`` differ.
-The rest is plain PyTorch, the CPU path.
+
+Kernels (custom ops ``effilayers::dense_bottleneck_forward`` / ``_backward``,
+any stride-1 convolution given its padding): on CPU, ABN's C++ kernels
+normalise and activate the recomputed concatenation in one pass (in place in
+the forward) and compute the BatchNorm+ReLU backward, around PyTorch's
+convolution; on CUDA, Triton virtual-concatenation GEMMs for the 1x1 case
+(``effilayers/kernels/densenet.py``) and PyTorch ops for the rest. The
+pure-PyTorch ``_forward_reference`` / ``_backward_reference`` are the oracle.
+Measured on this project's 2-core CPU, DenseNet-121 training step at
+4x3x64x64: 201 ms -> 168 ms with the C++ composition (naive model: 120-132 ms;
+mean of 3 steps after 2 warm-up steps, one run each on a machine shared with
+other jobs, so +-10%).
 """
 
 from __future__ import annotations
@@ -147,20 +158,68 @@ def _backward_reference(grad_out: torch.Tensor, features: Sequence[torch.Tensor]
     return grad_x, grad_bias, grad_weight, grad_conv
 
 
-def _forward_triton(features, mean, invstd, weight, bias, conv_weight):
-    if features[0].dtype == torch.float64:
-        # tl.dot has no float64 here; the exact path serves double precision.
-        return _forward_reference(features, mean, invstd, weight, bias, conv_weight)
+# ReLU as the ABN kernels spell it: leaky_relu's slope and the weight clamp unused.
+_RELU = ("relu", 0.0, 0.0)
+
+
+def _forward_cpp(features: Sequence[torch.Tensor], mean: torch.Tensor, invstd: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor, conv_weight: torch.Tensor, padding: int = 0) -> torch.Tensor:
+    """CPU path: the ABN C++ kernel normalises and activates the recomputed
+    concatenation in place (one pass, one buffer), then the convolution."""
+    kernels = torch.ops.effilayers_cpu
+    x, private = _concatenated(features)
+    if private:
+        kernels.abn_forward_(x, mean, invstd, weight, bias, None, *_RELU)
+        y = x
+    else:  # one map, used as it is: never written
+        y = kernels.abn_forward(x, mean, invstd, weight, bias, None, *_RELU)
+    return torch.nn.functional.conv2d(y, conv_weight, padding=padding)
+
+
+def _backward_cpp(grad_out: torch.Tensor, features: Sequence[torch.Tensor], mean: torch.Tensor,
+                  invstd: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, conv_weight: torch.Tensor,
+                  batch_stats: bool, need_input: bool, need_conv: bool, padding: int = 0):
+    """CPU path of :func:`_backward_reference`: the BatchNorm+ReLU backward is
+    ABN's two C++ kernels (per-channel sums, then the element-wise pass) read
+    from the recomputed concatenation, instead of a chain of PyTorch ops."""
+    kernels = torch.ops.effilayers_cpu
+    x, _ = _concatenated(features)
+    y = kernels.abn_forward(x, mean, invstd, weight, bias, None, *_RELU)
+    grad_y, grad_conv = torch.ops.aten.convolution_backward(
+        grad_out, y, conv_weight, None, [1, 1], [padding] * 2, [1, 1], False, [0, 0], 1,
+        [need_input, need_conv, False])[:2]
+    del y
+    grad_conv = grad_conv if need_conv else _nothing(mean)
+    if not need_input:
+        return _nothing(mean), _nothing(mean), _nothing(mean), grad_conv
+    if grad_y.stride() != x.stride():  # the kernels walk both with one set of strides
+        grad_y = torch.empty_like(x).copy_(grad_y)
+    args = (mean, invstd, weight, bias, None, *_RELU, False)
+    grad_bias, grad_weight = kernels.abn_backward_reduce(grad_y, x, *args)
+    if batch_stats:
+        n = x.numel() // max(x.shape[1], 1)
+        mean_dy, mean_dy_xhat = grad_bias / n, grad_weight / n
+    else:  # running statistics are constants
+        mean_dy = mean_dy_xhat = torch.zeros_like(mean)
+    grad_x = kernels.abn_backward_elemt(grad_y, x, *args, mean_dy, mean_dy_xhat, False)[0]
+    return grad_x, grad_bias, grad_weight, grad_conv
+
+
+def _forward_triton(features, mean, invstd, weight, bias, conv_weight, padding):
+    if features[0].dtype == torch.float64 or not _is_pointwise(conv_weight, padding):
+        # tl.dot has no float64 here, and the virtual-concatenation GEMM is a
+        # 1x1 convolution: PyTorch ops serve double precision and the 3x3.
+        return _forward_reference(features, mean, invstd, weight, bias, conv_weight, padding)
     from ..kernels import densenet as kernels
 
     return kernels.bottleneck_forward(features, mean, invstd, weight, bias, conv_weight)
 
 
 def _backward_triton(grad_out, features, mean, invstd, weight, bias, conv_weight, batch_stats, need_input,
-                     need_conv):
-    if features[0].dtype == torch.float64:
+                     need_conv, padding):
+    if features[0].dtype == torch.float64 or not _is_pointwise(conv_weight, padding):
         return _backward_reference(grad_out, features, mean, invstd, weight, bias, conv_weight, batch_stats,
-                                   need_input, need_conv)
+                                   need_input, need_conv, padding)
     from ..kernels import densenet as kernels
 
     grad_input, grad_bias, grad_weight, grad_conv = kernels.bottleneck_backward(
@@ -173,41 +232,46 @@ def _backward_triton(grad_out, features, mean, invstd, weight, bias, conv_weight
 
 
 backends.register(backends.OpKernels(name="dense_bottleneck_forward", reference=_forward_reference,
-                                     triton=_forward_triton))
+                                     cpp=_forward_cpp, triton=_forward_triton))
 backends.register(backends.OpKernels(name="dense_bottleneck_backward", reference=_backward_reference,
-                                     triton=_backward_triton))
+                                     cpp=_backward_cpp, triton=_backward_triton))
 
 
 @torch.library.custom_op("effilayers::dense_bottleneck_forward", mutates_args=())
 def _forward_op(features: list[torch.Tensor], mean: torch.Tensor, invstd: torch.Tensor, weight: torch.Tensor,
-                bias: torch.Tensor, conv_weight: torch.Tensor) -> torch.Tensor:
-    """conv1x1(relu(batch_norm(cat(features)))) with given statistics; no autograd
-    of its own (the Function below differentiates it)."""
+                bias: torch.Tensor, conv_weight: torch.Tensor, padding: int) -> torch.Tensor:
+    """conv(relu(batch_norm(cat(features))), padding) with given statistics
+    (stride 1); no autograd of its own (the Function below differentiates it)."""
     return backends.kernel("dense_bottleneck_forward", features[0].device)(
-        features, mean, invstd, weight, bias, conv_weight)
+        features, mean, invstd, weight, bias, conv_weight, padding)
+
+
+def _output_size(first: torch.Tensor, conv_weight: torch.Tensor, padding: int) -> list[int]:
+    return [size + 2 * padding - k + 1 for size, k in zip(first.shape[2:], conv_weight.shape[2:])]
 
 
 @_forward_op.register_fake
-def _(features, mean, invstd, weight, bias, conv_weight):
+def _(features, mean, invstd, weight, bias, conv_weight, padding):
     first = features[0]
     channels_last = first.stride(1) == 1 and first.shape[1] > 1
     layout = torch.channels_last if channels_last else torch.contiguous_format
-    return torch.empty((first.shape[0], conv_weight.shape[0], *first.shape[2:]), dtype=first.dtype,
-                       device=first.device, memory_format=layout)
+    return torch.empty((first.shape[0], conv_weight.shape[0], *_output_size(first, conv_weight, padding)),
+                       dtype=first.dtype, device=first.device, memory_format=layout)
 
 
 @torch.library.custom_op("effilayers::dense_bottleneck_backward", mutates_args=())
 def _backward_op(grad_out: torch.Tensor, features: list[torch.Tensor], mean: torch.Tensor, invstd: torch.Tensor,
                  weight: torch.Tensor, bias: torch.Tensor, conv_weight: torch.Tensor, batch_stats: bool,
-                 need_input: bool, need_conv: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 need_input: bool, need_conv: bool, padding: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad of the concatenation, grad_bias, grad_weight, grad_conv) of the
     forward op; entries not asked for are empty."""
     return backends.kernel("dense_bottleneck_backward", grad_out.device)(
-        grad_out, features, mean, invstd, weight, bias, conv_weight, batch_stats, need_input, need_conv)
+        grad_out, features, mean, invstd, weight, bias, conv_weight, batch_stats, need_input, need_conv, padding)
 
 
 @_backward_op.register_fake
-def _(grad_out, features, mean, invstd, weight, bias, conv_weight, batch_stats, need_input, need_conv):
+def _(grad_out, features, mean, invstd, weight, bias, conv_weight, batch_stats, need_input, need_conv, padding):
     first = features[0]
     channels_last = first.stride(1) == 1 and first.shape[1] > 1
     layout = torch.channels_last if channels_last else torch.contiguous_format
@@ -258,10 +322,7 @@ class _Bottleneck(torch.autograd.Function):
             mean = running_mean.detach().to(acc, copy=True)
             invstd = torch.rsqrt(running_var.detach().to(acc) + eps)
         vectors = _affine_vectors(weight, bias, mean)
-        if _is_pointwise(conv_weight, padding):
-            out = _forward_op(list(features), mean, invstd, *vectors, conv_weight.to(features[0].dtype))
-        else:
-            out = _forward_reference(features, mean, invstd, *vectors, conv_weight.to(features[0].dtype), padding)
+        out = _forward_op(list(features), mean, invstd, *vectors, conv_weight.to(features[0].dtype), padding)
         ctx.padding = padding
         ctx.use_batch_stats = use_batch_stats
         ctx.num_features = len(features)
@@ -285,10 +346,7 @@ class _Bottleneck(torch.autograd.Function):
         vectors = _affine_vectors(weight, bias, mean)
         args = (grad_out, features, mean, invstd, *vectors, conv_weight.to(in_dtype), ctx.use_batch_stats,
                 need_input, need_conv)
-        if _is_pointwise(conv_weight, ctx.padding):
-            grad_input, grad_bias, grad_weight, grad_conv = _backward_op(*args)
-        else:
-            grad_input, grad_bias, grad_weight, grad_conv = _backward_reference(*args, padding=ctx.padding)
+        grad_input, grad_bias, grad_weight, grad_conv = _backward_op(*args, ctx.padding)
         grad_conv = grad_conv.to(conv_weight.dtype) if need_conv else None
         if need_features:
             grad_features = list(torch.split(grad_input, [f.shape[1] for f in features], 1))
