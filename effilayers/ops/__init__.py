@@ -2,5 +2,7 @@
 
 from .adam import adam_step_, adam_step_reference
 from .stats import batch_stats, batch_stats_reference, combine_batch_stats
+from .softmax import log_softmax, scaled_masked_softmax, softmax
 
-__all__ = ["adam_step_", "adam_step_reference", "batch_stats", "batch_stats_reference", "combine_batch_stats"]
+__all__ = ["adam_step_", "adam_step_reference", "batch_stats", "batch_stats_reference", "combine_batch_stats",
+           "softmax", "log_softmax", "scaled_masked_softmax"]
