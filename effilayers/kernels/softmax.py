@@ -108,10 +108,11 @@ def _row_forward(x_ptr, mask_ptr, out_ptr, size1, size2,
         shift = tl.where(row_max == float("-inf"), 0.0, row_max)
         exps = tl.exp(z - shift)
         total = tl.sum(exps, axis=0)
+        safe_total = tl.where(total == 0, 1.0, total)  # no 0/0 or log(0) even in discarded lanes
         if LOG:
-            result = tl.where(total == 0, float("-inf"), (z - shift) - tl.log(total))
+            result = tl.where(total == 0, float("-inf"), (z - shift) - tl.log(safe_total))
         else:
-            result = tl.where(total == 0, 0.0, exps / total)
+            result = tl.where(total == 0, 0.0, exps / safe_total)
         tl.store(out_row + lanes * so3, result.to(out_ptr.dtype.element_ty), mask=lanes < n_cols)
     else:
         lane_max = tl.full([BLOCK], float("-inf"), ACC)
@@ -125,8 +126,9 @@ def _row_forward(x_ptr, mask_ptr, out_ptr, size1, size2,
         row_max = tl.max(lane_max, axis=0)
         shift = tl.where(row_max == float("-inf"), 0.0, row_max)
         total = tl.sum(lane_sum * tl.exp(lane_max - shift), axis=0)
-        log_total = tl.log(total)
-        inverse = tl.where(total == 0, 0.0, 1.0 / total)
+        safe_total = tl.where(total == 0, 1.0, total)
+        log_total = tl.log(safe_total)
+        inverse = tl.where(total == 0, 0.0, 1.0 / safe_total)
         for start in range(0, n_cols, BLOCK):
             cols = start + lanes
             z = _masked_scores(x_row, mask_row, cols, n_cols, sx3, sm3, i2, scale, MASK_KIND, CAUSAL, ACC)
@@ -156,10 +158,11 @@ def _tile_forward(x_ptr, out_ptr, reduced, inner, inner_blocks,
         shift = tl.where(col_max == float("-inf"), 0.0, col_max)
         exps = tl.exp(z - shift[None, :])
         total = tl.sum(exps, axis=0)
+        safe_total = tl.where(total == 0, 1.0, total)
         if LOG:
-            result = tl.where(total[None, :] == 0, float("-inf"), (z - shift[None, :]) - tl.log(total)[None, :])
+            result = tl.where(total[None, :] == 0, float("-inf"), (z - shift[None, :]) - tl.log(safe_total)[None, :])
         else:
-            result = tl.where(total[None, :] == 0, 0.0, exps / total[None, :])
+            result = tl.where(total[None, :] == 0, 0.0, exps / safe_total[None, :])
         tl.store(out_base + rows[:, None] * sor, result.to(out_ptr.dtype.element_ty), mask=inside)
     else:
         lane_max = tl.full([BLOCK_R, BLOCK_I], float("-inf"), ACC)
@@ -175,8 +178,9 @@ def _tile_forward(x_ptr, out_ptr, reduced, inner, inner_blocks,
         col_max = tl.max(lane_max, axis=0)
         shift = tl.where(col_max == float("-inf"), 0.0, col_max)
         total = tl.sum(lane_sum * tl.exp(lane_max - shift[None, :]), axis=0)
-        log_total = tl.log(total)
-        inverse = tl.where(total == 0, 0.0, 1.0 / total)
+        safe_total = tl.where(total == 0, 1.0, total)
+        log_total = tl.log(safe_total)
+        inverse = tl.where(total == 0, 0.0, 1.0 / safe_total)
         for start in range(0, reduced, BLOCK_R):
             r = start + rows
             inside = (r[:, None] < reduced) & column_ok[None, :]
