@@ -125,10 +125,91 @@ void store_strided(void* data, int64_t offset, int64_t stride, int64_t n, const 
   }
 }
 
+// `rows` neighbouring rows (inner_stride apart) at once, walking the reduced
+// index outside and the rows inside: with a unit inner stride each step
+// reads one run of consecutive elements. Row by row, the reduced stride
+// (often a multiple of 4 KiB) would map every access of a row to the same
+// L1 set and miss on each one. dst holds the rows back to back.
+template <typename scalar_t, typename acc_t>
+void load_rows(const void* data, int64_t offset, int64_t stride, int64_t n, int64_t rows, int64_t row_stride,
+               acc_t* dst) {
+  const scalar_t* src = static_cast<const scalar_t*>(data) + offset;
+  for (int64_t k = 0; k < n; ++k) {
+    const scalar_t* column = src + k * stride;
+    for (int64_t r = 0; r < rows; ++r) dst[r * n + k] = static_cast<acc_t>(column[r * row_stride]);
+  }
+}
+
+template <typename scalar_t, typename acc_t>
+void store_rows(void* data, int64_t offset, int64_t stride, int64_t n, int64_t rows, int64_t row_stride,
+                const acc_t* src) {
+  scalar_t* dst = static_cast<scalar_t*>(data) + offset;
+  for (int64_t k = 0; k < n; ++k) {
+    scalar_t* column = dst + k * stride;
+    for (int64_t r = 0; r < rows; ++r) column[r * row_stride] = static_cast<scalar_t>(src[r * n + k]);
+  }
+}
+
 template <typename acc_t>
 using Loader = void (*)(const void*, int64_t, int64_t, int64_t, acc_t*);
 template <typename acc_t>
 using Storer = void (*)(void*, int64_t, int64_t, int64_t, const acc_t*);
+template <typename acc_t>
+using RowsLoader = void (*)(const void*, int64_t, int64_t, int64_t, int64_t, int64_t, acc_t*);
+template <typename acc_t>
+using RowsStorer = void (*)(void*, int64_t, int64_t, int64_t, int64_t, int64_t, const acc_t*);
+
+// The strided access pair (one row, a block of rows) for one dtype.
+template <typename acc_t>
+struct Reader {
+  Loader<acc_t> row;
+  RowsLoader<acc_t> rows;
+  // Rows r = 0..count-1 of the work item at `offset`, each `n` long.
+  void operator()(const void* data, int64_t offset, int64_t stride, int64_t n, int64_t count, int64_t row_stride,
+                  acc_t* dst) const {
+    if (count == 1) {
+      row(data, offset, stride, n, dst);
+    } else {
+      rows(data, offset, stride, n, count, row_stride, dst);
+    }
+  }
+};
+
+template <typename acc_t>
+struct Writer {
+  Storer<acc_t> row;
+  RowsStorer<acc_t> rows;
+  void operator()(void* data, int64_t offset, int64_t stride, int64_t n, int64_t count, int64_t row_stride,
+                  const acc_t* src) const {
+    if (count == 1) {
+      row(data, offset, stride, n, src);
+    } else {
+      rows(data, offset, stride, n, count, row_stride, src);
+    }
+  }
+};
+
+template <typename acc_t>
+Reader<acc_t> reader_for(at::ScalarType t) {
+  switch (t) {
+    case at::kHalf: return {&load_strided<c10::Half, acc_t>, &load_rows<c10::Half, acc_t>};
+    case at::kBFloat16: return {&load_strided<c10::BFloat16, acc_t>, &load_rows<c10::BFloat16, acc_t>};
+    case at::kFloat: return {&load_strided<float, acc_t>, &load_rows<float, acc_t>};
+    case at::kDouble: return {&load_strided<double, acc_t>, &load_rows<double, acc_t>};
+    default: TORCH_CHECK_TYPE(false, "softmax: unsupported dtype ", t);
+  }
+}
+
+template <typename acc_t>
+Writer<acc_t> writer_for(at::ScalarType t) {
+  switch (t) {
+    case at::kHalf: return {&store_strided<c10::Half, acc_t>, &store_rows<c10::Half, acc_t>};
+    case at::kBFloat16: return {&store_strided<c10::BFloat16, acc_t>, &store_rows<c10::BFloat16, acc_t>};
+    case at::kFloat: return {&store_strided<float, acc_t>, &store_rows<float, acc_t>};
+    case at::kDouble: return {&store_strided<double, acc_t>, &store_rows<double, acc_t>};
+    default: TORCH_CHECK_TYPE(false, "softmax: unsupported dtype ", t);
+  }
+}
 
 template <typename acc_t>
 Loader<acc_t> loader_for(at::ScalarType t) {
@@ -285,19 +366,15 @@ void for_each_block(const Groups& shape, int64_t buffers, Fn&& fn) {
 
 template <typename acc_t>
 void softmax_forward_impl(const at::Tensor& x, const Groups& xg, at::Tensor& out, const Groups& og, bool log) {
-  const Loader<acc_t> load = loader_for<acc_t>(x.scalar_type());
-  const Storer<acc_t> store = storer_for<acc_t>(out.scalar_type());
+  const Reader<acc_t> load = reader_for<acc_t>(x.scalar_type());
+  const Writer<acc_t> store = writer_for<acc_t>(out.scalar_type());
   const void* xp = x.const_data_ptr();
   void* op = out.mutable_data_ptr();
   const int64_t n = xg.reduced;
   for_each_block<acc_t>(xg, 1, [&](int64_t o, int64_t i0, int64_t rows, acc_t* buffer) {
-    for (int64_t r = 0; r < rows; ++r) {
-      load(xp, o * xg.outer_stride + (i0 + r) * xg.inner_stride, xg.reduced_stride, n, buffer + r * n);
-    }
+    load(xp, o * xg.outer_stride + i0 * xg.inner_stride, xg.reduced_stride, n, rows, xg.inner_stride, buffer);
     for (int64_t r = 0; r < rows; ++r) softmax_in_place(buffer + r * n, n, log);
-    for (int64_t r = 0; r < rows; ++r) {
-      store(op, o * og.outer_stride + (i0 + r) * og.inner_stride, og.reduced_stride, n, buffer + r * n);
-    }
+    store(op, o * og.outer_stride + i0 * og.inner_stride, og.reduced_stride, n, rows, og.inner_stride, buffer);
   });
 }
 
@@ -324,9 +401,9 @@ at::Tensor softmax_forward_cpu(const at::Tensor& x_arg, int64_t dim, bool log, s
 template <typename acc_t>
 void softmax_backward_impl(const at::Tensor& grad, const Groups& gg, const at::Tensor& y, const Groups& yg,
                            at::Tensor& out, const Groups& og, bool log, double scale) {
-  const Loader<acc_t> load_grad = loader_for<acc_t>(grad.scalar_type());
-  const Loader<acc_t> load_y = loader_for<acc_t>(y.scalar_type());
-  const Storer<acc_t> store = storer_for<acc_t>(out.scalar_type());
+  const Reader<acc_t> load_grad = reader_for<acc_t>(grad.scalar_type());
+  const Reader<acc_t> load_y = reader_for<acc_t>(y.scalar_type());
+  const Writer<acc_t> store = writer_for<acc_t>(out.scalar_type());
   const void* gp = grad.const_data_ptr();
   const void* yp = y.const_data_ptr();
   void* op = out.mutable_data_ptr();
@@ -334,16 +411,12 @@ void softmax_backward_impl(const at::Tensor& grad, const Groups& gg, const at::T
   for_each_block<acc_t>(yg, 2, [&](int64_t o, int64_t i0, int64_t rows, acc_t* scratch) {
     acc_t* gbuf = scratch;
     acc_t* ybuf = scratch + rows * n;
-    for (int64_t r = 0; r < rows; ++r) {
-      load_grad(gp, o * gg.outer_stride + (i0 + r) * gg.inner_stride, gg.reduced_stride, n, gbuf + r * n);
-      load_y(yp, o * yg.outer_stride + (i0 + r) * yg.inner_stride, yg.reduced_stride, n, ybuf + r * n);
-    }
+    load_grad(gp, o * gg.outer_stride + i0 * gg.inner_stride, gg.reduced_stride, n, rows, gg.inner_stride, gbuf);
+    load_y(yp, o * yg.outer_stride + i0 * yg.inner_stride, yg.reduced_stride, n, rows, yg.inner_stride, ybuf);
     for (int64_t r = 0; r < rows; ++r) {
       softmax_grad_in_place(gbuf + r * n, ybuf + r * n, n, log, static_cast<acc_t>(scale));
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      store(op, o * og.outer_stride + (i0 + r) * og.inner_stride, og.reduced_stride, n, gbuf + r * n);
-    }
+    store(op, o * og.outer_stride + i0 * og.inner_stride, og.reduced_stride, n, rows, og.inner_stride, gbuf);
   });
 }
 
