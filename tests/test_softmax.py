@@ -269,7 +269,7 @@ def test_inf_and_nan_rows(backend):
     assert torch.equal(z[0].detach().cpu(), torch.full((4,), -inf))
     torch.testing.assert_close(z[1:].detach().cpu(), torch.log_softmax(x[1:].detach().cpu(), 1), equal_nan=True)
     # Rows longer than one block (online path) and inner > 1 (tile path)
-    for shape, dim in (((2, 45), 1), ((3, 40, 2), 1)):
+    for shape, dim in (((2, 45), 1), ((3, 40, 2), 1), ((2, 5, 19), 1)):  # row, tile, C++ column paths
         x = torch.full(shape, -inf, device=device)
         x[1].uniform_(-1, 1)  # the second slice along dim 0 is ordinary
         y = softmax(x, dim)

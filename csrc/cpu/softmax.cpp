@@ -14,7 +14,8 @@
 // float64 when input or output is float64) - reading the strided input in
 // place, a block of rows together so neighbouring columns share cache lines
 // - then runs max / exp-and-sum / scale on the contiguous buffer with vector
-// code (float: vec_math.h's exp_vec), and converts on the way out.
+// code (float: vec_math.h's exp_vec), and converts on the way out. Rows that
+// already are unit-stride float32 (float64) in and out skip the buffer.
 //
 // Rows of all -inf (fully masked) give 0 (log: -inf) and zero gradient,
 // not NaN; a NaN or +inf in a row makes the row NaN.
@@ -45,7 +46,7 @@ namespace {
 
 // Up to 16 rows per work item when inner > 1: with unit inner stride, one
 // 64-byte line of fp32 serves all of them.
-constexpr int64_t kInnerBlock = 16;
+constexpr int64_t kInnerBlock = 16;  // (the float column path takes 8 * kMaxColumnGroups)
 // Aim for ~32K elements per parallel chunk: less and the fork/join dominates.
 constexpr int64_t kChunkElements = 32768;
 
@@ -255,9 +256,10 @@ acc_t row_max(const acc_t* v, int64_t n) {
   return m;  // NaNs are skipped here; they reach the sum through exp
 }
 
-// v[k] = exp(v[k] - shift) when store, returns the sum of the exponentials.
+// dst[k] = exp(src[k] - shift) (dst may be src, or null to only sum);
+// returns the sum of the exponentials.
 template <typename acc_t>
-acc_t exp_sum(acc_t* v, int64_t n, acc_t shift, bool store) {
+acc_t exp_sum(const acc_t* src, acc_t* dst, int64_t n, acc_t shift) {
   acc_t total = 0;
   int64_t k = 0;
   if constexpr (std::is_same_v<acc_t, float>) {
@@ -265,10 +267,10 @@ acc_t exp_sum(acc_t* v, int64_t n, acc_t shift, bool store) {
     constexpr int W = V::kWidth;
     V::type s0 = {}, s1 = {};
     for (; k + 2 * W <= n; k += 2 * W) {
-      const auto e0 = exp_vec(V::load(v + k) - shift), e1 = exp_vec(V::load(v + k + W) - shift);
-      if (store) {
-        __builtin_memcpy(v + k, &e0, sizeof(e0));
-        __builtin_memcpy(v + k + W, &e1, sizeof(e1));
+      const auto e0 = exp_vec(V::load(src + k) - shift), e1 = exp_vec(V::load(src + k + W) - shift);
+      if (dst) {
+        __builtin_memcpy(dst + k, &e0, sizeof(e0));
+        __builtin_memcpy(dst + k + W, &e1, sizeof(e1));
       }
       s0 += e0;
       s1 += e1;
@@ -276,45 +278,51 @@ acc_t exp_sum(acc_t* v, int64_t n, acc_t shift, bool store) {
     total = V::sum(s0 + s1);
     for (; k < n; ++k) {  // the tail through the same exp as the body
       V::type one = {};
-      one[0] = v[k] - shift;
+      one[0] = src[k] - shift;
       const acc_t e = exp_vec(one)[0];
-      if (store) v[k] = e;
+      if (dst) dst[k] = e;
       total += e;
     }
   } else {
     for (; k < n; ++k) {
-      const acc_t e = std::exp(v[k] - shift);
-      if (store) v[k] = e;
+      const acc_t e = std::exp(src[k] - shift);
+      if (dst) dst[k] = e;
       total += e;
     }
   }
   return total;
 }
 
+// One row: out may be x (the buffered paths) or a separate contiguous row.
 template <typename acc_t>
-void softmax_in_place(acc_t* v, int64_t n, bool log) {
+void softmax_row(const acc_t* x, acc_t* out, int64_t n, bool log) {
   constexpr acc_t kInf = std::numeric_limits<acc_t>::infinity();
-  const acc_t m = row_max(v, n);
+  const acc_t m = row_max(x, n);
   const acc_t shift = m == -kInf ? acc_t(0) : m;  // all -inf: exp gives 0, not NaN
-  const acc_t total = exp_sum(v, n, shift, !log);
+  const acc_t total = exp_sum(x, log ? nullptr : out, n, shift);
   if (log) {
     // (x - shift) - log(sum): subtracting the shift first keeps the digits
     // of values close to the maximum.
     if (total == 0) {
-      std::fill(v, v + n, -kInf);
+      std::fill(out, out + n, -kInf);
       return;
     }
     const acc_t log_total = std::log(total);
-    for (int64_t k = 0; k < n; ++k) v[k] = (v[k] - shift) - log_total;
+    for (int64_t k = 0; k < n; ++k) out[k] = (x[k] - shift) - log_total;
   } else {
     const acc_t inverse = total == 0 ? acc_t(0) : acc_t(1) / total;  // NaN total stays NaN
-    for (int64_t k = 0; k < n; ++k) v[k] *= inverse;
+    for (int64_t k = 0; k < n; ++k) out[k] *= inverse;
   }
 }
 
-// grad_in = scale * y * (g - sum(g*y))  |  scale * (g - exp(y) * sum(g)); result in g.
 template <typename acc_t>
-void softmax_grad_in_place(acc_t* g, acc_t* y, int64_t n, bool log, acc_t scale) {
+void softmax_in_place(acc_t* v, int64_t n, bool log) {
+  softmax_row(v, v, n, log);
+}
+
+// out = scale * y * (g - sum(g*y))  |  scale * (g - exp(y) * sum(g)); out may be g.
+template <typename acc_t>
+void softmax_grad_row(const acc_t* g, const acc_t* y, acc_t* out, int64_t n, bool log, acc_t scale) {
   if (log) {
     const acc_t total = lane_sum(g, n);
     int64_t k = 0;
@@ -323,10 +331,10 @@ void softmax_grad_in_place(acc_t* g, acc_t* y, int64_t n, bool log, acc_t scale)
       constexpr int W = V::kWidth;
       for (; k + W <= n; k += W) {
         const auto r = (V::load(g + k) - exp_vec(V::load(y + k)) * total) * scale;
-        __builtin_memcpy(g + k, &r, sizeof(r));
+        __builtin_memcpy(out + k, &r, sizeof(r));
       }
     }
-    for (; k < n; ++k) g[k] = (g[k] - std::exp(y[k]) * total) * scale;
+    for (; k < n; ++k) out[k] = (g[k] - std::exp(y[k]) * total) * scale;
   } else {
     acc_t dot = 0;
     int64_t k = 0;
@@ -341,7 +349,83 @@ void softmax_grad_in_place(acc_t* g, acc_t* y, int64_t n, bool log, acc_t scale)
       dot = V::sum(d0 + d1);
     }
     for (; k < n; ++k) dot += g[k] * y[k];
-    for (k = 0; k < n; ++k) g[k] = scale * y[k] * (g[k] - dot);
+    for (k = 0; k < n; ++k) out[k] = scale * y[k] * (g[k] - dot);
+  }
+}
+
+template <typename acc_t>
+bool is_acc_row(const at::Tensor& t, const Groups& g) {
+  return t.scalar_type() == c10::CppTypeToScalarType<acc_t>::value && (g.reduced_stride == 1 || g.reduced == 1);
+}
+
+// Neighbouring float rows whose elements are adjacent in memory (unit inner
+// stride, e.g. softmax over C of NCHW): one vector lane per row, `groups`
+// vectors of 8 rows side by side, the reduced index walking down with its
+// stride. Each pass reads one run of 32 * groups bytes per reduced index,
+// so every cache line is fetched once per pass; no buffer, no transpose.
+constexpr int kMaxColumnGroups = 8;
+
+inline VecF load8(const float* p) { return Vec<float>::load(p); }
+inline void store8(float* p, VecF v) { __builtin_memcpy(p, &v, sizeof(v)); }
+
+void softmax_columns(const float* x, int64_t x_stride, float* out, int64_t out_stride, int64_t n, int groups,
+                     bool log) {
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  VecF m[kMaxColumnGroups], total[kMaxColumnGroups];
+  for (int j = 0; j < groups; ++j) {
+    m[j] = VecF{} - kInf;
+    total[j] = VecF{};
+  }
+  for (int64_t k = 0; k < n; ++k) {
+    for (int j = 0; j < groups; ++j) {
+      const VecF v = load8(x + k * x_stride + 8 * j);
+      m[j] = v > m[j] ? v : m[j];
+    }
+  }
+  for (int j = 0; j < groups; ++j) m[j] = m[j] == -kInf ? VecF{} : m[j];  // the shift
+  for (int64_t k = 0; k < n; ++k) {
+    for (int j = 0; j < groups; ++j) {
+      const VecF e = exp_vec(load8(x + k * x_stride + 8 * j) - m[j]);
+      if (!log) store8(out + k * out_stride + 8 * j, e);
+      total[j] += e;
+    }
+  }
+  if (log) {
+    for (int j = 0; j < groups; ++j) {
+      for (int l = 0; l < 8; ++l) total[j][l] = total[j][l] == 0 ? kInf : std::log(total[j][l]);
+    }
+    for (int64_t k = 0; k < n; ++k) {
+      for (int j = 0; j < groups; ++j) {  // empty rows: -inf - inf = -inf
+        store8(out + k * out_stride + 8 * j, (load8(x + k * x_stride + 8 * j) - m[j]) - total[j]);
+      }
+    }
+  } else {
+    for (int j = 0; j < groups; ++j) total[j] = total[j] == 0 ? VecF{} : 1.0f / total[j];
+    for (int64_t k = 0; k < n; ++k) {
+      for (int j = 0; j < groups; ++j) {
+        float* p = out + k * out_stride + 8 * j;
+        store8(p, load8(p) * total[j]);
+      }
+    }
+  }
+}
+
+void softmax_grad_columns(const float* g, int64_t g_stride, const float* y, int64_t y_stride, float* out,
+                          int64_t out_stride, int64_t n, int groups, bool log, float scale) {
+  VecF total[kMaxColumnGroups];
+  for (int j = 0; j < groups; ++j) total[j] = VecF{};
+  for (int64_t k = 0; k < n; ++k) {
+    for (int j = 0; j < groups; ++j) {
+      const VecF gv = load8(g + k * g_stride + 8 * j);
+      total[j] += log ? gv : gv * load8(y + k * y_stride + 8 * j);
+    }
+  }
+  for (int64_t k = 0; k < n; ++k) {
+    for (int j = 0; j < groups; ++j) {
+      const VecF gv = load8(g + k * g_stride + 8 * j), yv = load8(y + k * y_stride + 8 * j);
+      const VecF r = log ? (gv - exp_vec(yv) * total[j]) * scale : yv * (gv - total[j]) * scale;
+      store8(out + k * out_stride + 8 * j, r);
+    }
   }
 }
 
@@ -349,8 +433,8 @@ void softmax_grad_in_place(acc_t* g, acc_t* y, int64_t n, bool log, acc_t scale)
 // outer index o. scratch holds `buffers` arrays of rows * reduced values,
 // allocated once per parallel chunk (not kept between calls).
 template <typename acc_t, typename Fn>
-void for_each_block(const Groups& shape, int64_t buffers, Fn&& fn) {
-  const int64_t rows_per_item = shape.inner == 1 ? 1 : std::min(kInnerBlock, shape.inner);
+void for_each_block(const Groups& shape, int64_t buffers, int64_t block, Fn&& fn) {
+  const int64_t rows_per_item = shape.inner == 1 ? 1 : std::min(block, shape.inner);
   const int64_t blocks = (shape.inner + rows_per_item - 1) / rows_per_item;
   const int64_t items = shape.outer * blocks;
   const int64_t grain = std::max<int64_t>(1, kChunkElements / std::max<int64_t>(1, shape.reduced * rows_per_item));
@@ -371,10 +455,34 @@ void softmax_forward_impl(const at::Tensor& x, const Groups& xg, at::Tensor& out
   const void* xp = x.const_data_ptr();
   void* op = out.mutable_data_ptr();
   const int64_t n = xg.reduced;
-  for_each_block<acc_t>(xg, 1, [&](int64_t o, int64_t i0, int64_t rows, acc_t* buffer) {
-    load(xp, o * xg.outer_stride + i0 * xg.inner_stride, xg.reduced_stride, n, rows, xg.inner_stride, buffer);
-    for (int64_t r = 0; r < rows; ++r) softmax_in_place(buffer + r * n, n, log);
-    store(op, o * og.outer_stride + i0 * og.inner_stride, og.reduced_stride, n, rows, og.inner_stride, buffer);
+  // Rows of the accumulation type with unit stride, in and out: no buffer.
+  const bool direct = xg.inner == 1 && is_acc_row<acc_t>(x, xg) && is_acc_row<acc_t>(out, og);
+  // Rows side by side in memory (unit inner stride), float in and out: by columns of 8.
+  const bool columns = xg.inner > 1 && xg.inner_stride == 1 && og.inner_stride == 1 &&
+                       x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat;
+  const int64_t block = columns ? 8 * kMaxColumnGroups : kInnerBlock;
+  for_each_block<acc_t>(xg, direct ? 0 : 1, block, [&](int64_t o, int64_t i0, int64_t rows, acc_t* buffer) {
+    if (direct) {
+      softmax_row(x.const_data_ptr<acc_t>() + o * xg.outer_stride, out.mutable_data_ptr<acc_t>() + o * og.outer_stride,
+                  n, log);
+      return;
+    }
+    int64_t done = 0;
+    if constexpr (std::is_same_v<acc_t, float>) {
+      if (columns) {
+        done = rows - rows % 8;
+        if (done > 0) {
+          softmax_columns(x.const_data_ptr<float>() + o * xg.outer_stride + i0, xg.reduced_stride,
+                          out.mutable_data_ptr<float>() + o * og.outer_stride + i0, og.reduced_stride, n,
+                          static_cast<int>(done / 8), log);
+        }
+      }
+    }
+    const int64_t left = rows - done, first = i0 + done;
+    if (left == 0) return;
+    load(xp, o * xg.outer_stride + first * xg.inner_stride, xg.reduced_stride, n, left, xg.inner_stride, buffer);
+    for (int64_t r = 0; r < left; ++r) softmax_in_place(buffer + r * n, n, log);
+    store(op, o * og.outer_stride + first * og.inner_stride, og.reduced_stride, n, left, og.inner_stride, buffer);
   });
 }
 
@@ -408,15 +516,41 @@ void softmax_backward_impl(const at::Tensor& grad, const Groups& gg, const at::T
   const void* yp = y.const_data_ptr();
   void* op = out.mutable_data_ptr();
   const int64_t n = yg.reduced;
-  for_each_block<acc_t>(yg, 2, [&](int64_t o, int64_t i0, int64_t rows, acc_t* scratch) {
-    acc_t* gbuf = scratch;
-    acc_t* ybuf = scratch + rows * n;
-    load_grad(gp, o * gg.outer_stride + i0 * gg.inner_stride, gg.reduced_stride, n, rows, gg.inner_stride, gbuf);
-    load_y(yp, o * yg.outer_stride + i0 * yg.inner_stride, yg.reduced_stride, n, rows, yg.inner_stride, ybuf);
-    for (int64_t r = 0; r < rows; ++r) {
-      softmax_grad_in_place(gbuf + r * n, ybuf + r * n, n, log, static_cast<acc_t>(scale));
+  const bool direct = yg.inner == 1 && is_acc_row<acc_t>(grad, gg) && is_acc_row<acc_t>(y, yg) &&
+                      is_acc_row<acc_t>(out, og);
+  const bool columns = yg.inner > 1 && gg.inner_stride == 1 && yg.inner_stride == 1 && og.inner_stride == 1 &&
+                       grad.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat &&
+                       out.scalar_type() == at::kFloat;
+  const int64_t block = columns ? 8 * kMaxColumnGroups : kInnerBlock;
+  for_each_block<acc_t>(yg, direct ? 0 : 2, block, [&](int64_t o, int64_t i0, int64_t rows, acc_t* scratch) {
+    if (direct) {
+      softmax_grad_row(grad.const_data_ptr<acc_t>() + o * gg.outer_stride,
+                       y.const_data_ptr<acc_t>() + o * yg.outer_stride,
+                       out.mutable_data_ptr<acc_t>() + o * og.outer_stride, n, log, static_cast<acc_t>(scale));
+      return;
     }
-    store(op, o * og.outer_stride + i0 * og.inner_stride, og.reduced_stride, n, rows, og.inner_stride, gbuf);
+    int64_t done = 0;
+    if constexpr (std::is_same_v<acc_t, float>) {
+      if (columns) {
+        done = rows - rows % 8;
+        if (done > 0) {
+          softmax_grad_columns(grad.const_data_ptr<float>() + o * gg.outer_stride + i0, gg.reduced_stride,
+                               y.const_data_ptr<float>() + o * yg.outer_stride + i0, yg.reduced_stride,
+                               out.mutable_data_ptr<float>() + o * og.outer_stride + i0, og.reduced_stride, n,
+                               static_cast<int>(done / 8), log, static_cast<float>(scale));
+        }
+      }
+    }
+    const int64_t left = rows - done, first = i0 + done;
+    if (left == 0) return;
+    acc_t* gbuf = scratch;
+    acc_t* ybuf = scratch + left * n;
+    load_grad(gp, o * gg.outer_stride + first * gg.inner_stride, gg.reduced_stride, n, left, gg.inner_stride, gbuf);
+    load_y(yp, o * yg.outer_stride + first * yg.inner_stride, yg.reduced_stride, n, left, yg.inner_stride, ybuf);
+    for (int64_t r = 0; r < left; ++r) {
+      softmax_grad_row(gbuf + r * n, ybuf + r * n, gbuf + r * n, n, log, static_cast<acc_t>(scale));
+    }
+    store(op, o * og.outer_stride + first * og.inner_stride, og.reduced_stride, n, left, og.inner_stride, gbuf);
   });
 }
 
