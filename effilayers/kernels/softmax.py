@@ -47,8 +47,9 @@ from ..ops.softmax import (_check_backward_arguments, _check_dim, _check_dtype, 
 # is 32 values per thread, within the register file of current GPUs without
 # spilling; longer rows take the two-pass online path.
 MAX_FUSED_BLOCK = 32768
-# Chunk of the online (two-pass) path: 4096 values per iteration keep 16 (8
-# warps) values per thread in flight, enough to cover memory latency.
+# Chunk of the online (two-pass) path: 4096 values per iteration at 4 warps
+# (_row_warps) keep 32 values per thread in flight, enough to cover memory
+# latency, while leaving registers for the per-lane running max and sum.
 ONLINE_BLOCK = 4096
 # Tiles of the inner > 1 kernels: up to 8192 values in registers per program;
 # BLOCK_I up to 64 columns = 128 bytes of fp16 per tile row along the
@@ -58,8 +59,8 @@ MAX_TILE_COLUMNS = 64
 
 
 def _row_warps(block: int) -> int:
-    # One warp per ~1K values (8 fp32 values per thread at 4 warps for 1K),
-    # capped at 32 warps, a block's maximum.
+    # One warp per 1K values (32 per thread), at least 4 so short rows still
+    # issue wide loads, at most 32 (1024 threads, a block's maximum).
     return max(4, min(32, block // 1024))
 
 
