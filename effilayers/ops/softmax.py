@@ -41,9 +41,13 @@ Layouts
     always returns a contiguous tensor; the values are the same.)
 
     :func:`scaled_masked_softmax` reads ``mask`` through its broadcast
-    strides (0 along broadcast dimensions); it is never expanded into an
-    ``x``-sized tensor, except by the Triton kernel for inputs of more than
-    four dimensions whose leading dimensions do not merge.
+    strides (0 along broadcast dimensions); the C++ and Triton kernels never
+    expand it into an ``x``-sized tensor, except the Triton kernel for inputs
+    of more than four dimensions whose leading dimensions do not merge. The
+    pure-PyTorch reference (the fallback) does materialise it.
+
+Double backward is not supported: the backward op has no autograd formula
+(``create_graph=True`` through these ops raises).
 
 Autocast
     The ops keep the input dtype under ``torch.autocast``: a bfloat16/float16
