@@ -47,7 +47,8 @@ Layouts
     pure-PyTorch reference (the fallback) does materialise it.
 
 Double backward is not supported: the backward op has no autograd formula
-(``create_graph=True`` through these ops raises).
+(a second backward through these ops raises a RuntimeError naming
+``effilayers.softmax_backward``).
 
 Autocast
     The ops keep the input dtype under ``torch.autocast``: a bfloat16/float16
