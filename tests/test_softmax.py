@@ -537,6 +537,13 @@ def test_errors():
         scaled_masked_softmax(torch.tensor(1.0))
 
 
+def test_double_backward_raises():
+    x = varied((3, 4), torch.float64).requires_grad_()
+    (gx,) = torch.autograd.grad(softmax(x, 1), x, torch.ones(3, 4, dtype=torch.float64), create_graph=True)
+    with pytest.raises(RuntimeError, match="effilayers.softmax_backward"):
+        gx.sum().backward()
+
+
 def test_cpp_kernel_checks_its_arguments():
     context = activate_backend("softmax_forward", "cpp", "cpu")
     context.__exit__(None, None, None)
