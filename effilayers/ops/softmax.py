@@ -46,9 +46,8 @@ Layouts
     of more than four dimensions whose leading dimensions do not merge. The
     pure-PyTorch reference (the fallback) does materialise it.
 
-Double backward is not supported: the backward op has no autograd formula
-(a second backward through these ops raises a RuntimeError naming
-``effilayers.softmax_backward``).
+Double backward (``create_graph=True``) works: the backward op's own
+gradient is written in PyTorch ops (it saves ``g`` and ``y``), not fused.
 
 Autocast
     The ops keep the input dtype under ``torch.autocast``: a bfloat16/float16
@@ -308,6 +307,33 @@ def _softmax_backward(ctx, grad):
 
 
 _softmax_forward_op.register_autograd(_softmax_backward, setup_context=_softmax_setup_context)
+
+
+def _backward_setup_context(ctx, inputs, output):
+    grad, y, dim, log, scale, _input_dtype = inputs
+    ctx.dim, ctx.log, ctx.scale = dim, log, scale
+    ctx.save_for_backward(grad, y)
+
+
+def _backward_backward(ctx, grad_of_grad_x):
+    """Double backward in PyTorch ops (only reached with ``create_graph=True``)."""
+    grad, y = ctx.saved_tensors
+    acc = accumulation_dtype(grad.dtype, y.dtype, grad_of_grad_x.dtype)
+    g, yy, h = grad.to(acc), y.to(acc), grad_of_grad_x.to(acc)
+    dim = ctx.dim if y.dim() > 0 else None
+    total = (lambda t: t.sum(dim, keepdim=True)) if dim is not None else (lambda t: t)
+    if ctx.log:
+        e = yy.exp()
+        d_grad = h - total(h * e)
+        d_y = -h * e * total(g)
+    else:
+        hy = total(h * yy)
+        d_grad = yy * (h - hy)
+        d_y = h * (g - total(g * yy)) - hy * g
+    return (d_grad * ctx.scale).to(grad.dtype), (d_y * ctx.scale).to(y.dtype), None, None, None, None
+
+
+_softmax_backward_op.register_autograd(_backward_backward, setup_context=_backward_setup_context)
 
 
 def _masked_setup_context(ctx, inputs, output):
