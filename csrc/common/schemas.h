@@ -36,5 +36,17 @@ constexpr const char* kAdamStep =
     "float lr, float beta1, float beta2, float eps, float weight_decay, bool decoupled_weight_decay, "
     "bool maximize) -> ()";
 
+// Softmax family (effilayers/ops/softmax.py): output dtype `dtype` (None: x's),
+// gradient in `input_dtype`; the scaled/masked forward's backward is
+// softmax_backward over the last dim with its scale.
+constexpr const char* kSoftmaxForward =
+    "softmax_forward(Tensor x, int dim, bool log, ScalarType? dtype) -> Tensor";
+
+constexpr const char* kSoftmaxBackward =
+    "softmax_backward(Tensor grad, Tensor output, int dim, bool log, float scale, ScalarType input_dtype) -> Tensor";
+
+constexpr const char* kScaledMaskedSoftmaxForward =
+    "scaled_masked_softmax_forward(Tensor x, Tensor? mask, float scale, bool causal) -> Tensor";
+
 }  // namespace schema
 }  // namespace effilayers

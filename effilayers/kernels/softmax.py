@@ -1,0 +1,434 @@
+"""Triton kernels for the softmax family (GPU; CPU tensors under ``TRITON_INTERPRET=1``).
+
+Four kernels, all accumulating in float32 (float64 when input or output is
+float64):
+
+* ``_row_forward``: one program per row whose values are ``col_stride``
+  apart (softmax over a dimension with nothing after it in memory order,
+  and every row of :func:`scaled_masked_softmax_forward`). A row that fits
+  in ``MAX_FUSED_BLOCK`` values is loaded once into registers, reduced and
+  written: one read, one write. A longer row takes two passes: an online
+  pass keeps a running maximum and a running sum per lane, rescaling the sum
+  by ``exp(old_max - new_max)`` when the maximum grows, then one more pass
+  re-reads the row and writes it. (On a GPU the second read of a row of
+  tens of KiB mostly hits L2.)
+* ``_tile_forward``: softmax over a dimension that has ``inner > 1``
+  neighbours (``dim=1`` of NCHW, ``dim=0``): one program per block of
+  ``BLOCK_I`` inner columns, reducing a ``(BLOCK_R, BLOCK_I)`` tile along its
+  first axis, so the loads run along the unit-stride inner dimension.
+* ``_row_backward`` / ``_tile_backward``: the fused gradient
+  ``scale * y * (g - sum(g*y))`` or ``scale * (g - exp(y) * sum(g))``, one
+  pass when the row fits a block, else a reducing pass and a writing pass.
+
+-inf safety: a maximum of ``-inf`` (a fully masked row, or the lanes not yet
+touched by the online pass) is replaced by 0 before it is subtracted, so
+``exp(-inf - -inf)`` never produces NaN; a row whose sum of exponentials is 0
+gives zeros (log-softmax: ``-inf``).
+
+Addressing: every offset is formed in int64 (``program_id`` and column
+indices are widened before they meet a stride), so tensors of more than
+2**31 elements are addressed correctly.
+
+The block limits are module constants read at call time; the interpreter
+tests lower them to exercise the multi-block paths on small tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..ops._layout import three_groups
+from ..ops.softmax import (_check_backward_arguments, _check_dim, _check_dtype, _check_masked_arguments,
+                           _check_tensor, accumulation_dtype, output_like, readable)
+
+# Longest row held in registers in one block: 32768 fp32 values at 32 warps
+# is 32 values per thread, within the register file of current GPUs without
+# spilling; longer rows take the two-pass online path.
+MAX_FUSED_BLOCK = 32768
+# Chunk of the online (two-pass) path: 4096 values per iteration at 4 warps
+# (_row_warps) keep 32 values per thread in flight, enough to cover memory
+# latency, while leaving registers for the per-lane running max and sum.
+ONLINE_BLOCK = 4096
+# Tiles of the inner > 1 kernels: up to 8192 values in registers per program;
+# BLOCK_I up to 64 columns = 128 bytes of fp16 per tile row along the
+# unit-stride inner dimension (a full cache line of 16-bit data).
+MAX_TILE = 8192
+MAX_TILE_COLUMNS = 64
+
+
+def _row_warps(block: int) -> int:
+    # One warp per 1K values (32 per thread), at least 4 so short rows still
+    # issue wide loads, at most 32 (1024 threads, a block's maximum).
+    return max(4, min(32, block // 1024))
+
+
+def _tile_warps(tile: int) -> int:
+    return 4 if tile <= 2048 else 8
+
+
+def _acc(dtype: torch.dtype):
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+@triton.jit
+def _masked_scores(x_row, mask_row, cols, n_cols, x_col_stride, mask_col_stride, causal_row, scale,
+                   MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, ACC: tl.constexpr):
+    """x * scale with the mask applied, -inf outside the row; cols is int64."""
+    inside = cols < n_cols
+    z = tl.load(x_row + cols * x_col_stride, mask=inside, other=0.0).to(ACC) * scale
+    if MASK_KIND == 1:  # bool: keep where True
+        keep = tl.load(mask_row + cols * mask_col_stride, mask=inside, other=0)
+        z = tl.where(keep != 0, z, float("-inf"))
+    if MASK_KIND == 2:  # floating: added after scaling
+        z = z + tl.load(mask_row + cols * mask_col_stride, mask=inside, other=0.0).to(ACC)
+    if CAUSAL:
+        z = tl.where(cols <= causal_row, z, float("-inf"))
+    return tl.where(inside, z, float("-inf"))
+
+
+@triton.jit
+def _row_forward(x_ptr, mask_ptr, out_ptr, size1, size2,
+                 sx0, sx1, sx2, sx3, sm0, sm1, sm2, sm3, so0, so1, so2, so3,
+                 n_cols, scale,
+                 MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, LOG: tl.constexpr, SINGLE: tl.constexpr,
+                 ACC: tl.constexpr, BLOCK: tl.constexpr):
+    # Row pid of a (size0, size1, size2, n_cols) view; dim 2 is the causal row.
+    pid = tl.program_id(0).to(tl.int64)
+    i2 = pid % size2
+    i1 = (pid // size2) % size1
+    i0 = pid // (size2 * size1)
+    x_row = x_ptr + i0 * sx0 + i1 * sx1 + i2 * sx2
+    mask_row = mask_ptr + i0 * sm0 + i1 * sm1 + i2 * sm2
+    out_row = out_ptr + i0 * so0 + i1 * so1 + i2 * so2
+    lanes = tl.arange(0, BLOCK).to(tl.int64)
+    if SINGLE:
+        z = _masked_scores(x_row, mask_row, lanes, n_cols, sx3, sm3, i2, scale, MASK_KIND, CAUSAL, ACC)
+        row_max = tl.max(z, axis=0)
+        shift = tl.where(row_max == float("-inf"), 0.0, row_max)
+        exps = tl.exp(z - shift)
+        total = tl.sum(exps, axis=0)
+        safe_total = tl.where(total == 0, 1.0, total)  # no 0/0 or log(0) even in discarded lanes
+        if LOG:
+            result = tl.where(total == 0, float("-inf"), (z - shift) - tl.log(safe_total))
+        else:
+            result = tl.where(total == 0, 0.0, exps / safe_total)
+        tl.store(out_row + lanes * so3, result.to(out_ptr.dtype.element_ty), mask=lanes < n_cols)
+    else:
+        lane_max = tl.full([BLOCK], float("-inf"), ACC)
+        lane_sum = tl.zeros([BLOCK], ACC)
+        for start in range(0, n_cols, BLOCK):
+            z = _masked_scores(x_row, mask_row, start + lanes, n_cols, sx3, sm3, i2, scale, MASK_KIND, CAUSAL, ACC)
+            new_max = tl.maximum(lane_max, z)
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+            lane_sum = lane_sum * tl.exp(lane_max - shift) + tl.exp(z - shift)
+            lane_max = new_max
+        row_max = tl.max(lane_max, axis=0)
+        shift = tl.where(row_max == float("-inf"), 0.0, row_max)
+        total = tl.sum(lane_sum * tl.exp(lane_max - shift), axis=0)
+        safe_total = tl.where(total == 0, 1.0, total)
+        log_total = tl.log(safe_total)
+        inverse = tl.where(total == 0, 0.0, 1.0 / safe_total)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + lanes
+            z = _masked_scores(x_row, mask_row, cols, n_cols, sx3, sm3, i2, scale, MASK_KIND, CAUSAL, ACC)
+            if LOG:
+                result = tl.where(total == 0, float("-inf"), (z - shift) - log_total)
+            else:
+                result = tl.exp(z - shift) * inverse
+            tl.store(out_row + cols * so3, result.to(out_ptr.dtype.element_ty), mask=cols < n_cols)
+
+
+@triton.jit
+def _tile_forward(x_ptr, out_ptr, reduced, inner, inner_blocks,
+                  sxo, sxr, sxi, soo, sor, soi,
+                  LOG: tl.constexpr, SINGLE: tl.constexpr, ACC: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    outer_index = pid // inner_blocks
+    columns = (pid % inner_blocks) * BLOCK_I + tl.arange(0, BLOCK_I).to(tl.int64)
+    rows = tl.arange(0, BLOCK_R).to(tl.int64)
+    column_ok = columns < inner
+    x_base = x_ptr + outer_index * sxo + columns[None, :] * sxi
+    out_base = out_ptr + outer_index * soo + columns[None, :] * soi
+    if SINGLE:
+        inside = (rows[:, None] < reduced) & column_ok[None, :]
+        z = tl.load(x_base + rows[:, None] * sxr, mask=inside, other=float("-inf")).to(ACC)
+        col_max = tl.max(z, axis=0)
+        shift = tl.where(col_max == float("-inf"), 0.0, col_max)
+        exps = tl.exp(z - shift[None, :])
+        total = tl.sum(exps, axis=0)
+        safe_total = tl.where(total == 0, 1.0, total)
+        if LOG:
+            result = tl.where(total[None, :] == 0, float("-inf"), (z - shift[None, :]) - tl.log(safe_total)[None, :])
+        else:
+            result = tl.where(total[None, :] == 0, 0.0, exps / safe_total[None, :])
+        tl.store(out_base + rows[:, None] * sor, result.to(out_ptr.dtype.element_ty), mask=inside)
+    else:
+        lane_max = tl.full([BLOCK_R, BLOCK_I], float("-inf"), ACC)
+        lane_sum = tl.zeros([BLOCK_R, BLOCK_I], ACC)
+        for start in range(0, reduced, BLOCK_R):
+            r = start + rows
+            inside = (r[:, None] < reduced) & column_ok[None, :]
+            z = tl.load(x_base + r[:, None] * sxr, mask=inside, other=float("-inf")).to(ACC)
+            new_max = tl.maximum(lane_max, z)
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+            lane_sum = lane_sum * tl.exp(lane_max - shift) + tl.exp(z - shift)
+            lane_max = new_max
+        col_max = tl.max(lane_max, axis=0)
+        shift = tl.where(col_max == float("-inf"), 0.0, col_max)
+        total = tl.sum(lane_sum * tl.exp(lane_max - shift[None, :]), axis=0)
+        safe_total = tl.where(total == 0, 1.0, total)
+        log_total = tl.log(safe_total)
+        inverse = tl.where(total == 0, 0.0, 1.0 / safe_total)
+        for start in range(0, reduced, BLOCK_R):
+            r = start + rows
+            inside = (r[:, None] < reduced) & column_ok[None, :]
+            z = tl.load(x_base + r[:, None] * sxr, mask=inside, other=float("-inf")).to(ACC)
+            if LOG:
+                result = tl.where(total[None, :] == 0, float("-inf"), (z - shift[None, :]) - log_total[None, :])
+            else:
+                result = tl.exp(z - shift[None, :]) * inverse[None, :]
+            tl.store(out_base + r[:, None] * sor, result.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _row_backward(g_ptr, y_ptr, out_ptr, sgo, sgr, syo, syr, soo, sor, n_cols, scale,
+                  LOG: tl.constexpr, SINGLE: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    g_row = g_ptr + pid * sgo
+    y_row = y_ptr + pid * syo
+    out_row = out_ptr + pid * soo
+    lanes = tl.arange(0, BLOCK).to(tl.int64)
+    if SINGLE:
+        inside = lanes < n_cols
+        g = tl.load(g_row + lanes * sgr, mask=inside, other=0.0).to(ACC)
+        y = tl.load(y_row + lanes * syr, mask=inside, other=0.0).to(ACC)
+        if LOG:
+            result = (g - tl.exp(y) * tl.sum(g, axis=0)) * scale
+        else:
+            result = y * (g - tl.sum(g * y, axis=0)) * scale
+        tl.store(out_row + lanes * sor, result.to(out_ptr.dtype.element_ty), mask=inside)
+    else:
+        partial = tl.zeros([BLOCK], ACC)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + lanes
+            inside = cols < n_cols
+            g = tl.load(g_row + cols * sgr, mask=inside, other=0.0).to(ACC)
+            if LOG:
+                partial += g
+            else:
+                partial += g * tl.load(y_row + cols * syr, mask=inside, other=0.0).to(ACC)
+        total = tl.sum(partial, axis=0)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + lanes
+            inside = cols < n_cols
+            g = tl.load(g_row + cols * sgr, mask=inside, other=0.0).to(ACC)
+            y = tl.load(y_row + cols * syr, mask=inside, other=0.0).to(ACC)
+            if LOG:
+                result = (g - tl.exp(y) * total) * scale
+            else:
+                result = y * (g - total) * scale
+            tl.store(out_row + cols * sor, result.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _tile_backward(g_ptr, y_ptr, out_ptr, reduced, inner, inner_blocks,
+                   sgo, sgr, sgi, syo, syr, syi, soo, sor, soi, scale,
+                   LOG: tl.constexpr, SINGLE: tl.constexpr, ACC: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    outer_index = pid // inner_blocks
+    columns = (pid % inner_blocks) * BLOCK_I + tl.arange(0, BLOCK_I).to(tl.int64)
+    rows = tl.arange(0, BLOCK_R).to(tl.int64)
+    column_ok = columns < inner
+    g_base = g_ptr + outer_index * sgo + columns[None, :] * sgi
+    y_base = y_ptr + outer_index * syo + columns[None, :] * syi
+    out_base = out_ptr + outer_index * soo + columns[None, :] * soi
+    if SINGLE:
+        inside = (rows[:, None] < reduced) & column_ok[None, :]
+        g = tl.load(g_base + rows[:, None] * sgr, mask=inside, other=0.0).to(ACC)
+        y = tl.load(y_base + rows[:, None] * syr, mask=inside, other=0.0).to(ACC)
+        if LOG:
+            result = (g - tl.exp(y) * tl.sum(g, axis=0)[None, :]) * scale
+        else:
+            result = y * (g - tl.sum(g * y, axis=0)[None, :]) * scale
+        tl.store(out_base + rows[:, None] * sor, result.to(out_ptr.dtype.element_ty), mask=inside)
+    else:
+        partial = tl.zeros([BLOCK_R, BLOCK_I], ACC)
+        for start in range(0, reduced, BLOCK_R):
+            r = start + rows
+            inside = (r[:, None] < reduced) & column_ok[None, :]
+            g = tl.load(g_base + r[:, None] * sgr, mask=inside, other=0.0).to(ACC)
+            if LOG:
+                partial += g
+            else:
+                partial += g * tl.load(y_base + r[:, None] * syr, mask=inside, other=0.0).to(ACC)
+        total = tl.sum(partial, axis=0)
+        for start in range(0, reduced, BLOCK_R):
+            r = start + rows
+            inside = (r[:, None] < reduced) & column_ok[None, :]
+            g = tl.load(g_base + r[:, None] * sgr, mask=inside, other=0.0).to(ACC)
+            y = tl.load(y_base + r[:, None] * syr, mask=inside, other=0.0).to(ACC)
+            if LOG:
+                result = (g - tl.exp(y) * total[None, :]) * scale
+            else:
+                result = y * (g - total[None, :]) * scale
+            tl.store(out_base + r[:, None] * sor, result.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+# --------------------------------------------------------------------------- launch helpers
+
+
+def _row_block(n_cols: int) -> tuple[int, bool]:
+    """(BLOCK, whether the whole row fits in it)."""
+    fused = triton.next_power_of_2(max(n_cols, 1))
+    if fused <= MAX_FUSED_BLOCK:
+        return fused, True
+    return min(ONLINE_BLOCK, MAX_FUSED_BLOCK), False
+
+
+def _tile_blocks(reduced: int, inner: int) -> tuple[int, int, bool]:
+    """(BLOCK_R, BLOCK_I, single pass)."""
+    block_i = min(triton.next_power_of_2(inner), MAX_TILE_COLUMNS, MAX_TILE)
+    rows = triton.next_power_of_2(max(reduced, 1))
+    if rows * block_i <= MAX_TILE:
+        return rows, block_i, True
+    return max(1, MAX_TILE // block_i // 2), block_i, False
+
+
+def _launch_row_forward(x, mask, out, sizes, x_strides, mask_strides, out_strides, n_cols, scale, mask_kind,
+                        causal, log, acc):
+    rows = sizes[0] * sizes[1] * sizes[2]
+    block, single = _row_block(n_cols)
+    _row_forward[(rows,)](
+        x, mask if mask is not None else x, out, sizes[1], sizes[2],
+        *x_strides, *mask_strides, *out_strides, n_cols, scale,
+        MASK_KIND=mask_kind, CAUSAL=causal, LOG=log, SINGLE=single, ACC=acc, BLOCK=block,
+        num_warps=_row_warps(block),
+    )
+
+
+def softmax_forward(x: torch.Tensor, dim: int, log: bool, dtype) -> torch.Tensor:
+    _check_tensor(x, "softmax_forward")
+    _check_dtype(dtype, "softmax_forward")
+    dim = _check_dim(dim, x.dim(), "softmax_forward")
+    out_dtype = x.dtype if dtype is None else dtype
+    out = output_like(x, dim, out_dtype)
+    if x.numel() == 0:
+        return out
+    source, xg = readable(x, dim)
+    og = three_groups(out, (dim,)) if out.dim() > 0 else three_groups(out.reshape(1), (0,))
+    acc = _acc(accumulation_dtype(x.dtype, out_dtype))
+    if xg.inner == 1:
+        _launch_row_forward(source, None, out, (xg.outer, 1, 1), (xg.outer_stride, 0, 0, xg.reduced_stride),
+                            (0, 0, 0, 0), (og.outer_stride, 0, 0, og.reduced_stride), xg.reduced, 1.0, 0, False,
+                            log, acc)
+        return out
+    block_r, block_i, single = _tile_blocks(xg.reduced, xg.inner)
+    inner_blocks = triton.cdiv(xg.inner, block_i)
+    _tile_forward[(xg.outer * inner_blocks,)](
+        source, out, xg.reduced, xg.inner, inner_blocks,
+        xg.outer_stride, xg.reduced_stride, xg.inner_stride, og.outer_stride, og.reduced_stride, og.inner_stride,
+        LOG=log, SINGLE=single, ACC=acc, BLOCK_R=block_r, BLOCK_I=block_i, num_warps=_tile_warps(block_r * block_i),
+    )
+    return out
+
+
+def softmax_backward(grad: torch.Tensor, output: torch.Tensor, dim: int, log: bool, scale: float,
+                     input_dtype: torch.dtype) -> torch.Tensor:
+    _check_backward_arguments(grad, output, input_dtype)
+    dim = _check_dim(dim, output.dim(), "softmax_backward")
+    out = output_like(output, dim, input_dtype)
+    if output.numel() == 0:
+        return out
+    y, yg = readable(output, dim)
+    g, gg = readable(grad, dim)
+    og = three_groups(out, (dim,)) if out.dim() > 0 else three_groups(out.reshape(1), (0,))
+    acc = _acc(accumulation_dtype(grad.dtype, output.dtype, input_dtype))
+    if yg.inner == 1:
+        block, single = _row_block(yg.reduced)
+        _row_backward[(yg.outer,)](
+            g, y, out, gg.outer_stride, gg.reduced_stride, yg.outer_stride, yg.reduced_stride,
+            og.outer_stride, og.reduced_stride, yg.reduced, float(scale),
+            LOG=log, SINGLE=single, ACC=acc, BLOCK=block, num_warps=_row_warps(block),
+        )
+        return out
+    block_r, block_i, single = _tile_blocks(yg.reduced, yg.inner)
+    inner_blocks = triton.cdiv(yg.inner, block_i)
+    _tile_backward[(yg.outer * inner_blocks,)](
+        g, y, out, yg.reduced, yg.inner, inner_blocks,
+        gg.outer_stride, gg.reduced_stride, gg.inner_stride, yg.outer_stride, yg.reduced_stride, yg.inner_stride,
+        og.outer_stride, og.reduced_stride, og.inner_stride, float(scale),
+        LOG=log, SINGLE=single, ACC=acc, BLOCK_R=block_r, BLOCK_I=block_i, num_warps=_tile_warps(block_r * block_i),
+    )
+    return out
+
+
+def _broadcast_strides(mask: torch.Tensor, shape) -> list[int]:
+    """The mask's strides as seen from ``shape`` (0 where it broadcasts)."""
+    strides = [0] * len(shape)
+    offset = len(shape) - mask.dim()
+    for d in range(mask.dim()):
+        strides[offset + d] = 0 if mask.shape[d] == 1 else mask.stride(d)
+    return strides
+
+
+def _four_dims(shape, stride_lists):
+    """Collapse ``shape`` (>= 2 dims; the last two kept) to 4 dims, merging
+    leading dims where every tensor's strides nest; None if they do not."""
+    leading = [(shape[d], [s[d] for s in stride_lists]) for d in range(len(shape) - 2) if shape[d] != 1]
+    merged = []
+    for size, strides in leading:
+        if merged:
+            prev_size, prev_strides = merged[-1]
+            if all(p == s * size for p, s in zip(prev_strides, strides)):
+                merged[-1] = (prev_size * size, strides)
+                continue
+        merged.append((size, strides))
+    if len(merged) > 2:
+        return None
+    while len(merged) < 2:
+        merged.insert(0, (1, [0] * len(stride_lists)))
+    tail = [(shape[d], [s[d] for s in stride_lists]) for d in (len(shape) - 2, len(shape) - 1)]
+    dims = merged + tail
+    sizes = [size for size, _ in dims]
+    return sizes, [[strides[t] for _, strides in dims] for t in range(len(stride_lists))]
+
+
+def scaled_masked_softmax_forward(x: torch.Tensor, mask, scale: float, causal: bool) -> torch.Tensor:
+    scale = _check_masked_arguments(x, mask, scale, causal)
+    out = output_like(x, x.dim() - 1, x.dtype)
+    if x.numel() == 0:
+        return out
+    mask_kind = 0 if mask is None else (1 if mask.dtype == torch.bool else 2)
+    mask_arg = None
+    if mask is not None:
+        mask_arg = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+    shape = list(x.shape) if x.dim() >= 2 else [1] + list(x.shape)
+    view_x = x if x.dim() >= 2 else x.unsqueeze(0)
+    view_out = out if x.dim() >= 2 else out.unsqueeze(0)
+    mask_strides = _broadcast_strides(mask, shape) if mask is not None else [0] * len(shape)
+    collapsed = _four_dims(shape, [list(view_x.stride()), mask_strides, list(view_out.stride())])
+    target = view_out
+    if collapsed is None:
+        # More than two leading dims that do not merge: read a contiguous x
+        # and a materialised mask, write a contiguous result (documented copy).
+        view_x = view_x.contiguous()
+        if mask_arg is not None:
+            mask_arg = mask_arg.expand(shape).contiguous()
+            mask_strides = list(mask_arg.stride())
+        target = torch.empty(shape, dtype=x.dtype, device=x.device)
+        collapsed = _four_dims(shape, [list(view_x.stride()), mask_strides, list(target.stride())])
+    sizes, (x_strides, m_strides, o_strides) = collapsed
+    _launch_row_forward(view_x, mask_arg, target, sizes[:3], x_strides, m_strides, o_strides, sizes[3], scale,
+                        mask_kind, causal, False, _acc(accumulation_dtype(x.dtype)))
+    if target is not view_out:
+        view_out.copy_(target)
+    return out
+
+
+__all__ = ["softmax_forward", "softmax_backward", "scaled_masked_softmax_forward", "MAX_FUSED_BLOCK",
+           "ONLINE_BLOCK", "MAX_TILE"]
+

@@ -1,0 +1,57 @@
+"""``nn.Softmax`` / ``nn.LogSoftmax`` drop-ins on effilayers' softmax ops.
+
+Same constructor, state dict (none) and ``repr`` as the torch modules (they
+subclass them, so ``isinstance(m, torch.nn.Softmax)`` still holds); the
+forward accumulates in float32 and saves only its output for backward (see
+:mod:`effilayers.ops.softmax` for numerics, layouts and autocast).
+
+``dim=None`` keeps torch's deprecated implicit choice, warning the same way:
+dim 0 for 0-, 1- and 3-dimensional input, else dim 1.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..ops.softmax import log_softmax, softmax
+
+__all__ = ["Softmax", "LogSoftmax"]
+
+
+def implicit_dim(name: str, ndim: int, stacklevel: int) -> int:
+    """torch.nn.functional's legacy rule for ``dim=None`` (with its warning)."""
+    warnings.warn(
+        f"Implicit dimension choice for {name} has been deprecated. Change the call to include dim=X as an argument.",
+        UserWarning,
+        stacklevel=stacklevel,
+    )
+    return 0 if ndim in (0, 1, 3) else 1
+
+
+class Softmax(nn.Softmax):
+    """``torch.nn.Softmax(dim=None)`` with fp32 accumulation and an
+    output-only autograd record."""
+
+    def __init__(self, dim: Optional[int] = None) -> None:
+        super().__init__(dim)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        # stacklevel 5: implicit_dim <- forward <- _call_impl <- _wrapped_call_impl <- the caller
+        dim = self.dim if self.dim is not None else implicit_dim("softmax", input.dim(), 5)
+        return softmax(input, dim)
+
+
+class LogSoftmax(nn.LogSoftmax):
+    """``torch.nn.LogSoftmax(dim=None)`` with fp32 accumulation and an
+    output-only autograd record."""
+
+    def __init__(self, dim: Optional[int] = None) -> None:
+        super().__init__(dim)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        dim = self.dim if self.dim is not None else implicit_dim("log_softmax", input.dim(), 5)
+        return log_softmax(input, dim)
