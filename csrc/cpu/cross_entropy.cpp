@@ -34,6 +34,7 @@
 #include <type_traits>
 
 #include "common/schemas.h"
+#include "cpu/vec.h"
 
 namespace effilayers {
 namespace {
@@ -85,20 +86,29 @@ void cross_entropy_rows_kernel(const scalar_t* logits, const RowGeometry& lg, co
           buffer[k] = static_cast<acc_t>(x[(c0 + k) * lg.class_stride]);
           chunk_max = std::max(chunk_max, buffer[k]);
         }
+        if (eps > 0) {  // before the buffer is overwritten with exp values
+          acc_t chunk_wx = 0, chunk_w = 0;
+          if (weight == nullptr) {
+            chunk_wx = lane_sum(buffer, len);
+            chunk_w = static_cast<acc_t>(len);
+          } else {
+            for (int64_t k = 0; k < len; ++k) {
+              chunk_wx += weight[c0 + k] * buffer[k];
+              chunk_w += weight[c0 + k];
+            }
+          }
+          sum_wx += chunk_wx;
+          sum_w += chunk_w;
+        }
         const acc_t new_max = std::max(running_max, chunk_max);
         if (new_max != neg_inf) {  // all -inf so far: the sum stays 0
-          acc_t s = running_max == neg_inf ? acc_t(0) : sum_exp * std::exp(running_max - new_max);
-          for (int64_t k = 0; k < len; ++k) s += std::exp(buffer[k] - new_max);
-          sum_exp = s;
+          for (int64_t k = 0; k < len; ++k) buffer[k] = std::exp(buffer[k] - new_max);
+          // 32 partial sums per chunk (vec.h), then one add per chunk: a
+          // running scalar sum over 65K values loses ~1e-4 relative in float.
+          const acc_t rescale = running_max == neg_inf ? acc_t(0) : std::exp(running_max - new_max);
+          sum_exp = sum_exp * rescale + lane_sum(buffer, len);
         }
         running_max = new_max;
-        if (eps > 0) {
-          for (int64_t k = 0; k < len; ++k) {
-            const acc_t w = weight == nullptr ? acc_t(1) : weight[c0 + k];
-            sum_wx += w * buffer[k];
-            sum_w += w;
-          }
-        }
       }
       const acc_t lse = running_max == neg_inf ? neg_inf : running_max + std::log(sum_exp);
       const acc_t x_t = static_cast<acc_t>(x[t * lg.class_stride]);
