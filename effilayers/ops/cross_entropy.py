@@ -32,10 +32,10 @@ What is saved for backward
     its log-softmax output, in float32 under CUDA autocast). Backward
     multiplies that buffer by ``grad_output`` in place (a scalar for
     ``"mean"``/``"sum"``, one value per row for ``"none"``) and returns it,
-    so backward allocates nothing logits-sized. Consequences: the backward
-    can run only once (``retain_graph=True`` followed by a second backward
-    raises autograd's "modified by an inplace operation" error), and double
-    backward is not supported (a clear error when attempted). When the
+    so backward allocates nothing logits-sized. Under ``retain_graph=True``
+    (the graph may be walked again) it multiplies out of place instead, one
+    logits-sized output. Double backward is not supported (a clear error
+    when attempted). When the
     logits do not require grad no gradient is computed or saved.
 
 ``inplace_backward=True``
@@ -86,6 +86,7 @@ import math
 from typing import Optional
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from .. import backends
 from ._layout import three_groups
@@ -361,18 +362,21 @@ class _CrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        if torch.is_grad_enabled() and grad_output.requires_grad:
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():  # create_graph=True
             raise RuntimeError(
                 "effilayers cross_entropy: double backward is not supported (the gradient is computed in the "
-                "forward pass and saved without a graph); use torch.nn.functional.cross_entropy for "
-                "higher-order gradients"
+                "forward pass and saved without a graph), so backward(create_graph=True) through it is refused; "
+                "use torch.nn.functional.cross_entropy for higher-order gradients"
             )
         (grad,) = ctx.saved_tensors
-        if ctx.reduction == "none":
-            grad.mul_(grad_output.unsqueeze(1))
-        else:
-            grad.mul_(grad_output)
-        return grad, None, None, None, None, None, None
+        scale = grad_output.unsqueeze(1) if ctx.reduction == "none" else grad_output
+        if torch.compiler.is_compiling() or torch._C._autograd._get_current_graph_task_keep_graph():
+            # retain_graph=True (gradcheck, a second backward): keep the saved
+            # gradient intact at the cost of one logits-sized output.
+            return grad * scale, None, None, None, None, None, None
+        # The usual single backward: scale the saved buffer in place, so
+        # backward allocates nothing logits-sized.
+        return grad.mul_(scale), None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------
@@ -436,7 +440,7 @@ def _check_arguments(logits, target, weight, ignore_index, label_smoothing, redu
 
 def _check_target_range(logits, target, ignore_index, classes):
     """On CPU only (no device sync there) and not while compiling."""
-    if target.device.type != "cpu" or torch.compiler.is_compiling() or target.numel() == 0:
+    if target.device.type != "cpu" or torch.compiler.is_compiling() or target.numel() == 0 or is_fake(target):
         return
     t = target.to(torch.int64)
     bad = (t != ignore_index) & ((t < 0) | (t >= classes))
