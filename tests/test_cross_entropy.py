@@ -657,3 +657,30 @@ def test_cuda_autocast_keeps_logits_dtype():
         expected = F.cross_entropy(logits, target)
     assert logits.dtype == torch.bfloat16 and loss.dtype == torch.bfloat16 and expected.dtype == torch.float32
     torch.testing.assert_close(loss.float(), expected, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+def test_cuda_peak_memory_vs_torch():
+    # Peak beyond the inputs during forward + backward: torch keeps its
+    # log-softmax and allocates two logits-sized gradients in backward (~3x
+    # the logits); ours allocates the one saved gradient (~1x), and nothing
+    # logits-sized with inplace_backward.
+    with effilayers.use_backend("triton"):
+        leaf = make_logits((2048, 32768), torch.bfloat16, "cuda")
+        target = make_target((2048,), 32768, "cuda", ignore_every=9)
+        peaks = {}
+        for name, fn in (("torch", F.cross_entropy), ("saved", cross_entropy),
+                         ("inplace", lambda x, t: cross_entropy(x, t, inplace_backward=True))):
+            logits = leaf.clone().requires_grad_() * 1
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            loss = fn(logits, target)
+            (grad,) = torch.autograd.grad(loss, logits)
+            torch.cuda.synchronize()
+            peaks[name] = torch.cuda.max_memory_allocated() - before
+            del loss, grad, logits
+    logits_bytes = leaf.numel() * leaf.element_size()
+    assert peaks["torch"] >= 2.5 * logits_bytes
+    assert peaks["saved"] <= 1.2 * logits_bytes
+    assert peaks["inplace"] <= 0.3 * peaks["torch"]

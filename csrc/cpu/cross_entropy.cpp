@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <type_traits>
@@ -52,6 +53,55 @@ struct RowGeometry {
 
 RowGeometry geometry_of(const at::Tensor& t) {
   return {t.size(0) * t.size(2), t.size(1), t.size(2), t.stride(0), t.stride(1), t.stride(2)};
+}
+
+// buffer[k] = exp(buffer[k] - shift). std::exp does not vectorise (errno),
+// and it is most of this kernel's time, so float uses an 8-lane polynomial
+// exp: n = round(v * log2(e)), r = v - n * ln(2) in two parts (Cody-Waite),
+// exp(r) by Cephes' degree-6 polynomial (about 1 ulp on [-ln2/2, ln2/2]),
+// times 2^n built in the exponent bits. Below -87.3 the result is 0 (also
+// for -inf), above 88.7 inf, and NaN stays NaN.
+template <typename acc_t>
+void exp_shifted(acc_t* buffer, int64_t n, acc_t shift) {
+  for (int64_t k = 0; k < n; ++k) buffer[k] = std::exp(buffer[k] - shift);
+}
+
+template <>
+void exp_shifted<float>(float* buffer, int64_t n, float shift) {
+  typedef float f8 __attribute__((vector_size(32)));
+  typedef int32_t i8 __attribute__((vector_size(32)));
+  constexpr int W = 8;
+  const f8 lo = f8{} - 87.3365448f, hi = f8{} + 88.7228391f;
+  int64_t k = 0;
+  for (; k + W <= n; k += W) {
+    f8 v;
+    std::memcpy(&v, buffer + k, sizeof(v));
+    v -= shift;
+    const i8 underflow = v < lo, overflow = v > hi, is_nan = v != v;
+    f8 x = v < lo ? lo : (v > hi ? hi : v);
+    x = is_nan ? lo : x;
+    // round to nearest through the 1.5 * 2^23 trick (|x * log2e| < 2^22)
+    const f8 magic = f8{} + 12582912.0f;
+    const f8 rounded = (x * 1.44269504088896341f + magic) - magic;
+    f8 r = x - rounded * 0.693359375f;
+    r = r - rounded * -2.12194440e-4f;
+    f8 p = f8{} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const f8 poly = p * r * r + r + 1.0f;
+    const i8 exponent = (__builtin_convertvector(rounded, i8) + 127) << 23;
+    f8 scale;
+    std::memcpy(&scale, &exponent, sizeof(scale));
+    f8 result = poly * scale;
+    result = underflow ? f8{} : result;
+    result = overflow ? f8{} + std::numeric_limits<float>::infinity() : result;
+    result = is_nan ? v : result;
+    std::memcpy(buffer + k, &result, sizeof(result));
+  }
+  for (; k < n; ++k) buffer[k] = std::exp(buffer[k] - shift);
 }
 
 template <typename scalar_t, typename acc_t>
@@ -102,7 +152,7 @@ void cross_entropy_rows_kernel(const scalar_t* logits, const RowGeometry& lg, co
         }
         const acc_t new_max = std::max(running_max, chunk_max);
         if (new_max != neg_inf) {  // all -inf so far: the sum stays 0
-          for (int64_t k = 0; k < len; ++k) buffer[k] = std::exp(buffer[k] - new_max);
+          exp_shifted(buffer, len, new_max);
           // 32 partial sums per chunk (vec.h), then one add per chunk: a
           // running scalar sum over 65K values loses ~1e-4 relative in float.
           const acc_t rescale = running_max == neg_inf ? acc_t(0) : std::exp(running_max - new_max);
@@ -123,9 +173,10 @@ void cross_entropy_rows_kernel(const scalar_t* logits, const RowGeometry& lg, co
       for (int64_t c0 = 0; c0 < C; c0 += kChunkClasses) {
         const int64_t len = std::min(kChunkClasses, C - c0);
         for (int64_t k = 0; k < len; ++k) buffer[k] = static_cast<acc_t>(x[(c0 + k) * lg.class_stride]);
+        exp_shifted(buffer, len, lse);  // softmax
         for (int64_t k = 0; k < len; ++k) {
           const int64_t c = c0 + k;
-          acc_t value = coef * std::exp(buffer[k] - lse);
+          acc_t value = coef * buffer[k];
           if (eps > 0) value -= eps_per_class * (weight == nullptr ? acc_t(1) : weight[c]);
           if (c == t) value -= (1 - eps) * w_t;
           g[c * gg.class_stride] = static_cast<scalar_t>(value * scale);
