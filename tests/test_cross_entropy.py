@@ -192,6 +192,16 @@ def test_all_rows_ignored_mean_is_nan_with_zero_grad(ce_device):
         assert bool((grad == 0).all()) and bool((exp_grad == 0).all())
 
 
+def test_empty_batch(ce_device):
+    logits = make_logits((0, 5), torch.float32, ce_device)
+    target = torch.zeros(0, dtype=torch.int64, device=ce_device)
+    for reduction in ("mean", "sum", "none"):
+        exp_loss, _ = torch_expected(logits, target, reduction=reduction)
+        loss, grad = ours(logits, target, reduction=reduction)
+        torch.testing.assert_close(loss.double(), exp_loss, equal_nan=True)
+        assert grad.shape == (0, 5)
+
+
 def test_unbatched_and_integer_targets(ce_device):
     logits = make_logits((9,), torch.float64, ce_device)
     target = torch.tensor(4, device=ce_device)

@@ -44,9 +44,12 @@ What is saved for backward
     gradient. The contract: **the logits' values are destroyed** by the call;
     use it when nothing else needs them (the usual ``loss =
     cross_entropy(lm_head(h), target)``). The logits' version counter is
-    bumped, so any other autograd node that saved the logits (``logits.exp()``
-    used elsewhere, say) raises at backward instead of silently using
-    gradient values. A leaf tensor that requires grad is refused, as torch
+    bumped (by the dispatcher, because ``effilayers::cross_entropy_forward_``
+    declares ``logits`` mutated: the effect of
+    ``torch.autograd.graph.increment_version``, and it also holds under
+    ``torch.compile``), so any other autograd node that saved the logits
+    (``logits.sin()`` used elsewhere, say) raises at backward instead of
+    silently using gradient values. A leaf tensor that requires grad is refused, as torch
     refuses in-place ops on it. When the class dimension cannot be walked in
     place (strides that do not merge into (N, C, rest), see ``ops/_layout``),
     the kernel reads a contiguous copy and writes the gradient to a
