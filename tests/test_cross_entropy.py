@@ -589,6 +589,18 @@ def test_module_legacy_reduction_arguments():
         CrossEntropyLoss(label_smoothing=2.0)
 
 
+def test_functional_legacy_reduction_arguments():
+    logits = make_logits((4, 6), torch.float32, "cpu")
+    target = make_target((4,), 6, "cpu")
+    with pytest.warns(UserWarning, match="deprecated"):
+        loss = cross_entropy(logits, target, reduce=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = F.cross_entropy(logits, target, reduce=False)
+    assert loss.shape == (4,)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_module_inplace_backward():
     head = Head(5, 9, torch.float32)
     h = make_logits((6, 5), torch.float32, "cpu")

@@ -89,6 +89,7 @@ import math
 from typing import Optional
 
 import torch
+from torch.nn import _reduction as _Reduction
 from torch._subclasses.fake_tensor import is_fake
 
 from .. import backends
@@ -461,13 +462,22 @@ def cross_entropy(
     label_smoothing: float = 0.0,
     reduction: str = "mean",
     inplace_backward: bool = False,
+    *,
+    size_average: Optional[bool] = None,
+    reduce: Optional[bool] = None,
 ) -> torch.Tensor:
     """Cross-entropy of ``logits`` against class indices ``target``, like
     ``torch.nn.functional.cross_entropy`` but saving one logits-sized
     gradient (none with ``inplace_backward=True``, which destroys the logits'
     values) instead of a log-softmax, and never making a float32 copy of the
     logits. See the module docstring for numerics and contracts.
+
+    ``size_average`` / ``reduce`` (keyword only) are torch's deprecated pair:
+    when either is given it overrides ``reduction`` the way torch maps it,
+    with torch's warning.
     """
+    if size_average is not None or reduce is not None:
+        reduction = _Reduction.legacy_get_string(size_average, reduce)
     _check_arguments(logits, target, weight, ignore_index, label_smoothing, reduction, inplace_backward)
     unbatched = logits.dim() == 1
     if unbatched:
