@@ -333,6 +333,16 @@ def test_no_grad_needed_saves_nothing(ce_device):
     assert loss.grad_fn is None and meter.bytes == 0
     assert torch.equal(logits, before)  # nothing is written when no gradient is wanted
     torch.testing.assert_close(loss.double(), torch_expected(logits, target)[0], **TOL[torch.float32])
+    # logits that require grad, under no_grad / inference_mode: no gradient is computed or written
+    head = Head(4, 9, torch.float32).to(ce_device)
+    h = make_logits((5, 4), torch.float32, ce_device)
+    for mode in (torch.no_grad, torch.inference_mode):
+        logits = head(h)
+        assert logits.requires_grad
+        before = logits.detach().clone()
+        with mode():
+            loss = cross_entropy(logits, target, inplace_backward=True)
+        assert loss.grad_fn is None and torch.equal(logits.detach(), before)
 
 
 # --------------------------------------------------------------------------

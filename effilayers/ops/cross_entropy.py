@@ -350,8 +350,11 @@ def _(logits, target, weight, ignore_index, label_smoothing, reduction):
 
 class _CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, weight, ignore_index, label_smoothing, reduction, inplace_backward):
-        compute_grad = ctx.needs_input_grad[0]
+    def forward(ctx, logits, target, weight, ignore_index, label_smoothing, reduction, inplace_backward, grad_mode):
+        # needs_input_grad says True under no_grad too: `grad_mode` (read
+        # before apply) keeps no_grad / inference_mode calls from computing
+        # and writing a gradient nobody will use.
+        compute_grad = ctx.needs_input_grad[0] and grad_mode
         ctx.reduction = reduction
         if compute_grad and inplace_backward:
             loss = _cross_entropy_forward_(logits, target, weight, ignore_index, label_smoothing, reduction)
@@ -377,10 +380,10 @@ class _CrossEntropyFunction(torch.autograd.Function):
         if torch.compiler.is_compiling() or torch._C._autograd._get_current_graph_task_keep_graph():
             # retain_graph=True (gradcheck, a second backward): keep the saved
             # gradient intact at the cost of one logits-sized output.
-            return grad * scale, None, None, None, None, None, None
+            return grad * scale, None, None, None, None, None, None, None
         # The usual single backward: scale the saved buffer in place, so
         # backward allocates nothing logits-sized.
-        return grad.mul_(scale), None, None, None, None, None, None
+        return grad.mul_(scale), None, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------
@@ -485,7 +488,8 @@ def cross_entropy(
         target = target.unsqueeze(0)
     _check_target_range(logits, target, ignore_index, logits.shape[1])
     loss = _CrossEntropyFunction.apply(
-        logits, target, weight, int(ignore_index), float(label_smoothing), reduction, inplace_backward
+        logits, target, weight, int(ignore_index), float(label_smoothing), reduction, inplace_backward,
+        torch.is_grad_enabled(),
     )
     if unbatched and reduction == "none":
         loss = loss.squeeze(0)
