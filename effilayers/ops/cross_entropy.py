@@ -33,7 +33,8 @@ What is saved for backward
     multiplies that buffer by ``grad_output`` in place (a scalar for
     ``"mean"``/``"sum"``, one value per row for ``"none"``) and returns it,
     so backward allocates nothing logits-sized. Under ``retain_graph=True``
-    (the graph may be walked again) it multiplies out of place instead, one
+    (the graph may be walked again) and under ``torch.compile`` (which plans
+    the backward's buffers itself) it multiplies out of place instead: one
     logits-sized output. Double backward is not supported (a clear error
     when attempted). When the
     logits do not require grad no gradient is computed or saved.
