@@ -48,5 +48,12 @@ constexpr const char* kSoftmaxBackward =
 constexpr const char* kScaledMaskedSoftmaxForward =
     "scaled_masked_softmax_forward(Tensor x, Tensor? mask, float scale, bool causal) -> Tensor";
 
+// Row-wise cross-entropy over an (N, C, I) view of the logits: per-row losses,
+// and the reduction-scaled gradient written into `grad` (which may be the
+// logits themselves) when given (effilayers/ops/cross_entropy.py).
+constexpr const char* kCrossEntropyRows =
+    "cross_entropy_rows(Tensor logits, Tensor target, Tensor? weight, Tensor(a!)? grad, Tensor grad_scale, "
+    "int ignore_index, float label_smoothing) -> Tensor";
+
 }  // namespace schema
 }  // namespace effilayers

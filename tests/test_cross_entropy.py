@@ -1,0 +1,718 @@
+"""cross_entropy: every backend against torch.nn.functional.cross_entropy in float64."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import effilayers
+import effilayers.kernels  # noqa: F401
+from effilayers import memory
+from effilayers.functional import cross_entropy
+from effilayers.nn import CrossEntropyLoss
+from effilayers.ops.cross_entropy import REFERENCE_CHUNK_ELEMENTS, _as_rows
+
+from .conftest import forced_backend
+
+OP = "cross_entropy"
+
+# The brief's BACKEND_PARAMS list a CUDA-C++ backend this op does not have
+# (its GPU kernel is Triton), so the pairs are listed here.
+CE_PARAMS = [
+    pytest.param(("reference", "cpu"), id="reference-cpu"),
+    pytest.param(("cpp", "cpu"), id="cpp-cpu"),
+    pytest.param(("triton", "cpu"), id="triton-interpreter"),
+    pytest.param(("triton", "cuda"), id="triton-cuda", marks=pytest.mark.gpu),
+    pytest.param(("reference", "cuda"), id="reference-cuda", marks=pytest.mark.gpu),
+]
+CPU_PARAMS = CE_PARAMS[:2]
+
+TOL = {
+    torch.float64: dict(rtol=1e-10, atol=1e-12),
+    torch.float32: dict(rtol=1e-5, atol=1e-6),
+    torch.float16: dict(rtol=1e-3, atol=1e-3),
+    torch.bfloat16: dict(rtol=1e-2, atol=1e-2),
+}
+
+
+@pytest.fixture(params=CE_PARAMS)
+def ce_device(request):
+    yield from forced_backend(request, OP)
+
+
+@pytest.fixture(params=CPU_PARAMS)
+def cpu_device(request):
+    yield from forced_backend(request, OP)
+
+
+@pytest.fixture
+def small_triton_block(monkeypatch):
+    """Blocks of 8 classes, so rows of more than 8 classes run the Triton
+    kernel's multi-block loop under the interpreter."""
+    from effilayers.kernels import cross_entropy as kernels
+
+    monkeypatch.setattr(kernels, "MAX_BLOCK", 8)
+
+
+def backend_of(device):
+    return effilayers.backends.choice(OP, device.type).backend
+
+
+def make_logits(shape, dtype, device, seed=0, scale=3.0):
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randn(shape, generator=generator, dtype=torch.float64) * scale + 0.5
+    return values.to(dtype=dtype, device=device)
+
+
+def make_target(shape, classes, device, seed=1, ignore_every=0, ignore_index=-100):
+    generator = torch.Generator().manual_seed(seed)
+    target = torch.randint(0, classes, shape, generator=generator)
+    if ignore_every:
+        target.view(-1)[::ignore_every] = ignore_index
+    return target.to(device)
+
+
+def make_weight(classes, device, seed=2):
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.rand(classes, generator=generator, dtype=torch.float64) + 0.25).to(device)
+
+
+def torch_expected(logits, target, grad_output=None, **kwargs):
+    """torch's loss and gradient from the same (rounded) logits in float64."""
+    x = logits.detach().double().requires_grad_()
+    weight = kwargs.pop("weight", None)
+    loss = F.cross_entropy(x, target, weight=None if weight is None else weight.double(), **kwargs)
+    grad_output = torch.ones_like(loss) if grad_output is None else grad_output.double()
+    (grad,) = torch.autograd.grad(loss, x, grad_output)
+    return loss.detach(), grad
+
+
+def ours(logits, target, grad_output=None, **kwargs):
+    x = logits.detach().clone().requires_grad_()
+    loss = cross_entropy(x, target, **kwargs)
+    grad_output = torch.ones_like(loss) if grad_output is None else grad_output
+    loss.backward(grad_output)
+    return loss.detach(), x.grad
+
+
+def assert_matches_torch(logits, target, dtype, grad_output=None, **kwargs):
+    exp_loss, exp_grad = torch_expected(logits, target, grad_output, **kwargs)
+    loss, grad = ours(logits, target, grad_output, **kwargs)
+    assert loss.dtype == logits.dtype and grad.dtype == logits.dtype
+    assert loss.shape == exp_loss.shape and grad.shape == logits.shape
+    torch.testing.assert_close(loss.double(), exp_loss, **TOL[dtype])
+    torch.testing.assert_close(grad.double(), exp_grad, **TOL[dtype])
+
+
+# --------------------------------------------------------------------------
+# Values against torch
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.15])
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+@pytest.mark.parametrize("shape", [(6, 11), (3, 5, 2, 3)], ids=["NC", "NCd1d2"])
+def test_matches_torch_float64(ce_device, small_triton_block, reduction, label_smoothing, weighted, shape):
+    logits = make_logits(shape, torch.float64, ce_device)
+    target = make_target(shape[:1] + shape[2:], shape[1], ce_device, ignore_every=4)
+    weight = make_weight(shape[1], ce_device) if weighted else None
+    grad_output = None
+    if reduction == "none":
+        grad_output = make_logits(target.shape, torch.float64, ce_device, seed=9)
+    assert_matches_torch(logits, target, torch.float64, grad_output, weight=weight, reduction=reduction,
+                         label_smoothing=label_smoothing)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_low_precision_vs_float64(ce_device, small_triton_block, dtype, reduction):
+    if dtype == torch.bfloat16 and ce_device.type == "cpu" and backend_of(ce_device) == "triton":
+        pytest.skip("the Triton interpreter has no bfloat16 arithmetic (covered by triton-cuda)")
+    shape = (7, 37)
+    logits = make_logits(shape, dtype, ce_device, seed=3)
+    target = make_target((7,), 37, ce_device, ignore_every=5)
+    grad_output = make_logits((7,), dtype, ce_device, seed=4) if reduction == "none" else None
+    assert_matches_torch(logits, target, dtype, grad_output, reduction=reduction, label_smoothing=0.05,
+                         weight=make_weight(37, ce_device).to(dtype))
+
+
+@pytest.mark.parametrize("classes", [1, 2, 13, 17, 300])
+def test_odd_vocab_sizes(ce_device, small_triton_block, classes):
+    logits = make_logits((5, classes), torch.float32, ce_device, seed=classes)
+    target = make_target((5,), classes, ce_device)
+    assert_matches_torch(logits, target, torch.float32, reduction="sum")
+    assert_matches_torch(logits, target, torch.float32, reduction="mean", label_smoothing=0.2)
+
+
+def test_one_class_is_zero_loss(ce_device):
+    logits = make_logits((4, 1), torch.float32, ce_device)
+    loss, grad = ours(logits, torch.zeros(4, dtype=torch.int64, device=ce_device), reduction="sum")
+    assert float(loss) == 0.0 and bool((grad == 0).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_long_rows_65537_classes(cpu_device, dtype):
+    classes = 65537  # more than REFERENCE_CHUNK_ELEMENTS and 32 C++ chunks, plus one
+    assert classes > REFERENCE_CHUNK_ELEMENTS
+    logits = make_logits((3, classes), dtype, cpu_device, scale=4.0)
+    target = torch.tensor([0, classes - 1, 12345], device=cpu_device)
+    assert_matches_torch(logits, target, dtype, reduction="mean", label_smoothing=0.1)
+
+
+def test_triton_row_just_over_one_block(monkeypatch):
+    from effilayers.kernels import cross_entropy as kernels
+
+    with effilayers.use_backend("triton"):
+        if effilayers.backends.choice(OP, "cpu").kernel is None:
+            pytest.skip("Triton kernels need TRITON_INTERPRET=1 on CPU")
+        monkeypatch.setattr(kernels, "MAX_BLOCK", 64)
+        logits = make_logits((3, 65), torch.float32, torch.device("cpu"))
+        target = torch.tensor([64, 0, 63])
+        assert_matches_torch(logits, target, torch.float32, label_smoothing=0.1, weight=make_weight(65, "cpu"))
+
+
+def test_matches_with_other_ignore_index(ce_device):
+    logits = make_logits((8, 6), torch.float64, ce_device)
+    target = make_target((8,), 6, ce_device, ignore_every=3, ignore_index=2)
+    assert_matches_torch(logits, target, torch.float64, ignore_index=2, label_smoothing=0.1)
+
+
+def test_all_rows_ignored_mean_is_nan_with_zero_grad(ce_device):
+    logits = make_logits((3, 5), torch.float32, ce_device)
+    target = torch.full((3,), -100, device=ce_device)
+    for smoothing in (0.0, 0.1):
+        exp_loss, exp_grad = torch_expected(logits, target, label_smoothing=smoothing)
+        loss, grad = ours(logits, target, label_smoothing=smoothing)
+        assert math.isnan(float(loss)) and math.isnan(float(exp_loss))
+        assert bool((grad == 0).all()) and bool((exp_grad == 0).all())
+
+
+def test_empty_batch(ce_device):
+    logits = make_logits((0, 5), torch.float32, ce_device)
+    target = torch.zeros(0, dtype=torch.int64, device=ce_device)
+    for reduction in ("mean", "sum", "none"):
+        exp_loss, _ = torch_expected(logits, target, reduction=reduction)
+        loss, grad = ours(logits, target, reduction=reduction)
+        torch.testing.assert_close(loss.double(), exp_loss, equal_nan=True)
+        assert grad.shape == (0, 5)
+
+
+def test_unbatched_and_integer_targets(ce_device):
+    logits = make_logits((9,), torch.float64, ce_device)
+    target = torch.tensor(4, device=ce_device)
+    for reduction in ("mean", "none"):
+        assert_matches_torch(logits, target, torch.float64, reduction=reduction)
+    batch = make_logits((4, 9), torch.float64, ce_device)
+    target64 = make_target((4,), 9, ce_device)
+    expected = cross_entropy(batch, target64)
+    for dtype in (torch.int32, torch.uint8):
+        torch.testing.assert_close(cross_entropy(batch, target64.to(dtype)), expected)
+
+
+# --------------------------------------------------------------------------
+# Layouts
+# --------------------------------------------------------------------------
+
+
+def _layouts(device):
+    base = make_logits((6, 10), torch.float32, device, seed=5)
+    wide = make_logits((6, 20), torch.float32, device, seed=6)
+    spatial = make_logits((2, 5, 3, 4), torch.float32, device, seed=7)
+    return {
+        "transposed": (base.t().contiguous().t(), (6,)),
+        "class_stride_2": (wide[:, ::2], (6,)),
+        "row_slice": (wide[:, 3:13], (6,)),
+        "channels_last": (spatial.contiguous(memory_format=torch.channels_last), (2, 3, 4)),
+        # inner dims whose strides do not nest: the one layout that is copied
+        "unmergeable": (spatial.transpose(2, 3).contiguous().transpose(2, 3), (2, 3, 4)),
+    }
+
+
+@pytest.mark.parametrize("layout", ["transposed", "class_stride_2", "row_slice", "channels_last", "unmergeable"])
+@pytest.mark.parametrize("inplace", [False, True], ids=["saved", "inplace"])
+def test_layouts(ce_device, small_triton_block, layout, inplace):
+    logits, target_shape = _layouts(ce_device)[layout]
+    assert (_as_rows(logits) is None) == (layout == "unmergeable")
+    target = make_target(target_shape, logits.shape[1], ce_device, ignore_every=5)
+    exp_loss, exp_grad = torch_expected(logits, target, label_smoothing=0.1)
+    # Non-leaf logits with exactly these strides (inplace_backward refuses leaves).
+    if layout in ("class_stride_2", "row_slice"):
+        wide_leaf = make_logits((6, 20), torch.float32, ce_device, seed=6).requires_grad_()
+        wide = wide_leaf * 1
+        x = wide[:, ::2] if layout == "class_stride_2" else wide[:, 3:13]
+        grad_of = wide_leaf
+    else:
+        leaf = torch.empty_strided(logits.shape, logits.stride(), dtype=logits.dtype, device=ce_device)
+        leaf.copy_(logits.detach())
+        leaf.requires_grad_()
+        x = leaf * 1  # elementwise ops keep a dense input's strides
+        assert x.stride() == logits.stride()
+        grad_of = leaf
+    loss = cross_entropy(x, target, label_smoothing=0.1, inplace_backward=inplace)
+    loss.backward()
+    torch.testing.assert_close(loss.double(), exp_loss, **TOL[torch.float32])
+    grad = grad_of.grad
+    if layout == "class_stride_2":
+        grad = grad[:, ::2]
+    elif layout == "row_slice":
+        assert bool((grad_of.grad[:, :3] == 0).all()) and bool((grad_of.grad[:, 13:] == 0).all())
+        grad = grad[:, 3:13]
+    torch.testing.assert_close(grad.double(), exp_grad, **TOL[torch.float32])
+
+
+# --------------------------------------------------------------------------
+# Infinities
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_minus_inf_logits(ce_device, small_triton_block, label_smoothing):
+    logits = make_logits((4, 12), torch.float32, ce_device)
+    target = torch.tensor([3, 5, 0, 11], device=ce_device)
+    logits[0, 7] = -math.inf  # a non-target class
+    logits[1, 5] = -math.inf  # the target: infinite loss, finite gradient
+    logits[2, :11] = -math.inf  # one finite value left in the row
+    exp_loss, exp_grad = torch_expected(logits, target, reduction="none", label_smoothing=label_smoothing)
+    loss, grad = ours(logits, target, reduction="none", label_smoothing=label_smoothing)
+    torch.testing.assert_close(loss.double(), exp_loss, **TOL[torch.float32])
+    assert math.isinf(float(loss[1]))
+    torch.testing.assert_close(grad.double(), exp_grad, **TOL[torch.float32])
+    assert bool(torch.isfinite(grad).all())
+
+
+# --------------------------------------------------------------------------
+# Autograd
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_gradcheck(ce_device, small_triton_block, reduction):
+    logits = make_logits((3, 10), torch.float64, ce_device).requires_grad_()
+    target = make_target((3,), 10, ce_device, ignore_every=3)
+    weight = make_weight(10, ce_device)
+
+    def fn(x):
+        return cross_entropy(x, target, weight=weight, label_smoothing=0.1, reduction=reduction)
+
+    assert torch.autograd.gradcheck(fn, (logits,), eps=1e-6, atol=1e-7)
+
+
+def test_double_backward_is_refused(ce_device):
+    logits = make_logits((3, 5), torch.float64, ce_device).requires_grad_()
+    target = make_target((3,), 5, ce_device)
+    loss = cross_entropy(logits, target)
+    with pytest.raises(RuntimeError, match="double backward is not supported"):
+        torch.autograd.grad(loss, logits, create_graph=True)
+
+
+def test_retain_graph_backward_twice(ce_device):
+    # the saved gradient is scaled in place only when the graph is not retained
+    logits = make_logits((3, 5), torch.float32, ce_device)
+    target = make_target((3,), 5, ce_device)
+    _, expected = torch_expected(logits, target, reduction="none", grad_output=torch.tensor([1.0, 2.0, 3.0]))
+    x = logits.clone().requires_grad_()
+    loss = cross_entropy(x, target, reduction="none")
+    go = torch.tensor([1.0, 2.0, 3.0], device=ce_device)
+    (first,) = torch.autograd.grad(loss, x, go, retain_graph=True)
+    (second,) = torch.autograd.grad(loss, x, go)
+    torch.testing.assert_close(first.double(), expected.to(first.device), **TOL[torch.float32])
+    torch.testing.assert_close(second, first)
+
+
+def test_no_grad_needed_saves_nothing(ce_device):
+    logits = make_logits((5, 9), torch.float32, ce_device)
+    target = make_target((5,), 9, ce_device)
+    before = logits.clone()
+    with memory.track_activations() as meter:
+        loss = cross_entropy(logits, target, inplace_backward=True)
+    assert loss.grad_fn is None and meter.bytes == 0
+    assert torch.equal(logits, before)  # nothing is written when no gradient is wanted
+    torch.testing.assert_close(loss.double(), torch_expected(logits, target)[0], **TOL[torch.float32])
+    # logits that require grad, under no_grad / inference_mode: no gradient is computed or written
+    head = Head(4, 9, torch.float32).to(ce_device)
+    h = make_logits((5, 4), torch.float32, ce_device)
+    for mode in (torch.no_grad, torch.inference_mode):
+        logits = head(h)
+        assert logits.requires_grad
+        before = logits.detach().clone()
+        with mode():
+            loss = cross_entropy(logits, target, inplace_backward=True)
+        assert loss.grad_fn is None and torch.equal(logits.detach(), before)
+
+
+# --------------------------------------------------------------------------
+# inplace_backward
+# --------------------------------------------------------------------------
+
+
+class Head(torch.nn.Module):
+    def __init__(self, features, classes, dtype):
+        super().__init__()
+        generator = torch.Generator().manual_seed(11)
+        self.linear = torch.nn.Linear(features, classes, dtype=dtype)
+        with torch.no_grad():
+            self.linear.weight.copy_(torch.randn(classes, features, generator=generator, dtype=dtype))
+
+    def forward(self, h):
+        return self.linear(h)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_inplace_backward_gradients(ce_device, small_triton_block, reduction):
+    head = Head(6, 13, torch.float32).to(ce_device)
+    h = make_logits((8, 6), torch.float32, ce_device).requires_grad_()
+    target = make_target((8,), 13, ce_device, ignore_every=3)
+    grads = {}
+    for name, fn in (("torch", F.cross_entropy), ("saved", cross_entropy),
+                     ("inplace", lambda *a, **k: cross_entropy(*a, inplace_backward=True, **k))):
+        head.zero_grad()
+        h.grad = None
+        logits = head(h)
+        version = logits._version
+        loss = fn(logits, target, label_smoothing=0.1, reduction=reduction)
+        if name == "inplace":
+            assert logits._version > version  # the custom op declares the mutation: autograd sees it
+        loss.backward(torch.linspace(0.5, 1.5, loss.numel(), device=ce_device).view(loss.shape))
+        grads[name] = (h.grad.clone(), head.linear.weight.grad.clone())
+    for name in ("saved", "inplace"):
+        for actual, expected in zip(grads[name], grads["torch"]):
+            torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_inplace_backward_overwrites_logits_with_the_gradient(ce_device):
+    head = Head(4, 7, torch.float32).to(ce_device)
+    logits = head(make_logits((5, 4), torch.float32, ce_device))
+    target = make_target((5,), 7, ce_device)
+    _, expected_grad = torch_expected(logits, target, reduction="sum")
+    cross_entropy(logits, target, reduction="sum", inplace_backward=True)
+    torch.testing.assert_close(logits.detach().double(), expected_grad, **TOL[torch.float32])
+
+
+def test_inplace_backward_raises_when_logits_are_saved_elsewhere(ce_device):
+    head = Head(4, 7, torch.float32).to(ce_device)
+    logits = head(make_logits((5, 4), torch.float32, ce_device))
+    other = logits.sin()  # sin saves its input: it would now read the gradient
+    loss = cross_entropy(logits, make_target((5,), 7, ce_device), inplace_backward=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (loss + other.sum()).backward()
+
+
+def test_inplace_backward_refuses_leaves_and_overlapping_logits(ce_device):
+    target = make_target((5,), 7, ce_device)
+    leaf = make_logits((5, 7), torch.float32, ce_device).requires_grad_()
+    with pytest.raises(ValueError, match="leaf tensor that requires grad"):
+        cross_entropy(leaf, target, inplace_backward=True)
+    row = make_logits((1, 7), torch.float32, ce_device).requires_grad_()
+    expanded = (row * 1).expand(5, 7)
+    with pytest.raises(ValueError, match="share memory"):
+        cross_entropy(expanded, target, inplace_backward=True)
+    # not in place, expanded logits are read as they are
+    loss, grad = ours(expanded.detach(), target)
+    exp_loss, exp_grad = torch_expected(expanded.detach(), target)
+    torch.testing.assert_close(loss.double(), exp_loss, **TOL[torch.float32])
+    torch.testing.assert_close(grad.double(), exp_grad, **TOL[torch.float32])
+
+
+# --------------------------------------------------------------------------
+# Memory (effilayers.memory's activation-bytes meter)
+# --------------------------------------------------------------------------
+
+
+def _saved(fn, logits, *args, **kwargs):
+    with memory.track_activations() as meter:
+        loss = fn(logits, *args, **kwargs)
+    return meter.storages(), loss
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_saved_memory(cpu_device, dtype):
+    rows, classes = 64, 1000
+    head = Head(16, classes, torch.float32)
+    h = make_logits((rows, 16), torch.float32, cpu_device)
+    target = make_target((rows,), classes, cpu_device, ignore_every=7)
+    logits_bytes = rows * classes * torch.finfo(dtype).bits // 8
+
+    def logits_fn():
+        return head(h).to(dtype)  # a non-leaf in `dtype`
+
+    # default: exactly one logits-sized buffer, in the logits' dtype, not the logits
+    logits = logits_fn()
+    storages, loss = _saved(cross_entropy, logits, target)
+    assert [(s.nbytes, s.dtype) for s in storages] == [(logits_bytes, dtype)]
+    assert storages[0].shape == (rows, classes)
+
+    # inplace_backward: the only saved storage is the logits' own
+    logits = logits_fn()
+    with memory.track_activations(exclude=[logits]) as meter:
+        loss = cross_entropy(logits, target, inplace_backward=True)
+    assert meter.bytes == 0
+    logits = logits_fn()
+    with memory.track_activations() as meter:
+        loss = cross_entropy(logits, target, inplace_backward=True)
+    assert meter.bytes == logits_bytes and len(meter.storages()) == 1
+    assert meter.storages()[0].dtype == dtype
+    del loss
+
+    # torch: its log-softmax (same size) plus the target, the weight sum...
+    logits = logits_fn()
+    torch_storages, _ = _saved(F.cross_entropy, logits, target)
+    torch_bytes = sum(s.nbytes for s in torch_storages)
+    assert torch_bytes >= logits_bytes + target.numel() * 8
+
+
+def test_saved_memory_under_autocast_vs_torch():
+    # CPU autocast, like CUDA's, runs torch's cross_entropy in float32: it
+    # saves a float32 log-softmax, twice the bf16 logits; this op keeps bf16.
+    rows, classes = 32, 500
+    head = Head(16, classes, torch.float32)
+    h = make_logits((rows, 16), torch.float32, "cpu")
+    target = make_target((rows,), classes, "cpu")
+    results = {}
+    for name, fn in (("torch", F.cross_entropy), ("ours", cross_entropy)):
+        head.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with memory.track_activations(exclude=[head, h]) as meter:
+                logits = head(h)
+                saved_before = meter.bytes
+                loss = fn(logits, target)
+            results[name] = (meter.bytes - saved_before, loss.dtype, logits.dtype)
+        loss.float().backward()
+        results[name] += (head.linear.weight.grad.clone(),)
+    bf16_bytes = rows * classes * 2
+    assert results["torch"][2] == torch.bfloat16 and results["ours"][2] == torch.bfloat16
+    assert results["torch"][1] == torch.float32 and results["ours"][1] == torch.bfloat16
+    assert results["ours"][0] == bf16_bytes
+    assert results["torch"][0] >= 2 * bf16_bytes
+    torch.testing.assert_close(results["ours"][3], results["torch"][3], rtol=2e-2, atol=2e-2)
+
+
+# --------------------------------------------------------------------------
+# Kernels: every output written, bad targets
+# --------------------------------------------------------------------------
+
+
+def test_kernel_writes_every_output(ce_device, small_triton_block):
+    kernel = effilayers.backends.kernel(OP, ce_device)
+    logits = make_logits((4, 19, 3), torch.float32, ce_device)
+    target = make_target((12,), 19, ce_device, ignore_every=4)
+    grad = torch.full_like(logits, math.nan)
+    scale = torch.full((1,), 0.5, dtype=torch.float32, device=ce_device)
+    loss = kernel(logits, target, None, grad, scale, -100, 0.1)
+    assert not bool(torch.isnan(grad).any()) and not bool(torch.isnan(loss).any())
+    exp_loss, exp_grad = torch_expected(logits, target.view(4, 3), reduction="sum", label_smoothing=0.1)
+    torch.testing.assert_close(loss.sum().double(), exp_loss, **TOL[torch.float32])
+    torch.testing.assert_close(grad.double(), exp_grad * 0.5, **TOL[torch.float32])
+
+
+def test_out_of_range_target(ce_device):
+    logits = make_logits((3, 5), torch.float32, ce_device)
+    bad = torch.tensor([1, 5, -100], device=ce_device)
+    if ce_device.type == "cpu":
+        with pytest.raises(IndexError, match="target 5 is out of bounds for 5 classes"):
+            cross_entropy(logits, bad)
+        with pytest.raises(IndexError, match="out of bounds"):
+            cross_entropy(logits, torch.tensor([-1, 0, 0]))
+    # Called directly (as under torch.compile, or on GPU) the kernels flag the
+    # row with NaN, except the C++ one, which raises.
+    kernel = effilayers.backends.kernel(OP, ce_device)
+    grad = torch.empty((3, 5, 1), device=ce_device)
+    scale = torch.ones(1, device=ce_device)
+    if backend_of(ce_device) == "cpp":
+        with pytest.raises(IndexError, match="out of bounds"):
+            kernel(logits.unsqueeze(-1), bad, None, grad, scale, -100, 0.0)
+        return
+    loss = kernel(logits.unsqueeze(-1), bad, None, grad, scale, -100, 0.0)
+    assert math.isnan(float(loss[1])) and bool(torch.isnan(grad[1]).all())
+    assert not math.isnan(float(loss[0])) and float(loss[2]) == 0.0 and bool((grad[2] == 0).all())
+
+
+# --------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(reduction="avg"), ValueError, "reduction must be one of"),
+    (dict(label_smoothing=1.5), ValueError, r"label_smoothing must be a float in \[0, 1\]"),
+    (dict(label_smoothing=-0.1), ValueError, r"label_smoothing must be a float in \[0, 1\]"),
+    (dict(weight=torch.ones(4)), ValueError, r"weight must have shape \(5,\)"),
+    (dict(weight=torch.ones(5, dtype=torch.int64)), TypeError, "weight must be a floating-point tensor"),
+    (dict(ignore_index=1.0), TypeError, "ignore_index must be an int"),
+])
+def test_argument_errors(kwargs, error, match):
+    logits = make_logits((3, 5), torch.float32, "cpu")
+    with pytest.raises(error, match=match):
+        cross_entropy(logits, torch.tensor([0, 1, 2]), **kwargs)
+
+
+def test_input_errors():
+    logits = make_logits((3, 5), torch.float32, "cpu")
+    with pytest.raises(TypeError, match="probability .* targets are not supported"):
+        cross_entropy(logits, torch.softmax(logits, 1))
+    with pytest.raises(TypeError, match="target must be int64"):
+        cross_entropy(logits, torch.tensor([0, 1, 2], dtype=torch.int16))
+    with pytest.raises(ValueError, match=r"target must have shape \(3,\)"):
+        cross_entropy(logits, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match=r"target must have shape \(3, 4\)"):
+        cross_entropy(make_logits((3, 5, 4), torch.float32, "cpu"), torch.tensor([0, 1, 2]))
+    with pytest.raises(TypeError, match="logits must be float16, bfloat16, float32 or float64"):
+        cross_entropy(logits.to(torch.int64), torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="at least 1 dimension"):
+        cross_entropy(torch.tensor(1.0), torch.tensor(0))
+
+
+# --------------------------------------------------------------------------
+# nn.CrossEntropyLoss drop-in
+# --------------------------------------------------------------------------
+
+
+def test_module_matches_torch_module():
+    weight = make_weight(6, "cpu").float()
+    theirs = torch.nn.CrossEntropyLoss(weight=weight, ignore_index=2, reduction="sum", label_smoothing=0.1)
+    mine = CrossEntropyLoss(ignore_index=2, reduction="sum", label_smoothing=0.1)
+    assert mine.weight is None
+    mine = CrossEntropyLoss(weight=torch.ones(6), ignore_index=2, reduction="sum", label_smoothing=0.1)
+    mine.load_state_dict(theirs.state_dict())  # same buffer name
+    assert torch.equal(mine.weight, weight)
+    logits = make_logits((7, 6), torch.float32, "cpu")
+    target = make_target((7,), 6, "cpu")
+    torch.testing.assert_close(mine(logits, target), theirs(logits, target), rtol=1e-5, atol=1e-6)
+    assert "label_smoothing=0.1" in repr(mine)
+
+
+def test_module_legacy_reduction_arguments():
+    for size_average, reduce, expected in ((False, None, "sum"), (None, False, "none"), (True, True, "mean")):
+        with pytest.warns(UserWarning, match="deprecated"):
+            mine = CrossEntropyLoss(size_average=size_average, reduce=reduce)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            theirs = torch.nn.CrossEntropyLoss(size_average=size_average, reduce=reduce)
+        assert mine.reduction == theirs.reduction == expected
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        CrossEntropyLoss(reduction="avg")
+    with pytest.raises(ValueError, match="label_smoothing"):
+        CrossEntropyLoss(label_smoothing=2.0)
+
+
+def test_functional_legacy_reduction_arguments():
+    logits = make_logits((4, 6), torch.float32, "cpu")
+    target = make_target((4,), 6, "cpu")
+    with pytest.warns(UserWarning, match="deprecated"):
+        loss = cross_entropy(logits, target, reduce=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = F.cross_entropy(logits, target, reduce=False)
+    assert loss.shape == (4,)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_module_inplace_backward():
+    head = Head(5, 9, torch.float32)
+    h = make_logits((6, 5), torch.float32, "cpu")
+    target = make_target((6,), 9, "cpu")
+    CrossEntropyLoss(inplace_backward=True)(head(h), target).backward()
+    grad = head.linear.weight.grad.clone()
+    head.zero_grad()
+    torch.nn.CrossEntropyLoss()(head(h), target).backward()
+    torch.testing.assert_close(grad, head.linear.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------
+# Custom ops: opcheck, fake tensors, torch.compile
+# --------------------------------------------------------------------------
+
+
+def test_opcheck():
+    from effilayers.ops.cross_entropy import _cross_entropy_forward, _cross_entropy_forward_
+
+    logits = make_logits((4, 7), torch.float32, "cpu")
+    target = make_target((4,), 7, "cpu", ignore_every=3)
+    weight = make_weight(7, "cpu").float()
+    torch.library.opcheck(_cross_entropy_forward, (logits, target, weight, -100, 0.1, "mean", True))
+    torch.library.opcheck(_cross_entropy_forward, (logits.t().contiguous().t(), target, None, -100, 0.0, "none", False))
+    torch.library.opcheck(_cross_entropy_forward_, (logits.clone(), target, None, -100, 0.0, "sum"))
+
+
+def test_fake_tensor_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        logits = torch.empty(8, 100, 3, dtype=torch.bfloat16, requires_grad=True)
+        target = torch.zeros(8, 3, dtype=torch.int64)
+        loss = cross_entropy(logits, target, reduction="none")
+    assert loss.shape == (8, 3) and loss.dtype == torch.bfloat16
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("inplace", [False, True], ids=["saved", "inplace"])
+def test_compile_fullgraph_matches_eager(inplace):
+    torch._dynamo.reset()
+    head = Head(8, 33, torch.float32)
+    h = make_logits((10, 8), torch.float32, "cpu").requires_grad_()
+    target = make_target((10,), 33, "cpu", ignore_every=4)
+
+    def step(h, target):
+        return cross_entropy(head(h), target, label_smoothing=0.1, inplace_backward=inplace)
+
+    compiled = torch.compile(step, fullgraph=True)
+    results = []
+    for fn in (step, compiled):
+        head.zero_grad()
+        h.grad = None
+        loss = fn(h, target)
+        loss.backward()
+        results.append((loss.detach(), h.grad.clone(), head.linear.weight.grad.clone()))
+    for actual, expected in zip(results[1], results[0]):
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
+    F_loss = F.cross_entropy(head(h), target, label_smoothing=0.1)
+    torch.testing.assert_close(results[1][0], F_loss.detach(), rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------
+# GPU-only: bf16 through the Triton kernel, autocast
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_cuda_autocast_keeps_logits_dtype():
+    head = Head(16, 1000, torch.float32).cuda()
+    h = make_logits((64, 16), torch.float32, "cuda")
+    target = make_target((64,), 1000, "cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = head(h)
+        loss = cross_entropy(logits, target)
+        expected = F.cross_entropy(logits, target)
+    assert logits.dtype == torch.bfloat16 and loss.dtype == torch.bfloat16 and expected.dtype == torch.float32
+    torch.testing.assert_close(loss.float(), expected, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+def test_cuda_peak_memory_vs_torch():
+    # Peak beyond the inputs during forward + backward: torch keeps its
+    # log-softmax and allocates two logits-sized gradients in backward (~3x
+    # the logits); ours allocates the one saved gradient (~1x), and nothing
+    # logits-sized with inplace_backward.
+    with effilayers.use_backend("triton"):
+        leaf = make_logits((2048, 32768), torch.bfloat16, "cuda")
+        target = make_target((2048,), 32768, "cuda", ignore_every=9)
+        peaks = {}
+        for name, fn in (("torch", F.cross_entropy), ("saved", cross_entropy),
+                         ("inplace", lambda x, t: cross_entropy(x, t, inplace_backward=True))):
+            logits = leaf.clone().requires_grad_() * 1
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            loss = fn(logits, target)
+            (grad,) = torch.autograd.grad(loss, logits)
+            torch.cuda.synchronize()
+            peaks[name] = torch.cuda.max_memory_allocated() - before
+            del loss, grad, logits
+    logits_bytes = leaf.numel() * leaf.element_size()
+    assert peaks["torch"] >= 2.5 * logits_bytes
+    assert peaks["saved"] <= 1.2 * logits_bytes
+    assert peaks["inplace"] <= 0.3 * peaks["torch"]
