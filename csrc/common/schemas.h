@@ -36,5 +36,10 @@ constexpr const char* kAdamStep =
     "float lr, float beta1, float beta2, float eps, float weight_decay, bool decoupled_weight_decay, "
     "bool maximize) -> ()";
 
+// Sum / mean / var / std / vector 2-norm over the middle dimension of an
+// (outer, reduced, inner) strided view into a contiguous (outer, inner) out
+// of the result dtype (effilayers/ops/reductions.py).
+constexpr const char* kReduce = "reduce_(Tensor x, Tensor(a!) out, str kind, int correction) -> ()";
+
 }  // namespace schema
 }  // namespace effilayers
