@@ -207,6 +207,8 @@ def _run(kernel, x, dims, kind, correction, keepdim, dtype) -> torch.Tensor:
 @torch.library.custom_op("effilayers::reduce", mutates_args=())
 def _reduce_op(x: torch.Tensor, dims: list[int], kind: str, correction: int, keepdim: bool,
                dtype: Optional[torch.dtype]) -> torch.Tensor:
+    if kind not in KINDS:
+        raise ValueError(f"reduce: kind must be one of {', '.join(KINDS)}, got {kind!r}")
     return _run(backends.kernel("reduce", x.device), x, dims, kind, correction, keepdim, dtype)
 
 
