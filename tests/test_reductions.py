@@ -313,6 +313,23 @@ def test_overflow_table(backend, case):
     torch.testing.assert_close(mine.double().cpu(), expected.to(mine.dtype).double(), rtol=RTOL[mine.dtype], atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_rescaled_blocks_of_huge_values(backend, dtype):
+    # Blocks whose float32 sums overflow go through the power-of-two rescue
+    # (CPU) / the running exponent (Triton), in the row and the column
+    # layouts: the mean is exact, var of a constant is 0, the norm finite.
+    skip_unsupported(backend, dtype)
+    x = torch.full((5000, 3), 3e38, dtype=dtype, device=backend[1])
+    x[::2, 1] = 1e38  # a column with spread: var 1e76 is out of range (inf), as it should be
+    for layout, dim in ((x, 0), (x.t().contiguous(), 1), (x, None)):
+        for kind in KINDS:
+            actual = ours(kind, layout, dim, dtype=torch.float32)
+            expected = truth(kind, layout, dim).float()
+            # 5000 float32 values of 24 bits summed in float32: ~1e-5 off
+            torch.testing.assert_close(actual.cpu(), expected.cpu(), rtol=1e-4, atol=0, equal_nan=True)
+    assert ours("var", x[:, 0], 0).item() == 0.0
+
+
 def test_fp16_sum_beyond_fp16_range(backend):
     # 6e9 is not representable in fp16: inf is the right fp16 answer; with
     # dtype=float32 the float32 result comes back.

@@ -43,6 +43,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 #include "common/checks.h"
 #include "common/schemas.h"
 #include "cpu/vec.h"
@@ -79,6 +83,33 @@ constexpr int64_t kTileElements = 16384;
 constexpr int64_t kMinTileRows = 16;
 // Below ~32K values per thread the fork/join costs more than it saves.
 constexpr int64_t kGrainElements = 32768;
+
+// n contiguous values to the accumulation type. bf16 is the top half of a
+// float (a shift, which the compiler vectorises); fp16 uses the F16C
+// instruction where the build enables it (8 values per instruction).
+template <typename scalar_t, typename acc_t>
+inline void convert(const scalar_t* src, acc_t* dst, int64_t n) {
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    std::memcpy(dst, src, n * sizeof(acc_t));
+  } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<acc_t, float>) {
+    const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t word = static_cast<uint32_t>(bits[i]) << 16;
+      std::memcpy(dst + i, &word, sizeof(word));
+    }
+  } else {
+    int64_t i = 0;
+#if defined(__F16C__)
+    if constexpr (std::is_same_v<scalar_t, c10::Half> && std::is_same_v<acc_t, float>) {
+      for (; i + 8 <= n; i += 8) {
+        const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(half));
+      }
+    }
+#endif
+    for (; i < n; ++i) dst[i] = static_cast<acc_t>(src[i]);
+  }
+}
 
 template <typename acc_t>
 acc_t lane_sum_squares(const acc_t* x, int64_t n) {
@@ -230,7 +261,8 @@ struct Geometry {
 // an L1 buffer (sequential when the reduced stride is 1).
 template <typename scalar_t, typename acc_t>
 void reduce_rows(const scalar_t* x, const Geometry& g, Partial partial, std::vector<BlockResult>& parts,
-                 int64_t& blocks) {
+                 int64_t& blocks, int64_t& block_rows) {
+  block_rows = kBlock;
   const int64_t R = g.reduced, rs = g.reduced_stride;
   blocks = (R + kBlock - 1) / kBlock;
   const int64_t outputs = g.outer * g.inner;
@@ -244,8 +276,13 @@ void reduce_rows(const scalar_t* x, const Geometry& g, Partial partial, std::vec
       const int64_t o = p / g.inner, i = p % g.inner;
       const int64_t first = j * kBlock, n = std::min(kBlock, R - first);
       const scalar_t* src = x + o * g.outer_stride + i * g.inner_stride + first * rs;
+      if constexpr (std::is_same_v<scalar_t, acc_t>) {
+        // Already in the accumulation type: reduce in place, copy only for
+        // the (rare) rescaled retry.
+        if (rs == 1 && block_in_acc(partial, src, n, parts[task])) continue;
+      }
       if (rs == 1) {
-        for (int64_t r = 0; r < n; ++r) buffer[r] = static_cast<acc_t>(src[r]);
+        convert(src, buffer, n);
       } else {
         for (int64_t r = 0; r < n; ++r) buffer[r] = static_cast<acc_t>(src[r * rs]);
       }
@@ -254,22 +291,30 @@ void reduce_rows(const scalar_t* x, const Geometry& g, Partial partial, std::vec
   });
 }
 
-// One row block of a column tile: float accumulators per column, unit
-// column stride when `unit` (so the inner loops vectorise).
+// One row block of a column tile: accumulators per column. With unit column
+// stride each row is first converted into `row_buffer`, so both loops are
+// plain unit-stride float loops the compiler vectorises.
 template <typename scalar_t, typename acc_t, bool unit>
 void tile_block(const scalar_t* base, int64_t row_stride, int64_t column_stride, int64_t rows, int64_t width,
-                Partial partial, acc_t* acc, acc_t* sum_d, acc_t* sum_d2) {
-  const int64_t cs = unit ? 1 : column_stride;
+                Partial partial, acc_t* acc, acc_t* sum_d, acc_t* sum_d2, acc_t* row_buffer) {
+  auto load_row = [&](int64_t r) -> const acc_t* {
+    const scalar_t* row = base + r * row_stride;
+    if constexpr (unit && std::is_same_v<scalar_t, acc_t>) {
+      return row;
+    } else if constexpr (unit) {
+      convert(row, row_buffer, width);
+    } else {
+      for (int64_t c = 0; c < width; ++c) row_buffer[c] = static_cast<acc_t>(row[c * column_stride]);
+    }
+    return row_buffer;
+  };
   std::fill(acc, acc + width, acc_t(0));
   for (int64_t r = 0; r < rows; ++r) {
-    const scalar_t* row = base + r * row_stride;
+    const acc_t* v = load_row(r);
     if (partial == Partial::SumSq) {
-      for (int64_t c = 0; c < width; ++c) {
-        const acc_t v = static_cast<acc_t>(row[c * cs]);
-        acc[c] += v * v;
-      }
+      for (int64_t c = 0; c < width; ++c) acc[c] += v[c] * v[c];
     } else {
-      for (int64_t c = 0; c < width; ++c) acc[c] += static_cast<acc_t>(row[c * cs]);
+      for (int64_t c = 0; c < width; ++c) acc[c] += v[c];
     }
   }
   if (partial != Partial::Moments) return;
@@ -278,9 +323,9 @@ void tile_block(const scalar_t* base, int64_t row_stride, int64_t column_stride,
   std::fill(sum_d, sum_d + width, acc_t(0));
   std::fill(sum_d2, sum_d2 + width, acc_t(0));
   for (int64_t r = 0; r < rows; ++r) {
-    const scalar_t* row = base + r * row_stride;
+    const acc_t* v = load_row(r);
     for (int64_t c = 0; c < width; ++c) {
-      const acc_t d = static_cast<acc_t>(row[c * cs]) - acc[c];
+      const acc_t d = v[c] - acc[c];
       sum_d[c] += d;
       sum_d2[c] += d * d;
     }
@@ -290,7 +335,7 @@ void tile_block(const scalar_t* base, int64_t row_stride, int64_t column_stride,
 // Reduced stride != 1: tasks are (group, column tile, row block).
 template <typename scalar_t, typename acc_t>
 void reduce_columns(const scalar_t* x, const Geometry& g, Partial partial, std::vector<BlockResult>& parts,
-                    int64_t& blocks) {
+                    int64_t& blocks, int64_t& block_rows) {
   // Columns are the outputs adjacent in memory: the inner index, or the
   // outer one when there is no inner index.
   const bool columns_inner = g.inner > 1;
@@ -301,13 +346,17 @@ void reduce_columns(const scalar_t* x, const Geometry& g, Partial partial, std::
   const int64_t R = g.reduced;
   const int64_t tile_width = std::min(columns, kTileColumns);
   const int64_t tiles = (columns + tile_width - 1) / tile_width;
-  const int64_t tile_rows = std::max(kMinTileRows, kTileElements / tile_width);
+  // One pass (sum, squares): a whole block of rows per task. Two passes
+  // (moments): a tile small enough to be re-read from L2.
+  const int64_t tile_rows =
+      partial == Partial::Moments ? std::max(kMinTileRows, kTileElements / tile_width) : kBlock;
   blocks = (R + tile_rows - 1) / tile_rows;
+  block_rows = tile_rows;
   parts.resize(groups * columns * blocks);
   const int64_t grain = std::max<int64_t>(1, kGrainElements / (tile_width * std::min(R, tile_rows)));
 
   at::parallel_for(0, groups * tiles * blocks, grain, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> acc(tile_width), sum_d(tile_width), sum_d2(tile_width), column(tile_rows);
+    std::vector<acc_t> acc(tile_width), sum_d(tile_width), sum_d2(tile_width), row(tile_width), column(tile_rows);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t j = task % blocks;
       const int64_t t = (task / blocks) % tiles;
@@ -317,10 +366,10 @@ void reduce_columns(const scalar_t* x, const Geometry& g, Partial partial, std::
       const scalar_t* base = x + grp * group_stride + c0 * column_stride + r0 * g.reduced_stride;
       if (column_stride == 1) {
         tile_block<scalar_t, acc_t, true>(base, g.reduced_stride, 1, rows, width, partial, acc.data(), sum_d.data(),
-                                          sum_d2.data());
+                                          sum_d2.data(), row.data());
       } else {
         tile_block<scalar_t, acc_t, false>(base, g.reduced_stride, column_stride, rows, width, partial, acc.data(),
-                                           sum_d.data(), sum_d2.data());
+                                           sum_d.data(), sum_d2.data(), row.data());
       }
       const acc_t n = static_cast<acc_t>(rows);
       for (int64_t c = 0; c < width; ++c) {
@@ -362,12 +411,9 @@ void reduce_kernel(const scalar_t* x, const Geometry& g, Kind kind, int64_t corr
   if (rows) {
     // Unit reduced stride, or a single output / a single value per output
     // (gathered with the reduced stride into the same blocks).
-    reduce_rows<scalar_t, acc_t>(x, g, partial, parts, blocks);
-    block_rows = kBlock;
+    reduce_rows<scalar_t, acc_t>(x, g, partial, parts, blocks, block_rows);
   } else {
-    reduce_columns<scalar_t, acc_t>(x, g, partial, parts, blocks);
-    const int64_t columns = g.inner > 1 ? g.inner : g.outer;
-    block_rows = std::max(kMinTileRows, kTileElements / std::min(columns, kTileColumns));
+    reduce_columns<scalar_t, acc_t>(x, g, partial, parts, blocks, block_rows);
   }
   // Output p = o * inner + i. The column path stored its parts by
   // (group, column), which is the same order.
