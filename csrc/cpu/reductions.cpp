@@ -171,8 +171,11 @@ bool block_in_acc(Partial partial, const acc_t* x, int64_t n, BlockResult& out) 
     out.a = static_cast<double>(s);
     return std::isfinite(s);
   }
-  const acc_t center = lane_sum(x, n) / static_cast<acc_t>(n);
+  // Shift by the first value, then centre again (corrected two-pass):
+  // constant data gives M2 exactly 0 however large the values are.
   acc_t sum_d, sum_d2;
+  lane_centered(x, n, x[0], sum_d, sum_d2);
+  const acc_t center = x[0] + sum_d / static_cast<acc_t>(n);
   lane_centered(x, n, center, sum_d, sum_d2);
   const acc_t mean = center + sum_d / static_cast<acc_t>(n);
   const acc_t m2 = std::max(sum_d2 - sum_d * (sum_d / static_cast<acc_t>(n)), acc_t(0));
@@ -309,17 +312,28 @@ void tile_block(const scalar_t* base, int64_t row_stride, int64_t column_stride,
     return row_buffer;
   };
   std::fill(acc, acc + width, acc_t(0));
-  for (int64_t r = 0; r < rows; ++r) {
-    const acc_t* v = load_row(r);
-    if (partial == Partial::SumSq) {
-      for (int64_t c = 0; c < width; ++c) acc[c] += v[c] * v[c];
-    } else {
-      for (int64_t c = 0; c < width; ++c) acc[c] += v[c];
+  if (partial == Partial::Moments) {
+    // Centers: the first row plus the mean of the differences from it (so
+    // constant columns get M2 exactly 0), in sum_d2 as scratch.
+    const acc_t* first = load_row(0);
+    std::copy(first, first + width, sum_d2);
+    for (int64_t r = 0; r < rows; ++r) {
+      const acc_t* v = load_row(r);
+      for (int64_t c = 0; c < width; ++c) acc[c] += v[c] - sum_d2[c];
     }
+    const acc_t n = static_cast<acc_t>(rows);
+    for (int64_t c = 0; c < width; ++c) acc[c] = sum_d2[c] + acc[c] / n;
+  } else {
+    for (int64_t r = 0; r < rows; ++r) {
+      const acc_t* v = load_row(r);
+      if (partial == Partial::SumSq) {
+        for (int64_t c = 0; c < width; ++c) acc[c] += v[c] * v[c];
+      } else {
+        for (int64_t c = 0; c < width; ++c) acc[c] += v[c];
+      }
+    }
+    return;
   }
-  if (partial != Partial::Moments) return;
-  const acc_t n = static_cast<acc_t>(rows);
-  for (int64_t c = 0; c < width; ++c) acc[c] /= n;  // the centers
   std::fill(sum_d, sum_d + width, acc_t(0));
   std::fill(sum_d2, sum_d2 + width, acc_t(0));
   for (int64_t r = 0; r < rows; ++r) {

@@ -103,9 +103,14 @@ def _reduce_kernel(x_ptr, a_ptr, b_ptr, e_ptr, R, I, stride_o, stride_r, stride_
         else:
             n = tl.sum(mask.to(ACC), axis=0)
             safe_n = tl.maximum(n, 1.0)
-            tile_mean = tl.sum(v, axis=0) / safe_n
+            # Shifted by the tile's first row, then centred again (corrected
+            # two-pass): constant data gives M2 exactly 0 however large it is,
+            # and the mean's rounding does not leak into M2.
+            first = tl.sum(tl.where(rows[:, None] == r0, v, 0.0), axis=0)
+            tile_mean = first + tl.sum(tl.where(mask, v - first[None, :], 0.0), axis=0) / safe_n
             centered = tl.where(mask, v - tile_mean[None, :], 0.0)
-            tile_m2 = tl.sum(centered * centered, axis=0)
+            centered_sum = tl.sum(centered, axis=0)
+            tile_m2 = tl.maximum(tl.sum(centered * centered, axis=0) - centered_sum * centered_sum / safe_n, 0.0)
             if SCALED:
                 acc = acc * rescale
                 m2 = m2 * (rescale * rescale)
