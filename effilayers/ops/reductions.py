@@ -60,9 +60,9 @@ Autograd (what is saved)
     instead of keeping an output-sized float32 tensor), std and norm also
     save their output. Backward products are formed in float32 per element
     (``2 (x - mean) / (n - correction) * g``; ``(x / norm) * g``, in that
-    order so nothing overflows fp16) with PyTorch ops, which allocate
-    input-sized float32 temporaries during backward, and rounded once to the
-    input dtype. As in torch, the gradient of std and norm is 0 where the
+    order so nothing overflows fp16) with PyTorch ops on one input-sized
+    float32 temporary (updated in place; 2x the input's bytes for fp16/bf16,
+    alive during backward only), and rounded once to the input dtype. As in torch, the gradient of std and norm is 0 where the
     result is 0.
 
 Edge cases (as torch): an empty reduction gives sum 0, norm 0, mean/var/std
@@ -241,8 +241,10 @@ def _backward(ctx, grad):
     elif ctx.kind == "norm":
         x, result = ctx.saved_tensors
         norm = result.to(acc).reshape(keep_shape)
-        # (x / norm) is at most 1 in magnitude: no overflow before * g.
-        grad_x = torch.where(norm == 0, torch.zeros((), dtype=acc, device=x.device), (x.to(acc) / norm) * g)
+        # (x / norm) is at most 1 in magnitude: no overflow before * g. One
+        # input-sized float32 temporary, updated in place.
+        grad_x = x.to(acc) / norm
+        grad_x.mul_(g).masked_fill_(norm == 0, 0.0)
     else:
         saved = ctx.saved_tensors
         x = saved[0]
@@ -253,7 +255,8 @@ def _backward(ctx, grad):
             std = saved[1].to(acc).reshape(keep_shape)
             # d std = d var / (2 std); 0 where std is 0, as torch does.
             g = torch.where(std == 0, torch.zeros((), dtype=acc, device=x.device), g / (2 * std))
-        grad_x = (x.to(acc) - mean) * (g * scale)
+        grad_x = x.to(acc) - mean  # a new tensor even for float32 x
+        grad_x.mul_(g * scale)
     return grad_x.to(ctx.input_dtype), None, None, None, None, None
 
 
