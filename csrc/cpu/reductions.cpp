@@ -119,6 +119,57 @@ inline void convert(const scalar_t* src, acc_t* dst, int64_t n) {
   }
 }
 
+// 8 contiguous values as a float vector, converted in registers.
+template <typename scalar_t>
+inline typename Vec<float>::type load8(const scalar_t* p) {
+  typename Vec<float>::type v;
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return Vec<float>::load(p);
+#if defined(__AVX2__)
+  } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m256 f = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+    std::memcpy(&v, &f, sizeof(v));
+#endif
+#if defined(__F16C__)
+  } else if constexpr (std::is_same_v<scalar_t, c10::Half>) {
+    const __m256 f = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    std::memcpy(&v, &f, sizeof(v));
+#endif
+  } else {
+    for (int l = 0; l < 8; ++l) v[l] = static_cast<float>(p[l]);
+  }
+  return v;
+}
+
+// Sum (or sum of squares) of n contiguous fp16/bf16/float values straight
+// from memory: one pass, no block buffer. Four accumulators, as lane_sum.
+template <typename scalar_t, bool squares>
+float direct_sum(const scalar_t* x, int64_t n) {
+  using V = Vec<float>;
+  typename V::type a0 = {}, a1 = {}, a2 = {}, a3 = {};
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    auto v0 = load8(x + i), v1 = load8(x + i + 8), v2 = load8(x + i + 16), v3 = load8(x + i + 24);
+    if constexpr (squares) {
+      v0 *= v0;
+      v1 *= v1;
+      v2 *= v2;
+      v3 *= v3;
+    }
+    a0 += v0;
+    a1 += v1;
+    a2 += v2;
+    a3 += v3;
+  }
+  float total = V::sum((a0 + a1) + (a2 + a3));
+  for (; i < n; ++i) {
+    const float v = static_cast<float>(x[i]);
+    total += squares ? v * v : v;
+  }
+  return total;
+}
+
 template <typename acc_t>
 acc_t lane_sum_squares(const acc_t* x, int64_t n) {
   using V = Vec<acc_t>;
@@ -291,6 +342,15 @@ void reduce_rows(const scalar_t* x, const Geometry& g, Partial partial, std::vec
         // Already in the accumulation type: reduce in place, copy only for
         // the (rare) rescaled retry.
         if (rs == 1 && block_in_acc(partial, src, n, parts[task])) continue;
+      } else {
+        // One-pass kinds convert in registers; the rescue (and the two-pass
+        // moments) work on the L1 buffer.
+        if (rs == 1 && partial != Partial::Moments) {
+          const float total = partial == Partial::Sum ? direct_sum<scalar_t, false>(src, n)
+                                                      : direct_sum<scalar_t, true>(src, n);
+          parts[task].a = total;
+          if (std::isfinite(total)) continue;
+        }
       }
       if (rs == 1) {
         convert(src, buffer, n);
