@@ -535,3 +535,15 @@ def test_compile_fullgraph_matches_eager():
     (expected_grad,) = torch.autograd.grad(expected, x, grad_out)
     (actual_grad,) = torch.autograd.grad(actual, x, grad_out)
     torch.testing.assert_close(actual_grad, expected_grad)
+
+
+def test_autocast_leaves_dtypes_like_torch():
+    # torch.sum/mean/var/std/vector_norm are not on CPU autocast's cast lists:
+    # an fp32 tensor stays fp32, a bf16 activation gives a bf16 result.
+    x = values((4, 8), torch.float32, "cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        activation = x @ x.t()
+        for kind, theirs in (("sum", torch.sum), ("mean", torch.mean), ("var", torch.var), ("std", torch.std),
+                             ("norm", torch.linalg.vector_norm)):
+            assert ours(kind, x).dtype == theirs(x).dtype == torch.float32
+            assert ours(kind, activation).dtype == theirs(activation).dtype == torch.bfloat16

@@ -46,6 +46,9 @@ NUM_WARPS = 4
 # (about 4 per SM on an H100's 132 SMs); tests lower it.
 TARGET_PROGRAMS = 528
 
+# Contiguous rows shorter than this are reduced 64 rows per program.
+SHORT_ROW = 64
+
 _PARTIAL = {"sum": 0, "mean": 0, "norm": 1, "var": 2, "std": 2}
 
 
@@ -149,9 +152,12 @@ def reduce_triton(x: torch.Tensor, out: torch.Tensor, kind: str, correction: int
     stride_o, stride_r, stride_i = x.stride()
     if out.numel() == 0:
         return
-    if inner == 1 and outer > 1 and stride_r != 1:
-        # Adjacent outputs sit next to each other along `outer` (a transposed
-        # matrix): make them the tile's columns. Output order is unchanged.
+    if inner == 1 and outer > 1 and (stride_r != 1 or reduced < SHORT_ROW):
+        # Make the outer index the tile's columns: adjacent outputs sit next
+        # to each other along it (a transposed matrix), or the rows are so
+        # short that one program per row would idle most of its lanes (a
+        # tile of 64 short contiguous rows is one contiguous chunk).
+        # Output order is unchanged.
         outer, inner, stride_o, stride_i = 1, outer, 0, stride_o
     partial = _PARTIAL[kind]
     if reduced == 0:
