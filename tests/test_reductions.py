@@ -547,3 +547,23 @@ def test_autocast_leaves_dtypes_like_torch():
                              ("norm", torch.linalg.vector_norm)):
             assert ours(kind, x).dtype == theirs(x).dtype == torch.float32
             assert ours(kind, activation).dtype == theirs(activation).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("order", [1, math.inf])
+def test_norm_other_orders(backend, order):
+    skip_unsupported(backend, torch.bfloat16)
+    x = values((5, 7, 9), torch.float32, backend[1], seed=12) - 2.0  # signs of both kinds
+    for dim in (None, 1, (0, 2)):
+        expected = torch.linalg.vector_norm(x.double(), order, dim)
+        torch.testing.assert_close(EF.norm(x, dim, ord=order).double(), expected, rtol=1e-5, atol=1e-6)
+    # ord=1 sums like EF.sum: no overflow for bf16 values whose float32 sum would
+    big = torch.full((100000,), 3e38, dtype=torch.bfloat16, device=backend[1])
+    assert torch.isinf(torch.linalg.vector_norm(big.cpu(), 1, dtype=torch.float32)).item()
+    assert torch.isfinite(EF.norm(big, ord=order, dtype=torch.float64)).item()
+    leaf = x.detach().clone().requires_grad_()
+    EF.norm(leaf, 1, ord=order).sum().backward()
+    reference = x.detach().double().requires_grad_()
+    torch.linalg.vector_norm(reference, order, 1).sum().backward()
+    torch.testing.assert_close(leaf.grad.double(), reference.grad, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="ord must be 1, 2 or math.inf"):
+        EF.norm(x, ord=3)

@@ -2,8 +2,9 @@
 
 ``sum(x, dim=None, keepdim=False, *, dtype=None)``, ``mean`` (same),
 ``var(x, dim=None, *, correction=1, keepdim=False, dtype=None)``, ``std``
-(same) and ``norm(x, dim=None, keepdim=False, *, dtype=None)`` (the vector
-2-norm, ``torch.linalg.vector_norm(x, 2, dim)``) follow torch's semantics for
+(same) and ``norm(x, dim=None, keepdim=False, *, ord=2, dtype=None)`` (the
+vector norm ``torch.linalg.vector_norm(x, ord, dim)``; ord 2, 1 or inf, the
+2-norm being the op's own kernel) follow torch's semantics for
 ``dim`` (an int, a tuple, ``None`` or ``()`` for all dimensions, negative
 values) and ``keepdim``. The result has the input's dtype unless ``dtype`` is
 given (``dtype=torch.float32`` returns the float32 result of fp16/bf16 input
@@ -303,7 +304,22 @@ def std(x: torch.Tensor, dim=None, *, correction: int = 1, keepdim: bool = False
     return _reduce("std", x, dim, "std", correction, keepdim, dtype)
 
 
-def norm(x: torch.Tensor, dim=None, keepdim: bool = False, *, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """Vector 2-norm over ``dim`` (``torch.linalg.vector_norm(x, 2, dim)``),
-    scaled by powers of two so the squares of bf16 values do not overflow."""
-    return _reduce("norm", x, dim, "norm", 0, keepdim, dtype)
+def norm(x: torch.Tensor, dim=None, keepdim: bool = False, *, ord=2, dtype: Optional[torch.dtype] = None
+         ) -> torch.Tensor:
+    """Vector norm over ``dim`` (``torch.linalg.vector_norm(x, ord, dim)``).
+
+    ``ord=2`` (default): this op, scaled by powers of two so the squares of
+    bf16 values do not overflow. ``ord=1``: :func:`sum` of ``x.abs()``
+    (overflow-free like the sum; costs an input-sized ``abs`` temporary,
+    which autograd keeps). ``ord=inf``: the largest magnitude, which cannot
+    overflow: ``torch.linalg.vector_norm`` itself.
+    """
+    if isinstance(ord, bool) or ord not in (1, 2, math.inf):
+        raise ValueError(f"norm: ord must be 1, 2 or math.inf, got {ord!r}")
+    if ord == 2:
+        return _reduce("norm", x, dim, "norm", 0, keepdim, dtype)
+    _check("norm", x, dtype, keepdim)
+    dims = _dims("norm", x, dim)
+    if ord == 1:
+        return _reduce("norm", x.abs(), dims, "sum", 0, keepdim, dtype)
+    return torch.linalg.vector_norm(x, math.inf, dims, keepdim, dtype=dtype)
