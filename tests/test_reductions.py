@@ -569,3 +569,15 @@ def test_norm_other_orders(backend, order):
     torch.testing.assert_close(leaf.grad.double(), reference.grad, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="ord must be 1, 2 or math.inf"):
         EF.norm(x, ord=3)
+
+
+@pytest.mark.parametrize("kind", ["sum", "mean"])
+def test_sum_mean_gradient_is_a_broadcast(kind):
+    # No input-sized buffer in backward: the gradient is the output-sized
+    # gradient, rounded once to fp16, expanded.
+    x = values((64, 33), torch.float16, "cpu").requires_grad_()
+    out = ours(kind, x, 1)
+    (grad,) = torch.autograd.grad(out, x, torch.linspace(1, 2, 64))
+    assert grad.dtype == torch.float16 and grad.stride()[1] == 0
+    expected = torch.linspace(1, 2, 64, dtype=torch.float64)[:, None].expand(64, 33) / (33 if kind == "mean" else 1)
+    torch.testing.assert_close(grad.double(), expected.to(torch.float16).double())

@@ -56,12 +56,14 @@ Layouts
 
 Autograd (what is saved)
     sum/mean save nothing but shapes: the backward broadcasts the gradient
-    (divided by n for the mean, in float32). var saves the input; its backward
+    (divided by n for the mean, in float32, rounded at output size) as an
+    expanded view, without an input-sized buffer. var saves the input; its backward
     recomputes the float32 mean with this op (one more read of the input,
     instead of keeping an output-sized float32 tensor), std and norm also
     save their output. Backward products are formed in float32 per element
     (``2 (x - mean) / (n - correction) * g``; ``(x / norm) * g``, in that
-    order so nothing overflows fp16) with PyTorch ops on one input-sized
+    order so nothing overflows fp16; bf16 values beyond ~1.7e38 of both signs
+    can still overflow float32's ``x - mean`` there) with PyTorch ops on one input-sized
     float32 temporary (updated in place; 2x the input's bytes for fp16/bf16,
     alive during backward only), and rounded once to the input dtype. As in torch, the gradient of std and norm is 0 where the
     result is 0.
@@ -235,11 +237,12 @@ def _backward(ctx, grad):
     keep_shape = _output_shape(ctx.input_shape, ctx.dims, True)
     g = grad.to(acc).reshape(keep_shape)
     n = ctx.count
-    if ctx.kind == "sum":
-        grad_x = g.expand(ctx.input_shape)
-    elif ctx.kind == "mean":
-        grad_x = (g / n).expand(ctx.input_shape) if n > 0 else g.expand(ctx.input_shape) * float("nan")
-    elif ctx.kind == "norm":
+    if ctx.kind in ("sum", "mean"):
+        # Rounded once at output size, then broadcast without a copy (an
+        # empty input has no elements to receive 0 / 0).
+        scaled = g if ctx.kind == "sum" else g / max(n, 1)
+        return scaled.to(ctx.input_dtype).expand(ctx.input_shape), None, None, None, None, None
+    if ctx.kind == "norm":
         x, result = ctx.saved_tensors
         norm = result.to(acc).reshape(keep_shape)
         # (x / norm) is at most 1 in magnitude: no overflow before * g. One
