@@ -581,3 +581,15 @@ def test_sum_mean_gradient_is_a_broadcast(kind):
     assert grad.dtype == torch.float16 and grad.stride()[1] == 0
     expected = torch.linspace(1, 2, 64).double()[:, None].expand(64, 33) / (33 if kind == "mean" else 1)
     torch.testing.assert_close(grad.double(), expected, rtol=1e-3, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy, in the interpreter: inf - inf
+@pytest.mark.parametrize("special", [float("inf"), float("nan")])
+def test_non_finite_input_propagates_like_torch(backend, special):
+    # The overflow rescue must not hide inf/nan that are in the data.
+    x = values((3, 70), torch.float32, backend[1], seed=13)
+    x[1, 5] = special
+    for kind in KINDS:
+        for dim in (1, 0, None):
+            expected = truth(kind, x.cpu(), dim).float()
+            torch.testing.assert_close(ours(kind, x, dim).cpu(), expected, rtol=1e-5, atol=1e-5, equal_nan=True)
