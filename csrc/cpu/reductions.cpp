@@ -76,8 +76,9 @@ Partial partial_of(Kind kind) {
 // 4096 floats = 16 KiB: a block converted to float stays in L1 for its
 // second pass.
 constexpr int64_t kBlock = 4096;
-// Column tiles: up to 256 columns and 16384 values (64 KiB of float
-// accumulator traffic stays in L2), at least 16 rows.
+// Column tiles: up to 256 columns (256 accumulators stay in L1). The
+// one-pass kinds take kBlock rows per tile; var/std re-read their tile, so
+// it holds at most 16384 values (64 KiB of float, in L2), at least 16 rows.
 constexpr int64_t kTileColumns = 256;
 constexpr int64_t kTileElements = 16384;
 constexpr int64_t kMinTileRows = 16;
