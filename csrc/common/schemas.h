@@ -55,5 +55,10 @@ constexpr const char* kCrossEntropyRows =
     "cross_entropy_rows(Tensor logits, Tensor target, Tensor? weight, Tensor(a!)? grad, Tensor grad_scale, "
     "int ignore_index, float label_smoothing) -> Tensor";
 
+// Sum / mean / var / std / vector 2-norm over the middle dimension of an
+// (outer, reduced, inner) strided view into a contiguous (outer, inner) out
+// of the result dtype (effilayers/ops/reductions.py).
+constexpr const char* kReduce = "reduce_(Tensor x, Tensor(a!) out, str kind, int correction) -> ()";
+
 }  // namespace schema
 }  // namespace effilayers

@@ -1,0 +1,210 @@
+"""Triton kernel for ``effilayers::reduce_`` (sum, mean, var, std, 2-norm).
+
+The op hands over an (outer, reduced, inner) strided view and a contiguous
+(outer, inner) output. A program owns one outer index and a tile of
+``BLOCK_I`` adjacent inner indices (``BLOCK_I == 1`` when the reduced values
+of one output are what is contiguous) and walks its share of the reduced
+range in ``[BLOCK_R, BLOCK_I]`` tiles, accumulating in float32 per column.
+
+Overflow: for bf16/fp32 input (``SCALED``) every tile is multiplied by 2^-k,
+k the exponent of the column's largest magnitude in that tile (exact: a
+power of two), and the running result carries its own exponent E (it means
+``acc * 2^E``, or ``2^2E`` for squares and M2). When a tile raises E the
+running values are rescaled by 2^(E_old - E_new). Scaled values are below 2,
+so sums, squares and M2 stay far from float32's limit in a single pass over
+the data. fp16 input cannot overflow float32 sums of squares, so it skips
+the scaling (``SCALED=False``) and E stays 0.
+
+var/std: a two-pass mean/M2 inside each tile (the tile is in registers), tiles
+merged with Chan's formula, so a large mean keeps the variance's digits.
+
+Few outputs and a long reduced range (a full reduction of a large tensor):
+the range is split across programs (about 4 per SM), each writing a partial
+(value, M2, exponent); the partials are combined in float64 with PyTorch ops
+on the device (Chan's formula and the exponents), which also forms the final
+result (division by n, sqrt) before its one rounding to the output dtype.
+All offsets are int64.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..ops.reductions import KINDS
+
+# One tile holds at most 4096 values: 16 KiB of float32 spread over 4 warps
+# (32 values per thread), enough loads in flight to keep a memory-bound loop
+# fed without spilling registers. Tests lower it to cover the multi-tile paths.
+TILE_ELEMENTS = 4096
+# Up to 64 adjacent outputs per program: 64 contiguous fp16/bf16 values are
+# 128 bytes, one full cache line per reduced row when the inner stride is 1.
+MAX_BLOCK_I = 64
+NUM_WARPS = 4
+# Split the reduced range while the grid has fewer programs than this
+# (about 4 per SM on an H100's 132 SMs); tests lower it.
+TARGET_PROGRAMS = 528
+
+# Contiguous rows shorter than this are reduced 64 rows per program.
+SHORT_ROW = 64
+
+_PARTIAL = {"sum": 0, "mean": 0, "norm": 1, "var": 2, "std": 2}
+
+
+@triton.jit
+def _pow2(d):
+    # 2^d for an int32 d <= 127, exactly, built from its exponent bits; below
+    # 2^-126 it is 0 (what is scaled by it is below float32's resolution of
+    # the running result).
+    bits = (tl.maximum(d, -126) + 127) << 23
+    return tl.where(d < -126, 0.0, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _reduce_kernel(x_ptr, a_ptr, b_ptr, e_ptr, R, I, stride_o, stride_r, stride_i, rows_per_split, splits,
+                   PARTIAL: tl.constexpr, SCALED: tl.constexpr, ACC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1).to(tl.int64)
+    i_blocks = tl.cdiv(I, BLOCK_I)
+    o = pid // i_blocks
+    cols = (pid % i_blocks) * BLOCK_I + tl.arange(0, BLOCK_I).to(tl.int64)
+    col_mask = cols < I
+    r_begin = split * rows_per_split
+    r_end = tl.minimum(r_begin + rows_per_split, R)
+    base = x_ptr + o * stride_o + cols[None, :] * stride_i
+
+    acc = tl.zeros([BLOCK_I], dtype=ACC)  # sum, sum of squares or mean
+    m2 = tl.zeros([BLOCK_I], dtype=ACC)
+    count = tl.zeros([BLOCK_I], dtype=ACC)
+    exponent = tl.full([BLOCK_I], -126, dtype=tl.int32)
+    for r0 in range(r_begin, r_end, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R).to(tl.int64)
+        mask = (rows[:, None] < r_end) & col_mask[None, :]
+        v = tl.load(base + rows[:, None] * stride_r, mask=mask, other=0.0).to(ACC)
+        if SCALED:
+            largest = tl.max(tl.abs(v), axis=0)
+            k = ((largest.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2) of normal values
+            k = tl.minimum(tl.maximum(k, -126), 126)
+            new_exponent = tl.maximum(exponent, k)
+            v = v * _pow2(-k)[None, :]
+            to_new = _pow2(k - new_exponent)  # tile units -> running units (<= 1)
+            rescale = _pow2(exponent - new_exponent)  # old running units -> new ones (<= 1)
+            exponent = new_exponent
+        if PARTIAL == 0:
+            tile = tl.sum(v, axis=0)
+            if SCALED:
+                acc = acc * rescale + tile * to_new
+            else:
+                acc += tile
+        elif PARTIAL == 1:
+            tile = tl.sum(v * v, axis=0)
+            if SCALED:
+                acc = acc * (rescale * rescale) + tile * (to_new * to_new)
+            else:
+                acc += tile
+        else:
+            n = tl.sum(mask.to(ACC), axis=0)
+            safe_n = tl.maximum(n, 1.0)
+            # Shifted by the tile's first row, then centred again (corrected
+            # two-pass): constant data gives M2 exactly 0 however large it is,
+            # and the mean's rounding does not leak into M2.
+            first = tl.sum(tl.where(rows[:, None] == r0, v, 0.0), axis=0)
+            tile_mean = first + tl.sum(tl.where(mask, v - first[None, :], 0.0), axis=0) / safe_n
+            centered = tl.where(mask, v - tile_mean[None, :], 0.0)
+            centered_sum = tl.sum(centered, axis=0)
+            tile_m2 = tl.maximum(tl.sum(centered * centered, axis=0) - centered_sum * centered_sum / safe_n, 0.0)
+            if SCALED:
+                acc = acc * rescale
+                m2 = m2 * (rescale * rescale)
+                tile_mean = tile_mean * to_new
+                tile_m2 = tile_m2 * (to_new * to_new)
+            total = count + n
+            safe_total = tl.maximum(total, 1.0)
+            delta = tile_mean - acc
+            acc = acc + delta * (n / safe_total)
+            m2 = m2 + tile_m2 + delta * delta * (count * n / safe_total)
+            count = total
+    out_index = (o * I + cols) * splits + split
+    tl.store(a_ptr + out_index, acc, mask=col_mask)
+    if PARTIAL == 2:
+        tl.store(b_ptr + out_index, m2, mask=col_mask)
+    if SCALED:
+        tl.store(e_ptr + out_index, exponent, mask=col_mask)
+
+
+def _config(outer: int, reduced: int, inner: int):
+    block_i = 1 if inner == 1 else min(MAX_BLOCK_I, triton.next_power_of_2(inner))
+    block_r = max(1, min(TILE_ELEMENTS // block_i, triton.next_power_of_2(max(reduced, 1))))
+    programs = outer * triton.cdiv(inner, block_i)
+    splits = 1
+    if programs < TARGET_PROGRAMS and reduced > 2 * block_r:
+        splits = min(triton.cdiv(reduced, block_r), triton.cdiv(TARGET_PROGRAMS, programs))
+    rows_per_split = triton.cdiv(triton.cdiv(reduced, splits), block_r) * block_r
+    splits = triton.cdiv(reduced, rows_per_split)
+    return block_r, block_i, splits, rows_per_split
+
+
+def reduce_triton(x: torch.Tensor, out: torch.Tensor, kind: str, correction: int) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"reduce: kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    outer, reduced, inner = x.shape
+    stride_o, stride_r, stride_i = x.stride()
+    if out.numel() == 0:
+        return
+    if inner == 1 and outer > 1 and (stride_r != 1 or reduced < SHORT_ROW):
+        # Make the outer index the tile's columns: adjacent outputs sit next
+        # to each other along it (a transposed matrix), or the rows are so
+        # short that one program per row would idle most of its lanes (a
+        # tile of 64 short contiguous rows is one contiguous chunk).
+        # Output order is unchanged.
+        outer, inner, stride_o, stride_i = 1, outer, 0, stride_o
+    partial = _PARTIAL[kind]
+    if reduced == 0:
+        wide = torch.zeros(out.shape, dtype=torch.float64, device=x.device)
+        out.copy_(_finish(kind, wide, wide, 0, correction))
+        return
+    block_r, block_i, splits, rows_per_split = _config(outer, reduced, inner)
+    outputs = outer * inner
+    # float64 input accumulates in float64 (no scaling: not part of the
+    # fp16/bf16 contract); everything else in float32.
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    a = torch.empty(outputs * splits, dtype=acc, device=x.device)
+    b = torch.empty_like(a) if partial == 2 else a
+    scaled = x.dtype in (torch.bfloat16, torch.float32)
+    e = torch.empty(outputs * splits, dtype=torch.int32, device=x.device) if scaled else a
+    grid = (outer * triton.cdiv(inner, block_i), splits)
+    _reduce_kernel[grid](x, a, b, e, reduced, inner, stride_o, stride_r, stride_i, rows_per_split, splits,
+                         PARTIAL=partial, SCALED=scaled,
+                         ACC=tl.float64 if acc == torch.float64 else tl.float32, BLOCK_R=block_r, BLOCK_I=block_i, num_warps=NUM_WARPS)
+    shape = (outputs, splits)
+    power = e.view(shape).to(torch.float64) if scaled else torch.zeros(shape, dtype=torch.float64, device=x.device)
+    value = a.view(shape).to(torch.float64)
+    scale = 2 if partial == 1 else 1
+    value = torch.ldexp(value, scale * power)
+    m2 = torch.ldexp(b.view(shape).to(torch.float64), 2 * power) if partial == 2 else torch.zeros_like(value)
+    counts = torch.clamp(reduced - torch.arange(splits, device=x.device, dtype=torch.float64) * rows_per_split,
+                         max=rows_per_split)
+    if partial == 2:
+        # Chan's formula over the splits, in float64.
+        mean = (value * counts).sum(1) / reduced
+        m2 = m2.sum(1) + (counts * (value - mean[:, None]) ** 2).sum(1)
+        value = mean
+    else:
+        value = value.sum(1)
+        m2 = torch.zeros_like(value)
+    out.copy_(_finish(kind, value, m2, reduced, correction).view(out.shape))
+
+
+def _finish(kind: str, value: torch.Tensor, m2: torch.Tensor, count: int, correction: int) -> torch.Tensor:
+    """The result in float64 from the combined sum / sum of squares / mean, M2."""
+    if kind == "sum":
+        return value
+    if kind == "mean":
+        return value / count if count > 0 else torch.full_like(value, float("nan"))
+    if kind == "norm":
+        return value.sqrt()
+    if count == 0:
+        return torch.full_like(value, float("nan"))
+    var = m2 / max(0, count - correction)
+    return var if kind == "var" else var.sqrt()
