@@ -192,7 +192,8 @@ def _adam_8bit_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_absmax_ptr, exp_
 
     # encode with a fresh absmax per block (row)
     absmax = tl.max(tl.abs(m), axis=1)
-    ratio = tl.where(absmax[:, None] > 0, tl.abs(m) / absmax[:, None], 0.0)
+    # (divide by 1 where the block is all zero: ratio 0, no 0/0)
+    ratio = tl.abs(m) / tl.where(absmax > 0, absmax, 1.0)[:, None]
     q = tl.minimum(tl.floor(tl.sqrt_rn(ratio) * 127.0 + 0.5), 127.0)
     q = tl.where(m < 0, -q, q)
     tl.store(exp_avg_ptr + offsets, q.to(tl.int32).to(tl.int8), mask=mask)
@@ -205,7 +206,7 @@ def _adam_8bit_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_absmax_ptr, exp_
 @triton.jit
 def _encode_unsigned(v, codes_ptr, absmax_ptr, offsets, blocks, mask, block_mask):
     absmax = tl.max(v, axis=1)
-    ratio = tl.where(absmax[:, None] > 0, v / absmax[:, None], 0.0)
+    ratio = v / tl.where(absmax > 0, absmax, 1.0)[:, None]
     q = tl.minimum(tl.floor(tl.sqrt_rn(tl.sqrt_rn(ratio)) * 255.0 + 0.5), 255.0)
     q = tl.where((q == 0) & (v > 0), 1.0, q)  # a non-zero second moment never encodes to 0
     tl.store(codes_ptr + offsets, q.to(tl.int32).to(tl.uint8), mask=mask)
