@@ -489,3 +489,21 @@ def test_kernel_rejects_bad_arguments():
                 torch.ops.effilayers_cpu.adam_step_8bit_(params, grads, m, m_absmax, v, torch.zeros(3), None, None,
                                                           None, step, None, None, 1e-3, 0.9, 0.999, 1e-8, 0.0,
                                                           False, False)
+
+
+def test_compile_fullgraph_matches_eager():
+    """The op's fake implementation and mutation annotations let
+    torch.compile(fullgraph=True) trace a step (aot_eager: the traced graph
+    runs the same kernel, without building Inductor code here)."""
+    params, grads, states, _ = _inputs([(5, 3), (300,)], torch.float32, False, True, "cpu")
+    eager = [[p.clone() for p in params], [s.clone() for s in states]]
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled_weight_decay=True,
+                 maximize=False)
+
+    def step(params, states, step_count):
+        torch.ops.effilayers.adam_step_8bit_(params, grads, *states, None, step_count, None, None, *hyper.values())
+
+    step(eager[0], eager[1], torch.tensor([2.0]))
+    torch.compile(step, fullgraph=True, backend="aot_eager")(params, states, torch.tensor([2.0]))
+    for actual, wanted in zip([*params, *states], [*eager[0], *eager[1]]):
+        assert torch.equal(actual, wanted)
