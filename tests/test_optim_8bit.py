@@ -43,7 +43,8 @@ def adam8_device(request):
 def _spread(numel, seed, low=-4.0, positive=False):
     """Random values over several decades (like Adam states within a block)."""
     generator = torch.Generator().manual_seed(seed)
-    values = torch.randn(numel, generator=generator) * torch.logspace(low, 0, numel)[torch.randperm(numel, generator=generator)]
+    magnitudes = torch.logspace(low, 0, numel)[torch.randperm(numel, generator=generator)]
+    values = torch.randn(numel, generator=generator) * magnitudes
     return values.abs() + 1e-12 if positive else values
 
 

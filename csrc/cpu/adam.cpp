@@ -504,7 +504,9 @@ void adam_step_8bit_typed(at::TensorList params, at::TensorList grads, const Qua
       const int64_t base = block * kQuantBlock;                      // the block in the padded state layout
       decode_block_signed(s.exp_avg + base, s.exp_avg_absmax[block], m, n);
       decode_block_unsigned(s.exp_avg_sq + base, s.exp_avg_sq_absmax[block], v, n);
-      if (s.max_exp_avg_sq != nullptr) decode_block_unsigned(s.max_exp_avg_sq + base, s.max_exp_avg_sq_absmax[block], v_max, n);
+      if (s.max_exp_avg_sq != nullptr) {
+        decode_block_unsigned(s.max_exp_avg_sq + base, s.max_exp_avg_sq_absmax[block], v_max, n);
+      }
       update_range<param_t, float, float>(param_data[t] + local, grad_data[t] + local,
                                           s.master != nullptr ? s.master + base : nullptr, m, v,
                                           s.max_exp_avg_sq != nullptr ? v_max : nullptr, n, f);
