@@ -1,4 +1,4 @@
-"""One optimizer step: effilayers ChunkedAdamW (fp32 and bf16 states) against
+"""One optimizer step: effilayers ChunkedAdamW (fp32, bf16 and 8-bit states) against
 torch.optim.AdamW (foreach and fused) and, when installed, DeepSpeed's
 DeepSpeedCPUAdam, on the same parameters and the same thread count.
 
@@ -10,7 +10,10 @@ several chunk sizes; how the default was chosen), and ``adamw cpu 2000
 tensors x 2048`` (per-tensor overhead). The step of an optimizer
 on 100M parameters is memory-bound: ``extra_info["bytes_moved"]`` counts the
 bytes a one-pass update must read and write (28 per parameter with fp32
-states, 20 with bf16 states); GB/s = bytes_moved / time.
+states, 20 with bf16 states, 16 + 4 * 4 / 256 with 8-bit states: two code
+bytes and, per 256-element block, two float32 scales, each read and written);
+GB/s = bytes_moved / time. ``extra_info["state_bytes_per_param"]`` is the
+optimizer-state memory (8, 4, or 2 + 8 / 256).
 
 Parameters are split like a transformer's (a few large matrices, many small
 vectors), so per-tensor overheads show up as they would in a model.
@@ -28,7 +31,10 @@ from effilayers.optim import ChunkedAdamW
 from .conftest import devices, synchronize
 
 SIZES = {"cpu": [100_000_000, 4_000_000], "cuda": [100_000_000, 1_000_000_000]}
-IMPLEMENTATIONS = ["torch-foreach", "torch-fused", "effilayers", "effilayers-bf16-states", "deepspeed-cpu-adam"]
+IMPLEMENTATIONS = ["torch-foreach", "torch-fused", "effilayers", "effilayers-bf16-states", "effilayers-8bit-states",
+                   "deepspeed-cpu-adam"]
+# optimizer-state bytes per parameter (exp_avg + exp_avg_sq)
+STATE_BYTES = {"effilayers-bf16-states": 4.0, "effilayers-8bit-states": 2.0 + 8 / 256}
 
 
 def make_params(numel: int, device: str) -> list[torch.nn.Parameter]:
@@ -61,6 +67,8 @@ def make_optimizer(implementation: str, params, chunk_size=None):
         return ChunkedAdamW(params, **kwargs, **extra)
     if implementation == "effilayers-bf16-states":
         return ChunkedAdamW(params, state_dtype=torch.bfloat16, **kwargs)
+    if implementation == "effilayers-8bit-states":
+        return ChunkedAdamW(params, state_dtype="8bit", **kwargs)
     if implementation == "deepspeed-cpu-adam":
         deepspeed_adam = pytest.importorskip("deepspeed.ops.adam")
         return deepspeed_adam.DeepSpeedCPUAdam(params, adamw_mode=True, **kwargs)
@@ -90,10 +98,10 @@ def test_adamw_step(benchmark, implementation, device, numel):
         pytest.skip("DeepSpeedCPUAdam runs on CPU parameters")
     params = make_params(numel, device)
     optimizer = make_optimizer(implementation, params)
-    state_bytes = 2 if implementation == "effilayers-bf16-states" else 4
+    state_bytes = STATE_BYTES.get(implementation, 8.0)
     benchmark.group = f"adamw {device} {numel // 10**6}M fp32 params"
-    benchmark.extra_info.update(numel=numel, threads=torch.get_num_threads(),
-                                bytes_moved=numel * (12 + 4 * state_bytes))  # p, g read; p written; m, v both
+    benchmark.extra_info.update(numel=numel, threads=torch.get_num_threads(), state_bytes_per_param=state_bytes,
+                                bytes_moved=int(numel * (12 + 2 * state_bytes)))  # p, g read; p written; m, v both
     try:
         _time_steps(benchmark, optimizer, device, rounds=5 if numel >= 10**8 else 20)
     finally:

@@ -482,7 +482,7 @@ def test_chunks_follow_first_use_and_size():
     (dict(betas=(0.9, -0.1)), ValueError, "betas\\[1\\] must be in \\[0, 1\\)"),
     (dict(eps=-1e-8), ValueError, "eps must be >= 0"),
     (dict(weight_decay=-0.1), ValueError, "weight_decay must be >= 0"),
-    (dict(state_dtype=torch.float16), TypeError, "state_dtype must be torch.float32 or torch.bfloat16"),
+    (dict(state_dtype=torch.float16), TypeError, "state_dtype must be torch.float32, torch.bfloat16 or '8bit'"),
     (dict(offload="disk"), ValueError, "offload must be None or 'cpu'"),
     (dict(chunk_size=0), ValueError, "chunk_size must be a positive int"),
     (dict(differentiable=True), ValueError, "differentiable=True is not supported"),

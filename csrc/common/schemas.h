@@ -60,5 +60,14 @@ constexpr const char* kCrossEntropyRows =
 // of the result dtype (effilayers/ops/reductions.py).
 constexpr const char* kReduce = "reduce_(Tensor x, Tensor(a!) out, str kind, int correction) -> ()";
 
+// The same update with 8-bit block-quantized states: int8 / uint8 codes and
+// one float32 absmax per block of 256 (effilayers/ops/adam.py).
+constexpr const char* kAdamStep8bit =
+    "adam_step_8bit_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!) exp_avg, Tensor(c!) exp_avg_absmax, "
+    "Tensor(d!) exp_avg_sq, Tensor(e!) exp_avg_sq_absmax, Tensor(f!)? max_exp_avg_sq, "
+    "Tensor(g!)? max_exp_avg_sq_absmax, Tensor(h!)? master, Tensor step, Tensor? grad_scale, Tensor? found_inf, "
+    "float lr, float beta1, float beta2, float eps, float weight_decay, bool decoupled_weight_decay, "
+    "bool maximize) -> ()";
+
 }  // namespace schema
 }  // namespace effilayers

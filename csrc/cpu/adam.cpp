@@ -323,9 +323,300 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, const at::Tensor
   }
 }
 
+// ---------------------------------------------------------------------------
+// 8-bit block-quantized states: effilayers_cpu::adam_step_8bit_.
+//
+// Each block of kQuantBlock state elements belongs to one parameter (the
+// states are padded per parameter). A block is decoded into three small
+// float buffers on the stack, updated by update_range above (the same
+// vectorised fp32 math as the unquantized kernel), and re-encoded with a
+// fresh absmax. Blocks are independent, so at::parallel_for splits the run by
+// blocks. The codes (see effilayers/ops/adam.py): exp_avg = sign(q)(|q|/127)^2
+// a, exp_avg_sq = (q/255)^4 a; encoding rounds with floor(x + 0.5), a non-zero
+// exp_avg_sq keeps code >= 1. Decode and encode use the same operations in
+// the same order in the vector body and the scalar tail (division, sqrt,
+// separate multiply and add), so both give the same codes.
+
+constexpr int64_t kQuantBlock = 256;
+constexpr float kSignedLevels = 127.0f;
+constexpr float kUnsignedLevels = 255.0f;
+
+inline float decode_signed(int8_t q, float absmax) {
+  const float t = std::fabs(static_cast<float>(q)) / kSignedLevels;
+  const float magnitude = (t * t) * absmax;
+  return q < 0 ? -magnitude : magnitude;
+}
+
+inline float decode_unsigned(uint8_t q, float absmax) {
+  const float t = static_cast<float>(q) / kUnsignedLevels;
+  const float t2 = t * t;
+  return (t2 * t2) * absmax;
+}
+
+inline int8_t encode_signed(float x, float absmax) {
+  const float ratio = absmax > 0.0f ? std::fabs(x) / absmax : 0.0f;
+  const float q = std::min(std::floor(std::sqrt(ratio) * kSignedLevels + 0.5f), kSignedLevels);
+  return static_cast<int8_t>(x < 0.0f ? -q : q);
+}
+
+inline uint8_t encode_unsigned(float x, float absmax) {
+  const float ratio = absmax > 0.0f ? x / absmax : 0.0f;
+  float q = std::min(std::floor(std::sqrt(std::sqrt(ratio)) * kUnsignedLevels + 0.5f), kUnsignedLevels);
+  if (q == 0.0f && x > 0.0f) q = 1.0f;
+  return static_cast<uint8_t>(q);
+}
+
+void decode_block_signed(const int8_t* codes, float absmax, float* out, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX2__)
+  const __m256 levels = _mm256_set1_ps(kSignedLevels);
+  const __m256 scale = _mm256_set1_ps(absmax);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (; i + 8 <= n; i += 8) {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i));
+    const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+    const __m256 t = _mm256_div_ps(_mm256_andnot_ps(sign, q), levels);
+    const __m256 magnitude = _mm256_mul_ps(_mm256_mul_ps(t, t), scale);
+    _mm256_storeu_ps(out + i, _mm256_or_ps(magnitude, _mm256_and_ps(sign, q)));
+  }
+#endif
+  for (; i < n; ++i) out[i] = decode_signed(codes[i], absmax);
+}
+
+void decode_block_unsigned(const uint8_t* codes, float absmax, float* out, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX2__)
+  const __m256 levels = _mm256_set1_ps(kUnsignedLevels);
+  const __m256 scale = _mm256_set1_ps(absmax);
+  for (; i + 8 <= n; i += 8) {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i));
+    const __m256 t = _mm256_div_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)), levels);
+    const __m256 t2 = _mm256_mul_ps(t, t);
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(t2, t2), scale));
+  }
+#endif
+  for (; i < n; ++i) out[i] = decode_unsigned(codes[i], absmax);
+}
+
+// Largest |x| of the block. NaN-free input assumed (a NaN gradient without a
+// GradScaler poisons Adam anyway).
+float block_absmax(const float* x, int64_t n) {
+  float result = 0.0f;
+  int64_t i = 0;
+#if defined(__AVX2__)
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 best = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) best = _mm256_max_ps(best, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, best);
+  for (float lane : lanes) result = std::max(result, lane);
+#endif
+  for (; i < n; ++i) result = std::max(result, std::fabs(x[i]));
+  return result;
+}
+
+float encode_block_signed(const float* x, int8_t* codes, int64_t n) {
+  const float absmax = block_absmax(x, n);
+  int64_t i = 0;
+#if defined(__AVX2__)
+  if (absmax > 0.0f) {
+    const __m256 levels = _mm256_set1_ps(kSignedLevels);
+    const __m256 scale = _mm256_set1_ps(absmax);
+    const __m256 half = _mm256_set1_ps(0.5f);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (; i + 8 <= n; i += 8) {
+      const __m256 value = _mm256_loadu_ps(x + i);
+      const __m256 ratio = _mm256_div_ps(_mm256_andnot_ps(sign, value), scale);
+      __m256 q = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(ratio), levels), half));
+      q = _mm256_min_ps(q, levels);
+      // -q where x < 0 (q == 0 stays 0 either way once converted)
+      q = _mm256_blendv_ps(q, _mm256_sub_ps(_mm256_setzero_ps(), q), _mm256_cmp_ps(value, _mm256_setzero_ps(),
+                                                                                     _CMP_LT_OQ));
+      const __m256i ints = _mm256_cvtps_epi32(q);
+      const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(ints), _mm256_extracti128_si256(ints, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), _mm_packs_epi16(words, words));
+    }
+  }
+#endif
+  for (; i < n; ++i) codes[i] = encode_signed(x[i], absmax);
+  return absmax;
+}
+
+float encode_block_unsigned(const float* x, uint8_t* codes, int64_t n) {
+  const float absmax = block_absmax(x, n);
+  int64_t i = 0;
+#if defined(__AVX2__)
+  if (absmax > 0.0f) {
+    const __m256 levels = _mm256_set1_ps(kUnsignedLevels);
+    const __m256 scale = _mm256_set1_ps(absmax);
+    const __m256 half = _mm256_set1_ps(0.5f);
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 zero = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+      const __m256 value = _mm256_loadu_ps(x + i);
+      const __m256 ratio = _mm256_div_ps(value, scale);
+      __m256 q = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(_mm256_sqrt_ps(ratio)), levels), half));
+      q = _mm256_min_ps(q, levels);
+      const __m256 lifted = _mm256_and_ps(_mm256_cmp_ps(q, zero, _CMP_EQ_OQ), _mm256_cmp_ps(value, zero, _CMP_GT_OQ));
+      q = _mm256_blendv_ps(q, one, lifted);
+      const __m256i ints = _mm256_cvtps_epi32(q);
+      const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(ints), _mm256_extracti128_si256(ints, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), _mm_packus_epi16(words, words));
+    }
+  }
+#endif
+  for (; i < n; ++i) codes[i] = encode_unsigned(x[i], absmax);
+  return absmax;
+}
+
+struct QuantizedStates {
+  int8_t* exp_avg;
+  float* exp_avg_absmax;
+  uint8_t* exp_avg_sq;
+  float* exp_avg_sq_absmax;
+  uint8_t* max_exp_avg_sq;  // null without amsgrad
+  float* max_exp_avg_sq_absmax;
+  float* master;            // padded layout; null without master weights
+};
+
+template <typename param_t>
+void adam_step_8bit_typed(at::TensorList params, at::TensorList grads, const QuantizedStates& s,
+                          const AdamFactors<float>& f) {
+  const int64_t count = static_cast<int64_t>(params.size());
+  std::vector<int64_t> first_block(count + 1, 0);  // block index where each parameter starts
+  std::vector<int64_t> numel(count);
+  std::vector<param_t*> param_data(count);
+  std::vector<const param_t*> grad_data(count);
+  for (int64_t t = 0; t < count; ++t) {
+    numel[t] = params[t].numel();
+    first_block[t + 1] = first_block[t] + (numel[t] + kQuantBlock - 1) / kQuantBlock;
+    param_data[t] = params[t].data_ptr<param_t>();
+    grad_data[t] = grads[t].data_ptr<param_t>();
+  }
+  const int64_t grain = std::max<int64_t>(1, kGrainElements / kQuantBlock);
+  at::parallel_for(0, first_block[count], grain, [&](int64_t begin, int64_t end) {
+    float m[kQuantBlock], v[kQuantBlock], v_max[kQuantBlock];
+    int64_t t = std::upper_bound(first_block.begin(), first_block.end(), begin) - first_block.begin() - 1;
+    for (int64_t block = begin; block < end; ++block) {
+      while (block >= first_block[t + 1]) ++t;
+      const int64_t local = (block - first_block[t]) * kQuantBlock;  // first element of the block in param t
+      const int64_t n = std::min(kQuantBlock, numel[t] - local);
+      const int64_t base = block * kQuantBlock;                      // the block in the padded state layout
+      decode_block_signed(s.exp_avg + base, s.exp_avg_absmax[block], m, n);
+      decode_block_unsigned(s.exp_avg_sq + base, s.exp_avg_sq_absmax[block], v, n);
+      if (s.max_exp_avg_sq != nullptr) {
+        decode_block_unsigned(s.max_exp_avg_sq + base, s.max_exp_avg_sq_absmax[block], v_max, n);
+      }
+      update_range<param_t, float, float>(param_data[t] + local, grad_data[t] + local,
+                                          s.master != nullptr ? s.master + base : nullptr, m, v,
+                                          s.max_exp_avg_sq != nullptr ? v_max : nullptr, n, f);
+      s.exp_avg_absmax[block] = encode_block_signed(m, s.exp_avg + base, n);
+      s.exp_avg_sq_absmax[block] = encode_block_unsigned(v, s.exp_avg_sq + base, n);
+      if (s.max_exp_avg_sq != nullptr) {
+        s.max_exp_avg_sq_absmax[block] = encode_block_unsigned(v_max, s.max_exp_avg_sq + base, n);
+      }
+    }
+  });
+}
+
+void check_codes(const at::Tensor& codes, const at::Tensor& absmax, at::ScalarType code_type, const char* name,
+                 int64_t total) {
+  TORCH_CHECK_VALUE(codes.scalar_type() == code_type && codes.dim() == 1 && codes.numel() == total &&
+                        codes.is_contiguous() && codes.device().is_cpu(),
+                    "adam_step_8bit_: ", name, " must be a contiguous 1-D ", code_type, " CPU tensor of ", total,
+                    " elements (each parameter padded to a multiple of ", kQuantBlock, ")");
+  TORCH_CHECK_VALUE(absmax.scalar_type() == at::kFloat && absmax.dim() == 1 &&
+                        absmax.numel() == total / kQuantBlock && absmax.is_contiguous() && absmax.device().is_cpu(),
+                    "adam_step_8bit_: ", name, "_absmax must be a contiguous 1-D float32 CPU tensor of ",
+                    total / kQuantBlock, " elements");
+}
+
+void adam_step_8bit_cpu(at::TensorList params, at::TensorList grads, const at::Tensor& exp_avg,
+                        const at::Tensor& exp_avg_absmax, const at::Tensor& exp_avg_sq,
+                        const at::Tensor& exp_avg_sq_absmax, const std::optional<at::Tensor>& max_exp_avg_sq,
+                        const std::optional<at::Tensor>& max_exp_avg_sq_absmax,
+                        const std::optional<at::Tensor>& master, const at::Tensor& step,
+                        const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf,
+                        double lr, double beta1, double beta2, double eps, double weight_decay,
+                        bool decoupled_weight_decay, bool maximize) {
+  TORCH_CHECK_VALUE(!params.empty(), "adam_step_8bit_: params must not be empty");
+  TORCH_CHECK_VALUE(params.size() == grads.size(), "adam_step_8bit_: ", params.size(), " params but ",
+                    grads.size(), " grads");
+  const auto param_type = params[0].scalar_type();
+  TORCH_CHECK_TYPE(param_type == at::kHalf || param_type == at::kBFloat16 || param_type == at::kFloat,
+                   "adam_step_8bit_: params must be float16, bfloat16 or float32, got ", param_type);
+  int64_t total = 0;
+  for (size_t t = 0; t < params.size(); ++t) {
+    TORCH_CHECK_TYPE(params[t].scalar_type() == param_type && grads[t].scalar_type() == param_type,
+                     "adam_step_8bit_: params[", t, "] / grads[", t, "] must all have dtype ", param_type);
+    TORCH_CHECK_VALUE(params[t].sizes() == grads[t].sizes(), "adam_step_8bit_: grads[", t, "] has shape ",
+                      grads[t].sizes(), ", param ", params[t].sizes());
+    TORCH_CHECK_VALUE(params[t].is_non_overlapping_and_dense() && same_layout(params[t], grads[t]) &&
+                          params[t].device().is_cpu() && grads[t].device().is_cpu(),
+                      "adam_step_8bit_: params[", t, "] must be a dense CPU tensor and grads[", t,
+                      "] must have its strides");
+    total += (params[t].numel() + kQuantBlock - 1) / kQuantBlock * kQuantBlock;
+  }
+  check_codes(exp_avg, exp_avg_absmax, at::kChar, "exp_avg", total);
+  check_codes(exp_avg_sq, exp_avg_sq_absmax, at::kByte, "exp_avg_sq", total);
+  TORCH_CHECK_VALUE(max_exp_avg_sq.has_value() == max_exp_avg_sq_absmax.has_value(),
+                    "adam_step_8bit_: max_exp_avg_sq and max_exp_avg_sq_absmax go together (amsgrad)");
+  if (max_exp_avg_sq.has_value()) {
+    check_codes(*max_exp_avg_sq, *max_exp_avg_sq_absmax, at::kByte, "max_exp_avg_sq", total);
+  }
+  if (master.has_value()) {
+    TORCH_CHECK_VALUE(master->scalar_type() == at::kFloat && master->dim() == 1 && master->numel() == total &&
+                          master->is_contiguous() && master->device().is_cpu(),
+                      "adam_step_8bit_: master must be a contiguous 1-D float32 CPU tensor of ", total, " elements");
+  }
+  if (found_inf.has_value() && read_scalar(*found_inf, "found_inf") != 0.0f) return;
+
+  const double step_value = read_scalar(step, "step");
+  AdamFactors<float> f;
+  f.one_minus_beta1 = static_cast<float>(1.0 - beta1);
+  f.beta2 = static_cast<float>(beta2);
+  f.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  f.eps = static_cast<float>(eps);
+  f.weight_decay = static_cast<float>(weight_decay);
+  f.decay_factor = static_cast<float>(1.0 - lr * weight_decay);
+  f.step_size = static_cast<float>(lr / (1.0 - std::pow(beta1, step_value)));
+  f.bias_correction2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(beta2, step_value)));
+  f.scaled = grad_scale.has_value();
+  f.grad_scale = f.scaled ? read_scalar(*grad_scale, "grad_scale") : 1.0f;
+  f.maximize = maximize;
+  f.decoupled = decoupled_weight_decay;
+  f.has_weight_decay = weight_decay != 0.0;
+  QuantizedStates s{exp_avg.data_ptr<int8_t>(),
+                    exp_avg_absmax.data_ptr<float>(),
+                    exp_avg_sq.data_ptr<uint8_t>(),
+                    exp_avg_sq_absmax.data_ptr<float>(),
+                    data_or_null<uint8_t>(max_exp_avg_sq),
+                    data_or_null<float>(max_exp_avg_sq_absmax),
+                    data_or_null<float>(master)};
+  switch (param_type) {
+    case at::kFloat:
+      adam_step_8bit_typed<float>(params, grads, s, f);
+      break;
+    case at::kHalf:
+      adam_step_8bit_typed<c10::Half>(params, grads, s, f);
+      break;
+    case at::kBFloat16:
+      adam_step_8bit_typed<c10::BFloat16>(params, grads, s, f);
+      break;
+    default:
+      break;
+  }
+}
+
 }  // namespace
 }  // namespace effilayers
 
-TORCH_LIBRARY_FRAGMENT(effilayers_cpu, m) { m.def(effilayers::schema::kAdamStep); }
+TORCH_LIBRARY_FRAGMENT(effilayers_cpu, m) {
+  m.def(effilayers::schema::kAdamStep);
+  m.def(effilayers::schema::kAdamStep8bit);
+}
 
-TORCH_LIBRARY_IMPL(effilayers_cpu, CPU, m) { m.impl("adam_step_", &effilayers::adam_step_cpu); }
+TORCH_LIBRARY_IMPL(effilayers_cpu, CPU, m) {
+  m.impl("adam_step_", &effilayers::adam_step_cpu);
+  m.impl("adam_step_8bit_", &effilayers::adam_step_8bit_cpu);
+}

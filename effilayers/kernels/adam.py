@@ -27,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops.adam import check_adam_arguments, memory_flat
+from ..ops.adam import (QUANT_BLOCK, check_adam_8bit_arguments, check_adam_arguments, gather_padded, memory_flat,
+                        scatter_padded)
 
 # 1024 elements x (p, g, m, v) per program: enough bytes in flight per SM for
 # a memory-bound update; 4 warps keep 8 elements per thread.
@@ -121,3 +122,121 @@ def adam_step_triton(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, master,
     if len(params) > 1:
         pieces = torch.split(flat_params, [p.numel() for p in params])
         torch._foreach_copy_([memory_flat(p) for p in params], list(pieces))
+
+
+# -- 8-bit block-quantized states ------------------------------------------------
+
+# Four 256-element quantization blocks per program: the same 1024 elements in
+# flight as the unquantized kernel, and the per-block absmax is a row
+# reduction of a (4, 256) tile.
+BLOCKS_PER_PROGRAM = 4
+
+
+@triton.jit
+def _adam_8bit_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_absmax_ptr, exp_avg_sq_ptr, exp_avg_sq_absmax_ptr,
+                      max_exp_avg_sq_ptr, max_exp_avg_sq_absmax_ptr, master_ptr,
+                      step_ptr, grad_scale_ptr, found_inf_ptr, num_blocks,
+                      lr, log_beta1, log_beta2, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay,
+                      decay_factor,
+                      HAS_MASTER: tl.constexpr, AMSGRAD: tl.constexpr, SCALED: tl.constexpr,
+                      CHECK_INF: tl.constexpr, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
+                      HAS_WEIGHT_DECAY: tl.constexpr, QBLOCK: tl.constexpr, ROWS: tl.constexpr):
+    blocks = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    limit = num_blocks
+    if CHECK_INF:
+        limit = tl.where(tl.load(found_inf_ptr) == 0, num_blocks, 0)
+    block_mask = blocks < limit
+    offsets = blocks[:, None] * QBLOCK + tl.arange(0, QBLOCK)[None, :]
+    mask = block_mask[:, None]
+    step = tl.load(step_ptr).to(tl.float32)
+    bias_correction1 = 1.0 - tl.exp(step * log_beta1)
+    bias_correction2_sqrt = tl.sqrt(1.0 - tl.exp(step * log_beta2))
+    step_size = lr / bias_correction1
+
+    # decode: m = sign(q) (|q|/127)^2 a,  v = (q/255)^4 a
+    q_m = tl.load(exp_avg_ptr + offsets, mask=mask, other=0).to(tl.float32)
+    t = tl.abs(q_m) / 127.0
+    magnitude = (t * t) * tl.load(exp_avg_absmax_ptr + blocks, mask=block_mask, other=0.0)[:, None]
+    m = tl.where(q_m < 0, -magnitude, magnitude)
+    t = tl.load(exp_avg_sq_ptr + offsets, mask=mask, other=0).to(tl.float32) / 255.0
+    t = t * t
+    v = (t * t) * tl.load(exp_avg_sq_absmax_ptr + blocks, mask=block_mask, other=0.0)[:, None]
+
+    g = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    if SCALED:
+        g = g / tl.load(grad_scale_ptr).to(tl.float32)
+    if MAXIMIZE:
+        g = -g
+    if HAS_MASTER:
+        p = tl.load(master_ptr + offsets, mask=mask, other=0.0)
+    else:
+        p = tl.load(param_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    if HAS_WEIGHT_DECAY:
+        if DECOUPLED:
+            p = p * decay_factor
+        else:
+            g = g + weight_decay * p
+    m = m + one_minus_beta1 * (g - m)
+    v = v * beta2 + one_minus_beta2 * g * g
+    v_hat = v
+    if AMSGRAD:
+        t = tl.load(max_exp_avg_sq_ptr + offsets, mask=mask, other=0).to(tl.float32) / 255.0
+        t = t * t
+        previous = (t * t) * tl.load(max_exp_avg_sq_absmax_ptr + blocks, mask=block_mask, other=0.0)[:, None]
+        v_hat = tl.where((v != v) | (v > previous), v, previous)
+    denom = tl.sqrt_rn(v_hat) / bias_correction2_sqrt + eps
+    p = p + (-step_size) * (m / denom)
+    if HAS_MASTER:
+        tl.store(master_ptr + offsets, p, mask=mask)
+    tl.store(param_ptr + offsets, p.to(param_ptr.dtype.element_ty), mask=mask)
+
+    # encode with a fresh absmax per block (row)
+    absmax = tl.max(tl.abs(m), axis=1)
+    # (divide by 1 where the block is all zero: ratio 0, no 0/0)
+    ratio = tl.abs(m) / tl.where(absmax > 0, absmax, 1.0)[:, None]
+    q = tl.minimum(tl.floor(tl.sqrt_rn(ratio) * 127.0 + 0.5), 127.0)
+    q = tl.where(m < 0, -q, q)
+    tl.store(exp_avg_ptr + offsets, q.to(tl.int32).to(tl.int8), mask=mask)
+    tl.store(exp_avg_absmax_ptr + blocks, absmax, mask=block_mask)
+    _encode_unsigned(v, exp_avg_sq_ptr, exp_avg_sq_absmax_ptr, offsets, blocks, mask, block_mask)
+    if AMSGRAD:
+        _encode_unsigned(v_hat, max_exp_avg_sq_ptr, max_exp_avg_sq_absmax_ptr, offsets, blocks, mask, block_mask)
+
+
+@triton.jit
+def _encode_unsigned(v, codes_ptr, absmax_ptr, offsets, blocks, mask, block_mask):
+    absmax = tl.max(v, axis=1)
+    ratio = v / tl.where(absmax > 0, absmax, 1.0)[:, None]
+    q = tl.minimum(tl.floor(tl.sqrt_rn(tl.sqrt_rn(ratio)) * 255.0 + 0.5), 255.0)
+    q = tl.where((q == 0) & (v > 0), 1.0, q)  # a non-zero second moment never encodes to 0
+    tl.store(codes_ptr + offsets, q.to(tl.int32).to(tl.uint8), mask=mask)
+    tl.store(absmax_ptr + blocks, absmax, mask=block_mask)
+
+
+def adam_step_8bit_triton(params, grads, exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax, max_exp_avg_sq,
+                          max_exp_avg_sq_absmax, master, step, grad_scale, found_inf,
+                          lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay, maximize) -> None:
+    """Like adam_step_triton, on the padded layout: parameters and gradients
+    are gathered into zero-padded flat buffers (a view for one parameter whose
+    size is a multiple of the block), the zero padding stays zero through the
+    update, and the parameters are scattered back."""
+    check_adam_8bit_arguments(params, grads, exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax,
+                              max_exp_avg_sq, max_exp_avg_sq_absmax, master, step)
+    flat_params = gather_padded(list(params))
+    flat_grads = gather_padded(list(grads))
+    num_blocks = exp_avg.numel() // QUANT_BLOCK
+    amsgrad = max_exp_avg_sq is not None
+    grid = (triton.cdiv(num_blocks, BLOCKS_PER_PROGRAM),)
+    _adam_8bit_kernel[grid](
+        flat_params, flat_grads, exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax,
+        max_exp_avg_sq if amsgrad else exp_avg_sq, max_exp_avg_sq_absmax if amsgrad else exp_avg_sq_absmax,
+        master if master is not None else exp_avg_absmax,
+        step, grad_scale if grad_scale is not None else step, found_inf if found_inf is not None else step,
+        num_blocks,
+        float(lr), _log(beta1), _log(beta2), float(beta2), float(1.0 - beta1), float(1.0 - beta2), float(eps),
+        float(weight_decay), float(1.0 - lr * weight_decay),
+        HAS_MASTER=master is not None, AMSGRAD=amsgrad, SCALED=grad_scale is not None,
+        CHECK_INF=found_inf is not None, DECOUPLED=bool(decoupled_weight_decay), MAXIMIZE=bool(maximize),
+        HAS_WEIGHT_DECAY=weight_decay != 0, QBLOCK=QUANT_BLOCK, ROWS=BLOCKS_PER_PROGRAM, num_warps=NUM_WARPS,
+    )
+    scatter_padded(flat_params, list(params))

@@ -21,6 +21,22 @@ the chunk's per-parameter step counter), so ``state_dict()`` has exactly
 tensors shaped like their parameter. Like torch's, the returned tensors are
 references (here: views of the chunks), not copies.
 
+8-bit states
+------------
+``state_dtype="8bit"`` stores ``exp_avg`` as int8 and ``exp_avg_sq`` /
+``max_exp_avg_sq`` as uint8 codes with one float32 absmax per block of 256
+elements (``effilayers.ops.adam`` describes the companded codes and why they
+are not linear). In these chunks every parameter starts on a block boundary,
+so each flat buffer (codes, master weights, offload staging) is padded per
+parameter to a multiple of 256 and a block never mixes parameters. State
+memory: 2 + 8/256 bytes per parameter plus the padding, against 8 for fp32
+states. ``self.state[p]`` holds the raw payload (``exp_avg_codes``,
+``exp_avg_absmax``, ``exp_avg_sq_codes``, ``exp_avg_sq_absmax``, ...);
+``state_dict()`` exports the decoded float32 states in torch's layout (new
+tensors, so a checkpoint loads into ``torch.optim.AdamW``) and
+``load_state_dict`` encodes them again (decode -> encode reproduces the
+codes). Measured accuracy: README, "Chunked Adam / AdamW".
+
 Steps without host synchronisation
 ----------------------------------
 The step counters are tensors on the state device. Before a chunk's kernel
@@ -69,12 +85,17 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch.optim import Optimizer
 
+from ..ops.adam import _adam_step_8bit_op as adam_step_8bit_op
 from ..ops.adam import _adam_step_op as adam_step_op
-from ..ops.adam import check_adam_arguments, is_dense, memory_flat, same_layout
+from ..ops.adam import (QUANT_BLOCK, check_adam_8bit_arguments, check_adam_arguments, dequantize_exp_avg,
+                        dequantize_exp_avg_sq, gather_padded, is_dense, memory_flat, padded_numel, quantize_exp_avg,
+                        quantize_exp_avg_sq, same_layout)
 
-__all__ = ["ChunkedAdam", "ChunkedAdamW", "chunked_adam", "DEFAULT_CHUNK_SIZE"]
+__all__ = ["ChunkedAdam", "ChunkedAdamW", "chunked_adam", "chunked_adam_8bit", "DEFAULT_CHUNK_SIZE", "EIGHT_BIT"]
 
 DEFAULT_CHUNK_SIZE = 1 << 24
+# state_dtype spelling of the 8-bit block-quantized states
+EIGHT_BIT = "8bit"
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
 _OFFLOAD = (None, "cpu")
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -106,10 +127,7 @@ def chunked_adam(
     by ``1 - found_inf`` here, on its own device, before the kernel reads it.
     ``check=False`` skips the Python-side argument checks (the optimizer's
     chunks satisfy them by construction; the C++ kernel checks regardless)."""
-    if found_inf is None:
-        steps.add_(1)
-    else:
-        steps.add_(1).sub_(found_inf.to(steps.device, torch.float32, non_blocking=True))
+    _advance_steps(steps, found_inf)
     if check:
         check_adam_arguments(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, master, steps[:1])
     # The op itself, not the checking wrapper: its per-tensor Python checks
@@ -121,23 +139,82 @@ def chunked_adam(
                  bool(decoupled_weight_decay), bool(maximize))
 
 
+def _advance_steps(steps: torch.Tensor, found_inf: Optional[torch.Tensor]) -> None:
+    if found_inf is None:
+        steps.add_(1)
+    else:
+        steps.add_(1).sub_(found_inf.to(steps.device, torch.float32, non_blocking=True))
+
+
+def chunked_adam_8bit(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avg: torch.Tensor,
+    exp_avg_absmax: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    exp_avg_sq_absmax: torch.Tensor,
+    max_exp_avg_sq: Optional[torch.Tensor],
+    max_exp_avg_sq_absmax: Optional[torch.Tensor],
+    master: Optional[torch.Tensor],
+    steps: torch.Tensor,
+    grad_scale: Optional[torch.Tensor] = None,
+    found_inf: Optional[torch.Tensor] = None,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled_weight_decay: bool,
+    maximize: bool,
+    check: bool = True,
+) -> None:
+    """:func:`chunked_adam` on 8-bit block-quantized states (the layout of
+    ``effilayers.ops.adam.adam_step_8bit_``: each parameter's states padded to
+    a multiple of ``QUANT_BLOCK``)."""
+    _advance_steps(steps, found_inf)
+    if check:
+        check_adam_8bit_arguments(params, grads, exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax,
+                                  max_exp_avg_sq, max_exp_avg_sq_absmax, master, steps[:1])
+    adam_step_8bit_op(params, grads, exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax, max_exp_avg_sq,
+                      max_exp_avg_sq_absmax, master, steps[:1],
+                      None if grad_scale is None else grad_scale.to(exp_avg.device, torch.float32),
+                      None if found_inf is None else found_inf.to(exp_avg.device, torch.float32),
+                      float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
+                      bool(decoupled_weight_decay), bool(maximize))
+
+
 class _Chunk:
     """The states of a run of parameters of one group, device and dtype."""
 
-    def __init__(self, params: list[torch.Tensor], state_device: torch.device, state_dtype: torch.dtype,
-                 master: bool, amsgrad: bool, staged: bool, pin: bool) -> None:
+    def __init__(self, params: list[torch.Tensor], state_device: torch.device, state_dtype, master: bool,
+                 amsgrad: bool, staged: bool, pin: bool) -> None:
         self.params = params
         self.sizes = [p.numel() for p in params]
-        self.offsets = [0, *itertools.accumulate(self.sizes)]
+        # 8-bit states: every parameter starts on a quantization block, so a
+        # block (one absmax) never mixes parameters; all flat buffers of the
+        # chunk (master, staging) share that padded layout.
+        self.quantized = state_dtype == EIGHT_BIT
+        spans = [padded_numel(n) for n in self.sizes] if self.quantized else self.sizes
+        self.offsets = [0, *itertools.accumulate(spans)]
         self.numel = self.offsets[-1]
         self.param_dtype = params[0].dtype
         self.param_device = params[0].device
         self.state_device = state_device
         self.pin = pin
         self.state_dtype = state_dtype
-        self.exp_avg = self._zeros(state_dtype)
-        self.exp_avg_sq = self._zeros(state_dtype)
-        self.max_exp_avg_sq = self._zeros(state_dtype) if amsgrad else None
+        self.exp_avg_absmax = self.exp_avg_sq_absmax = self.max_exp_avg_sq_absmax = None
+        if self.quantized:
+            self.exp_avg = self._zeros(torch.int8)
+            self.exp_avg_absmax = self._zeros(torch.float32, self.numel // QUANT_BLOCK)
+            self.exp_avg_sq = self._zeros(torch.uint8)
+            self.exp_avg_sq_absmax = self._zeros(torch.float32, self.numel // QUANT_BLOCK)
+        else:
+            self.exp_avg = self._zeros(state_dtype)
+            self.exp_avg_sq = self._zeros(state_dtype)
+        self.max_exp_avg_sq = None
+        if amsgrad:
+            self.ensure_amsgrad()
         self.master = None
         if master or staged:
             # staged (offloaded) chunks keep the parameters' CPU copy here
@@ -148,20 +225,25 @@ class _Chunk:
         # Offload staging: the gradients come down into `grad_staging`; a
         # low-precision parameter copy goes up from `param_staging`.
         self.staged = staged
-        self.grad_staging = self._empty(self.param_dtype) if staged else None
-        self.param_staging = self._empty(self.param_dtype) if staged and master else None
+        # (zeroed when padded: the padding must stay zero through the kernel)
+        staging = self._zeros if self.quantized else self._empty
+        self.grad_staging = staging(self.param_dtype) if staged else None
+        self.param_staging = staging(self.param_dtype) if staged and master else None
         self.steps = torch.zeros(len(params), dtype=torch.float32, device=state_device)
         # Host-side classes of parameters known to share a step count.
         self.step_class = [0] * len(params)
         self.uniform = True
 
-    def _empty(self, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(self.numel, dtype=dtype, device=self.state_device, pin_memory=self.pin)
+    def _empty(self, dtype: torch.dtype, numel: Optional[int] = None) -> torch.Tensor:
+        numel = self.numel if numel is None else numel
+        return torch.empty(numel, dtype=dtype, device=self.state_device, pin_memory=self.pin)
 
-    def _zeros(self, dtype: torch.dtype) -> torch.Tensor:
-        return self._empty(dtype).zero_()
+    def _zeros(self, dtype: torch.dtype, numel: Optional[int] = None) -> torch.Tensor:
+        return self._empty(dtype, numel).zero_()
 
     def _flat_params(self) -> torch.Tensor:
+        if self.quantized:
+            return gather_padded([p.detach() for p in self.params])
         return torch.cat([memory_flat(p.detach()) for p in self.params])
 
     def view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
@@ -172,9 +254,69 @@ class _Chunk:
 
     def ensure_amsgrad(self) -> None:
         if self.max_exp_avg_sq is None:
-            self.max_exp_avg_sq = self._zeros(self.state_dtype)
+            if self.quantized:
+                self.max_exp_avg_sq = self._zeros(torch.uint8)
+                self.max_exp_avg_sq_absmax = self._zeros(torch.float32, self.numel // QUANT_BLOCK)
+            else:
+                self.max_exp_avg_sq = self._zeros(self.state_dtype)
+
+    def state_args(self, lo: int, hi: int, amsgrad: bool) -> list[Optional[torch.Tensor]]:
+        """The state arguments of the kernel for flat range [lo, hi), in the
+        op's order (without master)."""
+        if not self.quantized:
+            return [self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], self.max_exp_avg_sq[lo:hi] if amsgrad else None]
+        blo, bhi = lo // QUANT_BLOCK, hi // QUANT_BLOCK
+        return [self.exp_avg[lo:hi], self.exp_avg_absmax[blo:bhi], self.exp_avg_sq[lo:hi],
+                self.exp_avg_sq_absmax[blo:bhi], self.max_exp_avg_sq[lo:hi] if amsgrad else None,
+                self.max_exp_avg_sq_absmax[blo:bhi] if amsgrad else None]
+
+    def _quantized_names(self) -> list[tuple[str, Callable, Callable]]:
+        names = [("exp_avg", quantize_exp_avg, dequantize_exp_avg),
+                 ("exp_avg_sq", quantize_exp_avg_sq, dequantize_exp_avg_sq)]
+        if self.max_exp_avg_sq is not None:
+            names.append(("max_exp_avg_sq", quantize_exp_avg_sq, dequantize_exp_avg_sq))
+        return names
+
+    def export_state(self, index: int) -> dict[str, torch.Tensor]:
+        """torch.optim.Adam's entry for a parameter of an 8-bit chunk: the
+        states decoded to float32, shaped (and strided) like the parameter."""
+        param = self.params[index]
+        lo, hi = self.offsets[index], self.offsets[index + 1]
+        entry = {"step": self.steps[index]}
+        for name, _, decode in self._quantized_names():
+            codes, absmax = getattr(self, name), getattr(self, name + "_absmax")
+            values = decode(codes[lo:hi], absmax[lo // QUANT_BLOCK:hi // QUANT_BLOCK])
+            out = torch.empty_strided(param.shape, param.stride(), dtype=torch.float32, device=self.state_device)
+            memory_flat(out).copy_(values[:self.sizes[index]])
+            entry[name] = out
+        if self.master_is_fp32:
+            entry["master_param"] = self.view(self.master, index)
+        return entry
+
+    def import_state(self, index: int, name: str, value: torch.Tensor) -> None:
+        """Encode a float state tensor shaped like parameter ``index`` into its blocks."""
+        param = self.params[index]
+        lo, hi = self.offsets[index], self.offsets[index + 1]
+        encode = {n: e for n, e, _ in self._quantized_names()}[name]
+        shaped = torch.empty_strided(param.shape, param.stride(), dtype=torch.float32, device=self.state_device)
+        shaped.copy_(value)
+        padded = torch.zeros(hi - lo, dtype=torch.float32, device=self.state_device)
+        padded[:self.sizes[index]] = memory_flat(shaped)
+        codes, absmax = encode(padded)
+        getattr(self, name)[lo:hi].copy_(codes)
+        getattr(self, name + "_absmax")[lo // QUANT_BLOCK:hi // QUANT_BLOCK].copy_(absmax)
 
     def param_state(self, index: int) -> dict[str, torch.Tensor]:
+        if self.quantized:
+            # the raw payload: 1-D code ranges (padded) and their block scales
+            lo, hi = self.offsets[index], self.offsets[index + 1]
+            state = {"step": self.steps[index]}
+            for name, _, _ in self._quantized_names():
+                state[name + "_codes"] = getattr(self, name)[lo:hi]
+                state[name + "_absmax"] = getattr(self, name + "_absmax")[lo // QUANT_BLOCK:hi // QUANT_BLOCK]
+            if self.master_is_fp32:
+                state["master_param"] = self.view(self.master, index)
+            return state
         state = {
             "step": self.steps[index],
             "exp_avg": self.view(self.exp_avg, index),
@@ -282,6 +424,11 @@ class ChunkedAdam(Optimizer):
       ``exp_avg``/``exp_avg_sq``/``max_exp_avg_sq`` (float64 parameters
       always keep float64 states). bf16 states halve the optimizer memory;
       the update is computed in fp32 and rounded to nearest even on store.
+      ``"8bit"``: block-quantized int8/uint8 states with an fp32 absmax per
+      256 elements (~2.03 bytes per parameter instead of 8; amsgrad's
+      ``max_exp_avg_sq`` is 8-bit too); the update is computed in fp32 on
+      the decoded block. See the module docstring for the layout and
+      state-dict behaviour.
     * ``master_weights``: keep an fp32 copy of fp16/bf16 parameters in the
       chunks and update that (default True); the parameter receives the
       rounded result.
@@ -325,8 +472,9 @@ class ChunkedAdam(Optimizer):
         _check_hyperparameters(name, lr, betas, eps, weight_decay)
         if differentiable:
             raise ValueError(f"{name}: differentiable=True is not supported (the update runs in a fused kernel)")
-        if state_dtype not in _STATE_DTYPES:
-            raise TypeError(f"{name}: state_dtype must be torch.float32 or torch.bfloat16, got {state_dtype!r}")
+        if not (state_dtype == EIGHT_BIT or state_dtype in _STATE_DTYPES):
+            raise TypeError(f"{name}: state_dtype must be torch.float32, torch.bfloat16 or {EIGHT_BIT!r} "
+                            f"(8-bit block-quantized), got {state_dtype!r}")
         if offload not in _OFFLOAD:
             raise ValueError(f"{name}: offload must be None or 'cpu', got {offload!r}")
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
@@ -404,11 +552,12 @@ class ChunkedAdam(Optimizer):
                         self.state[member] = chunk.param_state(index)
 
             for p in members:
-                if current and filled + p.numel() > self.chunk_size:
+                span = padded_numel(p.numel()) if state_dtype == EIGHT_BIT else p.numel()
+                if current and filled + span > self.chunk_size:
                     close()
                     current, filled = [], 0
                 current.append(p)
-                filled += p.numel()
+                filled += span
             close()
 
     def chunk_layout(self) -> list[dict[str, Any]]:
@@ -473,12 +622,9 @@ class ChunkedAdam(Optimizer):
             self._refresh_state(chunk)
         for start, stop in chunk.runs([g is not None for g in grads]):
             lo, hi = chunk.offsets[start], chunk.offsets[stop]
-            chunked_adam(
-                chunk.params[start:stop], grads[start:stop],
-                chunk.exp_avg[lo:hi], chunk.exp_avg_sq[lo:hi],
-                chunk.max_exp_avg_sq[lo:hi] if amsgrad else None,
-                chunk.master[lo:hi] if chunk.master is not None else None,
-                chunk.steps[start:stop], grad_scale, found_inf, check=False, **hyper)
+            _update(chunk, chunk.params[start:stop], grads[start:stop], lo, hi,
+                    chunk.master[lo:hi] if chunk.master is not None else None, chunk.steps[start:stop],
+                    grad_scale, found_inf, amsgrad, hyper)
 
     def _step_staged(self, chunks: list[_Chunk], device: torch.device, grad_scale, found_inf, amsgrad: bool,
                      hyper: dict) -> None:
@@ -513,9 +659,8 @@ class ChunkedAdam(Optimizer):
                 params, master = [chunk.param_staging[lo:hi]], chunk.master[lo:hi]
             else:
                 params, master = [chunk.master[lo:hi]], None
-            chunked_adam(params, [grad_flat], chunk.exp_avg[lo:hi], chunk.exp_avg_sq[lo:hi],
-                         chunk.max_exp_avg_sq[lo:hi] if amsgrad else None, master, chunk.steps[start:stop],
-                         cpu_scale, cpu_found, check=False, **hyper)
+            _update(chunk, params, [grad_flat], lo, hi, master, chunk.steps[start:stop], cpu_scale, cpu_found,
+                    amsgrad, hyper)
             transfers.copy_up(chunk, start, stop)
         transfers.finish()
 
@@ -524,6 +669,20 @@ class ChunkedAdam(Optimizer):
             self.state[p] = chunk.param_state(index)
 
     # -- state dict -------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim.Adam's layout. Parameters with 8-bit states export them
+        decoded to float32 (new tensors, not views), so the checkpoint loads
+        into torch.optim.Adam/AdamW; loading it back re-encodes them."""
+        state_dict = super().state_dict()
+        index = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                located = self._location.get(p)
+                if located is not None and located[0].quantized and index in state_dict["state"]:
+                    state_dict["state"][index] = located[0].export_state(located[1])
+                index += 1
+        return state_dict
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads torch.optim.Adam/AdamW state dicts and this class's own, into
         any chunk size. States are converted to this optimizer's
@@ -561,11 +720,15 @@ class ChunkedAdam(Optimizer):
                     chunk, index = self._location[p]
                     touched.add(id(chunk))
                     chunk.steps[index] = float(entry["step"])
-                    chunk.view(chunk.exp_avg, index).copy_(entry["exp_avg"])
-                    chunk.view(chunk.exp_avg_sq, index).copy_(entry["exp_avg_sq"])
                     if "max_exp_avg_sq" in entry:
                         chunk.ensure_amsgrad()
-                        chunk.view(chunk.max_exp_avg_sq, index).copy_(entry["max_exp_avg_sq"])
+                    for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                        if key not in entry:
+                            continue
+                        if chunk.quantized:
+                            chunk.import_state(index, key, entry[key])
+                        else:
+                            chunk.view(getattr(chunk, key), index).copy_(entry[key])
                     if chunk.master_is_fp32 and "master_param" in entry:
                         chunk.view(chunk.master, index).copy_(entry["master_param"])
             for chunks in self._chunks.values():
@@ -573,6 +736,14 @@ class ChunkedAdam(Optimizer):
                     if id(chunk) in touched:
                         chunk.reclassify_from_steps()
                         self._refresh_state(chunk)
+
+
+def _update(chunk: _Chunk, params, grads, lo: int, hi: int, master, steps, grad_scale, found_inf, amsgrad: bool,
+            hyper: dict) -> None:
+    """One kernel call for the run [lo, hi) of a chunk, on its state format."""
+    step = chunked_adam_8bit if chunk.quantized else chunked_adam
+    states = chunk.state_args(lo, hi, amsgrad)
+    step(params, grads, *states, master, steps, grad_scale, found_inf, check=False, **hyper)
 
 
 class ChunkedAdamW(ChunkedAdam):
