@@ -36,6 +36,7 @@
 
 #include "common/schemas.h"
 #include "cpu/vec.h"
+#include "cpu/vec_math.h"
 
 namespace effilayers {
 namespace {
@@ -56,11 +57,10 @@ RowGeometry geometry_of(const at::Tensor& t) {
 }
 
 // buffer[k] = exp(buffer[k] - shift). std::exp does not vectorise (errno),
-// and it is most of this kernel's time, so float uses an 8-lane polynomial
-// exp: n = round(v * log2(e)), r = v - n * ln(2) in two parts (Cody-Waite),
-// exp(r) by Cephes' degree-6 polynomial (about 1 ulp on [-ln2/2, ln2/2]),
-// times 2^n built in the exponent bits. Below -87.3 the result is 0 (also
-// for -inf), above 88.7 inf, and NaN stays NaN.
+// and it is most of this kernel's time, so float uses vec_math.h's exp_vec
+// (the same polynomial exp as the softmax kernels). Every argument here is
+// <= 0 (the shift is the running maximum or the log-sum-exp), where exp_vec
+// is accurate to about 2 ulp; -inf gives 0 and NaN stays NaN.
 template <typename acc_t>
 void exp_shifted(acc_t* buffer, int64_t n, acc_t shift) {
   for (int64_t k = 0; k < n; ++k) buffer[k] = std::exp(buffer[k] - shift);
@@ -68,38 +68,12 @@ void exp_shifted(acc_t* buffer, int64_t n, acc_t shift) {
 
 template <>
 void exp_shifted<float>(float* buffer, int64_t n, float shift) {
-  typedef float f8 __attribute__((vector_size(32)));
-  typedef int32_t i8 __attribute__((vector_size(32)));
-  constexpr int W = 8;
-  const f8 lo = f8{} - 87.3365448f, hi = f8{} + 88.7228391f;
+  using V = Vec<float>;
+  constexpr int W = V::kWidth;
   int64_t k = 0;
   for (; k + W <= n; k += W) {
-    f8 v;
-    std::memcpy(&v, buffer + k, sizeof(v));
-    v -= shift;
-    const i8 underflow = v < lo, overflow = v > hi, is_nan = v != v;
-    f8 x = v < lo ? lo : (v > hi ? hi : v);
-    x = is_nan ? lo : x;
-    // round to nearest through the 1.5 * 2^23 trick (|x * log2e| < 2^22)
-    const f8 magic = f8{} + 12582912.0f;
-    const f8 rounded = (x * 1.44269504088896341f + magic) - magic;
-    f8 r = x - rounded * 0.693359375f;
-    r = r - rounded * -2.12194440e-4f;
-    f8 p = f8{} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const f8 poly = p * r * r + r + 1.0f;
-    const i8 exponent = (__builtin_convertvector(rounded, i8) + 127) << 23;
-    f8 scale;
-    std::memcpy(&scale, &exponent, sizeof(scale));
-    f8 result = poly * scale;
-    result = underflow ? f8{} : result;
-    result = overflow ? f8{} + std::numeric_limits<float>::infinity() : result;
-    result = is_nan ? v : result;
-    std::memcpy(buffer + k, &result, sizeof(result));
+    const VecF e = exp_vec(V::load(buffer + k) - shift);
+    std::memcpy(buffer + k, &e, sizeof(e));
   }
   for (; k < n; ++k) buffer[k] = std::exp(buffer[k] - shift);
 }

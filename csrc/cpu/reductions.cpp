@@ -190,30 +190,6 @@ acc_t lane_sum_squares(const acc_t* x, int64_t n) {
   return total;
 }
 
-// Sums of (x - center) and (x - center)^2.
-template <typename acc_t>
-void lane_centered(const acc_t* x, int64_t n, acc_t center, acc_t& sum_d, acc_t& sum_d2) {
-  using V = Vec<acc_t>;
-  constexpr int W = V::kWidth;
-  typename V::type d0 = {}, d1 = {}, q0 = {}, q1 = {};
-  int64_t i = 0;
-  for (; i + 2 * W <= n; i += 2 * W) {
-    const auto v0 = V::load(x + i) - center;
-    const auto v1 = V::load(x + i + W) - center;
-    d0 += v0;
-    d1 += v1;
-    q0 += v0 * v0;
-    q1 += v1 * v1;
-  }
-  sum_d = V::sum(d0 + d1);
-  sum_d2 = V::sum(q0 + q1);
-  for (; i < n; ++i) {
-    const acc_t d = x[i] - center;
-    sum_d += d;
-    sum_d2 += d * d;
-  }
-}
-
 struct BlockResult {
   double a = 0;  // sum, sum of squares, or mean
   double b = 0;  // M2 (Moments only)
@@ -234,9 +210,9 @@ bool block_in_acc(Partial partial, const acc_t* x, int64_t n, BlockResult& out) 
   // Shift by the first value, then centre again (corrected two-pass):
   // constant data gives M2 exactly 0 however large the values are.
   acc_t sum_d, sum_d2;
-  lane_centered(x, n, x[0], sum_d, sum_d2);
+  lane_centered_sums(x, n, x[0], sum_d, sum_d2);
   const acc_t center = x[0] + sum_d / static_cast<acc_t>(n);
-  lane_centered(x, n, center, sum_d, sum_d2);
+  lane_centered_sums(x, n, center, sum_d, sum_d2);
   const acc_t mean = center + sum_d / static_cast<acc_t>(n);
   const acc_t m2 = std::max(sum_d2 - sum_d * (sum_d / static_cast<acc_t>(n)), acc_t(0));
   out.a = static_cast<double>(mean);

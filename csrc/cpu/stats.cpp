@@ -42,29 +42,6 @@ constexpr int64_t kChunkElements = 4096;
 constexpr int64_t kTileChannels = 1024;
 constexpr int64_t kTileElements = 16384;
 constexpr int64_t kMinTileRows = 16;
-template <typename acc_t>
-void lane_centered_sums(const acc_t* x, int64_t n, acc_t center, acc_t& sum_d, acc_t& sum_d2) {
-  using V = Vec<acc_t>;
-  constexpr int W = V::kWidth;
-  typename V::type d0 = {}, d1 = {}, q0 = {}, q1 = {};
-  int64_t i = 0;
-  for (; i + 2 * W <= n; i += 2 * W) {
-    const auto v0 = V::load(x + i) - center;
-    const auto v1 = V::load(x + i + W) - center;
-    d0 += v0;
-    d1 += v1;
-    q0 += v0 * v0;
-    q1 += v1 * v1;
-  }
-  sum_d = V::sum(d0 + d1);
-  sum_d2 = V::sum(q0 + q1);
-  for (; i < n; ++i) {
-    const acc_t d = x[i] - center;
-    sum_d += d;
-    sum_d2 += d * d;
-  }
-}
-
 // Mean and M2 of a contiguous buffer (n > 0), corrected two-pass.
 template <typename acc_t>
 void buffer_moments(const acc_t* x, int64_t n, acc_t& mean, acc_t& m2) {

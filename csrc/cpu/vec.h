@@ -44,4 +44,29 @@ acc_t lane_sum(const acc_t* x, int64_t n) {
   return total;
 }
 
+// Sums of (x - center) and (x - center)^2 over a buffer: the inner loop of
+// the shifted two-pass variance (batch statistics, var/std reductions).
+template <typename acc_t>
+void lane_centered_sums(const acc_t* x, int64_t n, acc_t center, acc_t& sum_d, acc_t& sum_d2) {
+  using V = Vec<acc_t>;
+  constexpr int W = V::kWidth;
+  typename V::type d0 = {}, d1 = {}, q0 = {}, q1 = {};
+  int64_t i = 0;
+  for (; i + 2 * W <= n; i += 2 * W) {
+    const auto v0 = V::load(x + i) - center;
+    const auto v1 = V::load(x + i + W) - center;
+    d0 += v0;
+    d1 += v1;
+    q0 += v0 * v0;
+    q1 += v1 * v1;
+  }
+  sum_d = V::sum(d0 + d1);
+  sum_d2 = V::sum(q0 + q1);
+  for (; i < n; ++i) {
+    const acc_t d = x[i] - center;
+    sum_d += d;
+    sum_d2 += d * d;
+  }
+}
+
 }  // namespace effilayers
