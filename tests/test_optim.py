@@ -604,3 +604,35 @@ def test_cuda_trajectory_matches_torch_fused():
 def test_optimizer_is_exported():
     assert effilayers.optim.ChunkedAdamW is ChunkedAdamW
     assert "adam_step" in effilayers.backends.registered_ops()
+
+
+@pytest.mark.gpu
+def test_triton_kernel_over_2_31_elements():
+    """A parameter larger than the chunk size gets a chunk of its own, so one
+    flat run can exceed 2^31 elements (34 GB of fp32 param, grad and states
+    here): its last elements are updated exactly like its first, i.e. the
+    kernel's offsets do not wrap."""
+    n = 2**31 + 3000
+    device = torch.device("cuda")
+    generator = torch.Generator(device=device).manual_seed(0)
+    param = torch.randn(n, device=device, generator=generator)
+    grad = torch.randn(n, device=device, generator=generator)
+    exp_avg = torch.zeros(n, device=device)
+    exp_avg_sq = torch.zeros(n, device=device)
+    step = torch.tensor([1.0], device=device)
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled_weight_decay=True,
+                 maximize=False)
+    ends = {"head": slice(0, 4096), "tail": slice(n - 4096, n)}
+    expected = {}
+    for name, part in ends.items():
+        p, g, m, v = (t[part].clone() for t in (param, grad, exp_avg, exp_avg_sq))
+        adam_step_reference([p], [g], m, v, None, None, step, None, None, *hyper.values())
+        expected[name] = (p, m, v)
+    context = activate_backend("adam_step", "triton", "cuda")
+    try:
+        adam_step_([param], [grad], exp_avg, exp_avg_sq, None, None, step, None, None, **hyper)
+    finally:
+        context.__exit__(None, None, None)
+    for name, part in ends.items():
+        for actual, wanted in zip((param[part], exp_avg[part], exp_avg_sq[part]), expected[name]):
+            torch.testing.assert_close(actual, wanted, rtol=1e-5, atol=1e-7, msg=name)

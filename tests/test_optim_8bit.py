@@ -508,3 +508,70 @@ def test_compile_fullgraph_matches_eager():
     torch.compile(step, fullgraph=True, backend="aot_eager")(params, states, torch.tensor([2.0]))
     for actual, wanted in zip([*params, *states], [*eager[0], *eager[1]]):
         assert torch.equal(actual, wanted)
+
+
+@pytest.mark.gpu
+def test_triton_kernel_over_2_31_elements():
+    """One chunk of more than 2^31 elements (a parameter bigger than the
+    chunk size): the blocks at its end are updated like those at its start,
+    so the kernel's int64 offsets do not wrap."""
+    from .conftest import activate_backend
+
+    n = 2**31 + 10 * QUANT_BLOCK
+    device = torch.device("cuda")
+    generator = torch.Generator(device=device).manual_seed(0)
+    param = torch.randn(n, device=device, generator=generator)
+    grad = torch.randn(n, device=device, generator=generator)
+    blocks = n // QUANT_BLOCK
+    states = [torch.zeros(n, dtype=torch.int8, device=device), torch.zeros(blocks, device=device),
+              torch.zeros(n, dtype=torch.uint8, device=device), torch.zeros(blocks, device=device)]
+    step = torch.tensor([1.0], device=device)
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled_weight_decay=True,
+                 maximize=False)
+    ends = {"head": (0, 8), "tail": (blocks - 8, blocks)}  # in blocks
+    expected = {}
+    for name, (first, last) in ends.items():
+        values = slice(first * QUANT_BLOCK, last * QUANT_BLOCK)
+        part = [states[0][values].clone(), states[1][first:last].clone(), states[2][values].clone(),
+                states[3][first:last].clone()]
+        p, g = param[values].clone(), grad[values].clone()
+        adam_step_8bit_reference([p], [g], *part, None, None, None, step, None, None, *hyper.values())
+        expected[name] = (p, part)
+    context = activate_backend("adam_step_8bit", "triton", "cuda")
+    try:
+        adam_step_8bit_([param], [grad], *states, None, None, None, step, None, None, **hyper)
+    finally:
+        context.__exit__(None, None, None)
+    for name, (first, last) in ends.items():
+        values = slice(first * QUANT_BLOCK, last * QUANT_BLOCK)
+        p, part = expected[name]
+        torch.testing.assert_close(param[values], p, rtol=1e-5, atol=1e-6, msg=name)
+        for actual, wanted in ((states[0][values], part[0]), (states[2][values], part[2])):
+            assert (actual.int() - wanted.int()).abs().max() <= 1, name
+        torch.testing.assert_close(states[1][first:last], part[1], rtol=1e-5, atol=0, msg=name)
+        torch.testing.assert_close(states[3][first:last], part[3], rtol=1e-5, atol=0, msg=name)
+
+
+def test_a_nan_gradient_makes_its_block_nan_on_every_backend(adam8_device):
+    """A NaN is never hidden behind finite codes: the block holding it gets a
+    NaN scale (codes 0), so it decodes to NaN, as the reference's amax gives;
+    the other blocks are untouched by it."""
+    backend, device = adam8_device
+    params, grads, states, _ = _inputs([(3 * QUANT_BLOCK,)], torch.float32, False, False, device)
+    grads[0][QUANT_BLOCK + 3] = float("nan")
+    expected_states = [None if s is None else s.cpu().clone() for s in states]
+    with effilayers.use_backend("reference"):
+        adam_step_8bit_reference([params[0].cpu().clone()], [grads[0].cpu()], *expected_states, None,
+                                 torch.tensor([2.0]), None, None, 1e-2, 0.9, 0.999, 1e-8, 0.0, True, False)
+    adam_step_8bit_(params, grads, *states, None, torch.tensor([2.0], device=device), None, None,
+                    lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled_weight_decay=True,
+                    maximize=False)
+    for absmax, wanted in ((states[1], expected_states[1]), (states[3], expected_states[3])):
+        absmax = absmax.cpu()
+        assert torch.isnan(absmax[1]) and torch.isnan(wanted[1])
+        assert torch.isfinite(absmax[[0, 2]]).all()
+        torch.testing.assert_close(absmax[[0, 2]], wanted[[0, 2]], rtol=1e-5, atol=0)
+    block = slice(QUANT_BLOCK, 2 * QUANT_BLOCK)
+    assert torch.equal(states[0].cpu()[block], expected_states[0][block])
+    assert torch.equal(states[2].cpu()[block], expected_states[2][block])
+    assert torch.isnan(dequantize_exp_avg(states[0].cpu(), states[1].cpu())[block]).all()

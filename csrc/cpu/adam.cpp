@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -398,21 +399,32 @@ void decode_block_unsigned(const uint8_t* codes, float absmax, float* out, int64
   for (; i < n; ++i) out[i] = decode_unsigned(codes[i], absmax);
 }
 
-// Largest |x| of the block. NaN-free input assumed (a NaN gradient without a
-// GradScaler poisons Adam anyway).
+// Largest |x| of the block, or NaN when the block holds a NaN (as torch's
+// amax in the reference): the block's codes become 0 and it decodes to NaN,
+// so a NaN gradient is never hidden behind a finite state.
 float block_absmax(const float* x, int64_t n) {
   float result = 0.0f;
+  bool has_nan = false;
   int64_t i = 0;
 #if defined(__AVX2__)
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 best = _mm256_setzero_ps();
-  for (; i + 8 <= n; i += 8) best = _mm256_max_ps(best, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+  __m256 unordered = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 value = _mm256_loadu_ps(x + i);
+    best = _mm256_max_ps(best, _mm256_andnot_ps(sign, value));  // drops NaN lanes: counted below
+    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(value, value, _CMP_UNORD_Q));
+  }
+  has_nan = _mm256_movemask_ps(unordered) != 0;
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, best);
   for (float lane : lanes) result = std::max(result, lane);
 #endif
-  for (; i < n; ++i) result = std::max(result, std::fabs(x[i]));
-  return result;
+  for (; i < n; ++i) {
+    has_nan = has_nan || std::isnan(x[i]);
+    result = std::max(result, std::fabs(x[i]));
+  }
+  return has_nan ? std::numeric_limits<float>::quiet_NaN() : result;
 }
 
 float encode_block_signed(const float* x, int8_t* codes, int64_t n) {

@@ -43,7 +43,9 @@ def _adam_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_s
                  HAS_MASTER: tl.constexpr, AMSGRAD: tl.constexpr, SCALED: tl.constexpr, CHECK_INF: tl.constexpr,
                  DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr,
                  BLOCK: tl.constexpr):
-    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    # int64: one parameter larger than the chunk size gets a chunk of its own,
+    # so a flat run may exceed 2^31 elements.
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     limit = n
     if CHECK_INF:
         # A skipped step stores nothing: no element is in range.
@@ -141,7 +143,7 @@ def _adam_8bit_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_absmax_ptr, exp_
                       HAS_MASTER: tl.constexpr, AMSGRAD: tl.constexpr, SCALED: tl.constexpr,
                       CHECK_INF: tl.constexpr, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
                       HAS_WEIGHT_DECAY: tl.constexpr, QBLOCK: tl.constexpr, ROWS: tl.constexpr):
-    blocks = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    blocks = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # int64 offsets below (> 2^31 elements)
     limit = num_blocks
     if CHECK_INF:
         limit = tl.where(tl.load(found_inf_ptr) == 0, num_blocks, 0)
@@ -190,10 +192,10 @@ def _adam_8bit_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_absmax_ptr, exp_
         tl.store(master_ptr + offsets, p, mask=mask)
     tl.store(param_ptr + offsets, p.to(param_ptr.dtype.element_ty), mask=mask)
 
-    # encode with a fresh absmax per block (row)
-    absmax = tl.max(tl.abs(m), axis=1)
-    # (divide by 1 where the block is all zero: ratio 0, no 0/0)
-    ratio = tl.abs(m) / tl.where(absmax > 0, absmax, 1.0)[:, None]
+    # encode with a fresh absmax per block (row); NaN when the block holds a
+    # NaN, like the reference's amax: codes 0, the block decodes to NaN
+    absmax = _nan_aware_max(tl.abs(m))
+    ratio = _block_ratio(tl.abs(m), absmax)
     q = tl.minimum(tl.floor(tl.sqrt_rn(ratio) * 127.0 + 0.5), 127.0)
     q = tl.where(m < 0, -q, q)
     tl.store(exp_avg_ptr + offsets, q.to(tl.int32).to(tl.int8), mask=mask)
@@ -204,9 +206,24 @@ def _adam_8bit_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_absmax_ptr, exp_
 
 
 @triton.jit
+def _nan_aware_max(values):
+    """Row maxima of a (blocks, QBLOCK) tile, NaN for a row holding a NaN
+    (tl.max does not promise to propagate it)."""
+    has_nan = tl.max((values != values).to(tl.int32), axis=1) > 0
+    return tl.where(has_nan, float("nan"), tl.max(values, axis=1))
+
+
+@triton.jit
+def _block_ratio(magnitudes, absmax):
+    """|x| / absmax per row; 0 where absmax is 0 (no 0/0) or NaN."""
+    usable = absmax > 0
+    return tl.where(usable[:, None], magnitudes / tl.where(usable, absmax, 1.0)[:, None], 0.0)
+
+
+@triton.jit
 def _encode_unsigned(v, codes_ptr, absmax_ptr, offsets, blocks, mask, block_mask):
-    absmax = tl.max(v, axis=1)
-    ratio = v / tl.where(absmax > 0, absmax, 1.0)[:, None]
+    absmax = _nan_aware_max(v)
+    ratio = _block_ratio(v, absmax)
     q = tl.minimum(tl.floor(tl.sqrt_rn(tl.sqrt_rn(ratio)) * 255.0 + 0.5), 255.0)
     q = tl.where((q == 0) & (v > 0), 1.0, q)  # a non-zero second moment never encodes to 0
     tl.store(codes_ptr + offsets, q.to(tl.int32).to(tl.uint8), mask=mask)

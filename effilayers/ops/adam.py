@@ -77,6 +77,10 @@ encode: no lookup table, cheap to vectorise on CPU and GPU.
 Each kernel decodes a block into float32, runs the update above, takes a
 fresh absmax of the new ``m`` / ``v`` per block and re-encodes. With
 ``found_inf`` non-zero nothing is written (codes and scales included).
+A NaN (a NaN gradient without a GradScaler) makes its block's absmax NaN and
+its codes 0 on every backend, so the whole block decodes to NaN: the
+divergence stays visible in the states instead of being encoded as a finite
+value (with float32 states only the element itself would be NaN).
 """
 
 from __future__ import annotations
