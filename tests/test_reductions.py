@@ -567,6 +567,10 @@ def test_norm_other_orders(backend, order):
     reference = x.detach().double().requires_grad_()
     torch.linalg.vector_norm(reference, order, 1).sum().backward()
     torch.testing.assert_close(leaf.grad.double(), reference.grad, rtol=1e-5, atol=1e-6)
+    # A narrower output dtype, as ord=2 allows: the result rounded once.
+    narrow = EF.norm(x, 1, ord=order, dtype=torch.float16)
+    assert narrow.dtype == torch.float16
+    torch.testing.assert_close(narrow.double(), torch.linalg.vector_norm(x.double(), order, 1), rtol=1e-3, atol=1e-3)
     with pytest.raises(ValueError, match="ord must be 1, 2 or math.inf"):
         EF.norm(x, ord=3)
 

@@ -325,4 +325,7 @@ def norm(x: torch.Tensor, dim=None, keepdim: bool = False, *, ord=2, dtype: Opti
     dims = _dims("norm", x, dim)
     if ord == 1:
         return _reduce("norm", x.abs(), dims, "sum", 0, keepdim, dtype)
-    return torch.linalg.vector_norm(x, math.inf, dims, keepdim, dtype=dtype)
+    # The largest magnitude is one of x's values: exact in x's dtype, then
+    # rounded once to ``dtype`` (torch's own dtype= refuses a narrower one).
+    result = torch.linalg.vector_norm(x, math.inf, dims, keepdim)
+    return result if dtype is None else result.to(dtype)
