@@ -456,6 +456,24 @@ def test_statistics_are_computed_once_per_feature_map(monkeypatch):
     assert sorted(reduced) == sorted([start] + [growth] * (layers - 1) + [bn_size * growth] * layers)
 
 
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_forward_without_autograd_matches_the_naive_model(mode, training):
+    """Inference tensors have no version counter: the block buffer must not
+    watch its output there (it raised "Inference tensors do not track version
+    counter"). Training mode still updates the running statistics once."""
+    efficient, naive = _pair(small_inputs=True)
+    efficient.train(training)
+    naive.train(training)
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    context = torch.inference_mode if mode == "inference_mode" else torch.no_grad
+    with context():
+        out_e, out_n = efficient(x), naive(x)
+    torch.testing.assert_close(out_e, out_n, rtol=1e-9, atol=1e-10)
+    for (name, a), b in zip(efficient.named_buffers(), naive.buffers()):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=name)
+
+
 def test_double_backward_raises():
     from effilayers.models import DenseNet
 

@@ -238,6 +238,10 @@ class _BlockBuffer:
             self.buffer.untyped_storage(), view.storage_offset(), view.shape, view.stride())
 
     def watch(self, output: torch.Tensor) -> None:
+        if output.is_inference() or not output.requires_grad:
+            # No backward can follow (and inference tensors have no version
+            # counter to watch).
+            return
         self.output = weakref.ref(output)
         self.output_version = output._version
 
