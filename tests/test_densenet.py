@@ -614,30 +614,82 @@ def model_device(request):
         context.__exit__(None, None, None)
 
 
-def test_model_on_the_pointwise_backend_matches_the_naive_model(model_device):
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_model_on_the_pointwise_backend_matches_the_naive_model(model_device, layout):
     """memory_efficient DenseNet with its 1x1 ops on this backend against the
-    plain model (float32; the naive model runs PyTorch's own kernels)."""
+    plain model (float32; the naive model runs PyTorch's own kernels), NCHW
+    and channels_last (where the first layer of every block reads a
+    non-dense channels_last slice of the block buffer)."""
     op_device = model_device
+    memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
     torch.manual_seed(0)
     options = dict(growth_rate=4, block_config=(2, 2), num_init_features=8, bn_size=2, num_classes=5,
                    small_inputs=True)
-    efficient = DenseNet(memory_efficient=True, **options).to(op_device)
-    naive = DenseNet(memory_efficient=False, **options).to(op_device)
+    efficient = DenseNet(memory_efficient=True, **options).to(op_device, memory_format=memory_format)
+    naive = DenseNet(memory_efficient=False, **options).to(op_device, memory_format=memory_format)
     naive.load_state_dict(efficient.state_dict())
-    x = torch.randn(3, 3, 12, 12, device=op_device)
+    x = torch.randn(3, 3, 12, 12, device=op_device).contiguous(memory_format=memory_format)
     _assert_same(efficient.train(), naive.train(), x, rtol=1e-4, atol=1e-4)
     for a, b in zip(efficient.buffers(), naive.buffers()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        block_output = efficient.features[:2](x)  # the stem and the first block
+    assert block_output.is_contiguous(memory_format=memory_format)
 
 
-def test_pointwise_ops_opcheck():
-    features, vectors, conv_weight = _op_case("cpu", torch.float32, "channels_last", channels=(3, 2), c_out=4)
-    grad_out = torch.randn(2, 4, 7, 5)
-    for backend in ("reference", "cpp"):
-        with effilayers.use_backend(backend):
-            torch.library.opcheck(densenet_ops._forward_op, (features, *vectors, conv_weight, 0))
-            torch.library.opcheck(densenet_ops._backward_op,
-                                  (grad_out, features, *vectors, conv_weight, True, True, True, 0))
+def _buffer_slices(features):
+    """The maps as channel slices of one channels_last buffer, as a dense
+    block holds them (channels_last but not dense)."""
+    first = features[0]
+    buffer = torch.empty((first.shape[0], sum(f.shape[1] for f in features) + 3, *first.shape[2:]),
+                         dtype=first.dtype, device=first.device, memory_format=torch.channels_last)
+    slices = list(torch.split(buffer[:, :-3], [f.shape[1] for f in features], 1))
+    for piece, f in zip(slices, features):
+        piece.copy_(f)
+    assert not slices[0].is_contiguous(memory_format=torch.channels_last)
+    return slices
+
+
+# (layout, a function of the maps): the layouts a model gives the ops, and mixtures.
+OPCHECK_LAYOUTS = {
+    "contiguous": ("contiguous", lambda f: f),
+    "channels_last": ("channels_last", lambda f: f),
+    "channels_last-one-slice": ("channels_last", lambda f: _buffer_slices(f)[:1]),
+    "channels_last-slices": ("channels_last", _buffer_slices),
+    "contiguous-slice": ("contiguous", lambda f: [torch.cat(f, 1)[:, :f[0].shape[1]]]),
+    "mixed-channels-last-first": ("channels_last", lambda f: [f[0], f[1].contiguous()]),
+    "mixed-contiguous-first": ("contiguous", lambda f: [f[0], f[1].contiguous(memory_format=torch.channels_last)]),
+}
+
+
+@pytest.mark.parametrize("padding", [0, 1], ids=["1x1", "3x3"])
+@pytest.mark.parametrize("case", list(OPCHECK_LAYOUTS))
+def test_pointwise_ops_opcheck(op_device, case, padding):
+    """The fake kernels and every backend agree on shapes, dtypes and strides
+    (the first map's suggest_memory_format), for the layouts a channels_last
+    or NCHW model hands the ops, non-dense channel slices and mixtures
+    included."""
+    if padding and effilayers.backends.choice("dense_bottleneck_forward", op_device.type).backend == "triton":
+        pytest.skip("the Triton backend hands the 3x3 case to the reference's code")
+    layout, arrange = OPCHECK_LAYOUTS[case]
+    features, vectors, _ = _op_case(op_device, torch.float32, layout, channels=(3, 2), size=(2, 3, 4))
+    features = arrange(features)
+    channels = sum(f.shape[1] for f in features)
+    kernel = 2 * padding + 1
+    conv_weight = torch.randn(4, channels, kernel, kernel, device=op_device) / channels
+    vectors = [v[:channels] for v in vectors]
+    grad_out = torch.randn(2, 4, 3, 4, device=op_device)
+    expected = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    out = densenet_ops._forward_op(features, *vectors, conv_weight, padding)
+    grad_input = densenet_ops._backward_op(grad_out, features, *vectors, conv_weight, True, True, True, padding)[0]
+    assert out.is_contiguous(memory_format=expected) and grad_input.is_contiguous(memory_format=expected)
+    # Every check for the two plain layouts; the others are about layouts,
+    # which test_faketensor compares (aot_dispatch_dynamic costs seconds).
+    checks = None if case in ("contiguous", "channels_last") else ("test_schema", "test_faketensor")
+    kwargs = {} if checks is None else dict(test_utils=checks)
+    torch.library.opcheck(densenet_ops._forward_op, (features, *vectors, conv_weight, padding), **kwargs)
+    torch.library.opcheck(densenet_ops._backward_op,
+                          (grad_out, features, *vectors, conv_weight, True, True, True, padding), **kwargs)
 
 
 # ---- the block buffer: zero-copy concatenation -------------------------------------------------

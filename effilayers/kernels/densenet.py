@@ -273,10 +273,12 @@ def _allow_tf32(dtype: torch.dtype) -> bool:
 
 
 def _output_like(first: torch.Tensor, channels: int) -> torch.Tensor:
+    """An (N, channels, H, W) output in the layout every backend and the fake
+    kernels give (``effilayers.ops.densenet.layout_of``)."""
+    from ..ops.densenet import layout_of
+
     n, _, h, w = first.shape
-    channels_last = first.dim() == 4 and first.stride(1) == 1 and first.shape[1] > 1
-    layout = torch.channels_last if channels_last else torch.contiguous_format
-    return torch.empty((n, channels, h, w), device=first.device, dtype=first.dtype, memory_format=layout)
+    return torch.empty((n, channels, h, w), device=first.device, dtype=first.dtype, memory_format=layout_of(first))
 
 
 def bottleneck_forward(features: Sequence[torch.Tensor], mean: torch.Tensor, invstd: torch.Tensor,

@@ -71,7 +71,7 @@ from torch import nn
 
 from ..convert import FusedActivation, fused_norm
 from ..nn import ABN, MaxPool2d
-from ..ops.densenet import bottleneck
+from ..ops.densenet import bottleneck, layout_of
 from .resnet import INPLACE_SLOPE
 from ..ops.stats import batch_stats
 
@@ -226,9 +226,8 @@ class _BlockBuffer:
 
     def __init__(self, like: torch.Tensor, channels: int) -> None:
         n, _, h, w = like.shape
-        layout = torch.channels_last if like.dim() == 4 and like.stride(1) == 1 and like.shape[1] > 1 \
-            else torch.contiguous_format
-        self.buffer = torch.empty((n, channels, h, w), dtype=like.dtype, device=like.device, memory_format=layout)
+        self.buffer = torch.empty((n, channels, h, w), dtype=like.dtype, device=like.device,
+                                  memory_format=layout_of(like))
         self.output: Optional[weakref.ref] = None
         self.output_version = 0
 

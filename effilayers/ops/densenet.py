@@ -58,6 +58,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
+from torch._prims_common import suggest_memory_format
 
 from .. import backends
 from .stats import batch_stats, stats_dtype, values_per_channel
@@ -69,12 +70,35 @@ def _channel_view(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t.view([1, -1] + [1] * (dim - 2))
 
 
+def layout_of(first: torch.Tensor) -> torch.memory_format:
+    """The layout of every 4-D output of the ops (the output, the gradient of
+    the concatenation) on every backend and in the fake kernels: the first
+    map's ``Tensor.suggest_memory_format()``, so that a channels_last map
+    that is not dense (a channel slice of a block buffer) still gives
+    channels_last outputs."""
+    return suggest_memory_format(first)
+
+
+def _in_layout(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t`` in :func:`layout_of` ``(like)``: itself when it already is, else
+    a copy. The op bodies apply it to every backend's results, so real and
+    fake kernels agree whatever layouts PyTorch's convolution picks (it
+    follows its input's and weight's layouts, and the gradient of a 3x3
+    weight comes back channels_last for a channels_last input)."""
+    return t.contiguous(memory_format=layout_of(like)) if t.dim() == 4 else t
+
+
 def _concatenated(features: Sequence[torch.Tensor]) -> tuple[torch.Tensor, bool]:
     """The input of the norm, and whether it is a private buffer that may be
-    overwritten (one map is used as it is, never copied)."""
+    overwritten (one map is used as it is, never copied). The concatenation
+    takes the first map's layout (``torch.cat`` alone gives NCHW when the
+    maps' layouts differ)."""
     if len(features) == 1:
         return features[0], False
-    return torch.cat(features, 1), True
+    first = features[0]
+    out = torch.empty((first.shape[0], sum(f.shape[1] for f in features), *first.shape[2:]), dtype=first.dtype,
+                      device=first.device, memory_format=layout_of(first))
+    return torch.cat(features, 1, out=out), True
 
 
 def _normalized(x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor, private: bool) -> torch.Tensor:
@@ -162,15 +186,22 @@ def _backward_reference(grad_out: torch.Tensor, features: Sequence[torch.Tensor]
 _RELU = ("relu", 0.0, 0.0)
 
 
+def _dense(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in :func:`layout_of` ``(x)`` and dense: the layouts ABN's kernels
+    walk (they would copy a channel slice of a block buffer to NCHW)."""
+    return x.contiguous(memory_format=layout_of(x))
+
+
 def _forward_cpp(features: Sequence[torch.Tensor], mean: torch.Tensor, invstd: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor, conv_weight: torch.Tensor, padding: int = 0) -> torch.Tensor:
     """CPU path: the ABN C++ kernel normalises and activates the recomputed
     concatenation in place (one pass, one buffer), then the convolution."""
     kernels = torch.ops.effilayers_cpu
     x, private = _concatenated(features)
-    if private:
-        kernels.abn_forward_(x, mean, invstd, weight, bias, None, *_RELU)
-        y = x
+    readable = _dense(x)
+    if private or readable is not x:  # a buffer of our own: normalised in place
+        kernels.abn_forward_(readable, mean, invstd, weight, bias, None, *_RELU)
+        y = readable
     else:  # one map, used as it is: never written
         y = kernels.abn_forward(x, mean, invstd, weight, bias, None, *_RELU)
     return torch.nn.functional.conv2d(y, conv_weight, padding=padding)
@@ -184,6 +215,7 @@ def _backward_cpp(grad_out: torch.Tensor, features: Sequence[torch.Tensor], mean
     from the recomputed concatenation, instead of a chain of PyTorch ops."""
     kernels = torch.ops.effilayers_cpu
     x, _ = _concatenated(features)
+    x = _dense(x)
     y = kernels.abn_forward(x, mean, invstd, weight, bias, None, *_RELU)
     grad_y, grad_conv = torch.ops.aten.convolution_backward(
         grad_out, y, conv_weight, None, [1, 1], [padding] * 2, [1, 1], False, [0, 0], 1,
@@ -242,8 +274,9 @@ def _forward_op(features: list[torch.Tensor], mean: torch.Tensor, invstd: torch.
                 bias: torch.Tensor, conv_weight: torch.Tensor, padding: int) -> torch.Tensor:
     """conv(relu(batch_norm(cat(features))), padding) with given statistics
     (stride 1); no autograd of its own (the Function below differentiates it)."""
-    return backends.kernel("dense_bottleneck_forward", features[0].device)(
+    out = backends.kernel("dense_bottleneck_forward", features[0].device)(
         features, mean, invstd, weight, bias, conv_weight, padding)
+    return _in_layout(out, features[0])
 
 
 def _output_size(first: torch.Tensor, conv_weight: torch.Tensor, padding: int) -> list[int]:
@@ -253,10 +286,8 @@ def _output_size(first: torch.Tensor, conv_weight: torch.Tensor, padding: int) -
 @_forward_op.register_fake
 def _(features, mean, invstd, weight, bias, conv_weight, padding):
     first = features[0]
-    channels_last = first.stride(1) == 1 and first.shape[1] > 1
-    layout = torch.channels_last if channels_last else torch.contiguous_format
     return torch.empty((first.shape[0], conv_weight.shape[0], *_output_size(first, conv_weight, padding)),
-                       dtype=first.dtype, device=first.device, memory_format=layout)
+                       dtype=first.dtype, device=first.device, memory_format=layout_of(first))
 
 
 @torch.library.custom_op("effilayers::dense_bottleneck_backward", mutates_args=())
@@ -266,21 +297,22 @@ def _backward_op(grad_out: torch.Tensor, features: list[torch.Tensor], mean: tor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad of the concatenation, grad_bias, grad_weight, grad_conv) of the
     forward op; entries not asked for are empty."""
-    return backends.kernel("dense_bottleneck_backward", grad_out.device)(
+    grad_input, grad_bias, grad_weight, grad_conv = backends.kernel("dense_bottleneck_backward", grad_out.device)(
         grad_out, features, mean, invstd, weight, bias, conv_weight, batch_stats, need_input, need_conv, padding)
+    return _in_layout(grad_input, features[0]), grad_bias, grad_weight, _in_layout(grad_conv, conv_weight)
 
 
 @_backward_op.register_fake
 def _(grad_out, features, mean, invstd, weight, bias, conv_weight, batch_stats, need_input, need_conv, padding):
     first = features[0]
-    channels_last = first.stride(1) == 1 and first.shape[1] > 1
-    layout = torch.channels_last if channels_last else torch.contiguous_format
     channels = sum(f.shape[1] for f in features)
     grad_input = torch.empty((first.shape[0], channels, *first.shape[2:]), dtype=first.dtype, device=first.device,
-                             memory_format=layout) if need_input else _nothing(mean)
+                             memory_format=layout_of(first)) if need_input else _nothing(mean)
     grad_bias = torch.empty_like(mean) if need_input else _nothing(mean)
     grad_weight = torch.empty_like(mean) if need_input else _nothing(mean)
-    return grad_input, grad_bias, grad_weight, torch.empty_like(conv_weight) if need_conv else _nothing(mean)
+    grad_conv = torch.empty(conv_weight.shape, dtype=conv_weight.dtype, device=conv_weight.device,
+                            memory_format=layout_of(conv_weight)) if need_conv else _nothing(mean)
+    return grad_input, grad_bias, grad_weight, grad_conv
 
 
 class _Bottleneck(torch.autograd.Function):
