@@ -5,6 +5,7 @@ activation memory the recomputation saves."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import re
@@ -24,6 +25,37 @@ from .conftest import BACKEND_PARAMS, TRITON_PARAMS, activate_backend, forced_ba
 
 KEYS = json.loads((Path(__file__).parent / "data" / "torchvision_state_dict_keys.json").read_text())
 TORCHVISION_DENSENETS = ["densenet121", "densenet161", "densenet169", "densenet201"]
+
+# fp32 precision keys of torch >= 2.9 (parents first: setting one also sets its children).
+_PRECISION_KEYS = [("generic", "all"), ("cuda", "all"), ("cuda", "conv"), ("cuda", "rnn"), ("cuda", "matmul")]
+
+
+@contextlib.contextmanager
+def _restored_tf32_flags():
+    """Puts cuDNN's and cuBLAS's TF32 flags (the legacy booleans and the
+    fp32_precision tree) back as they were on exit."""
+    legacy = torch._C._get_cudnn_allow_tf32(), torch._C._get_cublas_allow_tf32()
+    getter = getattr(torch._C, "_get_fp32_precision_getter", None)
+    precisions = [getter(*key) for key in _PRECISION_KEYS] if getter is not None else []
+    try:
+        yield
+    finally:
+        torch._C._set_cudnn_allow_tf32(legacy[0])
+        torch._C._set_cublas_allow_tf32(legacy[1])
+        for key, precision in zip(_PRECISION_KEYS, precisions):
+            torch._C._set_fp32_precision_setter(*key, precision)
+
+
+@pytest.fixture(autouse=True)
+def _full_float32():
+    """No TF32 in any test here unless it asks (test_tf32_*): PyTorch's cuDNN
+    convolutions, and the Triton kernels that follow the same flag, round
+    float32 inputs to TF32 by default on a GPU, ~1e-3 off where the float32
+    checks below allow ~1e-4. (No effect on CPU.)"""
+    with _restored_tf32_flags():
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+        yield
 
 
 def _bottleneck_inputs(channels, dtype=torch.float64, seed=0, size=(3, 4, 5), kernel=1):
@@ -593,6 +625,90 @@ def test_pointwise_ops_skip_what_is_not_asked_for(op_device):
     grad_input, _, _, grad_conv = densenet_ops._backward_op(
         grad_out, features, *vectors, conv_weight, True, True, False, 0)
     assert grad_input.shape == (2, 50, 7, 5) and grad_conv.numel() == 0
+
+
+def test_tf32_follows_cudnn_convolution_flags():
+    """The Triton GEMMs may use TF32 exactly when PyTorch's cuDNN convolutions
+    may, whichever API set it (the legacy flag raised on a read once conv and
+    rnn had different new-API settings)."""
+    kernels = pytest.importorskip("effilayers.kernels.densenet")
+    torch.backends.cudnn.allow_tf32 = True
+    assert kernels._allow_tf32(torch.float32) and not kernels._allow_tf32(torch.float16)
+    assert not kernels._allow_tf32(torch.bfloat16)
+    torch.backends.cudnn.allow_tf32 = False
+    assert not kernels._allow_tf32(torch.float32)
+    if not hasattr(getattr(torch.backends.cudnn, "conv", None), "fp32_precision"):
+        return  # torch < 2.9: the legacy flag is the only one
+    torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cudnn.conv.fp32_precision = "ieee"  # rnn still tf32: a legacy read raises
+    assert not kernels._allow_tf32(torch.float32)
+    torch.backends.cudnn.conv.fp32_precision = "tf32"
+    assert kernels._allow_tf32(torch.float32)
+    torch.backends.cudnn.conv.fp32_precision = "none"  # defers to cuDNN's, then the generic setting
+    torch.backends.cudnn.fp32_precision = "none"
+    torch.backends.fp32_precision = "ieee"
+    assert not kernels._allow_tf32(torch.float32)
+    torch.backends.fp32_precision = "tf32"
+    assert kernels._allow_tf32(torch.float32)
+
+
+class _LaunchSpy:
+    """Stands in for a Triton kernel and records the ALLOW_TF32 of each launch."""
+
+    def __init__(self, kernel, seen):
+        self.kernel, self.seen = kernel, seen
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            self.seen.append(kwargs["ALLOW_TF32"])
+            return launch(*args, **kwargs)
+        return run
+
+
+@pytest.fixture(params=TRITON_PARAMS)
+def triton_device(request):
+    yield from forced_backend(request, "dense_bottleneck_forward")
+
+
+# TF32 rounds each GEMM input to 10 mantissa bits. Measured by emulating it
+# on CPU for _op_case (float64 GEMMs over inputs rounded as the interpreter's
+# _round_f32_to_tf32 rounds, 5 seeds): max |error| / max |expected| per
+# output 3.5e-4 (out) to 5.7e-4 (grad_bias); the bound leaves ~7x.
+TF32_SCALED_ATOL = 4e-3
+
+
+@pytest.mark.parametrize("tf32", [False, True], ids=["ieee", "tf32"])
+def test_triton_precision_follows_the_flag(triton_device, monkeypatch, tf32):
+    """Each Triton GEMM gets ALLOW_TF32 from the cuDNN flag (fp32 only) and
+    meets float64 at the precision it allows. Under the interpreter both
+    branches compute in full float32 (it ignores input_precision), so there
+    this checks the decision and that the ieee branch runs; on a GPU the TF32
+    branch is held to TF32's bound and the ieee one to float32's."""
+    from effilayers.kernels import densenet as kernels
+
+    seen = []
+    for name in ("_forward", "_grad_input", "_grad_weight"):
+        monkeypatch.setattr(kernels, name, _LaunchSpy(getattr(kernels, name), seen))
+    torch.backends.cudnn.allow_tf32 = tf32
+    features, vectors, conv_weight = _op_case(triton_device, torch.float32, "channels_last")
+    grad_out = torch.randn(2, 70, 7, 5, generator=torch.Generator().manual_seed(1)).to(triton_device)
+    out = densenet_ops._forward_op(features, *vectors, conv_weight, 0)
+    grads = densenet_ops._backward_op(grad_out, features, *vectors, conv_weight, True, True, True, 0)
+    assert seen == [tf32] * 3
+    expected = _op_reference(features, vectors, conv_weight, grad_out, True)
+    for name, got, want in zip(["out", "grad_input", "grad_bias", "grad_weight", "grad_conv"], [out, *grads],
+                               expected):
+        if tf32 and triton_device.type == "cuda":
+            tolerance = dict(rtol=0, atol=TF32_SCALED_ATOL * want.abs().max().item())
+        else:
+            tolerance = OP_TOLERANCES[torch.float32]
+        torch.testing.assert_close(got.double().cpu(), want, msg=name, **tolerance)
+    seen.clear()
+    half = _op_case(triton_device, torch.float16, "contiguous")
+    densenet_ops._forward_op(*half[:1], *half[1], half[2], 0)
+    assert seen == [False]  # fp16 GEMMs never take the TF32 flag
 
 
 MODEL_BACKENDS = [

@@ -269,7 +269,26 @@ def _pixel_splits(device: torch.device, rows: int, programs: int) -> int:
 
 
 def _allow_tf32(dtype: torch.dtype) -> bool:
-    return dtype == torch.float32 and torch.backends.cudnn.allow_tf32
+    """Whether a float32 GEMM may round its inputs to TF32: exactly when
+    PyTorch's cuDNN convolutions may (these kernels stand in for a 1x1
+    convolution, and the naive model's convolutions follow the same flag).
+
+    With ``torch.backends.cudnn.conv.fp32_precision`` (torch >= 2.9) the
+    setting is resolved as ATen resolves it for convolutions: the conv value,
+    else cuDNN's, else the generic one, ``"none"`` deferring to the next.
+    The legacy ``torch.backends.cudnn.allow_tf32`` is read only on older
+    torch: reading it raises once conv and rnn were given different values
+    through the new API."""
+    if dtype != torch.float32:
+        return False
+    cudnn = torch.backends.cudnn
+    conv = getattr(cudnn, "conv", None)
+    if conv is None or not hasattr(conv, "fp32_precision"):
+        return bool(cudnn.allow_tf32)
+    for precision in (conv.fp32_precision, cudnn.fp32_precision, torch.backends.fp32_precision):
+        if precision != "none":
+            return precision == "tf32"
+    return False
 
 
 def _output_like(first: torch.Tensor, channels: int) -> torch.Tensor:
