@@ -266,6 +266,32 @@ def test_gradients_match_the_plain_model_float32():
     _assert_same(efficient, naive, x, rtol=1e-4, atol=1e-5)
 
 
+def test_fp16_model_is_as_accurate_as_the_naive_fp16_model():
+    """fp16 on CPU against the naive model in float64. Both fp16 models are
+    far from float64 here (relative L2 error: output ~1e-3, all parameter
+    gradients together ~0.5 %, input gradient 5-13 %: BatchNorm's backward
+    over few values per channel, layer after layer), so the bound is
+    relative to the naive fp16 model's own error. Measured, seeds 0-3: the
+    memory-efficient model's error is 0.52x to 1.12x the naive one's."""
+    options = dict(growth_rate=4, block_config=(2, 3), num_init_features=8, bn_size=2, num_classes=5,
+                   small_inputs=True)
+    efficient, naive = _pair(**options)
+    x = torch.randn(4, 3, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    expected = _forward_backward(naive, x)
+
+    def errors(model):
+        out, grad_x, grads = _forward_backward(copy.deepcopy(model).half(), x.half())
+        assert out.dtype == grad_x.dtype == torch.float16
+        got = [out, grad_x, torch.cat([grads[k].flatten() for k in grads])]
+        want = [expected[0], expected[1], torch.cat([expected[2][k].flatten() for k in grads])]
+        return [((g.double() - w).norm() / w.norm()).item() for g, w in zip(got, want)]
+
+    efficient_errors, naive_errors = errors(efficient), errors(naive)
+    for name, ours, theirs in zip(["output", "input gradient", "parameter gradients"], efficient_errors,
+                                  naive_errors):
+        assert ours <= 2 * theirs, (name, ours, theirs)
+
+
 def test_dropout_is_identical_under_recomputation():
     # Dropout follows conv2, outside the recomputed bottleneck: one mask per
     # forward, drawn in the same order in both models.
@@ -577,26 +603,42 @@ def _op_reference(features, vectors, conv_weight, grad_out, batch_stats, padding
     return out, x.grad, bias.grad, weight.grad, cw.grad
 
 
-OP_TOLERANCES = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.float16: dict(rtol=1e-2, atol=2e-2)}
+OP_TOLERANCES = {torch.float32: dict(rtol=1e-4, atol=1e-4)}
+# fp16/bf16: the error comes from rounding the GEMMs' inputs (y, dy) and the
+# outputs, so it scales with a tensor's largest values rather than with each
+# element: |error| <= rtol * |expected| + scaled_atol * max |expected|.
+# Measured on _op_case (6 seeds x 2 layouts x 2 statistics; reference, cpp,
+# Triton under the interpreter in fp16): at most 0.96 of (2e-3, 3e-4) in fp16
+# and 0.81 of (1.6e-2, 2e-3) in bf16. The bounds leave ~2.5x.
+LOW_PRECISION_TOLERANCES = {torch.float16: (2e-3, 8e-4), torch.bfloat16: (1.6e-2, 5e-3)}
+
+
+def _op_tolerance(dtype, expected):
+    if dtype in LOW_PRECISION_TOLERANCES:
+        rtol, scaled_atol = LOW_PRECISION_TOLERANCES[dtype]
+        return dict(rtol=rtol, atol=scaled_atol * expected.abs().max().item())
+    return OP_TOLERANCES[dtype]
 
 
 @pytest.mark.parametrize("batch_stats", [True, False], ids=["batch-stats", "running-stats"])
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 def test_pointwise_ops_match_float64(op_device, poisoned_outputs, dtype, layout, batch_stats):
+    if dtype == torch.bfloat16 and op_device.type == "cpu" \
+            and effilayers.backends.choice("dense_bottleneck_forward", "cpu").backend == "triton":
+        pytest.skip("the Triton interpreter has no bf16 arithmetic (bf16 Triton runs on the GPU)")
     features, vectors, conv_weight = _op_case(op_device, dtype, layout)
     grad_out = torch.randn(2, 70, 7, 5, generator=torch.Generator().manual_seed(1)).to(op_device, dtype)
     out = densenet_ops._forward_op(features, *vectors, conv_weight, 0)
     grad_input, grad_bias, grad_weight, grad_conv = densenet_ops._backward_op(
         grad_out, features, *vectors, conv_weight, batch_stats, True, True, 0)
     expected = _op_reference(features, vectors, conv_weight, grad_out, batch_stats)
-    tolerance = OP_TOLERANCES[dtype]
     assert out.dtype == dtype and grad_input.dtype == dtype and grad_conv.dtype == dtype
     if layout == "channels_last":
         assert out.is_contiguous(memory_format=torch.channels_last)
     for name, got, want in zip(["out", "grad_input", "grad_bias", "grad_weight", "grad_conv"],
                                [out, grad_input, grad_bias, grad_weight, grad_conv], expected):
-        torch.testing.assert_close(got.double().cpu(), want, msg=name, **tolerance)
+        torch.testing.assert_close(got.double().cpu(), want, msg=name, **_op_tolerance(dtype, want))
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
@@ -881,21 +923,6 @@ def test_block_output_used_out_of_place_trains():
     torch.testing.assert_close(outputs[0][1], outputs[1][1], rtol=0, atol=1e-12)
     for a, b in zip(outputs[0][2], outputs[1][2]):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-11)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("batch_stats", [True, False], ids=["batch-stats", "running-stats"])
-@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
-def test_pointwise_ops_bf16_on_gpu(layout, batch_stats):
-    """bf16 on the real GPU (the interpreter has no bf16 arithmetic)."""
-    with effilayers.use_backend("triton"):
-        features, vectors, conv_weight = _op_case("cuda", torch.bfloat16, layout)
-        grad_out = torch.randn(2, 70, 7, 5, device="cuda", dtype=torch.bfloat16)
-        out = densenet_ops._forward_op(features, *vectors, conv_weight, 0)
-        grads = densenet_ops._backward_op(grad_out, features, *vectors, conv_weight, batch_stats, True, True, 0)
-    expected = _op_reference(features, vectors, conv_weight, grad_out, batch_stats)
-    for got, want in zip([out, *grads], expected):
-        torch.testing.assert_close(got.double().cpu(), want, rtol=2e-2, atol=5e-2)
 
 
 @pytest.mark.gpu
