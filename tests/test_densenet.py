@@ -9,6 +9,7 @@ import contextlib
 import copy
 import json
 import re
+from collections import OrderedDict
 from pathlib import Path
 
 import pytest
@@ -432,6 +433,33 @@ def test_legacy_checkpoint_keys_load():
     # Nested under a prefix (the hook only renames its own keys).
     wrapper = nn.Sequential(copy.deepcopy(target))
     wrapper.load_state_dict({f"0.{k}": v for k, v in legacy.items()})
+
+
+@pytest.mark.parametrize("norm_act", ["plain", "inplace"])
+def test_recorded_legacy_densenet121_keys_load_strictly(norm_act):
+    """The old torchvision layout as recorded (tests/data, "how" says how it
+    was made): 'norm.1.weight'-style keys and no num_batches_tracked at all,
+    which the regex round trip above cannot show. A strict load fills the
+    counters (BatchNorm's own rule for pre-counter state dicts) and puts
+    every tensor where the current layout has it."""
+    recorded = json.loads((Path(__file__).parent / "data" / "torchvision_legacy_densenet121_keys.json").read_text())
+    legacy_keys = recorded["densenet121"]
+    assert "features.denseblock4.denselayer16.conv.2.weight" in legacy_keys
+    assert not any(k.endswith("num_batches_tracked") for k in legacy_keys)
+    torch.manual_seed(0)
+    source = models.densenet121()
+    current = [(k, v) for k, v in source.state_dict().items() if not k.endswith("num_batches_tracked")]
+    assert len(current) == len(legacy_keys)
+    # Paired by position: the recorded list keeps the current order.
+    legacy = OrderedDict((old, value) for old, (_, value) in zip(legacy_keys, current))
+    target = models.densenet121(norm_act=norm_act)
+    target.load_state_dict(legacy)  # strict
+    loaded = target.state_dict()
+    for key, value in current:
+        assert torch.equal(loaded[key], value), key
+    counters = [v for k, v in loaded.items() if k.endswith("num_batches_tracked")]
+    assert len(counters) == len(KEYS["densenet121"]) - len(legacy_keys)
+    assert all(int(c) == 0 for c in counters)
 
 
 @pytest.mark.parametrize(
