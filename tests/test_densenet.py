@@ -185,30 +185,62 @@ def test_bottleneck_keeps_only_its_inputs_and_statistics():
     del out
 
 
-@pytest.mark.parametrize(
-    "call, error",
-    [
-        (lambda f, w: bottleneck([], None, None, None, None, w, True), ValueError),
-        (lambda f, w: bottleneck([f, "x"], None, None, None, None, w, True), TypeError),
-        (lambda f, w: bottleneck([f], None, None, None, None, w[:, :2], True), ValueError),
-        (lambda f, w: bottleneck([f, f[:1]], None, None, None, None, w, True), ValueError),
-        (lambda f, w: bottleneck([f], None, None, torch.zeros(3), None, w, True), ValueError),
-        (lambda f, w: bottleneck([f], None, None, torch.zeros(3), torch.ones(3), w, True, None), ValueError),
-        (lambda f, w: bottleneck([f[:1, :, :1, :1]], None, None, None, None, w, True), ValueError),
-        (lambda f, w: bottleneck([f], None, None, None, None, w, True, padding=-1), ValueError),
-        (lambda f, w: bottleneck([f], None, None, None, None, w, True, batch_statistics=torch.zeros(3)), TypeError),
-        (lambda f, w: bottleneck([f], None, None, None, None, w, True,
-                                 batch_statistics=(torch.zeros(2), torch.ones(2))), ValueError),
-        (lambda f, w: bottleneck([f], None, None, None, None, w, True,
-                                 batch_statistics=(torch.zeros(3, dtype=torch.float64), torch.ones(3))), ValueError),
-    ],
-    ids=["empty", "not-a-tensor", "conv-shape", "batch-mismatch", "half-running", "cumulative-no-counter",
-         "one-value-per-channel", "negative-padding", "statistics-not-a-pair", "statistics-shape",
-         "statistics-dtype"],
-)
-def test_bottleneck_rejects_bad_arguments(call, error):
-    with pytest.raises(error):
-        call(torch.randn(2, 3, 4, 4), torch.randn(5, 3, 1, 1))
+def _running(**more):
+    return dict(running_mean=torch.zeros(3), running_var=torch.ones(3), **more)
+
+
+def _long(*shape):
+    return torch.zeros(shape, dtype=torch.long)
+
+
+# (changes to a valid call, given its features f and conv weight w; error; match)
+BAD_BOTTLENECK_ARGUMENTS = {
+    "empty": (lambda f, w: dict(features=[]), ValueError, "at least one tensor"),
+    "not-a-tensor": (lambda f, w: dict(features=[f, "x"]), TypeError, r"features\[1\] must be a torch.Tensor"),
+    "integer-features": (lambda f, w: dict(features=[f.long()]), TypeError, "floating-point tensors, got torch.int64"),
+    "mixed-dtypes": (lambda f, w: dict(features=[f, f.double()]), TypeError, r"features\[0\]'s dtype and device"),
+    "batch-mismatch": (lambda f, w: dict(features=[f, f[:1]]), ValueError, "same N, H, W"),
+    "one-value-per-channel": (lambda f, w: dict(features=[f[:1, :, :1, :1]]), ValueError, "more than one value"),
+    "conv-shape": (lambda f, w: dict(conv_weight=w[:, :2]), ValueError, r"conv_weight must be \(C_out, 3, kH, kW\)"),
+    "conv-not-a-tensor": (lambda f, w: dict(conv_weight=w.numpy()), TypeError, "conv_weight must be a torch.Tensor"),
+    "conv-integer": (lambda f, w: dict(conv_weight=w.long()), TypeError, "conv_weight must be a floating-point"),
+    "conv-device": (lambda f, w: dict(conv_weight=w.to("meta")), ValueError, "conv_weight is on meta"),
+    "weight-integer": (lambda f, w: dict(weight=_long(3)), TypeError, "weight must be a floating-point"),
+    "weight-list": (lambda f, w: dict(weight=[1.0] * 3), TypeError, "weight must be a torch.Tensor"),
+    "bias-shape": (lambda f, w: dict(bias=torch.zeros(4)), ValueError, r"bias must have shape \(3,\)"),
+    "half-running": (lambda f, w: dict(running_mean=torch.zeros(3)), ValueError, "both be tensors or both"),
+    "running-integer": (lambda f, w: dict(running_mean=_long(3), running_var=torch.ones(3)), TypeError,
+                        "running_mean must be a floating-point"),
+    "counter-float": (lambda f, w: _running(num_batches_tracked=torch.tensor(0.0)), TypeError,
+                      "num_batches_tracked must be an integer tensor"),
+    "counter-int": (lambda f, w: _running(num_batches_tracked=3), TypeError,
+                    "num_batches_tracked must be an integer tensor"),
+    "counter-shape": (lambda f, w: _running(num_batches_tracked=_long(2)), ValueError,
+                      "num_batches_tracked must be one value"),
+    "cumulative-no-counter": (lambda f, w: _running(momentum=None), ValueError, "needs num_batches_tracked"),
+    "momentum-string": (lambda f, w: dict(momentum="0.1"), TypeError, "momentum must be a float"),
+    "eps-string": (lambda f, w: dict(eps="1e-5"), TypeError, "eps must be a float"),
+    "eps-negative": (lambda f, w: dict(eps=-1e-5), ValueError, "eps must be a finite non-negative"),
+    "eps-nan": (lambda f, w: dict(eps=float("nan")), ValueError, "eps must be a finite non-negative"),
+    "negative-padding": (lambda f, w: dict(padding=-1), ValueError, "padding must be non-negative"),
+    "padding-float": (lambda f, w: dict(padding=1.0), TypeError, "padding must be an int"),
+    "statistics-not-a-pair": (lambda f, w: dict(batch_statistics=torch.zeros(3)), TypeError, r"\(mean, var\) pair"),
+    "statistics-shape": (lambda f, w: dict(batch_statistics=(torch.zeros(2), torch.ones(2))), ValueError,
+                         r"batch_statistics mean must have shape \(3,\)"),
+    "statistics-dtype": (lambda f, w: dict(batch_statistics=(torch.zeros(3).double(), torch.ones(3))), TypeError,
+                         "batch_statistics mean must be torch.float32"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_BOTTLENECK_ARGUMENTS))
+def test_bottleneck_rejects_bad_arguments(case):
+    changes, error, match = BAD_BOTTLENECK_ARGUMENTS[case]
+    features, conv_weight = torch.randn(2, 3, 4, 4), torch.randn(5, 3, 1, 1)
+    arguments = dict(features=[features], weight=None, bias=None, running_mean=None, running_var=None,
+                     conv_weight=conv_weight, training=True)
+    arguments.update(changes(features, conv_weight))
+    with pytest.raises(error, match=match):
+        bottleneck(**arguments)
 
 
 # ---- the model: memory_efficient against the plain path ------------------------------------------
@@ -463,26 +495,60 @@ def test_recorded_legacy_densenet121_keys_load_strictly(norm_act):
 
 
 @pytest.mark.parametrize(
-    "kwargs, error",
+    "kwargs, error, match",
     [
-        (dict(growth_rate=0), ValueError),
-        (dict(growth_rate=2.5), TypeError),
-        (dict(block_config=()), ValueError),
-        (dict(block_config=(2, 0)), ValueError),
-        (dict(block_config=3), TypeError),
-        (dict(drop_rate=1.0), ValueError),
-        (dict(drop_rate=-0.1), ValueError),
-        (dict(num_init_features=0), ValueError),
-        (dict(bn_size=-1), ValueError),
-        (dict(num_classes=0), ValueError),
-        (dict(memory_efficient="yes"), TypeError),
-        (dict(norm_act="abn"), ValueError),
-        (dict(norm_act=None), ValueError),
+        (dict(growth_rate=0), ValueError, "growth_rate must be positive, got 0"),
+        (dict(growth_rate=2.5), TypeError, "growth_rate must be an int, got float"),
+        (dict(block_config=()), ValueError, "block_config must name at least one dense block"),
+        (dict(block_config=(2, 0)), ValueError, r"block_config\[1\] must be positive"),
+        (dict(block_config=3), TypeError, "block_config must be a sequence of ints"),
+        (dict(drop_rate=1.0), ValueError, r"drop_rate must be in \[0, 1\), got 1.0"),
+        (dict(drop_rate=-0.1), ValueError, r"drop_rate must be in \[0, 1\)"),
+        (dict(drop_rate="0.1"), TypeError, "drop_rate must be a float, got str"),
+        (dict(num_init_features=0), ValueError, "num_init_features must be positive"),
+        (dict(bn_size=-1), ValueError, "bn_size must be positive"),
+        (dict(num_classes=0), ValueError, "num_classes must be positive"),
+        (dict(memory_efficient="yes"), TypeError, "memory_efficient must be a bool, got str"),
+        (dict(small_inputs=1), TypeError, "small_inputs must be a bool, got int"),
+        (dict(norm_act="abn"), ValueError, "norm_act must be one of 'plain', 'inplace', got 'abn'"),
+        (dict(norm_act=None), ValueError, "norm_act must be one of"),
     ],
 )
-def test_bad_arguments(kwargs, error):
-    with pytest.raises(error):
+def test_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=f"^DenseNet: {match}"):
         DenseNet(**kwargs)
+
+
+LAYER_ARGUMENTS = dict(num_input_features=8, growth_rate=4, bn_size=2, drop_rate=0.0)
+BLOCK_ARGUMENTS = dict(num_layers=2, **LAYER_ARGUMENTS)
+TRANSITION_ARGUMENTS = dict(num_input_features=8, num_output_features=4)
+
+
+@pytest.mark.parametrize(
+    "owner, defaults, change, error, match",
+    [
+        ("DenseLayer", LAYER_ARGUMENTS, dict(drop_rate=2.0), ValueError, r"drop_rate must be in \[0, 1\), got 2.0"),
+        ("DenseLayer", LAYER_ARGUMENTS, dict(growth_rate=0), ValueError, "growth_rate must be positive, got 0"),
+        ("DenseLayer", LAYER_ARGUMENTS, dict(bn_size=0), ValueError, "bn_size must be positive, got 0"),
+        ("DenseLayer", LAYER_ARGUMENTS, dict(num_input_features=2.0), TypeError, "num_input_features must be an int"),
+        ("DenseLayer", LAYER_ARGUMENTS, dict(memory_efficient="yes"), TypeError, "memory_efficient must be a bool"),
+        ("DenseLayer", LAYER_ARGUMENTS, dict(norm_act="abn"), ValueError, "norm_act must be one of"),
+        ("DenseBlock", BLOCK_ARGUMENTS, dict(num_layers=0), ValueError, "num_layers must be positive, got 0"),
+        ("DenseBlock", BLOCK_ARGUMENTS, dict(drop_rate=2.0), ValueError, r"drop_rate must be in \[0, 1\)"),
+        ("DenseBlock", BLOCK_ARGUMENTS, dict(growth_rate=0), ValueError, "growth_rate must be positive"),
+        ("DenseBlock", BLOCK_ARGUMENTS, dict(memory_efficient=1), TypeError, "memory_efficient must be a bool"),
+        ("Transition", TRANSITION_ARGUMENTS, dict(num_output_features=0), ValueError,
+         "num_output_features must be positive"),
+        ("Transition", TRANSITION_ARGUMENTS, dict(num_input_features=None), TypeError,
+         "num_input_features must be an int, got NoneType"),
+        ("Transition", TRANSITION_ARGUMENTS, dict(memory_efficient="yes"), TypeError,
+         "memory_efficient must be a bool"),
+    ],
+)
+def test_building_blocks_reject_bad_arguments(owner, defaults, change, error, match):
+    cls = getattr(models.densenet, owner)
+    with pytest.raises(error, match=f"^{owner}: {match}"):
+        cls(**dict(defaults, **change))
 
 
 def test_builders_reject_weights_and_other_architectures():

@@ -55,6 +55,7 @@ checkpointing's 173 ms (1.46x).
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -399,6 +400,18 @@ class _Bottleneck(torch.autograd.Function):
 _FIRST_FEATURE = 12
 
 
+def _check_tensor(name: str, t, device: torch.device, channels: Optional[int] = None) -> None:
+    """A floating-point tensor on ``device``, of shape ``(channels,)`` when given."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"bottleneck: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"bottleneck: {name} must be a floating-point tensor, got {t.dtype}")
+    if channels is not None and tuple(t.shape) != (channels,):
+        raise ValueError(f"bottleneck: {name} must have shape ({channels},), got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"bottleneck: {name} is on {t.device}, the features on {device}")
+
+
 def bottleneck(
     features: Sequence[torch.Tensor],
     weight: Optional[torch.Tensor],
@@ -447,18 +460,23 @@ def bottleneck(
     first = features[0]
     if first.dim() != 4:
         raise ValueError(f"bottleneck: features must be 4-D (N, C, H, W), got shape {tuple(first.shape)}")
+    if not first.is_floating_point():
+        raise TypeError(f"bottleneck: features must be floating-point tensors, got {first.dtype}")
     for i, f in enumerate(features[1:], 1):
         if f.dim() != 4 or f.shape[0] != first.shape[0] or f.shape[2:] != first.shape[2:]:
             raise ValueError(f"bottleneck: features[{i}] has shape {tuple(f.shape)}, incompatible with "
                              f"features[0] {tuple(first.shape)} (same N, H, W needed)")
         if f.dtype != first.dtype or f.device != first.device:
-            raise TypeError("bottleneck: every feature must have the same dtype and device")
+            raise TypeError(f"bottleneck: every feature must have features[0]'s dtype and device ({first.dtype}, "
+                            f"{first.device}); features[{i}] is {f.dtype} on {f.device}")
     channels = sum(f.shape[1] for f in features)
-    if not isinstance(conv_weight, torch.Tensor) or conv_weight.dim() != 4 or conv_weight.shape[1] != channels:
-        shape = tuple(conv_weight.shape) if isinstance(conv_weight, torch.Tensor) else type(conv_weight).__name__
-        raise ValueError(f"bottleneck: conv_weight must be (C_out, {channels}, kH, kW), got {shape}")
-    if isinstance(padding, bool) or not isinstance(padding, int) or padding < 0:
-        raise ValueError(f"bottleneck: padding must be a non-negative int, got {padding!r}")
+    _check_tensor("conv_weight", conv_weight, first.device)
+    if conv_weight.dim() != 4 or conv_weight.shape[1] != channels:
+        raise ValueError(f"bottleneck: conv_weight must be (C_out, {channels}, kH, kW), got {tuple(conv_weight.shape)}")
+    if isinstance(padding, bool) or not isinstance(padding, int):
+        raise TypeError(f"bottleneck: padding must be an int, got {type(padding).__name__}")
+    if padding < 0:
+        raise ValueError(f"bottleneck: padding must be non-negative, got {padding}")
     shared_mean = shared_var = None
     if batch_statistics is not None:
         if not isinstance(batch_statistics, (tuple, list)) or len(batch_statistics) != 2:
@@ -466,21 +484,33 @@ def bottleneck(
         shared_mean, shared_var = batch_statistics
         expected = stats_dtype(first.dtype)
         for name, t in (("mean", shared_mean), ("var", shared_var)):
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (channels,) or t.dtype != expected:
-                got = (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"bottleneck: batch_statistics {name} must be a ({channels},) {expected} "
-                                 f"tensor, got {got}")
+            _check_tensor(f"batch_statistics {name}", t, first.device, channels)
+            if t.dtype != expected:
+                raise TypeError(f"bottleneck: batch_statistics {name} must be {expected} for {first.dtype} "
+                                f"features, got {t.dtype}")
     for name, t in (("weight", weight), ("bias", bias), ("running_mean", running_mean), ("running_var", running_var)):
-        if t is not None and tuple(t.shape) != (channels,):
-            raise ValueError(f"bottleneck: {name} must have shape ({channels},), got {tuple(t.shape)}")
+        if t is not None:
+            _check_tensor(name, t, first.device, channels)
     if (running_mean is None) != (running_var is None):
         raise ValueError("bottleneck: running_mean and running_var must both be tensors or both be None")
+    if num_batches_tracked is not None:
+        if not isinstance(num_batches_tracked, torch.Tensor) or num_batches_tracked.is_floating_point() \
+                or num_batches_tracked.is_complex() or num_batches_tracked.dtype == torch.bool:
+            got = num_batches_tracked.dtype if isinstance(num_batches_tracked, torch.Tensor) \
+                else type(num_batches_tracked).__name__
+            raise TypeError(f"bottleneck: num_batches_tracked must be an integer tensor (BatchNorm's int64 "
+                            f"counter) or None, got {got}")
+        if num_batches_tracked.numel() != 1 or num_batches_tracked.device != first.device:
+            raise ValueError(f"bottleneck: num_batches_tracked must be one value on {first.device}, got shape "
+                             f"{tuple(num_batches_tracked.shape)} on {num_batches_tracked.device}")
     if momentum is not None and (isinstance(momentum, bool) or not isinstance(momentum, (int, float))):
         raise TypeError(f"bottleneck: momentum must be a float or None, got {type(momentum).__name__}")
     if momentum is None and training and running_mean is not None and num_batches_tracked is None:
         raise ValueError("bottleneck: momentum=None (cumulative average) needs num_batches_tracked")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps < 0:
-        raise ValueError(f"bottleneck: eps must be a non-negative float, got {eps!r}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"bottleneck: eps must be a float, got {type(eps).__name__}")
+    if not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"bottleneck: eps must be a finite non-negative float, got {eps!r}")
     return _Bottleneck.apply(weight, bias, running_mean, running_var, num_batches_tracked, conv_weight,
                              bool(training), None if momentum is None else float(momentum), float(eps), padding,
                              shared_mean, shared_var, *features)
