@@ -805,6 +805,33 @@ def test_triton_fp16_grad_input_is_rounded_once(triton_device, poisoned_outputs,
     assert error.max() < 1e-3, error.max()
 
 
+def test_triton_tables_merge_a_block_buffer_and_are_cached(triton_device):
+    """A dense block's maps are adjacent channel slices of its buffer: one
+    table row, full K tiles (growth rate 12: 3 tiles for 36 channels, not
+    one per map), the same results as separate maps, and a second call with
+    the same maps reuses the device tables (no host-to-device copy)."""
+    from effilayers.kernels import densenet as kernels
+
+    features, vectors, conv_weight = _op_case(triton_device, torch.float32, "channels_last", channels=(12, 12, 12),
+                                              c_out=8)
+    slices = _buffer_slices(features)
+    assert len(kernels._rows(slices)) == 1 and len(kernels._rows(features)) == 3
+    table, tiles, num_tiles = kernels._tables(slices)
+    assert num_tiles == 2 and kernels._tables(features)[2] == 3
+    assert kernels._tables(slices)[0] is table and kernels._tables(list(slices))[1] is tiles
+    grad_out = torch.randn(2, 8, 7, 5, generator=torch.Generator().manual_seed(1)).to(triton_device)
+    expected = _op_reference(features, vectors, conv_weight, grad_out, True)
+    for maps in (slices, features):
+        out = densenet_ops._forward_op(maps, *vectors, conv_weight, 0)
+        grads = densenet_ops._backward_op(grad_out, maps, *vectors, conv_weight, True, True, True, 0)
+        for name, got, want in zip(["out", "grad_input", "grad_bias", "grad_weight", "grad_conv"], [out, *grads],
+                                   expected):
+            torch.testing.assert_close(got.double().cpu(), want, msg=name, **OP_TOLERANCES[torch.float32])
+    # The same maps in another buffer: another table.
+    moved = _buffer_slices(features)
+    assert len(kernels._rows(moved)) == 1 and kernels._tables(moved)[0] is not table
+
+
 def test_tf32_follows_cudnn_convolution_flags():
     """The Triton GEMMs may use TF32 exactly when PyTorch's cuDNN convolutions
     may, whichever API set it (the legacy flag raised on a read once conv and

@@ -11,7 +11,14 @@ The list of maps arrives as a table, one int64 row per map:
 ``(data pointer, channels, first channel in the concatenation, stride of n,
 stride of c, stride of h*w)``. Any layout whose h and w merge into one stride
 works, so NCHW and channels_last maps are read in place; the K loop runs over
-a second table of (map, first channel) tiles built on the host.
+a second table of (map, first channel) tiles built on the host. Maps that
+lie next to each other in one buffer (a dense block's block buffer) share a
+row, and recent tables stay on the device (``_tables``).
+
+Not supported: CUDA graph capture. A table the cache does not hold is
+copied from the host during the call, which a capturing stream does not
+allow, and a graph captured on cached tables would go on reading them after
+the cache let them go.
 
 Kernels:
 
@@ -40,13 +47,17 @@ Accumulation is float32 throughout; ``tl.dot`` takes the maps' dtype (fp16,
 bf16, or fp32 as TF32 when torch allows TF32 convolutions, as cuDNN would).
 Block sizes: 64 pixels x 64 output channels x 32 input channels keeps the
 three tiles of a float32 dot (8 KB + 8 KB + 16 KB accumulator) in registers
-of 4 warps; DenseNet's bottleneck has 128 output channels (2 tiles) and its
-maps have 32 channels each (one K tile per map). They are untuned: no GPU
-was available when this was written, so no block size was measured.
+of 4 warps; DenseNet's bottleneck has 128 output channels (2 tiles), and a
+block's maps form one row, so only the last K tile of a layer is partly
+padding. Maps passed as separate tensors (not in a block buffer) pad each
+map to a multiple of 32 channels: at growth rate 12 most of each tile. The
+sizes are untuned: no GPU was available when this was written, so no
+block size was measured.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Optional, Sequence
 
 import torch
@@ -252,18 +263,60 @@ def _pixel_strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(3)
 
 
-def _tables(features: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
-    rows, tiles, first = [], [], 0
-    for index, feature in enumerate(features):
-        stride_n, stride_c, stride_hw = _pixel_strides(feature)
+def _rows(features: Sequence[torch.Tensor]) -> list[tuple[int, int, int, int, int, int]]:
+    """The map table's rows, one per run of maps that lie next to each other
+    in one buffer with the same strides (a dense block's maps are channel
+    slices of its block buffer, so a whole block is one row): the K loop
+    then walks full BLOCK_K tiles across map boundaries instead of padding
+    every map to a multiple of BLOCK_K (a growth rate of 12 filled 12/32 of
+    each tile)."""
+    rows: list[list[int]] = []
+    first = 0
+    for feature in features:
+        strides = _pixel_strides(feature)
         channels = feature.shape[1]
-        rows.append([feature.data_ptr(), channels, first, stride_n, stride_c, stride_hw])
-        tiles.extend([index, start] for start in range(0, channels, BLOCK_K))
+        if rows:
+            pointer, run_channels, _, *run_strides = rows[-1]
+            follows = feature.data_ptr() == pointer + run_channels * strides[1] * feature.element_size()
+            if follows and tuple(run_strides) == strides:
+                rows[-1][1] += channels
+                first += channels
+                continue
+        rows.append([feature.data_ptr(), channels, first, *strides])
         first += channels
+    return [tuple(row) for row in rows]
+
+
+# Device copies of recent tables, keyed by everything they hold (pointers,
+# channels, strides) plus device and stream, so an entry is correct for any
+# call that finds it: in a training loop the caching allocator hands the
+# block buffers the same addresses step after step, and the two host-to-device
+# copies per call (each a pageable copy the host waits for) happen only on
+# the first step. The stream is part of the key so that a table is only ever
+# read on the stream it was allocated on (the allocator's reuse after
+# eviction is ordered on that stream).
+_TABLE_CACHE: "OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor, int]]" = OrderedDict()
+_TABLE_CACHE_ENTRIES = 256
+
+
+def _tables(features: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(map table, tile table, number of tiles) on the maps' device."""
+    rows = _rows(features)
     device = features[0].device
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream, BLOCK_K, tuple(rows))
+    cached = _TABLE_CACHE.get(key)
+    if cached is not None:
+        _TABLE_CACHE.move_to_end(key)
+        return cached
+    tiles = [(index, start) for index, row in enumerate(rows) for start in range(0, row[1], BLOCK_K)]
     table = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
     tile_table = torch.tensor(tiles, dtype=torch.int64).to(device, non_blocking=True)
-    return table, tile_table, len(tiles)
+    entry = (table, tile_table, len(tiles))
+    _TABLE_CACHE[key] = entry
+    if len(_TABLE_CACHE) > _TABLE_CACHE_ENTRIES:
+        _TABLE_CACHE.popitem(last=False)
+    return entry
 
 
 def _pixel_splits(device: torch.device, rows: int, programs: int) -> int:
