@@ -76,7 +76,12 @@ def layout_of(first: torch.Tensor) -> torch.memory_format:
     the concatenation) on every backend and in the fake kernels: the first
     map's ``Tensor.suggest_memory_format()``, so that a channels_last map
     that is not dense (a channel slice of a block buffer) still gives
-    channels_last outputs."""
+    channels_last outputs. (Dense tensors take two C++ checks first: the
+    Python ``suggest_memory_format`` costs ~20 us, several times per call.)"""
+    if first.is_contiguous():
+        return torch.contiguous_format
+    if first.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
     return suggest_memory_format(first)
 
 
