@@ -127,6 +127,17 @@ def _check_drop_rate(value: Any, owner: str = "DenseNet") -> float:
     return float(value)
 
 
+def _check_layer_arguments(owner: str, num_input_features: Any, growth_rate: Any, bn_size: Any, drop_rate: Any,
+                           memory_efficient: Any, norm_act: Any) -> float:
+    """The checks a dense layer and a dense block share; returns drop_rate as a float."""
+    _positive_int(num_input_features, "num_input_features", owner)
+    _positive_int(growth_rate, "growth_rate", owner)
+    _positive_int(bn_size, "bn_size", owner)
+    _check_bool(memory_efficient, "memory_efficient", owner)
+    _check_norm_act(norm_act, owner)
+    return _check_drop_rate(drop_rate, owner)
+
+
 def _uses_batch_statistics(norm: nn.BatchNorm2d) -> bool:
     # BatchNorm2d's own rule: batch statistics in training, and always when
     # it keeps no running statistics.
@@ -173,12 +184,8 @@ class DenseLayer(nn.Module):
     def __init__(self, num_input_features: int, growth_rate: int, bn_size: int, drop_rate: float,
                  memory_efficient: bool = True, norm_act: str = "plain") -> None:
         super().__init__()
-        _positive_int(num_input_features, "num_input_features", "DenseLayer")
-        _positive_int(growth_rate, "growth_rate", "DenseLayer")
-        _positive_int(bn_size, "bn_size", "DenseLayer")
-        drop_rate = _check_drop_rate(drop_rate, "DenseLayer")
-        _check_bool(memory_efficient, "memory_efficient", "DenseLayer")
-        _check_norm_act(norm_act, "DenseLayer")
+        drop_rate = _check_layer_arguments("DenseLayer", num_input_features, growth_rate, bn_size, drop_rate,
+                                           memory_efficient, norm_act)
         inner = bn_size * growth_rate
         self.norm1 = nn.BatchNorm2d(num_input_features)
         self.relu1 = nn.ReLU(inplace=True)
@@ -296,12 +303,8 @@ class DenseBlock(nn.ModuleDict):
                  drop_rate: float, memory_efficient: bool = True, norm_act: str = "plain") -> None:
         super().__init__()
         _positive_int(num_layers, "num_layers", "DenseBlock")
-        _positive_int(num_input_features, "num_input_features", "DenseBlock")
-        _positive_int(bn_size, "bn_size", "DenseBlock")
-        _positive_int(growth_rate, "growth_rate", "DenseBlock")
-        drop_rate = _check_drop_rate(drop_rate, "DenseBlock")
-        _check_bool(memory_efficient, "memory_efficient", "DenseBlock")
-        _check_norm_act(norm_act, "DenseBlock")
+        drop_rate = _check_layer_arguments("DenseBlock", num_input_features, growth_rate, bn_size, drop_rate,
+                                           memory_efficient, norm_act)
         for i in range(num_layers):
             self[f"denselayer{i + 1}"] = DenseLayer(num_input_features + i * growth_rate, growth_rate, bn_size,
                                                     drop_rate, memory_efficient, norm_act)
