@@ -68,6 +68,16 @@ class _CheckpointedLayer(DenseLayer):
         return out
 
 
+def checkpointed(model):
+    """``model`` (built with ``memory_efficient=False``) with every dense
+    layer's bottleneck under checkpointing, in place; tests/test_densenet.py
+    uses it to show the second running-statistics update."""
+    for module in model.modules():
+        if isinstance(module, DenseLayer):
+            module.__class__ = _CheckpointedLayer
+    return model
+
+
 def build(variant: str):
     torch.manual_seed(0)
     if variant == "torch-naive":
@@ -76,11 +86,7 @@ def build(variant: str):
         model = _torchvision_densenet121()
         if model is not None:
             return model
-        model = densenet121(memory_efficient=False)
-        for module in model.modules():
-            if isinstance(module, DenseLayer):
-                module.__class__ = _CheckpointedLayer
-        return model
+        return checkpointed(densenet121(memory_efficient=False))
     if variant == "effilayers":
         return densenet121(memory_efficient=True)
     return densenet121(memory_efficient=True, norm_act="inplace")

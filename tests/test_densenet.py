@@ -5,9 +5,11 @@ activation memory the recomputation saves."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import re
+from collections import OrderedDict
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,37 @@ from .conftest import BACKEND_PARAMS, TRITON_PARAMS, activate_backend, forced_ba
 
 KEYS = json.loads((Path(__file__).parent / "data" / "torchvision_state_dict_keys.json").read_text())
 TORCHVISION_DENSENETS = ["densenet121", "densenet161", "densenet169", "densenet201"]
+
+# fp32 precision keys of torch >= 2.9 (parents first: setting one also sets its children).
+_PRECISION_KEYS = [("generic", "all"), ("cuda", "all"), ("cuda", "conv"), ("cuda", "rnn"), ("cuda", "matmul")]
+
+
+@contextlib.contextmanager
+def _restored_tf32_flags():
+    """Puts cuDNN's and cuBLAS's TF32 flags (the legacy booleans and the
+    fp32_precision tree) back as they were on exit."""
+    legacy = torch._C._get_cudnn_allow_tf32(), torch._C._get_cublas_allow_tf32()
+    getter = getattr(torch._C, "_get_fp32_precision_getter", None)
+    precisions = [getter(*key) for key in _PRECISION_KEYS] if getter is not None else []
+    try:
+        yield
+    finally:
+        torch._C._set_cudnn_allow_tf32(legacy[0])
+        torch._C._set_cublas_allow_tf32(legacy[1])
+        for key, precision in zip(_PRECISION_KEYS, precisions):
+            torch._C._set_fp32_precision_setter(*key, precision)
+
+
+@pytest.fixture(autouse=True)
+def _full_float32():
+    """No TF32 in any test here unless it asks (test_tf32_*): PyTorch's cuDNN
+    convolutions, and the Triton kernels that follow the same flag, round
+    float32 inputs to TF32 by default on a GPU, ~1e-3 off where the float32
+    checks below allow ~1e-4. (No effect on CPU.)"""
+    with _restored_tf32_flags():
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+        yield
 
 
 def _bottleneck_inputs(channels, dtype=torch.float64, seed=0, size=(3, 4, 5), kernel=1):
@@ -152,30 +185,62 @@ def test_bottleneck_keeps_only_its_inputs_and_statistics():
     del out
 
 
-@pytest.mark.parametrize(
-    "call, error",
-    [
-        (lambda f, w: bottleneck([], None, None, None, None, w, True), ValueError),
-        (lambda f, w: bottleneck([f, "x"], None, None, None, None, w, True), TypeError),
-        (lambda f, w: bottleneck([f], None, None, None, None, w[:, :2], True), ValueError),
-        (lambda f, w: bottleneck([f, f[:1]], None, None, None, None, w, True), ValueError),
-        (lambda f, w: bottleneck([f], None, None, torch.zeros(3), None, w, True), ValueError),
-        (lambda f, w: bottleneck([f], None, None, torch.zeros(3), torch.ones(3), w, True, None), ValueError),
-        (lambda f, w: bottleneck([f[:1, :, :1, :1]], None, None, None, None, w, True), ValueError),
-        (lambda f, w: bottleneck([f], None, None, None, None, w, True, padding=-1), ValueError),
-        (lambda f, w: bottleneck([f], None, None, None, None, w, True, batch_statistics=torch.zeros(3)), TypeError),
-        (lambda f, w: bottleneck([f], None, None, None, None, w, True,
-                                 batch_statistics=(torch.zeros(2), torch.ones(2))), ValueError),
-        (lambda f, w: bottleneck([f], None, None, None, None, w, True,
-                                 batch_statistics=(torch.zeros(3, dtype=torch.float64), torch.ones(3))), ValueError),
-    ],
-    ids=["empty", "not-a-tensor", "conv-shape", "batch-mismatch", "half-running", "cumulative-no-counter",
-         "one-value-per-channel", "negative-padding", "statistics-not-a-pair", "statistics-shape",
-         "statistics-dtype"],
-)
-def test_bottleneck_rejects_bad_arguments(call, error):
-    with pytest.raises(error):
-        call(torch.randn(2, 3, 4, 4), torch.randn(5, 3, 1, 1))
+def _running(**more):
+    return dict(running_mean=torch.zeros(3), running_var=torch.ones(3), **more)
+
+
+def _long(*shape):
+    return torch.zeros(shape, dtype=torch.long)
+
+
+# (changes to a valid call, given its features f and conv weight w; error; match)
+BAD_BOTTLENECK_ARGUMENTS = {
+    "empty": (lambda f, w: dict(features=[]), ValueError, "at least one tensor"),
+    "not-a-tensor": (lambda f, w: dict(features=[f, "x"]), TypeError, r"features\[1\] must be a torch.Tensor"),
+    "integer-features": (lambda f, w: dict(features=[f.long()]), TypeError, "floating-point tensors, got torch.int64"),
+    "mixed-dtypes": (lambda f, w: dict(features=[f, f.double()]), TypeError, r"features\[0\]'s dtype and device"),
+    "batch-mismatch": (lambda f, w: dict(features=[f, f[:1]]), ValueError, "same N, H, W"),
+    "one-value-per-channel": (lambda f, w: dict(features=[f[:1, :, :1, :1]]), ValueError, "more than one value"),
+    "conv-shape": (lambda f, w: dict(conv_weight=w[:, :2]), ValueError, r"conv_weight must be \(C_out, 3, kH, kW\)"),
+    "conv-not-a-tensor": (lambda f, w: dict(conv_weight=w.numpy()), TypeError, "conv_weight must be a torch.Tensor"),
+    "conv-integer": (lambda f, w: dict(conv_weight=w.long()), TypeError, "conv_weight must be a floating-point"),
+    "conv-device": (lambda f, w: dict(conv_weight=w.to("meta")), ValueError, "conv_weight is on meta"),
+    "weight-integer": (lambda f, w: dict(weight=_long(3)), TypeError, "weight must be a floating-point"),
+    "weight-list": (lambda f, w: dict(weight=[1.0] * 3), TypeError, "weight must be a torch.Tensor"),
+    "bias-shape": (lambda f, w: dict(bias=torch.zeros(4)), ValueError, r"bias must have shape \(3,\)"),
+    "half-running": (lambda f, w: dict(running_mean=torch.zeros(3)), ValueError, "both be tensors or both"),
+    "running-integer": (lambda f, w: dict(running_mean=_long(3), running_var=torch.ones(3)), TypeError,
+                        "running_mean must be a floating-point"),
+    "counter-float": (lambda f, w: _running(num_batches_tracked=torch.tensor(0.0)), TypeError,
+                      "num_batches_tracked must be an integer tensor"),
+    "counter-int": (lambda f, w: _running(num_batches_tracked=3), TypeError,
+                    "num_batches_tracked must be an integer tensor"),
+    "counter-shape": (lambda f, w: _running(num_batches_tracked=_long(2)), ValueError,
+                      "num_batches_tracked must be one value"),
+    "cumulative-no-counter": (lambda f, w: _running(momentum=None), ValueError, "needs num_batches_tracked"),
+    "momentum-string": (lambda f, w: dict(momentum="0.1"), TypeError, "momentum must be a float"),
+    "eps-string": (lambda f, w: dict(eps="1e-5"), TypeError, "eps must be a float"),
+    "eps-negative": (lambda f, w: dict(eps=-1e-5), ValueError, "eps must be a finite non-negative"),
+    "eps-nan": (lambda f, w: dict(eps=float("nan")), ValueError, "eps must be a finite non-negative"),
+    "negative-padding": (lambda f, w: dict(padding=-1), ValueError, "padding must be non-negative"),
+    "padding-float": (lambda f, w: dict(padding=1.0), TypeError, "padding must be an int"),
+    "statistics-not-a-pair": (lambda f, w: dict(batch_statistics=torch.zeros(3)), TypeError, r"\(mean, var\) pair"),
+    "statistics-shape": (lambda f, w: dict(batch_statistics=(torch.zeros(2), torch.ones(2))), ValueError,
+                         r"batch_statistics mean must have shape \(3,\)"),
+    "statistics-dtype": (lambda f, w: dict(batch_statistics=(torch.zeros(3).double(), torch.ones(3))), TypeError,
+                         "batch_statistics mean must be torch.float32"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_BOTTLENECK_ARGUMENTS))
+def test_bottleneck_rejects_bad_arguments(case):
+    changes, error, match = BAD_BOTTLENECK_ARGUMENTS[case]
+    features, conv_weight = torch.randn(2, 3, 4, 4), torch.randn(5, 3, 1, 1)
+    arguments = dict(features=[features], weight=None, bias=None, running_mean=None, running_var=None,
+                     conv_weight=conv_weight, training=True)
+    arguments.update(changes(features, conv_weight))
+    with pytest.raises(error, match=match):
+        bottleneck(**arguments)
 
 
 # ---- the model: memory_efficient against the plain path ------------------------------------------
@@ -234,6 +299,32 @@ def test_gradients_match_the_plain_model_float32():
     _assert_same(efficient, naive, x, rtol=1e-4, atol=1e-5)
 
 
+def test_fp16_model_is_as_accurate_as_the_naive_fp16_model():
+    """fp16 on CPU against the naive model in float64. Both fp16 models are
+    far from float64 here (relative L2 error: output ~1e-3, all parameter
+    gradients together ~0.5 %, input gradient 5-13 %: BatchNorm's backward
+    over few values per channel, layer after layer), so the bound is
+    relative to the naive fp16 model's own error. Measured, seeds 0-3: the
+    memory-efficient model's error is 0.52x to 1.12x the naive one's."""
+    options = dict(growth_rate=4, block_config=(2, 3), num_init_features=8, bn_size=2, num_classes=5,
+                   small_inputs=True)
+    efficient, naive = _pair(**options)
+    x = torch.randn(4, 3, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    expected = _forward_backward(naive, x)
+
+    def errors(model):
+        out, grad_x, grads = _forward_backward(copy.deepcopy(model).half(), x.half())
+        assert out.dtype == grad_x.dtype == torch.float16
+        got = [out, grad_x, torch.cat([grads[k].flatten() for k in grads])]
+        want = [expected[0], expected[1], torch.cat([expected[2][k].flatten() for k in grads])]
+        return [((g.double() - w).norm() / w.norm()).item() for g, w in zip(got, want)]
+
+    efficient_errors, naive_errors = errors(efficient), errors(naive)
+    for name, ours, theirs in zip(["output", "input gradient", "parameter gradients"], efficient_errors,
+                                  naive_errors):
+        assert ours <= 2 * theirs, (name, ours, theirs)
+
+
 def test_dropout_is_identical_under_recomputation():
     # Dropout follows conv2, outside the recomputed bottleneck: one mask per
     # forward, drawn in the same order in both models.
@@ -244,7 +335,7 @@ def test_dropout_is_identical_under_recomputation():
 
 @pytest.mark.parametrize("momentum", [0.1, None], ids=["momentum", "cumulative"])
 def test_running_statistics_match_after_three_training_steps(momentum):
-    efficient, naive = _pair(dtype=torch.float32, small_inputs=True)
+    efficient, naive = _pair(small_inputs=True)
     for model in (efficient, naive):
         for module in model.modules():
             if isinstance(module, nn.BatchNorm2d):
@@ -252,7 +343,7 @@ def test_running_statistics_match_after_three_training_steps(momentum):
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (efficient, naive)]
     gen = torch.Generator().manual_seed(3)
     for _ in range(3):
-        x = torch.randn(4, 3, 16, 16, generator=gen)
+        x = torch.randn(4, 3, 16, 16, generator=gen, dtype=torch.float64)
         for model, optimizer in zip((efficient, naive), optimizers):
             optimizer.zero_grad()
             model(x).square().mean().backward()
@@ -263,7 +354,33 @@ def test_running_statistics_match_after_three_training_steps(momentum):
         if name.endswith("num_batches_tracked"):
             assert int(buffers_e[name]) == int(buffers_n[name]) == 3, name
         else:
-            torch.testing.assert_close(buffers_e[name], buffers_n[name], rtol=1e-4, atol=1e-5, msg=name)
+            assert buffers_e[name].dtype == torch.float64
+            torch.testing.assert_close(buffers_e[name], buffers_n[name], rtol=1e-9, atol=1e-11, msg=name)
+
+
+def test_checkpointing_updates_running_statistics_twice_and_recomputation_once():
+    """The README's claim: a bottleneck under torch.utils.checkpoint (the
+    construction bench_densenet.py times, as torchvision builds it) runs
+    norm1's training forward again in backward, so its num_batches_tracked
+    counts 2 per step and its running statistics move twice; the
+    recomputing Function updates them once, as the naive model does."""
+    from benchmarks.bench_densenet import checkpointed
+
+    efficient, naive = _pair(small_inputs=True)
+    checkpointing = checkpointed(copy.deepcopy(naive))
+    x = torch.randn(4, 3, 16, 16, dtype=torch.float64)
+    for model in (efficient, naive, checkpointing):
+        model.train()(x).square().mean().backward()
+    norms = {name: dict(model.named_buffers()) for name, model in
+             [("efficient", efficient), ("naive", naive), ("checkpointing", checkpointing)]}
+    norm1_counters = [k for k in norms["naive"] if k.endswith("norm1.num_batches_tracked")]
+    assert len(norm1_counters) == 5
+    for key in norm1_counters:
+        assert int(norms["naive"][key]) == int(norms["efficient"][key]) == 1, key
+        assert int(norms["checkpointing"][key]) == 2, key
+        mean = key.replace("num_batches_tracked", "running_mean")
+        torch.testing.assert_close(norms["efficient"][mean], norms["naive"][mean], rtol=1e-9, atol=1e-12)
+        assert not torch.allclose(norms["checkpointing"][mean], norms["naive"][mean], rtol=1e-3, atol=1e-6), mean
 
 
 # ---- state dicts ------------------------------------------------------------------------------
@@ -350,27 +467,88 @@ def test_legacy_checkpoint_keys_load():
     wrapper.load_state_dict({f"0.{k}": v for k, v in legacy.items()})
 
 
+@pytest.mark.parametrize("norm_act", ["plain", "inplace"])
+def test_recorded_legacy_densenet121_keys_load_strictly(norm_act):
+    """The old torchvision layout as recorded (tests/data, "how" says how it
+    was made): 'norm.1.weight'-style keys and no num_batches_tracked at all,
+    which the regex round trip above cannot show. A strict load fills the
+    counters (BatchNorm's own rule for pre-counter state dicts) and puts
+    every tensor where the current layout has it."""
+    recorded = json.loads((Path(__file__).parent / "data" / "torchvision_legacy_densenet121_keys.json").read_text())
+    legacy_keys = recorded["densenet121"]
+    assert "features.denseblock4.denselayer16.conv.2.weight" in legacy_keys
+    assert not any(k.endswith("num_batches_tracked") for k in legacy_keys)
+    torch.manual_seed(0)
+    source = models.densenet121()
+    current = [(k, v) for k, v in source.state_dict().items() if not k.endswith("num_batches_tracked")]
+    assert len(current) == len(legacy_keys)
+    # Paired by position: the recorded list keeps the current order.
+    legacy = OrderedDict((old, value) for old, (_, value) in zip(legacy_keys, current))
+    target = models.densenet121(norm_act=norm_act)
+    target.load_state_dict(legacy)  # strict
+    loaded = target.state_dict()
+    for key, value in current:
+        assert torch.equal(loaded[key], value), key
+    counters = [v for k, v in loaded.items() if k.endswith("num_batches_tracked")]
+    assert len(counters) == len(KEYS["densenet121"]) - len(legacy_keys)
+    assert all(int(c) == 0 for c in counters)
+
+
 @pytest.mark.parametrize(
-    "kwargs, error",
+    "kwargs, error, match",
     [
-        (dict(growth_rate=0), ValueError),
-        (dict(growth_rate=2.5), TypeError),
-        (dict(block_config=()), ValueError),
-        (dict(block_config=(2, 0)), ValueError),
-        (dict(block_config=3), TypeError),
-        (dict(drop_rate=1.0), ValueError),
-        (dict(drop_rate=-0.1), ValueError),
-        (dict(num_init_features=0), ValueError),
-        (dict(bn_size=-1), ValueError),
-        (dict(num_classes=0), ValueError),
-        (dict(memory_efficient="yes"), TypeError),
-        (dict(norm_act="abn"), ValueError),
-        (dict(norm_act=None), ValueError),
+        (dict(growth_rate=0), ValueError, "growth_rate must be positive, got 0"),
+        (dict(growth_rate=2.5), TypeError, "growth_rate must be an int, got float"),
+        (dict(block_config=()), ValueError, "block_config must name at least one dense block"),
+        (dict(block_config=(2, 0)), ValueError, r"block_config\[1\] must be positive"),
+        (dict(block_config=3), TypeError, "block_config must be a sequence of ints"),
+        (dict(drop_rate=1.0), ValueError, r"drop_rate must be in \[0, 1\), got 1.0"),
+        (dict(drop_rate=-0.1), ValueError, r"drop_rate must be in \[0, 1\)"),
+        (dict(drop_rate="0.1"), TypeError, "drop_rate must be a float, got str"),
+        (dict(num_init_features=0), ValueError, "num_init_features must be positive"),
+        (dict(bn_size=-1), ValueError, "bn_size must be positive"),
+        (dict(num_classes=0), ValueError, "num_classes must be positive"),
+        (dict(memory_efficient="yes"), TypeError, "memory_efficient must be a bool, got str"),
+        (dict(small_inputs=1), TypeError, "small_inputs must be a bool, got int"),
+        (dict(norm_act="abn"), ValueError, "norm_act must be one of 'plain', 'inplace', got 'abn'"),
+        (dict(norm_act=None), ValueError, "norm_act must be one of"),
     ],
 )
-def test_bad_arguments(kwargs, error):
-    with pytest.raises(error):
+def test_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=f"^DenseNet: {match}"):
         DenseNet(**kwargs)
+
+
+LAYER_ARGUMENTS = dict(num_input_features=8, growth_rate=4, bn_size=2, drop_rate=0.0)
+BLOCK_ARGUMENTS = dict(num_layers=2, **LAYER_ARGUMENTS)
+TRANSITION_ARGUMENTS = dict(num_input_features=8, num_output_features=4)
+
+
+@pytest.mark.parametrize(
+    "owner, defaults, change, error, match",
+    [
+        ("DenseLayer", LAYER_ARGUMENTS, dict(drop_rate=2.0), ValueError, r"drop_rate must be in \[0, 1\), got 2.0"),
+        ("DenseLayer", LAYER_ARGUMENTS, dict(growth_rate=0), ValueError, "growth_rate must be positive, got 0"),
+        ("DenseLayer", LAYER_ARGUMENTS, dict(bn_size=0), ValueError, "bn_size must be positive, got 0"),
+        ("DenseLayer", LAYER_ARGUMENTS, dict(num_input_features=2.0), TypeError, "num_input_features must be an int"),
+        ("DenseLayer", LAYER_ARGUMENTS, dict(memory_efficient="yes"), TypeError, "memory_efficient must be a bool"),
+        ("DenseLayer", LAYER_ARGUMENTS, dict(norm_act="abn"), ValueError, "norm_act must be one of"),
+        ("DenseBlock", BLOCK_ARGUMENTS, dict(num_layers=0), ValueError, "num_layers must be positive, got 0"),
+        ("DenseBlock", BLOCK_ARGUMENTS, dict(drop_rate=2.0), ValueError, r"drop_rate must be in \[0, 1\)"),
+        ("DenseBlock", BLOCK_ARGUMENTS, dict(growth_rate=0), ValueError, "growth_rate must be positive"),
+        ("DenseBlock", BLOCK_ARGUMENTS, dict(memory_efficient=1), TypeError, "memory_efficient must be a bool"),
+        ("Transition", TRANSITION_ARGUMENTS, dict(num_output_features=0), ValueError,
+         "num_output_features must be positive"),
+        ("Transition", TRANSITION_ARGUMENTS, dict(num_input_features=None), TypeError,
+         "num_input_features must be an int, got NoneType"),
+        ("Transition", TRANSITION_ARGUMENTS, dict(memory_efficient="yes"), TypeError,
+         "memory_efficient must be a bool"),
+    ],
+)
+def test_building_blocks_reject_bad_arguments(owner, defaults, change, error, match):
+    cls = getattr(models.densenet, owner)
+    with pytest.raises(error, match=f"^{owner}: {match}"):
+        cls(**dict(defaults, **change))
 
 
 def test_builders_reject_weights_and_other_architectures():
@@ -456,6 +634,24 @@ def test_statistics_are_computed_once_per_feature_map(monkeypatch):
     assert sorted(reduced) == sorted([start] + [growth] * (layers - 1) + [bn_size * growth] * layers)
 
 
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_forward_without_autograd_matches_the_naive_model(mode, training):
+    """Inference tensors have no version counter: the block buffer must not
+    watch its output there (it raised "Inference tensors do not track version
+    counter"). Training mode still updates the running statistics once."""
+    efficient, naive = _pair(small_inputs=True)
+    efficient.train(training)
+    naive.train(training)
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    context = torch.inference_mode if mode == "inference_mode" else torch.no_grad
+    with context():
+        out_e, out_n = efficient(x), naive(x)
+    torch.testing.assert_close(out_e, out_n, rtol=1e-9, atol=1e-10)
+    for (name, a), b in zip(efficient.named_buffers(), naive.buffers()):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=name)
+
+
 def test_double_backward_raises():
     from effilayers.models import DenseNet
 
@@ -490,7 +686,8 @@ def poisoned_outputs(monkeypatch):
     except ImportError:
         return
     original = kernels._output_like
-    monkeypatch.setattr(kernels, "_output_like", lambda first, channels: original(first, channels).fill_(float("nan")))
+    monkeypatch.setattr(kernels, "_output_like",
+                        lambda first, channels, dtype=None: original(first, channels, dtype).fill_(float("nan")))
 
 
 def _op_case(device, dtype, layout, channels=(8, 37, 5), size=(2, 7, 5), seed=0, c_out=70):
@@ -526,26 +723,42 @@ def _op_reference(features, vectors, conv_weight, grad_out, batch_stats, padding
     return out, x.grad, bias.grad, weight.grad, cw.grad
 
 
-OP_TOLERANCES = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.float16: dict(rtol=1e-2, atol=2e-2)}
+OP_TOLERANCES = {torch.float32: dict(rtol=1e-4, atol=1e-4)}
+# fp16/bf16: the error comes from rounding the GEMMs' inputs (y, dy) and the
+# outputs, so it scales with a tensor's largest values rather than with each
+# element: |error| <= rtol * |expected| + scaled_atol * max |expected|.
+# Measured on _op_case (6 seeds x 2 layouts x 2 statistics; reference, cpp,
+# Triton under the interpreter in fp16): at most 0.96 of (2e-3, 3e-4) in fp16
+# and 0.81 of (1.6e-2, 2e-3) in bf16. The bounds leave ~2.5x.
+LOW_PRECISION_TOLERANCES = {torch.float16: (2e-3, 8e-4), torch.bfloat16: (1.6e-2, 5e-3)}
+
+
+def _op_tolerance(dtype, expected):
+    if dtype in LOW_PRECISION_TOLERANCES:
+        rtol, scaled_atol = LOW_PRECISION_TOLERANCES[dtype]
+        return dict(rtol=rtol, atol=scaled_atol * expected.abs().max().item())
+    return OP_TOLERANCES[dtype]
 
 
 @pytest.mark.parametrize("batch_stats", [True, False], ids=["batch-stats", "running-stats"])
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 def test_pointwise_ops_match_float64(op_device, poisoned_outputs, dtype, layout, batch_stats):
+    if dtype == torch.bfloat16 and op_device.type == "cpu" \
+            and effilayers.backends.choice("dense_bottleneck_forward", "cpu").backend == "triton":
+        pytest.skip("the Triton interpreter has no bf16 arithmetic (bf16 Triton runs on the GPU)")
     features, vectors, conv_weight = _op_case(op_device, dtype, layout)
     grad_out = torch.randn(2, 70, 7, 5, generator=torch.Generator().manual_seed(1)).to(op_device, dtype)
     out = densenet_ops._forward_op(features, *vectors, conv_weight, 0)
     grad_input, grad_bias, grad_weight, grad_conv = densenet_ops._backward_op(
         grad_out, features, *vectors, conv_weight, batch_stats, True, True, 0)
     expected = _op_reference(features, vectors, conv_weight, grad_out, batch_stats)
-    tolerance = OP_TOLERANCES[dtype]
     assert out.dtype == dtype and grad_input.dtype == dtype and grad_conv.dtype == dtype
     if layout == "channels_last":
         assert out.is_contiguous(memory_format=torch.channels_last)
     for name, got, want in zip(["out", "grad_input", "grad_bias", "grad_weight", "grad_conv"],
                                [out, grad_input, grad_bias, grad_weight, grad_conv], expected):
-        torch.testing.assert_close(got.double().cpu(), want, msg=name, **tolerance)
+        torch.testing.assert_close(got.double().cpu(), want, msg=name, **_op_tolerance(dtype, want))
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
@@ -577,6 +790,132 @@ def test_pointwise_ops_skip_what_is_not_asked_for(op_device):
     assert grad_input.shape == (2, 50, 7, 5) and grad_conv.numel() == 0
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_triton_fp16_grad_input_is_rounded_once(triton_device, poisoned_outputs, layout):
+    """dx = scale * (dz - mean(dz) - x_hat * mean(dz * x_hat)) cancels on
+    small elements, so dz stays float32 until dx is rounded to fp16: every
+    element within about one fp16 rounding of float64. Measured (this case,
+    interpreter, both layouts): max |error| / (|expected| + 1e-3 max
+    |expected|) 4.8e-4; the kernel that stored dz in fp16 reached 1.6e-2."""
+    features, vectors, conv_weight = _op_case(triton_device, torch.float16, layout)
+    grad_out = torch.randn(2, 70, 7, 5, generator=torch.Generator().manual_seed(1)).to(triton_device, torch.float16)
+    grad_input = densenet_ops._backward_op(grad_out, features, *vectors, conv_weight, True, True, False, 0)[0]
+    expected = _op_reference(features, vectors, conv_weight, grad_out, True)[1]
+    error = (grad_input.double().cpu() - expected).abs() / (expected.abs() + 1e-3 * expected.abs().max())
+    assert error.max() < 1e-3, error.max()
+
+
+def test_triton_tables_merge_a_block_buffer_and_are_cached(triton_device):
+    """A dense block's maps are adjacent channel slices of its buffer: one
+    table row, full K tiles (growth rate 12: 3 tiles for 36 channels, not
+    one per map), the same results as separate maps, and a second call with
+    the same maps reuses the device tables (no host-to-device copy)."""
+    from effilayers.kernels import densenet as kernels
+
+    features, vectors, conv_weight = _op_case(triton_device, torch.float32, "channels_last", channels=(12, 12, 12),
+                                              c_out=8)
+    slices = _buffer_slices(features)
+    assert len(kernels._rows(slices)) == 1 and len(kernels._rows(features)) == 3
+    table, tiles, num_tiles = kernels._tables(slices)
+    assert num_tiles == 2 and kernels._tables(features)[2] == 3
+    assert kernels._tables(slices)[0] is table and kernels._tables(list(slices))[1] is tiles
+    grad_out = torch.randn(2, 8, 7, 5, generator=torch.Generator().manual_seed(1)).to(triton_device)
+    expected = _op_reference(features, vectors, conv_weight, grad_out, True)
+    for maps in (slices, features):
+        out = densenet_ops._forward_op(maps, *vectors, conv_weight, 0)
+        grads = densenet_ops._backward_op(grad_out, maps, *vectors, conv_weight, True, True, True, 0)
+        for name, got, want in zip(["out", "grad_input", "grad_bias", "grad_weight", "grad_conv"], [out, *grads],
+                                   expected):
+            torch.testing.assert_close(got.double().cpu(), want, msg=name, **OP_TOLERANCES[torch.float32])
+    # The same maps in another buffer: another table.
+    moved = _buffer_slices(features)
+    assert len(kernels._rows(moved)) == 1 and kernels._tables(moved)[0] is not table
+
+
+def test_tf32_follows_cudnn_convolution_flags():
+    """The Triton GEMMs may use TF32 exactly when PyTorch's cuDNN convolutions
+    may, whichever API set it (the legacy flag raised on a read once conv and
+    rnn had different new-API settings)."""
+    kernels = pytest.importorskip("effilayers.kernels.densenet")
+    torch.backends.cudnn.allow_tf32 = True
+    assert kernels._allow_tf32(torch.float32) and not kernels._allow_tf32(torch.float16)
+    assert not kernels._allow_tf32(torch.bfloat16)
+    torch.backends.cudnn.allow_tf32 = False
+    assert not kernels._allow_tf32(torch.float32)
+    if not hasattr(getattr(torch.backends.cudnn, "conv", None), "fp32_precision"):
+        return  # torch < 2.9: the legacy flag is the only one
+    torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cudnn.conv.fp32_precision = "ieee"  # rnn still tf32: a legacy read raises
+    assert not kernels._allow_tf32(torch.float32)
+    torch.backends.cudnn.conv.fp32_precision = "tf32"
+    assert kernels._allow_tf32(torch.float32)
+    torch.backends.cudnn.conv.fp32_precision = "none"  # defers to cuDNN's, then the generic setting
+    torch.backends.cudnn.fp32_precision = "none"
+    torch.backends.fp32_precision = "ieee"
+    assert not kernels._allow_tf32(torch.float32)
+    torch.backends.fp32_precision = "tf32"
+    assert kernels._allow_tf32(torch.float32)
+
+
+class _LaunchSpy:
+    """Stands in for a Triton kernel and records the ALLOW_TF32 of each launch."""
+
+    def __init__(self, kernel, seen):
+        self.kernel, self.seen = kernel, seen
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            self.seen.append(kwargs["ALLOW_TF32"])
+            return launch(*args, **kwargs)
+        return run
+
+
+@pytest.fixture(params=TRITON_PARAMS)
+def triton_device(request):
+    yield from forced_backend(request, "dense_bottleneck_forward")
+
+
+# TF32 rounds each GEMM input to 10 mantissa bits. Measured by emulating it
+# on CPU for _op_case (float64 GEMMs over inputs rounded as the interpreter's
+# _round_f32_to_tf32 rounds, 5 seeds): max |error| / max |expected| per
+# output 3.5e-4 (out) to 5.7e-4 (grad_bias); the bound leaves ~7x.
+TF32_SCALED_ATOL = 4e-3
+
+
+@pytest.mark.parametrize("tf32", [False, True], ids=["ieee", "tf32"])
+def test_triton_precision_follows_the_flag(triton_device, monkeypatch, tf32):
+    """Each Triton GEMM gets ALLOW_TF32 from the cuDNN flag (fp32 only) and
+    meets float64 at the precision it allows. Under the interpreter both
+    branches compute in full float32 (it ignores input_precision), so there
+    this checks the decision and that the ieee branch runs; on a GPU the TF32
+    branch is held to TF32's bound and the ieee one to float32's."""
+    from effilayers.kernels import densenet as kernels
+
+    seen = []
+    for name in ("_forward", "_grad_input", "_grad_weight"):
+        monkeypatch.setattr(kernels, name, _LaunchSpy(getattr(kernels, name), seen))
+    torch.backends.cudnn.allow_tf32 = tf32
+    features, vectors, conv_weight = _op_case(triton_device, torch.float32, "channels_last")
+    grad_out = torch.randn(2, 70, 7, 5, generator=torch.Generator().manual_seed(1)).to(triton_device)
+    out = densenet_ops._forward_op(features, *vectors, conv_weight, 0)
+    grads = densenet_ops._backward_op(grad_out, features, *vectors, conv_weight, True, True, True, 0)
+    assert seen == [tf32] * 3
+    expected = _op_reference(features, vectors, conv_weight, grad_out, True)
+    for name, got, want in zip(["out", "grad_input", "grad_bias", "grad_weight", "grad_conv"], [out, *grads],
+                               expected):
+        if tf32 and triton_device.type == "cuda":
+            tolerance = dict(rtol=0, atol=TF32_SCALED_ATOL * want.abs().max().item())
+        else:
+            tolerance = OP_TOLERANCES[torch.float32]
+        torch.testing.assert_close(got.double().cpu(), want, msg=name, **tolerance)
+    seen.clear()
+    half = _op_case(triton_device, torch.float16, "contiguous")
+    densenet_ops._forward_op(*half[:1], *half[1], half[2], 0)
+    assert seen == [False]  # fp16 GEMMs never take the TF32 flag
+
+
 MODEL_BACKENDS = [
     pytest.param(("cpp", "cpu"), id="cpp-cpu"),
     pytest.param(("reference", "cpu"), id="reference-cpu"),
@@ -596,30 +935,82 @@ def model_device(request):
         context.__exit__(None, None, None)
 
 
-def test_model_on_the_pointwise_backend_matches_the_naive_model(model_device):
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_model_on_the_pointwise_backend_matches_the_naive_model(model_device, layout):
     """memory_efficient DenseNet with its 1x1 ops on this backend against the
-    plain model (float32; the naive model runs PyTorch's own kernels)."""
+    plain model (float32; the naive model runs PyTorch's own kernels), NCHW
+    and channels_last (where the first layer of every block reads a
+    non-dense channels_last slice of the block buffer)."""
     op_device = model_device
+    memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
     torch.manual_seed(0)
     options = dict(growth_rate=4, block_config=(2, 2), num_init_features=8, bn_size=2, num_classes=5,
                    small_inputs=True)
-    efficient = DenseNet(memory_efficient=True, **options).to(op_device)
-    naive = DenseNet(memory_efficient=False, **options).to(op_device)
+    efficient = DenseNet(memory_efficient=True, **options).to(op_device, memory_format=memory_format)
+    naive = DenseNet(memory_efficient=False, **options).to(op_device, memory_format=memory_format)
     naive.load_state_dict(efficient.state_dict())
-    x = torch.randn(3, 3, 12, 12, device=op_device)
+    x = torch.randn(3, 3, 12, 12, device=op_device).contiguous(memory_format=memory_format)
     _assert_same(efficient.train(), naive.train(), x, rtol=1e-4, atol=1e-4)
     for a, b in zip(efficient.buffers(), naive.buffers()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        block_output = efficient.features[:2](x)  # the stem and the first block
+    assert block_output.is_contiguous(memory_format=memory_format)
 
 
-def test_pointwise_ops_opcheck():
-    features, vectors, conv_weight = _op_case("cpu", torch.float32, "channels_last", channels=(3, 2), c_out=4)
-    grad_out = torch.randn(2, 4, 7, 5)
-    for backend in ("reference", "cpp"):
-        with effilayers.use_backend(backend):
-            torch.library.opcheck(densenet_ops._forward_op, (features, *vectors, conv_weight, 0))
-            torch.library.opcheck(densenet_ops._backward_op,
-                                  (grad_out, features, *vectors, conv_weight, True, True, True, 0))
+def _buffer_slices(features):
+    """The maps as channel slices of one channels_last buffer, as a dense
+    block holds them (channels_last but not dense)."""
+    first = features[0]
+    buffer = torch.empty((first.shape[0], sum(f.shape[1] for f in features) + 3, *first.shape[2:]),
+                         dtype=first.dtype, device=first.device, memory_format=torch.channels_last)
+    slices = list(torch.split(buffer[:, :-3], [f.shape[1] for f in features], 1))
+    for piece, f in zip(slices, features):
+        piece.copy_(f)
+    assert not slices[0].is_contiguous(memory_format=torch.channels_last)
+    return slices
+
+
+# (layout, a function of the maps): the layouts a model gives the ops, and mixtures.
+OPCHECK_LAYOUTS = {
+    "contiguous": ("contiguous", lambda f: f),
+    "channels_last": ("channels_last", lambda f: f),
+    "channels_last-one-slice": ("channels_last", lambda f: _buffer_slices(f)[:1]),
+    "channels_last-slices": ("channels_last", _buffer_slices),
+    "contiguous-slice": ("contiguous", lambda f: [torch.cat(f, 1)[:, :f[0].shape[1]]]),
+    "mixed-channels-last-first": ("channels_last", lambda f: [f[0], f[1].contiguous()]),
+    "mixed-contiguous-first": ("contiguous", lambda f: [f[0], f[1].contiguous(memory_format=torch.channels_last)]),
+}
+
+
+@pytest.mark.parametrize("padding", [0, 1], ids=["1x1", "3x3"])
+@pytest.mark.parametrize("case", list(OPCHECK_LAYOUTS))
+def test_pointwise_ops_opcheck(op_device, case, padding):
+    """The fake kernels and every backend agree on shapes, dtypes and strides
+    (the first map's suggest_memory_format), for the layouts a channels_last
+    or NCHW model hands the ops, non-dense channel slices and mixtures
+    included."""
+    if padding and effilayers.backends.choice("dense_bottleneck_forward", op_device.type).backend == "triton":
+        pytest.skip("the Triton backend hands the 3x3 case to the reference's code")
+    layout, arrange = OPCHECK_LAYOUTS[case]
+    features, vectors, _ = _op_case(op_device, torch.float32, layout, channels=(3, 2), size=(2, 3, 4))
+    features = arrange(features)
+    channels = sum(f.shape[1] for f in features)
+    kernel = 2 * padding + 1
+    conv_weight = torch.randn(4, channels, kernel, kernel, device=op_device) / channels
+    vectors = [v[:channels] for v in vectors]
+    grad_out = torch.randn(2, 4, 3, 4, device=op_device)
+    expected = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    out = densenet_ops._forward_op(features, *vectors, conv_weight, padding)
+    grad_input = densenet_ops._backward_op(grad_out, features, *vectors, conv_weight, True, True, True, padding)[0]
+    assert out.is_contiguous(memory_format=expected) and grad_input.is_contiguous(memory_format=expected)
+    # Every check for the two plain layouts; the others are about layouts,
+    # which test_faketensor compares (aot_dispatch_dynamic costs seconds).
+    checks = None if case in ("contiguous", "channels_last") else ("test_schema", "test_faketensor")
+    kwargs = {} if checks is None else dict(test_utils=checks)
+    torch.library.opcheck(densenet_ops._forward_op, (features, *vectors, conv_weight, padding), **kwargs)
+    torch.library.opcheck(densenet_ops._backward_op,
+                          (grad_out, features, *vectors, conv_weight, True, True, True, padding), **kwargs)
 
 
 # ---- the block buffer: zero-copy concatenation -------------------------------------------------
@@ -679,21 +1070,6 @@ def test_block_output_used_out_of_place_trains():
     torch.testing.assert_close(outputs[0][1], outputs[1][1], rtol=0, atol=1e-12)
     for a, b in zip(outputs[0][2], outputs[1][2]):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-11)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("batch_stats", [True, False], ids=["batch-stats", "running-stats"])
-@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
-def test_pointwise_ops_bf16_on_gpu(layout, batch_stats):
-    """bf16 on the real GPU (the interpreter has no bf16 arithmetic)."""
-    with effilayers.use_backend("triton"):
-        features, vectors, conv_weight = _op_case("cuda", torch.bfloat16, layout)
-        grad_out = torch.randn(2, 70, 7, 5, device="cuda", dtype=torch.bfloat16)
-        out = densenet_ops._forward_op(features, *vectors, conv_weight, 0)
-        grads = densenet_ops._backward_op(grad_out, features, *vectors, conv_weight, batch_stats, True, True, 0)
-    expected = _op_reference(features, vectors, conv_weight, grad_out, batch_stats)
-    for got, want in zip([out, *grads], expected):
-        torch.testing.assert_close(got.double().cpu(), want, rtol=2e-2, atol=5e-2)
 
 
 @pytest.mark.gpu

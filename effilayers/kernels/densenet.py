@@ -11,7 +11,14 @@ The list of maps arrives as a table, one int64 row per map:
 ``(data pointer, channels, first channel in the concatenation, stride of n,
 stride of c, stride of h*w)``. Any layout whose h and w merge into one stride
 works, so NCHW and channels_last maps are read in place; the K loop runs over
-a second table of (map, first channel) tiles built on the host.
+a second table of (map, first channel) tiles built on the host. Maps that
+lie next to each other in one buffer (a dense block's block buffer) share a
+row, and recent tables stay on the device (``_tables``).
+
+Not supported: CUDA graph capture. A table the cache does not hold is
+copied from the host during the call, which a capturing stream does not
+allow, and a graph captured on cached tables would go on reading them after
+the cache let them go.
 
 Kernels:
 
@@ -21,10 +28,18 @@ Kernels:
                     dz and dz * x_hat (BatchNorm's reductions) go to a small
                     buffer reduced on the host (deterministic, no atomics);
                     dz is written into the gradient of the concatenation
-                    (the output that autograd splits among the maps), or,
-                    with running statistics, the finished dx = dz * scale.
-``_finish_grad_input``  dx = scale * (dz - mean(dz) - x_hat * mean(dz * x_hat)),
-                    in place over dz (batch statistics only).
+                    (the output that autograd splits among the maps) for
+                    float32 maps, into a float32 scratch buffer for fp16/bf16
+                    ones, or, with running statistics, the finished
+                    dx = dz * scale goes straight to the gradient.
+``_finish_grad_input``  dx = scale * (dz - mean(dz) - x_hat * mean(dz * x_hat))
+                    from dz (batch statistics only). The subtraction cancels
+                    on small elements, so dz is not rounded to fp16/bf16
+                    first: measured in fp16, the largest error relative to
+                    |dx| + 1e-3 max |dx| is 4.8e-4 with the scratch buffer
+                    and was 1.6e-2 without (tests/test_densenet.py). The
+                    scratch costs 4 bytes per value of one layer's
+                    concatenation, for the duration of the call.
 ``_grad_weight``    dW = dout^T @ y with y recomputed per tile, split over
                     ranges of pixels (partial sums added on the host).
 
@@ -32,13 +47,17 @@ Accumulation is float32 throughout; ``tl.dot`` takes the maps' dtype (fp16,
 bf16, or fp32 as TF32 when torch allows TF32 convolutions, as cuDNN would).
 Block sizes: 64 pixels x 64 output channels x 32 input channels keeps the
 three tiles of a float32 dot (8 KB + 8 KB + 16 KB accumulator) in registers
-of 4 warps; DenseNet's bottleneck has 128 output channels (2 tiles) and its
-maps have 32 channels each (one K tile per map). They are untuned: no GPU
-was available when this was written, so no block size was measured.
+of 4 warps; DenseNet's bottleneck has 128 output channels (2 tiles), and a
+block's maps form one row, so only the last K tile of a layer is partly
+padding. Maps passed as separate tensors (not in a block buffer) pad each
+map to a multiple of 32 channels: at growth rate 12 most of each tile. The
+sizes are untuned: no GPU was available when this was written, so no
+block size was measured.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Optional, Sequence
 
 import torch
@@ -74,16 +93,12 @@ def _tile_of_map(table, tiles, t, offs_m, M, HW, dtype_ptr, BLOCK_K: tl.constexp
 
 
 @triton.jit
-def _gradient_tile(grad_table, tiles, t, offs_m, HW, channel, dtype_ptr):
-    """Base pointer and offsets of K tile ``t`` in the gradient buffer (one
-    (N, K, H, W) tensor; ``channel`` counts in the concatenation)."""
-    base = tl.load(grad_table).to(dtype_ptr.dtype)
-    stride_n = tl.load(grad_table + 1)
-    stride_c = tl.load(grad_table + 2)
-    stride_hw = tl.load(grad_table + 3)
+def _gradient_offsets(offs_m, HW, channel, stride_n, stride_c, stride_hw):
+    """Offsets of a tile in an (N, K, H, W) gradient buffer (``channel``
+    counts in the concatenation)."""
     n = offs_m // HW
     hw = offs_m % HW
-    return base, (n * stride_n + hw * stride_hw)[:, None] + channel[None, :] * stride_c
+    return (n * stride_n + hw * stride_hw)[:, None] + channel[None, :].to(tl.int64) * stride_c
 
 
 @triton.jit
@@ -123,8 +138,8 @@ def _forward(table, tiles, num_tiles, mean, scale, bias, weight, out,
 
 
 @triton.jit
-def _grad_input(table, grad_table, tiles, mean, invstd, scale, bias, weight, grad_out, partial_dz, partial_dz_xhat,
-                M, HW, K, C_OUT, go_stride_n, go_stride_c, go_stride_hw,
+def _grad_input(table, tiles, mean, invstd, scale, bias, weight, grad_out, partial_dz, partial_dz_xhat, grad,
+                M, HW, K, C_OUT, go_stride_n, go_stride_c, go_stride_hw, g_stride_n, g_stride_c, g_stride_hw,
                 BATCH_STATS: tl.constexpr, ALLOW_TF32: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -158,24 +173,30 @@ def _grad_input(table, grad_table, tiles, mean, invstd, scale, bias, weight, gra
     partial_offsets = pid_m.to(tl.int64) * K + channel
     tl.store(partial_dz + partial_offsets, tl.sum(grad_z, axis=0), mask=mask_k)
     tl.store(partial_dz_xhat + partial_offsets, tl.sum(grad_z * x_hat, axis=0), mask=mask_k)
-    grad_base, grad_offsets = _gradient_tile(grad_table, tiles, t, offs_m, HW, channel, weight)
+    grad_offsets = _gradient_offsets(offs_m, HW, channel, g_stride_n, g_stride_c, g_stride_hw)
     if BATCH_STATS:
-        tl.store(grad_base + grad_offsets, grad_z.to(weight.dtype.element_ty), mask=mask)
+        # dz, for _finish_grad_input: ``grad`` is a float32 scratch buffer
+        # unless the maps are float32 (rounding dz to fp16/bf16 before
+        # dz - mean(dz) - x_hat * mean(dz * x_hat) cancels would cost up to
+        # ~30x the final rounding's error on small elements).
+        tl.store(grad + grad_offsets, grad_z.to(grad.dtype.element_ty), mask=mask)
     else:
         s = tl.load(scale + channel, mask=mask_k, other=0.0)
-        tl.store(grad_base + grad_offsets, (grad_z * s[None, :]).to(weight.dtype.element_ty), mask=mask)
+        tl.store(grad + grad_offsets, (grad_z * s[None, :]).to(grad.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _finish_grad_input(table, grad_table, tiles, mean, invstd, scale, mean_dz, mean_dz_xhat, M, HW, dtype_ptr,
-                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+def _finish_grad_input(table, tiles, mean, invstd, scale, mean_dz, mean_dz_xhat, grad_z_buffer, grad, M, HW,
+                       g_stride_n, g_stride_c, g_stride_hw, dtype_ptr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """dx from dz; ``grad_z_buffer`` and ``grad`` have the same strides and
+    may be one tensor (each element is read, then written, by one program)."""
     pid_m = tl.program_id(0)
     t = tl.program_id(1)
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     base, offsets, mask, channel, mask_k = _tile_of_map(table, tiles, t, offs_m, M, HW, dtype_ptr, BLOCK_K)
-    grad_base, grad_offsets = _gradient_tile(grad_table, tiles, t, offs_m, HW, channel, dtype_ptr)
+    grad_offsets = _gradient_offsets(offs_m, HW, channel, g_stride_n, g_stride_c, g_stride_hw)
     x = tl.load(base + offsets, mask=mask, other=0.0).to(tl.float32)
-    grad_z = tl.load(grad_base + grad_offsets, mask=mask, other=0.0).to(tl.float32)
+    grad_z = tl.load(grad_z_buffer + grad_offsets, mask=mask, other=0.0).to(tl.float32)
     mu = tl.load(mean + channel, mask=mask_k, other=0.0)
     inv = tl.load(invstd + channel, mask=mask_k, other=0.0)
     s = tl.load(scale + channel, mask=mask_k, other=0.0)
@@ -183,7 +204,7 @@ def _finish_grad_input(table, grad_table, tiles, mean, invstd, scale, mean_dz, m
     b = tl.load(mean_dz_xhat + channel, mask=mask_k, other=0.0)
     x_hat = (x - mu[None, :]) * inv[None, :]
     grad_x = s[None, :] * (grad_z - a[None, :] - x_hat * b[None, :])
-    tl.store(grad_base + grad_offsets, grad_x.to(dtype_ptr.dtype.element_ty), mask=mask)
+    tl.store(grad + grad_offsets, grad_x.to(grad.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -242,18 +263,60 @@ def _pixel_strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(3)
 
 
-def _tables(features: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
-    rows, tiles, first = [], [], 0
-    for index, feature in enumerate(features):
-        stride_n, stride_c, stride_hw = _pixel_strides(feature)
+def _rows(features: Sequence[torch.Tensor]) -> list[tuple[int, int, int, int, int, int]]:
+    """The map table's rows, one per run of maps that lie next to each other
+    in one buffer with the same strides (a dense block's maps are channel
+    slices of its block buffer, so a whole block is one row): the K loop
+    then walks full BLOCK_K tiles across map boundaries instead of padding
+    every map to a multiple of BLOCK_K (a growth rate of 12 filled 12/32 of
+    each tile)."""
+    rows: list[list[int]] = []
+    first = 0
+    for feature in features:
+        strides = _pixel_strides(feature)
         channels = feature.shape[1]
-        rows.append([feature.data_ptr(), channels, first, stride_n, stride_c, stride_hw])
-        tiles.extend([index, start] for start in range(0, channels, BLOCK_K))
+        if rows:
+            pointer, run_channels, _, *run_strides = rows[-1]
+            follows = feature.data_ptr() == pointer + run_channels * strides[1] * feature.element_size()
+            if follows and tuple(run_strides) == strides:
+                rows[-1][1] += channels
+                first += channels
+                continue
+        rows.append([feature.data_ptr(), channels, first, *strides])
         first += channels
+    return [tuple(row) for row in rows]
+
+
+# Device copies of recent tables, keyed by everything they hold (pointers,
+# channels, strides) plus device and stream, so an entry is correct for any
+# call that finds it: in a training loop the caching allocator hands the
+# block buffers the same addresses step after step, and the two host-to-device
+# copies per call (each a pageable copy the host waits for) happen only on
+# the first step. The stream is part of the key so that a table is only ever
+# read on the stream it was allocated on (the allocator's reuse after
+# eviction is ordered on that stream).
+_TABLE_CACHE: "OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor, int]]" = OrderedDict()
+_TABLE_CACHE_ENTRIES = 256
+
+
+def _tables(features: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(map table, tile table, number of tiles) on the maps' device."""
+    rows = _rows(features)
     device = features[0].device
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream, BLOCK_K, tuple(rows))
+    cached = _TABLE_CACHE.get(key)
+    if cached is not None:
+        _TABLE_CACHE.move_to_end(key)
+        return cached
+    tiles = [(index, start) for index, row in enumerate(rows) for start in range(0, row[1], BLOCK_K)]
     table = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
     tile_table = torch.tensor(tiles, dtype=torch.int64).to(device, non_blocking=True)
-    return table, tile_table, len(tiles)
+    entry = (table, tile_table, len(tiles))
+    _TABLE_CACHE[key] = entry
+    if len(_TABLE_CACHE) > _TABLE_CACHE_ENTRIES:
+        _TABLE_CACHE.popitem(last=False)
+    return entry
 
 
 def _pixel_splits(device: torch.device, rows: int, programs: int) -> int:
@@ -269,14 +332,37 @@ def _pixel_splits(device: torch.device, rows: int, programs: int) -> int:
 
 
 def _allow_tf32(dtype: torch.dtype) -> bool:
-    return dtype == torch.float32 and torch.backends.cudnn.allow_tf32
+    """Whether a float32 GEMM may round its inputs to TF32: exactly when
+    PyTorch's cuDNN convolutions may (these kernels stand in for a 1x1
+    convolution, and the naive model's convolutions follow the same flag).
+
+    With ``torch.backends.cudnn.conv.fp32_precision`` (torch >= 2.9) the
+    setting is resolved as ATen resolves it for convolutions: the conv value,
+    else cuDNN's, else the generic one, ``"none"`` deferring to the next.
+    The legacy ``torch.backends.cudnn.allow_tf32`` is read only on older
+    torch: reading it raises once conv and rnn were given different values
+    through the new API."""
+    if dtype != torch.float32:
+        return False
+    cudnn = torch.backends.cudnn
+    conv = getattr(cudnn, "conv", None)
+    if conv is None or not hasattr(conv, "fp32_precision"):
+        return bool(cudnn.allow_tf32)
+    for precision in (conv.fp32_precision, cudnn.fp32_precision, torch.backends.fp32_precision):
+        if precision != "none":
+            return precision == "tf32"
+    return False
 
 
-def _output_like(first: torch.Tensor, channels: int) -> torch.Tensor:
+def _output_like(first: torch.Tensor, channels: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """An (N, channels, H, W) output in the layout every backend and the fake
+    kernels give (``effilayers.ops.densenet.layout_of``); the maps' dtype
+    unless ``dtype`` is given."""
+    from ..ops.densenet import layout_of
+
     n, _, h, w = first.shape
-    channels_last = first.dim() == 4 and first.stride(1) == 1 and first.shape[1] > 1
-    layout = torch.channels_last if channels_last else torch.contiguous_format
-    return torch.empty((n, channels, h, w), device=first.device, dtype=first.dtype, memory_format=layout)
+    return torch.empty((n, channels, h, w), device=first.device, dtype=dtype or first.dtype,
+                       memory_format=layout_of(first))
 
 
 def bottleneck_forward(features: Sequence[torch.Tensor], mean: torch.Tensor, invstd: torch.Tensor,
@@ -331,21 +417,26 @@ def bottleneck_backward(grad_out: torch.Tensor, features: Sequence[torch.Tensor]
         # One buffer for every map's gradient (the caller splits it), in
         # the layout of the first map.
         grad_input = _output_like(first, k)
-        grad_table = torch.tensor([grad_input.data_ptr(), *_pixel_strides(grad_input)],
-                                  dtype=torch.int64).to(first.device)
+        # dz before BatchNorm's reductions are subtracted: in grad_input
+        # itself for float32 maps, else in a float32 scratch buffer (one
+        # layer's concatenation at 4 bytes a value, for this call only).
+        grad_z = grad_input if not batch_stats or first.dtype == torch.float32 \
+            else _output_like(first, k, torch.float32)
+        grad_strides = _pixel_strides(grad_input)
+        assert _pixel_strides(grad_z) == grad_strides
         blocks = triton.cdiv(total, BLOCK_M)
         partial_dz = torch.zeros((blocks, k), device=first.device, dtype=torch.float32)
         partial_dz_xhat = torch.zeros_like(partial_dz)
         _grad_input[(blocks, num_tiles)](
-            table, grad_table, tiles, mean, invstd, scale, bias, matrix, grad_out, partial_dz, partial_dz_xhat,
-            total, hw, k, c_out, *go_strides, BATCH_STATS=batch_stats, ALLOW_TF32=allow_tf32,
+            table, tiles, mean, invstd, scale, bias, matrix, grad_out, partial_dz, partial_dz_xhat, grad_z,
+            total, hw, k, c_out, *go_strides, *grad_strides, BATCH_STATS=batch_stats, ALLOW_TF32=allow_tf32,
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
         sum_dz = partial_dz.sum(0)
         sum_dz_xhat = partial_dz_xhat.sum(0)
         if batch_stats:
             _finish_grad_input[(blocks, num_tiles)](
-                table, grad_table, tiles, mean, invstd, scale, sum_dz / total, sum_dz_xhat / total, total, hw,
-                matrix, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
+                table, tiles, mean, invstd, scale, sum_dz / total, sum_dz_xhat / total, grad_z, grad_input, total,
+                hw, *grad_strides, matrix, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
     elif need_input:
         grad_input = _output_like(first, k).zero_()
     grad_conv = None

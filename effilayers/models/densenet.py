@@ -71,7 +71,7 @@ from torch import nn
 
 from ..convert import FusedActivation, fused_norm
 from ..nn import ABN, MaxPool2d
-from ..ops.densenet import bottleneck
+from ..ops.densenet import bottleneck, layout_of
 from .resnet import INPLACE_SLOPE
 from ..ops.stats import batch_stats
 
@@ -94,37 +94,48 @@ _LEGACY_KEY = re.compile(
 )
 
 
-def _positive_int(value: Any, name: str) -> int:
+def _positive_int(value: Any, name: str, owner: str = "DenseNet") -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"DenseNet: {name} must be an int, got {type(value).__name__}")
+        raise TypeError(f"{owner}: {name} must be an int, got {type(value).__name__}")
     if value <= 0:
-        raise ValueError(f"DenseNet: {name} must be positive, got {value}")
+        raise ValueError(f"{owner}: {name} must be positive, got {value}")
     return value
 
 
-def _check_bool(value: Any, name: str) -> bool:
+def _check_bool(value: Any, name: str, owner: str = "DenseNet") -> bool:
     if not isinstance(value, bool):
-        raise TypeError(f"DenseNet: {name} must be a bool, got {type(value).__name__}")
+        raise TypeError(f"{owner}: {name} must be a bool, got {type(value).__name__}")
     return value
 
 
 NORM_ACTS = ("plain", "inplace")
 
 
-def _check_norm_act(norm_act: Any) -> str:
+def _check_norm_act(norm_act: Any, owner: str = "DenseNet") -> str:
     if not isinstance(norm_act, str) or norm_act not in NORM_ACTS:
         # ResNet's "abn" (BatchNorm + ReLU fused, not in place) would keep
         # what the recomputing path already avoids keeping.
-        raise ValueError(f"DenseNet: norm_act must be one of {', '.join(map(repr, NORM_ACTS))}, got {norm_act!r}")
+        raise ValueError(f"{owner}: norm_act must be one of {', '.join(map(repr, NORM_ACTS))}, got {norm_act!r}")
     return norm_act
 
 
-def _check_drop_rate(value: Any) -> float:
+def _check_drop_rate(value: Any, owner: str = "DenseNet") -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"DenseNet: drop_rate must be a float, got {type(value).__name__}")
+        raise TypeError(f"{owner}: drop_rate must be a float, got {type(value).__name__}")
     if not 0.0 <= value < 1.0:
-        raise ValueError(f"DenseNet: drop_rate must be in [0, 1), got {value}")
+        raise ValueError(f"{owner}: drop_rate must be in [0, 1), got {value}")
     return float(value)
+
+
+def _check_layer_arguments(owner: str, num_input_features: Any, growth_rate: Any, bn_size: Any, drop_rate: Any,
+                           memory_efficient: Any, norm_act: Any) -> float:
+    """The checks a dense layer and a dense block share; returns drop_rate as a float."""
+    _positive_int(num_input_features, "num_input_features", owner)
+    _positive_int(growth_rate, "growth_rate", owner)
+    _positive_int(bn_size, "bn_size", owner)
+    _check_bool(memory_efficient, "memory_efficient", owner)
+    _check_norm_act(norm_act, owner)
+    return _check_drop_rate(drop_rate, owner)
 
 
 def _uses_batch_statistics(norm: nn.BatchNorm2d) -> bool:
@@ -173,7 +184,8 @@ class DenseLayer(nn.Module):
     def __init__(self, num_input_features: int, growth_rate: int, bn_size: int, drop_rate: float,
                  memory_efficient: bool = True, norm_act: str = "plain") -> None:
         super().__init__()
-        _check_norm_act(norm_act)
+        drop_rate = _check_layer_arguments("DenseLayer", num_input_features, growth_rate, bn_size, drop_rate,
+                                           memory_efficient, norm_act)
         inner = bn_size * growth_rate
         self.norm1 = nn.BatchNorm2d(num_input_features)
         self.relu1 = nn.ReLU(inplace=True)
@@ -226,9 +238,8 @@ class _BlockBuffer:
 
     def __init__(self, like: torch.Tensor, channels: int) -> None:
         n, _, h, w = like.shape
-        layout = torch.channels_last if like.dim() == 4 and like.stride(1) == 1 and like.shape[1] > 1 \
-            else torch.contiguous_format
-        self.buffer = torch.empty((n, channels, h, w), dtype=like.dtype, device=like.device, memory_format=layout)
+        self.buffer = torch.empty((n, channels, h, w), dtype=like.dtype, device=like.device,
+                                  memory_format=layout_of(like))
         self.output: Optional[weakref.ref] = None
         self.output_version = 0
 
@@ -238,6 +249,10 @@ class _BlockBuffer:
             self.buffer.untyped_storage(), view.storage_offset(), view.shape, view.stride())
 
     def watch(self, output: torch.Tensor) -> None:
+        if output.is_inference() or not output.requires_grad:
+            # No backward can follow (and inference tensors have no version
+            # counter to watch).
+            return
         self.output = weakref.ref(output)
         self.output_version = output._version
 
@@ -287,6 +302,9 @@ class DenseBlock(nn.ModuleDict):
     def __init__(self, num_layers: int, num_input_features: int, bn_size: int, growth_rate: int,
                  drop_rate: float, memory_efficient: bool = True, norm_act: str = "plain") -> None:
         super().__init__()
+        _positive_int(num_layers, "num_layers", "DenseBlock")
+        drop_rate = _check_layer_arguments("DenseBlock", num_input_features, growth_rate, bn_size, drop_rate,
+                                           memory_efficient, norm_act)
         for i in range(num_layers):
             self[f"denselayer{i + 1}"] = DenseLayer(num_input_features + i * growth_rate, growth_rate, bn_size,
                                                     drop_rate, memory_efficient, norm_act)
@@ -337,6 +355,9 @@ class Transition(nn.Sequential):
 
     def __init__(self, num_input_features: int, num_output_features: int, memory_efficient: bool = False) -> None:
         super().__init__()
+        _positive_int(num_input_features, "num_input_features", "Transition")
+        _positive_int(num_output_features, "num_output_features", "Transition")
+        _check_bool(memory_efficient, "memory_efficient", "Transition")
         self.norm = nn.BatchNorm2d(num_input_features)
         self.relu = nn.ReLU(inplace=True)
         self.conv = nn.Conv2d(num_input_features, num_output_features, kernel_size=1, stride=1, bias=False)

@@ -47,17 +47,19 @@ the forward) and compute the BatchNorm+ReLU backward, around PyTorch's
 convolution; on CUDA, Triton virtual-concatenation GEMMs for the 1x1 case
 (``effilayers/kernels/densenet.py``) and PyTorch ops for the rest. The
 pure-PyTorch ``_forward_reference`` / ``_backward_reference`` are the oracle.
-Measured on this project's 2-core CPU, DenseNet-121 training step at
-4x3x64x64: 201 ms -> 168 ms with the C++ composition (naive model: 120-132 ms;
-mean of 3 steps after 2 warm-up steps, one run each on a machine shared with
-other jobs, so +-10%).
+Measured on this project's 2-core CPU (benchmarks/results/densenet-cpu-2026-11-23.json,
+median of 5 steps, machine shared with other jobs): a DenseNet-121 training
+step at 4x3x64x64 takes 181 ms, the naive model's 118.5 ms (1.53x),
+checkpointing's 173 ms (1.46x).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
+from torch._prims_common import suggest_memory_format
 
 from .. import backends
 from .stats import batch_stats, stats_dtype, values_per_channel
@@ -69,12 +71,40 @@ def _channel_view(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t.view([1, -1] + [1] * (dim - 2))
 
 
+def layout_of(first: torch.Tensor) -> torch.memory_format:
+    """The layout of every 4-D output of the ops (the output, the gradient of
+    the concatenation) on every backend and in the fake kernels: the first
+    map's ``Tensor.suggest_memory_format()``, so that a channels_last map
+    that is not dense (a channel slice of a block buffer) still gives
+    channels_last outputs. (Dense tensors take two C++ checks first: the
+    Python ``suggest_memory_format`` costs ~20 us, several times per call.)"""
+    if first.is_contiguous():
+        return torch.contiguous_format
+    if first.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    return suggest_memory_format(first)
+
+
+def _in_layout(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t`` in :func:`layout_of` ``(like)``: itself when it already is, else
+    a copy. The op bodies apply it to every backend's results, so real and
+    fake kernels agree whatever layouts PyTorch's convolution picks (it
+    follows its input's and weight's layouts, and the gradient of a 3x3
+    weight comes back channels_last for a channels_last input)."""
+    return t.contiguous(memory_format=layout_of(like)) if t.dim() == 4 else t
+
+
 def _concatenated(features: Sequence[torch.Tensor]) -> tuple[torch.Tensor, bool]:
     """The input of the norm, and whether it is a private buffer that may be
-    overwritten (one map is used as it is, never copied)."""
+    overwritten (one map is used as it is, never copied). The concatenation
+    takes the first map's layout (``torch.cat`` alone gives NCHW when the
+    maps' layouts differ)."""
     if len(features) == 1:
         return features[0], False
-    return torch.cat(features, 1), True
+    first = features[0]
+    out = torch.empty((first.shape[0], sum(f.shape[1] for f in features), *first.shape[2:]), dtype=first.dtype,
+                      device=first.device, memory_format=layout_of(first))
+    return torch.cat(features, 1, out=out), True
 
 
 def _normalized(x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor, private: bool) -> torch.Tensor:
@@ -162,15 +192,22 @@ def _backward_reference(grad_out: torch.Tensor, features: Sequence[torch.Tensor]
 _RELU = ("relu", 0.0, 0.0)
 
 
+def _dense(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in :func:`layout_of` ``(x)`` and dense: the layouts ABN's kernels
+    walk (they would copy a channel slice of a block buffer to NCHW)."""
+    return x.contiguous(memory_format=layout_of(x))
+
+
 def _forward_cpp(features: Sequence[torch.Tensor], mean: torch.Tensor, invstd: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor, conv_weight: torch.Tensor, padding: int = 0) -> torch.Tensor:
     """CPU path: the ABN C++ kernel normalises and activates the recomputed
     concatenation in place (one pass, one buffer), then the convolution."""
     kernels = torch.ops.effilayers_cpu
     x, private = _concatenated(features)
-    if private:
-        kernels.abn_forward_(x, mean, invstd, weight, bias, None, *_RELU)
-        y = x
+    readable = _dense(x)
+    if private or readable is not x:  # a buffer of our own: normalised in place
+        kernels.abn_forward_(readable, mean, invstd, weight, bias, None, *_RELU)
+        y = readable
     else:  # one map, used as it is: never written
         y = kernels.abn_forward(x, mean, invstd, weight, bias, None, *_RELU)
     return torch.nn.functional.conv2d(y, conv_weight, padding=padding)
@@ -184,6 +221,7 @@ def _backward_cpp(grad_out: torch.Tensor, features: Sequence[torch.Tensor], mean
     from the recomputed concatenation, instead of a chain of PyTorch ops."""
     kernels = torch.ops.effilayers_cpu
     x, _ = _concatenated(features)
+    x = _dense(x)
     y = kernels.abn_forward(x, mean, invstd, weight, bias, None, *_RELU)
     grad_y, grad_conv = torch.ops.aten.convolution_backward(
         grad_out, y, conv_weight, None, [1, 1], [padding] * 2, [1, 1], False, [0, 0], 1,
@@ -242,8 +280,9 @@ def _forward_op(features: list[torch.Tensor], mean: torch.Tensor, invstd: torch.
                 bias: torch.Tensor, conv_weight: torch.Tensor, padding: int) -> torch.Tensor:
     """conv(relu(batch_norm(cat(features))), padding) with given statistics
     (stride 1); no autograd of its own (the Function below differentiates it)."""
-    return backends.kernel("dense_bottleneck_forward", features[0].device)(
+    out = backends.kernel("dense_bottleneck_forward", features[0].device)(
         features, mean, invstd, weight, bias, conv_weight, padding)
+    return _in_layout(out, features[0])
 
 
 def _output_size(first: torch.Tensor, conv_weight: torch.Tensor, padding: int) -> list[int]:
@@ -253,10 +292,8 @@ def _output_size(first: torch.Tensor, conv_weight: torch.Tensor, padding: int) -
 @_forward_op.register_fake
 def _(features, mean, invstd, weight, bias, conv_weight, padding):
     first = features[0]
-    channels_last = first.stride(1) == 1 and first.shape[1] > 1
-    layout = torch.channels_last if channels_last else torch.contiguous_format
     return torch.empty((first.shape[0], conv_weight.shape[0], *_output_size(first, conv_weight, padding)),
-                       dtype=first.dtype, device=first.device, memory_format=layout)
+                       dtype=first.dtype, device=first.device, memory_format=layout_of(first))
 
 
 @torch.library.custom_op("effilayers::dense_bottleneck_backward", mutates_args=())
@@ -266,21 +303,22 @@ def _backward_op(grad_out: torch.Tensor, features: list[torch.Tensor], mean: tor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad of the concatenation, grad_bias, grad_weight, grad_conv) of the
     forward op; entries not asked for are empty."""
-    return backends.kernel("dense_bottleneck_backward", grad_out.device)(
+    grad_input, grad_bias, grad_weight, grad_conv = backends.kernel("dense_bottleneck_backward", grad_out.device)(
         grad_out, features, mean, invstd, weight, bias, conv_weight, batch_stats, need_input, need_conv, padding)
+    return _in_layout(grad_input, features[0]), grad_bias, grad_weight, _in_layout(grad_conv, conv_weight)
 
 
 @_backward_op.register_fake
 def _(grad_out, features, mean, invstd, weight, bias, conv_weight, batch_stats, need_input, need_conv, padding):
     first = features[0]
-    channels_last = first.stride(1) == 1 and first.shape[1] > 1
-    layout = torch.channels_last if channels_last else torch.contiguous_format
     channels = sum(f.shape[1] for f in features)
     grad_input = torch.empty((first.shape[0], channels, *first.shape[2:]), dtype=first.dtype, device=first.device,
-                             memory_format=layout) if need_input else _nothing(mean)
+                             memory_format=layout_of(first)) if need_input else _nothing(mean)
     grad_bias = torch.empty_like(mean) if need_input else _nothing(mean)
     grad_weight = torch.empty_like(mean) if need_input else _nothing(mean)
-    return grad_input, grad_bias, grad_weight, torch.empty_like(conv_weight) if need_conv else _nothing(mean)
+    grad_conv = torch.empty(conv_weight.shape, dtype=conv_weight.dtype, device=conv_weight.device,
+                            memory_format=layout_of(conv_weight)) if need_conv else _nothing(mean)
+    return grad_input, grad_bias, grad_weight, grad_conv
 
 
 class _Bottleneck(torch.autograd.Function):
@@ -367,6 +405,18 @@ class _Bottleneck(torch.autograd.Function):
 _FIRST_FEATURE = 12
 
 
+def _check_tensor(name: str, t, device: torch.device, channels: Optional[int] = None) -> None:
+    """A floating-point tensor on ``device``, of shape ``(channels,)`` when given."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"bottleneck: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"bottleneck: {name} must be a floating-point tensor, got {t.dtype}")
+    if channels is not None and tuple(t.shape) != (channels,):
+        raise ValueError(f"bottleneck: {name} must have shape ({channels},), got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"bottleneck: {name} is on {t.device}, the features on {device}")
+
+
 def bottleneck(
     features: Sequence[torch.Tensor],
     weight: Optional[torch.Tensor],
@@ -415,18 +465,23 @@ def bottleneck(
     first = features[0]
     if first.dim() != 4:
         raise ValueError(f"bottleneck: features must be 4-D (N, C, H, W), got shape {tuple(first.shape)}")
+    if not first.is_floating_point():
+        raise TypeError(f"bottleneck: features must be floating-point tensors, got {first.dtype}")
     for i, f in enumerate(features[1:], 1):
         if f.dim() != 4 or f.shape[0] != first.shape[0] or f.shape[2:] != first.shape[2:]:
             raise ValueError(f"bottleneck: features[{i}] has shape {tuple(f.shape)}, incompatible with "
                              f"features[0] {tuple(first.shape)} (same N, H, W needed)")
         if f.dtype != first.dtype or f.device != first.device:
-            raise TypeError("bottleneck: every feature must have the same dtype and device")
+            raise TypeError(f"bottleneck: every feature must have features[0]'s dtype and device ({first.dtype}, "
+                            f"{first.device}); features[{i}] is {f.dtype} on {f.device}")
     channels = sum(f.shape[1] for f in features)
-    if not isinstance(conv_weight, torch.Tensor) or conv_weight.dim() != 4 or conv_weight.shape[1] != channels:
-        shape = tuple(conv_weight.shape) if isinstance(conv_weight, torch.Tensor) else type(conv_weight).__name__
-        raise ValueError(f"bottleneck: conv_weight must be (C_out, {channels}, kH, kW), got {shape}")
-    if isinstance(padding, bool) or not isinstance(padding, int) or padding < 0:
-        raise ValueError(f"bottleneck: padding must be a non-negative int, got {padding!r}")
+    _check_tensor("conv_weight", conv_weight, first.device)
+    if conv_weight.dim() != 4 or conv_weight.shape[1] != channels:
+        raise ValueError(f"bottleneck: conv_weight must be (C_out, {channels}, kH, kW), got {tuple(conv_weight.shape)}")
+    if isinstance(padding, bool) or not isinstance(padding, int):
+        raise TypeError(f"bottleneck: padding must be an int, got {type(padding).__name__}")
+    if padding < 0:
+        raise ValueError(f"bottleneck: padding must be non-negative, got {padding}")
     shared_mean = shared_var = None
     if batch_statistics is not None:
         if not isinstance(batch_statistics, (tuple, list)) or len(batch_statistics) != 2:
@@ -434,21 +489,33 @@ def bottleneck(
         shared_mean, shared_var = batch_statistics
         expected = stats_dtype(first.dtype)
         for name, t in (("mean", shared_mean), ("var", shared_var)):
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (channels,) or t.dtype != expected:
-                got = (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"bottleneck: batch_statistics {name} must be a ({channels},) {expected} "
-                                 f"tensor, got {got}")
+            _check_tensor(f"batch_statistics {name}", t, first.device, channels)
+            if t.dtype != expected:
+                raise TypeError(f"bottleneck: batch_statistics {name} must be {expected} for {first.dtype} "
+                                f"features, got {t.dtype}")
     for name, t in (("weight", weight), ("bias", bias), ("running_mean", running_mean), ("running_var", running_var)):
-        if t is not None and tuple(t.shape) != (channels,):
-            raise ValueError(f"bottleneck: {name} must have shape ({channels},), got {tuple(t.shape)}")
+        if t is not None:
+            _check_tensor(name, t, first.device, channels)
     if (running_mean is None) != (running_var is None):
         raise ValueError("bottleneck: running_mean and running_var must both be tensors or both be None")
+    if num_batches_tracked is not None:
+        if not isinstance(num_batches_tracked, torch.Tensor) or num_batches_tracked.is_floating_point() \
+                or num_batches_tracked.is_complex() or num_batches_tracked.dtype == torch.bool:
+            got = num_batches_tracked.dtype if isinstance(num_batches_tracked, torch.Tensor) \
+                else type(num_batches_tracked).__name__
+            raise TypeError(f"bottleneck: num_batches_tracked must be an integer tensor (BatchNorm's int64 "
+                            f"counter) or None, got {got}")
+        if num_batches_tracked.numel() != 1 or num_batches_tracked.device != first.device:
+            raise ValueError(f"bottleneck: num_batches_tracked must be one value on {first.device}, got shape "
+                             f"{tuple(num_batches_tracked.shape)} on {num_batches_tracked.device}")
     if momentum is not None and (isinstance(momentum, bool) or not isinstance(momentum, (int, float))):
         raise TypeError(f"bottleneck: momentum must be a float or None, got {type(momentum).__name__}")
     if momentum is None and training and running_mean is not None and num_batches_tracked is None:
         raise ValueError("bottleneck: momentum=None (cumulative average) needs num_batches_tracked")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps < 0:
-        raise ValueError(f"bottleneck: eps must be a non-negative float, got {eps!r}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"bottleneck: eps must be a float, got {type(eps).__name__}")
+    if not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"bottleneck: eps must be a finite non-negative float, got {eps!r}")
     return _Bottleneck.apply(weight, bias, running_mean, running_var, num_batches_tracked, conv_weight,
                              bool(training), None if momentum is None else float(momentum), float(eps), padding,
                              shared_mean, shared_var, *features)
