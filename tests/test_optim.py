@@ -128,13 +128,14 @@ def test_kernel_matches_float64_reference(adam_device, param_dtype, state_dtype,
                                    rtol=0, atol=0)
 
 
-def test_kernel_skipped_step_writes_nothing(adam_device):
+@pytest.mark.parametrize("found_inf", [1.0, 2.0])  # 2.0: GradScaler sums the flags of two devices
+def test_kernel_skipped_step_writes_nothing(adam_device, found_inf):
     _, device = adam_device
     inputs = _kernel_inputs(torch.float32, torch.float32, False, True, device, shapes=[(5, 3), (1030,)])
     before = [t.clone() for t in (*inputs[0], inputs[2], inputs[3], inputs[4])]
     grads = [g.clone().fill_(float("inf")) for g in inputs[1]]
     adam_step_(inputs[0], grads, inputs[2], inputs[3], inputs[4], None, torch.tensor([3.0], device=device),
-               torch.tensor([2.0 ** 16], device=device), torch.tensor([1.0], device=device),
+               torch.tensor([2.0 ** 16], device=device), torch.tensor([found_inf], device=device),
                lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled_weight_decay=True,
                maximize=False)
     for old, new in zip(before, (*inputs[0], inputs[2], inputs[3], inputs[4])):
@@ -431,6 +432,30 @@ def test_grad_scaler_overflow_step_changes_nothing_and_later_steps_match_torch()
     _assert_same_params(our_model, torch_model, **FP32_TOL)
 
 
+@pytest.mark.parametrize("options", [{}, dict(state_dtype="8bit"), dict(offload="cpu", staged=True)],
+                         ids=["fp32", "8bit", "offload-staged"])
+def test_found_inf_above_one_skips_without_lowering_step_counts(options):
+    """GradScaler sums found_inf over devices, so a skipped step may hand the
+    optimizer found_inf = 2: nothing may change, step counts included."""
+    options = dict(options)
+    staged = options.pop("staged", False)
+    model = _net()
+    optimizer = ChunkedAdamW(model.parameters(), lr=1e-2, chunk_size=300, **options)
+    optimizer._force_staging = staged
+    _train(model, optimizer, 3)
+    before = copy.deepcopy(optimizer.state_dict())
+    params_before = [p.detach().clone() for p in model.parameters()]
+    torch.nn.functional.mse_loss(model(torch.randn(4, 7)), torch.randn(4, 5)).backward()
+    optimizer.grad_scale, optimizer.found_inf = torch.tensor(1.0), torch.tensor(2.0)
+    optimizer.step()
+    del optimizer.grad_scale, optimizer.found_inf
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params_before))
+    after = optimizer.state_dict()["state"]
+    for index, entry in before["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(after[index][key], value), (index, key)
+
+
 # -- offload ------------------------------------------------------------------
 
 @pytest.mark.parametrize("staged", [False, True], ids=["cpu-params", "staging-pipeline"])
@@ -636,3 +661,4 @@ def test_triton_kernel_over_2_31_elements():
     for name, part in ends.items():
         for actual, wanted in zip((param[part], exp_avg[part], exp_avg_sq[part]), expected[name]):
             torch.testing.assert_close(actual, wanted, rtol=1e-5, atol=1e-7, msg=name)
+

@@ -40,8 +40,9 @@ codes). Measured accuracy: README, "Chunked Adam / AdamW".
 Steps without host synchronisation
 ----------------------------------
 The step counters are tensors on the state device. Before a chunk's kernel
-runs, its counters are increased by ``1 - found_inf`` (by 1 without a
-GradScaler), and the kernel derives the bias corrections from the counter
+runs, its counters are increased by ``found_inf == 0`` (by 1 without a
+GradScaler; an indicator, because GradScaler sums found_inf over devices),
+and the kernel derives the bias corrections from the counter
 itself and writes nothing when ``found_inf`` is non-zero: a skipped step
 changes nothing, step count included, without the host reading a flag.
 Parameters that get no gradient in a step are left out of that step (like
@@ -124,7 +125,8 @@ def chunked_adam(
     """Functional core: one Adam/AdamW step of a run of parameters that share
     a step count, with flat states (``exp_avg`` etc. cover the params laid end
     to end). ``steps`` holds one float32 counter per parameter; it is advanced
-    by ``1 - found_inf`` here, on its own device, before the kernel reads it.
+    by one here (by nothing when ``found_inf`` is non-zero), on its own device,
+    before the kernel reads it.
     ``check=False`` skips the Python-side argument checks (the optimizer's
     chunks satisfy them by construction; the C++ kernel checks regardless)."""
     _advance_steps(steps, found_inf)
@@ -143,7 +145,10 @@ def _advance_steps(steps: torch.Tensor, found_inf: Optional[torch.Tensor]) -> No
     if found_inf is None:
         steps.add_(1)
     else:
-        steps.add_(1).sub_(found_inf.to(steps.device, torch.float32, non_blocking=True))
+        # An indicator, not the value: GradScaler sums found_inf over devices
+        # (2.0 with two overflowing GPUs). Non-zero (NaN included) skips, as
+        # in the kernels.
+        steps.add_(found_inf.to(steps.device, non_blocking=True) == 0)
 
 
 def chunked_adam_8bit(
