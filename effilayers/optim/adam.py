@@ -85,17 +85,28 @@ of gradients it has seen, so the common case stays one kernel per chunk.
 
 Chunk size
 ----------
-Default ``2**24`` elements (64 MiB of fp32 per state buffer). Measured on
-the 2-core CPU this was written on (benchmarks/bench_optim.py, group
-``chunk_size cpu 16M``, results/optim-cpu-2026-11-22.json): a step over 16M
-parameters took 40, 42, 26 and 30 ms (medians; an earlier run: 48, 46, 36,
-49) with chunks of 2^20, 2^22, 2^24 and 2^26 elements, on a machine shared
-with other jobs. Larger chunks mean fewer fork/joins (the kernel reads the
-parameters in place, so a chunk costs little else); 2^24 was the fastest in
-both runs and keeps a chunk small enough to
-pipeline CPU offload (one chunk on the CPU while the next one's gradients
-travel); re-measure on a GPU for the offload pipeline. Chunks are allocated at
-the size of what they hold, so a partly filled last chunk wastes nothing.
+Default ``2**24`` elements (64 MiB of fp32 per state buffer): provisional,
+not the CPU optimum. Measured on CPU only (benchmarks/bench_optim.py
+``test_chunk_size``: 256M fp32 parameters in 4096x1024 matrices and
+1024-long vectors, 4x the largest size compared; results/
+optim-chunk-size-cpu-2026-11-23*.json, a 2-core machine shared with other
+jobs, load average 3-5): chunk sizes 2^20, 2^22, 2^24, 2^26 give 127, 126,
+21 and 5 chunks, and one step took (medians) 1104, 929, 740, 568 ms with 2
+threads in one run and 545, 526, 502, 402 ms in a second run in reverse
+order; with 1 thread 468, 465, 450, 426 ms (reverse order; the other
+1-thread run was noisier). The arithmetic per element is the same at every
+size: a chunk is one kernel call, i.e. one fork/join of the CPU threads,
+and on a loaded machine a join waits for a thread another job has
+preempted, so fewer chunks are faster mostly with several threads.
+What remains unmeasured, and why the default stays at 2^24: on a GPU the
+Triton wrapper gathers a multi-parameter chunk into two temporaries of
+``4 * chunk_size`` bytes each (128 MiB at 2^24 for fp32, 512 MiB at 2^26),
+and offload pipelines chunk by chunk (the CPU updates one chunk while the
+next one's gradients travel), so a larger chunk overlaps less; neither the
+GPU step nor the offload pipeline has been timed at any chunk size. For
+CPU-only training ``chunk_size=2**26`` was faster here. Chunks are
+allocated at the size of what they hold, so a partly filled last chunk
+wastes nothing.
 
 Offload
 -------
@@ -661,7 +672,8 @@ class ChunkedAdam(Optimizer):
       rounded result.
     * ``offload``: ``None`` or ``"cpu"`` (states and master weights in CPU
       memory; see the module docstring).
-    * ``chunk_size``: elements per chunk (default ``2**24``).
+    * ``chunk_size``: elements per chunk (default ``2**24``; on CPU
+      ``2**26`` measured faster, see the module docstring).
 
     Host synchronisation: none per step on GPU, except that ``lr`` (and
     betas, eps, weight_decay) are read with ``float()`` once per param group
