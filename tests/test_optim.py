@@ -199,8 +199,9 @@ def _train(model, optimizer, steps, *, sign=1.0, scheduler=None, clip=None, spar
            seed=1):
     generator = torch.Generator().manual_seed(seed)
     for step in range(steps):
-        x = torch.randn(16, 7, generator=generator).to(next(model.parameters()).dtype)
-        y = torch.randn(16, 5, generator=generator).to(x.dtype)
+        param = next(model.parameters())  # (the data follows the model's device and dtype)
+        x = torch.randn(16, 7, generator=generator).to(param.device, param.dtype)
+        y = torch.randn(16, 5, generator=generator).to(param.device, param.dtype)
         optimizer.zero_grad(set_to_none=set_to_none)
         use_spare = spare_every > 0 and step % spare_every == 0
         loss = sign * torch.nn.functional.mse_loss(model(x, use_spare), y)
@@ -852,6 +853,26 @@ def test_parameter_dtype_change_after_steps_moves_the_states(part):
             assert optimizer.state[p]["master_param"].dtype == torch.float32
             assert torch.equal(p.detach(), optimizer.state[p]["master_param"].to(torch.bfloat16))
     assert all(float(entry["step"]) == 7.0 for entry in optimizer.state_dict()["state"].values())
+
+
+@pytest.mark.gpu
+def test_parameters_moved_to_cuda_after_steps_move_the_states():
+    """model.cuda() after some CPU steps: the states follow the parameters to
+    the GPU, and the run continues like a CUDA optimizer loaded with the
+    state dict."""
+    model = _net()
+    optimizer = ChunkedAdamW(model.parameters(), lr=1e-2, chunk_size=300)
+    _train(model, optimizer, 3)
+    saved = copy.deepcopy(optimizer.state_dict())
+    model.cuda()
+    twin = copy.deepcopy(model)
+    twin_opt = ChunkedAdamW(twin.parameters(), lr=1e-2, chunk_size=300)
+    twin_opt.load_state_dict(saved)
+    _train(model, optimizer, 3, seed=8)
+    _train(twin, twin_opt, 3, seed=8)
+    _assert_same_params(model, twin, rtol=0, atol=0)
+    assert all(entry["state_device"].startswith("cuda") for entry in optimizer.chunk_layout())
+    assert all(float(entry["step"]) == 6.0 for entry in optimizer.state_dict()["state"].values())
 
 
 def test_parameter_dtype_change_to_complex_is_a_clear_error():

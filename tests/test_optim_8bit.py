@@ -237,8 +237,9 @@ def _net(dtype=torch.float32):
 def _train(model, optimizer, steps, seed=1, scaler=None, overflow_at=None):
     generator = torch.Generator().manual_seed(seed)
     for step in range(steps):
-        x = torch.randn(16, 7, generator=generator).to(next(model.parameters()).dtype)
-        y = torch.randn(16, 5, generator=generator).to(x.dtype)
+        param = next(model.parameters())  # (the data follows the model's device and dtype)
+        x = torch.randn(16, 7, generator=generator).to(param.device, param.dtype)
+        y = torch.randn(16, 5, generator=generator).to(param.device, param.dtype)
         optimizer.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
         if step == overflow_at:
