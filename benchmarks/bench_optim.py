@@ -5,13 +5,15 @@ DeepSpeedCPUAdam, on the same parameters and the same thread count.
     python -m pytest benchmarks/bench_optim.py --benchmark-group-by=group
 
 Groups: ``adamw <device> <numel>`` (100M fp32 parameters, the issue's target
-size, and 4M for a quick run), and ``chunk_size cpu 16M`` (ChunkedAdamW at
-several chunk sizes; how the default was chosen), and ``adamw cpu 2000
-tensors x 2048`` (per-tensor overhead). The step of an optimizer
-on 100M parameters is memory-bound: ``extra_info["bytes_moved"]`` counts the
-bytes a one-pass update must read and write (28 per parameter with fp32
-states, 20 with bf16 states, 16 + 4 * 4 / 256 with 8-bit states: two code
-bytes and, per 256-element block, two float32 scales, each read and written);
+size, and 4M for a quick run), ``chunk_size cpu 256M`` (ChunkedAdamW at chunk
+sizes 2^20 to 2^26, on 4x the largest; see ``DEFAULT_CHUNK_SIZE``), ``adamw
+cpu 2000 tensors x 2048`` and ``step overhead cpu 5000 tensors x 256``
+(per-tensor overhead; the second is dominated by Python and dispatch work).
+The step of an optimizer on 100M parameters is memory-bound:
+``extra_info["bytes_moved"]`` counts the bytes a one-pass update must read
+and write (28 per parameter with fp32 states, 20 with bf16 states, 16 + 4 *
+4 / 256 with 8-bit states: two code bytes and, per 256-element block, two
+float32 scales, each read and written);
 GB/s = bytes_moved / time. ``extra_info["state_bytes_per_param"]`` is the
 optimizer-state memory (8, 4, or 2 + 8 / 256).
 
@@ -109,15 +111,30 @@ def test_adamw_step(benchmark, implementation, device, numel):
         gc.collect()
 
 
+# Parameters several times the largest chunk size compared (256M = 4 x 2^26),
+# so every size splits the model into several chunks: 2^20 and 2^22 are at
+# or below one 4096 x 1024 matrix (each matrix then gets a chunk of its own),
+# 2^24 holds ~4 matrices, 2^26 ~16. 4 GiB of parameters, gradients and fp32
+# states: runs on a 24 GiB machine.
+CHUNK_SIZE_PARAMS = 256 * 2**20
+
+
+@pytest.mark.parametrize("threads", [2, 1], ids=lambda t: f"{t}threads")
 @pytest.mark.parametrize("chunk_size", [1 << 20, 1 << 22, 1 << 24, 1 << 26], ids=lambda c: f"2^{c.bit_length() - 1}")
-def test_chunk_size(benchmark, chunk_size):
-    params = make_params(16_000_000, "cpu")
+def test_chunk_size(benchmark, chunk_size, threads):
+    """More chunks mean more kernel calls, each one fork/join of the CPU
+    threads; with one thread there is no join to wait for."""
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    params = make_params(CHUNK_SIZE_PARAMS, "cpu")
     optimizer = make_optimizer("effilayers", params, chunk_size=chunk_size)
-    benchmark.group = "chunk_size cpu 16M fp32 params"
-    benchmark.extra_info.update(numel=16_000_000, chunk_size=chunk_size, threads=torch.get_num_threads())
+    benchmark.group = f"chunk_size cpu 256M fp32 params {threads} threads"
     try:
-        _time_steps(benchmark, optimizer, "cpu", rounds=10)
+        _time_steps(benchmark, optimizer, "cpu", rounds=9)
+        benchmark.extra_info.update(numel=CHUNK_SIZE_PARAMS, chunk_size=chunk_size, threads=threads,
+                                    chunks=len(optimizer.chunk_layout()), bytes_moved=28 * CHUNK_SIZE_PARAMS)
     finally:
+        torch.set_num_threads(saved_threads)
         del optimizer, params
         gc.collect()
 
@@ -136,5 +153,35 @@ def test_many_small_tensors(benchmark, implementation):
     try:
         _time_steps(benchmark, optimizer, "cpu", rounds=20)
     finally:
+        del optimizer, params
+        gc.collect()
+
+
+OVERHEAD_IMPLEMENTATIONS = ["torch-foreach", "torch-fused", "effilayers", "effilayers-bf16-params-fp32-master"]
+
+
+@pytest.mark.parametrize("implementation", OVERHEAD_IMPLEMENTATIONS)
+def test_step_overhead_many_tiny_tensors(benchmark, implementation):
+    """Host-side cost per tensor: 5000 tensors of 256 elements (1.3M in all),
+    where the arithmetic is ~3 ms of a step and the rest is per-tensor Python
+    and dispatch work. One thread: on a shared machine every fork/join of a
+    multi-threaded kernel waits for preempted threads, which buries the host
+    cost (run with ``--benchmark-timer=time.process_time`` there).
+    ``effilayers-bf16-params-fp32-master``: bf16 parameters with fp32 master
+    weights (the chunks that also track the parameters' version counters)."""
+    generator = torch.Generator().manual_seed(0)
+    dtype = torch.bfloat16 if implementation == "effilayers-bf16-params-fp32-master" else torch.float32
+    params = [torch.nn.Parameter(torch.randn(256, generator=generator).to(dtype)) for _ in range(5000)]
+    for p in params:
+        p.grad = torch.randn(256, generator=generator).to(dtype)
+    optimizer = make_optimizer("effilayers" if dtype == torch.bfloat16 else implementation, params)
+    benchmark.group = "step overhead cpu 5000 tensors x 256, 1 thread"
+    benchmark.extra_info.update(numel=5000 * 256, tensors=5000, threads=1)
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _time_steps(benchmark, optimizer, "cpu", rounds=20)
+    finally:
+        torch.set_num_threads(saved_threads)
         del optimizer, params
         gc.collect()

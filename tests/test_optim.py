@@ -128,13 +128,14 @@ def test_kernel_matches_float64_reference(adam_device, param_dtype, state_dtype,
                                    rtol=0, atol=0)
 
 
-def test_kernel_skipped_step_writes_nothing(adam_device):
+@pytest.mark.parametrize("found_inf", [1.0, 2.0])  # 2.0: GradScaler sums the flags of two devices
+def test_kernel_skipped_step_writes_nothing(adam_device, found_inf):
     _, device = adam_device
     inputs = _kernel_inputs(torch.float32, torch.float32, False, True, device, shapes=[(5, 3), (1030,)])
     before = [t.clone() for t in (*inputs[0], inputs[2], inputs[3], inputs[4])]
     grads = [g.clone().fill_(float("inf")) for g in inputs[1]]
     adam_step_(inputs[0], grads, inputs[2], inputs[3], inputs[4], None, torch.tensor([3.0], device=device),
-               torch.tensor([2.0 ** 16], device=device), torch.tensor([1.0], device=device),
+               torch.tensor([2.0 ** 16], device=device), torch.tensor([found_inf], device=device),
                lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled_weight_decay=True,
                maximize=False)
     for old, new in zip(before, (*inputs[0], inputs[2], inputs[3], inputs[4])):
@@ -198,8 +199,9 @@ def _train(model, optimizer, steps, *, sign=1.0, scheduler=None, clip=None, spar
            seed=1):
     generator = torch.Generator().manual_seed(seed)
     for step in range(steps):
-        x = torch.randn(16, 7, generator=generator).to(next(model.parameters()).dtype)
-        y = torch.randn(16, 5, generator=generator).to(x.dtype)
+        param = next(model.parameters())  # (the data follows the model's device and dtype)
+        x = torch.randn(16, 7, generator=generator).to(param.device, param.dtype)
+        y = torch.randn(16, 5, generator=generator).to(param.device, param.dtype)
         optimizer.zero_grad(set_to_none=set_to_none)
         use_spare = spare_every > 0 and step % spare_every == 0
         loss = sign * torch.nn.functional.mse_loss(model(x, use_spare), y)
@@ -431,6 +433,30 @@ def test_grad_scaler_overflow_step_changes_nothing_and_later_steps_match_torch()
     _assert_same_params(our_model, torch_model, **FP32_TOL)
 
 
+@pytest.mark.parametrize("options", [{}, dict(state_dtype="8bit"), dict(offload="cpu", staged=True)],
+                         ids=["fp32", "8bit", "offload-staged"])
+def test_found_inf_above_one_skips_without_lowering_step_counts(options):
+    """GradScaler sums found_inf over devices, so a skipped step may hand the
+    optimizer found_inf = 2: nothing may change, step counts included."""
+    options = dict(options)
+    staged = options.pop("staged", False)
+    model = _net()
+    optimizer = ChunkedAdamW(model.parameters(), lr=1e-2, chunk_size=300, **options)
+    optimizer._force_staging = staged
+    _train(model, optimizer, 3)
+    before = copy.deepcopy(optimizer.state_dict())
+    params_before = [p.detach().clone() for p in model.parameters()]
+    torch.nn.functional.mse_loss(model(torch.randn(4, 7)), torch.randn(4, 5)).backward()
+    optimizer.grad_scale, optimizer.found_inf = torch.tensor(1.0), torch.tensor(2.0)
+    optimizer.step()
+    del optimizer.grad_scale, optimizer.found_inf
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params_before))
+    after = optimizer.state_dict()["state"]
+    for index, entry in before["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(after[index][key], value), (index, key)
+
+
 # -- offload ------------------------------------------------------------------
 
 @pytest.mark.parametrize("staged", [False, True], ids=["cpu-params", "staging-pipeline"])
@@ -636,3 +662,237 @@ def test_triton_kernel_over_2_31_elements():
     for name, part in ends.items():
         for actual, wanted in zip((param[part], exp_avg[part], exp_avg_sq[part]), expected[name]):
             torch.testing.assert_close(actual, wanted, rtol=1e-5, atol=1e-7, msg=name)
+
+
+# -- state written from outside the optimizer -------------------------------------
+
+def _zero_run(optimizer_class, model, steps, seed, state_dict=None, **kwargs):
+    """ZeroRedundancyOptimizer(optimizer_class) on one gloo rank: optionally
+    load `state_dict`, train `steps`, return the consolidated state dict."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer_class, lr=1e-2, **kwargs)
+    if state_dict is not None:
+        optimizer.load_state_dict(state_dict)
+    _train(model, optimizer, steps, seed=seed)
+    optimizer.consolidate_state_dict(to=0)
+    return optimizer.state_dict()
+
+
+@pytest.mark.parametrize("optimizer_class,kwargs", [(torch.optim.AdamW, {}), (ChunkedAdamW, dict(chunk_size=300))],
+                         ids=["torch-AdamW", "ChunkedAdamW"])
+def test_zero_redundancy_optimizer_load_state_dict_continues_the_run(tmp_path, optimizer_class, kwargs):
+    """ZeroRedundancyOptimizer.load_state_dict assigns `optim.state[p] = {...}`
+    directly: the entries must reach the chunks (before, the steps restarted
+    from 1 on fresh states). One gloo rank in this process is enough."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        model = _net()
+        saved = _zero_run(optimizer_class, model, 4, seed=1, **kwargs)
+        resumed = copy.deepcopy(model)
+        resumed_state = _zero_run(optimizer_class, resumed, 4, seed=2, state_dict=copy.deepcopy(saved), **kwargs)
+        _zero_run(optimizer_class, model, 4, seed=2, state_dict=copy.deepcopy(saved), **kwargs)
+    finally:
+        dist.destroy_process_group()
+    expected = _net()
+    reference = torch.optim.AdamW(expected.parameters(), lr=1e-2)
+    _train(expected, reference, 4, seed=1)
+    _train(expected, reference, 4, seed=2)
+    _assert_same_params(resumed, expected, **FP32_TOL)
+    _assert_same_params(model, expected, **FP32_TOL)
+    assert all(float(entry["step"]) == 8.0 for entry in resumed_state["state"].values())
+
+
+def test_direct_assignment_into_state_reaches_the_chunks():
+    """`optimizer.state[p] = entry`, `del optimizer.state[p]` and writes into an
+    entry take effect at the next step, as with torch.optim.AdamW."""
+    torch_model, our_model = _net(), _net()
+    torch_opt = torch.optim.AdamW(torch_model.parameters(), lr=1e-2)
+    our_opt = ChunkedAdamW(our_model.parameters(), lr=1e-2, chunk_size=300)
+    _train(torch_model, torch_opt, 3)
+    _train(our_model, our_opt, 1)  # chunks exist; their states are about to be replaced
+    params = list(our_model.parameters())
+    for p, q in zip(params, torch_model.parameters()):
+        our_opt.state[p] = copy.deepcopy(torch_opt.state[q])
+    torch.testing.assert_close(our_opt.state[params[0]]["exp_avg"], torch_opt.state_dict()["state"][0]["exp_avg"])
+    with torch.no_grad():
+        for p, q in zip(params, torch_model.parameters()):
+            p.copy_(q)
+    # a write into an entry, and a deleted entry (fresh state at the next step, like torch)
+    our_opt.state[params[1]]["step"] = torch.tensor(7.0)
+    torch_opt.state[list(torch_model.parameters())[1]]["step"] = torch.tensor(7.0)
+    del our_opt.state[params[2]]
+    del torch_opt.state[list(torch_model.parameters())[2]]
+    _train(torch_model, torch_opt, 4, seed=3)
+    _train(our_model, our_opt, 4, seed=3)
+    _assert_same_params(our_model, torch_model, **FP32_TOL)
+    steps = {index: float(entry["step"]) for index, entry in our_opt.state_dict()["state"].items() if entry}
+    assert [steps[index] for index in range(4)] == [7.0, 11.0, 4.0, 7.0]
+
+
+def test_parameter_changes_between_steps_reach_the_master_weights():
+    """bf16 parameters with fp32 masters, fed the same gradients as fp32
+    torch.optim.AdamW parameters: values written into the parameters between
+    steps (copy_, fill_) are what the next step starts from, in both."""
+    torch.manual_seed(0)
+    start = [torch.randn(13, 7).bfloat16(), torch.randn(301).bfloat16(), torch.randn(40).bfloat16()]
+    ours = [torch.nn.Parameter(t.clone()) for t in start]
+    theirs = [torch.nn.Parameter(t.float()) for t in start]
+    optimizer = ChunkedAdamW(ours, lr=1e-2, chunk_size=128)
+    reference = torch.optim.AdamW(theirs, lr=1e-2)
+    generator = torch.Generator().manual_seed(3)
+
+    def train(steps):
+        for _ in range(steps):
+            for p, q in zip(ours, theirs):
+                g = torch.randn(p.shape, generator=generator).bfloat16()
+                p.grad, q.grad = g, g.float()
+            optimizer.step()
+            reference.step()
+
+    train(10)
+    # far from the current values (so no element equals its rounded master)
+    values = (torch.rand(13, 7, generator=generator) + 8.0).bfloat16()
+    untouched = optimizer.state[ours[2]]["master_param"].clone()
+    with torch.no_grad():
+        ours[0].copy_(values)
+        theirs[0].copy_(values.float())
+        ours[1].fill_(5.0)
+        theirs[1].fill_(5.0)
+        ours[2].copy_(ours[2].clone())  # same values: the master keeps its extra bits
+    train(1)
+    assert not torch.equal(optimizer.state[ours[2]]["master_param"], untouched)
+    train(9)
+    for p, q in zip(ours, theirs):
+        master = optimizer.state[p]["master_param"]
+        torch.testing.assert_close(master, q.detach(), **FP32_TOL)
+        assert torch.equal(p.detach(), master.to(torch.bfloat16))
+
+
+def test_parameter_changes_between_steps_reach_the_offload_copy():
+    """offload='cpu' keeps its own copy of the parameters (here through the
+    staging pipeline on CPU parameters): model.load_state_dict() and clamp_()
+    between steps must not be reverted by the next step."""
+    expected, actual = _net(), _net()
+    initial = copy.deepcopy(expected.state_dict())
+    reference = torch.optim.AdamW(expected.parameters(), lr=1e-2)
+    optimizer = ChunkedAdamW(actual.parameters(), lr=1e-2, offload="cpu", chunk_size=256)
+    optimizer._force_staging = True
+    for model, opt in ((expected, reference), (actual, optimizer)):
+        _train(model, opt, 3)
+        model.load_state_dict(initial)
+        with torch.no_grad():
+            model.head.weight.clamp_(-0.05, 0.05)
+        _train(model, opt, 3, seed=4)
+    _assert_same_params(actual, expected, **FP32_TOL)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+@pytest.mark.parametrize("options", [dict(amsgrad=True), dict(state_dtype=torch.bfloat16), dict(state_dtype="8bit"),
+                                     dict(param_dtype=torch.bfloat16)],
+                         ids=["fp32-amsgrad", "bf16-states", "8bit-states", "bf16-params-fp32-masters"])
+def test_deepcopied_or_pickled_optimizer_continues_identically(how, options):
+    import io
+
+    options = dict(options)
+    model = _net(options.pop("param_dtype", torch.float32))
+    optimizer = ChunkedAdamW(model.parameters(), lr=1e-2, chunk_size=300, **options)
+    _train(model, optimizer, 4, spare_every=3)
+    if how == "deepcopy":
+        twin_model, twin_opt = copy.deepcopy((model, optimizer))
+    else:
+        buffer = io.BytesIO()
+        torch.save((model, optimizer), buffer)
+        buffer.seek(0)
+        twin_model, twin_opt = torch.load(buffer, weights_only=False)
+    assert twin_opt.param_groups[0]["params"][0] is next(twin_model.parameters())
+    _train(model, optimizer, 4, spare_every=3, seed=6)
+    _train(twin_model, twin_opt, 4, spare_every=3, seed=6)
+    _assert_same_params(twin_model, model, rtol=0, atol=0)
+    ours, theirs = twin_opt.state_dict()["state"], optimizer.state_dict()["state"]
+    for index, entry in theirs.items():
+        for key, value in entry.items():
+            assert torch.equal(ours[index][key], value), (index, key)
+
+
+@pytest.mark.parametrize("part", ["all-params", "some-params-of-a-chunk"])
+def test_parameter_dtype_change_after_steps_moves_the_states(part):
+    """model.to(torch.bfloat16) after some steps (all parameters, or part of a
+    chunk): the states move to chunks of the new dtype, bf16 parameters get
+    fp32 masters seeded from their values, and the run continues like a
+    fresh optimizer loaded with the state dict."""
+    torch.manual_seed(0)
+    first = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(13, 7))])
+    second = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(301)), torch.nn.Parameter(torch.randn(40))])
+    params = [*first, *second]
+    optimizer = ChunkedAdamW(params, lr=1e-2, chunk_size=1000)  # one chunk holds all three
+    generator = torch.Generator().manual_seed(5)
+
+    def step(opt, targets, count):
+        for _ in range(count):
+            for p in targets:
+                p.grad = torch.randn(p.shape, generator=generator).to(p.dtype)
+            opt.step()
+
+    step(optimizer, params, 3)
+    saved = copy.deepcopy(optimizer.state_dict())
+    (torch.nn.ModuleList([first, second]) if part == "all-params" else second).to(torch.bfloat16)
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    twin_opt = ChunkedAdamW(twin, lr=1e-2, chunk_size=1000)
+    twin_opt.load_state_dict(saved)
+    generator_state = generator.get_state()
+    step(optimizer, params, 4)
+    generator.set_state(generator_state)
+    step(twin_opt, twin, 4)
+    for p, q in zip(params, twin):
+        assert p.dtype == q.dtype
+        assert torch.equal(p, q)
+        if p.dtype == torch.bfloat16:
+            assert optimizer.state[p]["master_param"].dtype == torch.float32
+            assert torch.equal(p.detach(), optimizer.state[p]["master_param"].to(torch.bfloat16))
+    assert all(float(entry["step"]) == 7.0 for entry in optimizer.state_dict()["state"].values())
+
+
+@pytest.mark.gpu
+def test_parameters_moved_to_cuda_after_steps_move_the_states():
+    """model.cuda() after some CPU steps: the states follow the parameters to
+    the GPU, and the run continues like a CUDA optimizer loaded with the
+    state dict."""
+    model = _net()
+    optimizer = ChunkedAdamW(model.parameters(), lr=1e-2, chunk_size=300)
+    _train(model, optimizer, 3)
+    saved = copy.deepcopy(optimizer.state_dict())
+    model.cuda()
+    twin = copy.deepcopy(model)
+    twin_opt = ChunkedAdamW(twin.parameters(), lr=1e-2, chunk_size=300)
+    twin_opt.load_state_dict(saved)
+    _train(model, optimizer, 3, seed=8)
+    _train(twin, twin_opt, 3, seed=8)
+    _assert_same_params(model, twin, rtol=0, atol=0)
+    assert all(entry["state_device"].startswith("cuda") for entry in optimizer.chunk_layout())
+    assert all(float(entry["step"]) == 6.0 for entry in optimizer.state_dict()["state"].values())
+
+
+def test_parameter_dtype_change_to_complex_is_a_clear_error():
+    params = [torch.nn.Parameter(torch.randn(5))]
+    optimizer = ChunkedAdamW(params)
+    params[0].grad = torch.randn(5)
+    optimizer.step()
+    params[0].data = params[0].data.to(torch.complex64)
+    params[0].grad = torch.randn(5, dtype=torch.complex64)
+    with pytest.raises(TypeError, match=r"parameter 0 of param group 0 is now torch.complex64.*ChunkedAdamW supports"):
+        optimizer.step()
+
+
+def test_step_bumps_parameter_versions_like_torch():
+    """The kernel writes the parameters in place: autograd must see it, so a
+    backward through a graph that saved a parameter fails like with torch."""
+    param = torch.nn.Parameter(torch.randn(5))
+    optimizer = ChunkedAdamW([param])
+    loss = (param * param).sum()
+    param.grad = torch.randn(5)
+    optimizer.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

@@ -237,8 +237,9 @@ def _net(dtype=torch.float32):
 def _train(model, optimizer, steps, seed=1, scaler=None, overflow_at=None):
     generator = torch.Generator().manual_seed(seed)
     for step in range(steps):
-        x = torch.randn(16, 7, generator=generator).to(next(model.parameters()).dtype)
-        y = torch.randn(16, 5, generator=generator).to(x.dtype)
+        param = next(model.parameters())  # (the data follows the model's device and dtype)
+        x = torch.randn(16, 7, generator=generator).to(param.device, param.dtype)
+        y = torch.randn(16, 5, generator=generator).to(param.device, param.dtype)
         optimizer.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
         if step == overflow_at:
@@ -393,6 +394,26 @@ def test_state_dict_round_trip_through_torch_adamw_and_chunk_sizes():
     # torch continues from the decoded states: close to the 8-bit run
     _train(torch_model, torch_opt, 5, seed=9)
     _assert_close_to_torch(model, torch_model, atol=2e-3, rel_l2=0.01)
+
+
+def test_state_assigned_directly_is_encoded_like_load_state_dict():
+    """`optimizer.state[p] = entry` (what ZeroRedundancyOptimizer.load_state_dict
+    does) with torch's fp32 layout: encoded into the 8-bit chunks exactly as
+    load_state_dict encodes it."""
+    model = _net()
+    torch_opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, torch_opt, 3)
+    loaded_model, assigned_model = copy.deepcopy(model), copy.deepcopy(model)
+    loaded = ChunkedAdamW(loaded_model.parameters(), lr=1e-2, state_dtype="8bit")
+    loaded.load_state_dict(copy.deepcopy(torch_opt.state_dict()))
+    assigned = ChunkedAdamW(assigned_model.parameters(), lr=1e-2, state_dtype="8bit")
+    for p, q in zip(assigned_model.parameters(), model.parameters()):
+        assigned.state[p] = copy.deepcopy(torch_opt.state[q])
+    _train(loaded_model, loaded, 3, seed=4)
+    _train(assigned_model, assigned, 3, seed=4)
+    for p, q in zip(assigned_model.parameters(), loaded_model.parameters()):
+        assert torch.equal(p, q)
+    assert all(float(entry["step"]) == 6.0 for entry in assigned.state_dict()["state"].values())
 
 
 def test_fp32_checkpoint_loads_into_8bit_within_quantization_error():

@@ -21,6 +21,39 @@ the chunk's per-parameter step counter), so ``state_dict()`` has exactly
 tensors shaped like their parameter. Like torch's, the returned tensors are
 references (here: views of the chunks), not copies.
 
+State and parameters changed from outside
+-----------------------------------------
+``step()`` reads the chunks, not ``self.state``, so the optimizer keeps the
+two consistent with what torch's optimizers would see:
+
+* ``self.state`` is a ``defaultdict(dict)`` subclass that notes writes from
+  outside: ``state[p] = {...}`` (what ``ZeroRedundancyOptimizer.
+  load_state_dict`` does), ``del state[p]``, ``state[p][key] = value``, or a
+  whole new mapping assigned to ``optimizer.state``. Before the next step
+  (or ``state_dict()``) those entries are copied into the chunks: a new or
+  deleted entry resets the parameter's state (step 0, zero moments, master
+  from the parameter, as torch starts from an empty entry) and then imports
+  what the entry holds (torch's layout, or this class's 8-bit payload).
+* ``copy.deepcopy(optimizer)``, ``pickle`` and ``torch.save(optimizer)``
+  keep ``self.state`` (torch's ``__getstate__``) plus this class's settings;
+  the chunks are rebuilt from the entries at the next step, so a copy taken
+  together with its model continues exactly.
+* The fp32 masters (and the CPU copy of offloaded parameters) are the
+  optimizer's own copies of the parameters. The parameters' version
+  counters (host-side ints) are recorded whenever the optimizer writes
+  them; a parameter whose counter moved by the next step (``p.clamp_()``,
+  ``p.copy_()``, ``model.load_state_dict()``, all under ``no_grad``) is
+  copied into the copy first, so the update starts from the user's value
+  as in torch. A master element whose rounding still equals the parameter
+  keeps its extra bits. Writes through ``p.data`` (``p.data.fill_()``,
+  ``p.data = t``) bypass the version counter and are not seen.
+* A parameter whose dtype or device changed since its chunk was made
+  (``model.to(torch.bfloat16)``, ``model.cuda()``, all or some parameters)
+  makes the next step move every state into chunks keyed by the new dtype
+  and device (both copies exist for a moment); new fp32 masters are
+  seeded from the parameters. A dtype the optimizer does not support
+  (complex) is a TypeError naming the parameter.
+
 8-bit states
 ------------
 ``state_dtype="8bit"`` stores ``exp_avg`` as int8 and ``exp_avg_sq`` /
@@ -40,8 +73,9 @@ codes). Measured accuracy: README, "Chunked Adam / AdamW".
 Steps without host synchronisation
 ----------------------------------
 The step counters are tensors on the state device. Before a chunk's kernel
-runs, its counters are increased by ``1 - found_inf`` (by 1 without a
-GradScaler), and the kernel derives the bias corrections from the counter
+runs, its counters are increased by ``found_inf == 0`` (by 1 without a
+GradScaler; an indicator, because GradScaler sums found_inf over devices),
+and the kernel derives the bias corrections from the counter
 itself and writes nothing when ``found_inf`` is non-zero: a skipped step
 changes nothing, step count included, without the host reading a flag.
 Parameters that get no gradient in a step are left out of that step (like
@@ -51,17 +85,28 @@ of gradients it has seen, so the common case stays one kernel per chunk.
 
 Chunk size
 ----------
-Default ``2**24`` elements (64 MiB of fp32 per state buffer). Measured on
-the 2-core CPU this was written on (benchmarks/bench_optim.py, group
-``chunk_size cpu 16M``, results/optim-cpu-2026-11-22.json): a step over 16M
-parameters took 40, 42, 26 and 30 ms (medians; an earlier run: 48, 46, 36,
-49) with chunks of 2^20, 2^22, 2^24 and 2^26 elements, on a machine shared
-with other jobs. Larger chunks mean fewer fork/joins (the kernel reads the
-parameters in place, so a chunk costs little else); 2^24 was the fastest in
-both runs and keeps a chunk small enough to
-pipeline CPU offload (one chunk on the CPU while the next one's gradients
-travel); re-measure on a GPU for the offload pipeline. Chunks are allocated at
-the size of what they hold, so a partly filled last chunk wastes nothing.
+Default ``2**24`` elements (64 MiB of fp32 per state buffer): provisional,
+not the CPU optimum. Measured on CPU only (benchmarks/bench_optim.py
+``test_chunk_size``: 256M fp32 parameters in 4096x1024 matrices and
+1024-long vectors, 4x the largest size compared; results/
+optim-chunk-size-cpu-2026-11-23*.json, a 2-core machine shared with other
+jobs, load average 3-5): chunk sizes 2^20, 2^22, 2^24, 2^26 give 127, 126,
+21 and 5 chunks, and one step took (medians) 1104, 929, 740, 568 ms with 2
+threads in one run and 545, 526, 502, 402 ms in a second run in reverse
+order; with 1 thread 468, 465, 450, 426 ms (reverse order; the other
+1-thread run was noisier). The arithmetic per element is the same at every
+size: a chunk is one kernel call, i.e. one fork/join of the CPU threads,
+and on a loaded machine a join waits for a thread another job has
+preempted, so fewer chunks are faster mostly with several threads.
+What remains unmeasured, and why the default stays at 2^24: on a GPU the
+Triton wrapper gathers a multi-parameter chunk into two temporaries of
+``4 * chunk_size`` bytes each (128 MiB at 2^24 for fp32, 512 MiB at 2^26),
+and offload pipelines chunk by chunk (the CPU updates one chunk while the
+next one's gradients travel), so a larger chunk overlaps less; neither the
+GPU step nor the offload pipeline has been timed at any chunk size. For
+CPU-only training ``chunk_size=2**26`` was faster here. Chunks are
+allocated at the size of what they hold, so a partly filled last chunk
+wastes nothing.
 
 Offload
 -------
@@ -85,6 +130,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch.optim import Optimizer
 
+from .. import backends
 from ..ops.adam import _adam_step_8bit_op as adam_step_8bit_op
 from ..ops.adam import _adam_step_op as adam_step_op
 from ..ops.adam import (QUANT_BLOCK, check_adam_8bit_arguments, check_adam_arguments, dequantize_exp_avg,
@@ -99,6 +145,10 @@ EIGHT_BIT = "8bit"
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
 _OFFLOAD = (None, "cpu")
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+_PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+# attributes a pickled or deep-copied optimizer keeps besides torch's
+_PICKLED_SETTINGS = ("state_dtype", "master_weights", "offload", "chunk_size", "_force_staging")
 
 
 def chunked_adam(
@@ -124,7 +174,8 @@ def chunked_adam(
     """Functional core: one Adam/AdamW step of a run of parameters that share
     a step count, with flat states (``exp_avg`` etc. cover the params laid end
     to end). ``steps`` holds one float32 counter per parameter; it is advanced
-    by ``1 - found_inf`` here, on its own device, before the kernel reads it.
+    by one here (by nothing when ``found_inf`` is non-zero), on its own device,
+    before the kernel reads it.
     ``check=False`` skips the Python-side argument checks (the optimizer's
     chunks satisfy them by construction; the C++ kernel checks regardless)."""
     _advance_steps(steps, found_inf)
@@ -143,7 +194,10 @@ def _advance_steps(steps: torch.Tensor, found_inf: Optional[torch.Tensor]) -> No
     if found_inf is None:
         steps.add_(1)
     else:
-        steps.add_(1).sub_(found_inf.to(steps.device, torch.float32, non_blocking=True))
+        # An indicator, not the value: GradScaler sums found_inf over devices
+        # (2.0 with two overflowing GPUs). Non-zero (NaN included) skips, as
+        # in the kernels.
+        steps.add_(found_inf.to(steps.device, non_blocking=True) == 0)
 
 
 def chunked_adam_8bit(
@@ -200,6 +254,12 @@ class _Chunk:
         self.numel = self.offsets[-1]
         self.param_dtype = params[0].dtype
         self.param_device = params[0].device
+        # Cached for the per-step checks (a cheap int compare per parameter):
+        # a parameter whose dtype or device index differs was moved since
+        # (model.to(...)), and a contiguous parameter with a contiguous
+        # gradient needs no stride comparison.
+        self.device_index = params[0].get_device()
+        self.contiguous = [p.is_contiguous() for p in params]
         self.state_device = state_device
         self.pin = pin
         self.state_dtype = state_dtype
@@ -233,6 +293,41 @@ class _Chunk:
         # Host-side classes of parameters known to share a step count.
         self.step_class = [0] * len(params)
         self.uniform = True
+        # The parameters' version counters when the optimizer last wrote them
+        # (or seeded its copy); only chunks that keep their own copy of the
+        # parameters (fp32 masters, offload) need them.
+        self.versions: Optional[list[int]] = None
+        self.record_versions()
+
+    def record_versions(self) -> None:
+        if self.master is not None:
+            self.versions = [p._version for p in self.params]
+
+    def reseed_changed(self) -> None:
+        """Parameters written by the user since the optimizer last wrote them
+        (``p.clamp_()``, ``model.load_state_dict()``: their version counter
+        moved) are copied into the chunk's own copy, so the next update starts
+        from the user's value, as with torch's optimizers. A master element
+        whose rounding still equals the parameter keeps its extra bits."""
+        if self.versions is None:
+            return
+        now = [p._version for p in self.params]
+        if now == self.versions:
+            return
+        for index, (old, new) in enumerate(zip(self.versions, now)):
+            if old != new:
+                self.seed_copy(index)
+        self.versions = now
+
+    def seed_copy(self, index: int) -> None:
+        """The chunk's copy of parameter ``index`` from the parameter."""
+        copy = self.view(self.master, index)
+        param = self.params[index].detach().to(copy.device, non_blocking=False)
+        if self.master_is_fp32:
+            rounded = copy.to(param.dtype)
+            copy.copy_(torch.where(rounded == param, copy, param.to(copy.dtype)))
+        else:
+            copy.copy_(param)
 
     def _empty(self, dtype: torch.dtype, numel: Optional[int] = None) -> torch.Tensor:
         numel = self.numel if numel is None else numel
@@ -306,6 +401,50 @@ class _Chunk:
         getattr(self, name)[lo:hi].copy_(codes)
         getattr(self, name + "_absmax")[lo // QUANT_BLOCK:hi // QUANT_BLOCK].copy_(absmax)
 
+    def torch_entry(self, index: int) -> dict[str, torch.Tensor]:
+        """torch.optim.Adam's entry for parameter ``index`` (views, or decoded
+        copies for 8-bit states)."""
+        return self.export_state(index) if self.quantized else self.param_state(index)
+
+    def reset(self, index: int) -> None:
+        """Fresh state for parameter ``index``: step 0, zero moments, its copy
+        (master / offload) from the parameter."""
+        lo, hi = self.offsets[index], self.offsets[index + 1]
+        self.steps[index].zero_()
+        for name in _MOMENTS:
+            if getattr(self, name) is not None:
+                getattr(self, name)[lo:hi].zero_()
+                if self.quantized:
+                    getattr(self, name + "_absmax")[lo // QUANT_BLOCK:hi // QUANT_BLOCK].zero_()
+        if self.master is not None:
+            self.view(self.master, index).copy_(self.params[index].detach())
+
+    def import_value(self, index: int, key: str, value: Any) -> None:
+        """One value of a state entry (torch's layout, or this class's raw
+        8-bit payload) into the chunk; unknown keys are ignored, as torch does."""
+        if key == "step":
+            self.steps[index].copy_(torch.as_tensor(value, dtype=torch.float32))
+            return
+        if key == "master_param":
+            if self.master_is_fp32:
+                self.view(self.master, index).copy_(value)
+            return
+        name, part, _ = key.partition("_codes") if key.endswith("_codes") else key.partition("_absmax")
+        if name not in _MOMENTS or (part and not self.quantized):
+            return
+        if name == "max_exp_avg_sq":
+            self.ensure_amsgrad()
+        lo, hi = self.offsets[index], self.offsets[index + 1]
+        if not part:  # a float tensor shaped like the parameter
+            if self.quantized:
+                self.import_state(index, name, value)
+            else:
+                self.view(getattr(self, name), index).copy_(value)
+        elif part == "_codes":
+            getattr(self, name)[lo:hi].copy_(value)
+        else:
+            getattr(self, key)[lo // QUANT_BLOCK:hi // QUANT_BLOCK].copy_(value)
+
     def param_state(self, index: int) -> dict[str, torch.Tensor]:
         if self.quantized:
             # the raw payload: 1-D code ranges (padded) and their block scales
@@ -328,12 +467,14 @@ class _Chunk:
             state["master_param"] = self.view(self.master, index)
         return state
 
-    def runs(self, has_grad: list[bool]) -> list[tuple[int, int]]:
+    def runs(self, grads: list[Optional[torch.Tensor]], complete: bool) -> list[tuple[int, int]]:
         """Maximal ranges of parameters that have a gradient now and share a
-        step count; updates the host-side classes for the ones left out."""
+        step count; updates the host-side classes for the ones left out.
+        ``complete``: every parameter has a gradient."""
         count = len(self.params)
-        if self.uniform and all(has_grad):
+        if self.uniform and complete:
             return [(0, count)]
+        has_grad = [g is not None for g in grads]
         runs: list[tuple[int, int]] = []
         start = None
         for index in range(count + 1):
@@ -412,6 +553,103 @@ class _Transfers:
             self.main.wait_stream(self.up)
 
 
+class _Watched:
+    """dict methods that report every key they write or delete to
+    ``self._written(key)`` (a mixin in front of ``dict``)."""
+
+    def _written(self, key) -> None:
+        raise NotImplementedError
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        self._written(key)
+
+    def __delitem__(self, key) -> None:
+        super().__delitem__(key)
+        self._written(key)
+
+    def update(self, *args, **kwargs) -> None:
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
+    def setdefault(self, key, default=None):
+        if key not in self:
+            self[key] = default
+        return super().__getitem__(key)
+
+    def pop(self, key, *default):
+        present = key in self
+        value = super().pop(key, *default)
+        if present:
+            self._written(key)
+        return value
+
+    def popitem(self):
+        key, value = super().popitem()
+        self._written(key)
+        return key, value
+
+    def clear(self) -> None:
+        keys = list(self)
+        super().clear()
+        for key in keys:
+            self._written(key)
+
+
+class _ParamState(_Watched, dict):
+    """``optimizer.state[p]`` of a parameter that has a chunk: views into the
+    chunk. A write into it (``state[p]["step"] = ...``) marks ``p`` for
+    re-import. Copies and pickles are plain dicts."""
+
+    def __init__(self, values: dict, owner: "_OptimizerState", param: torch.Tensor, chunk: _Chunk) -> None:
+        super().__init__(values)
+        self.owner, self.param, self.chunk = owner, param, chunk
+        self.installed = dict(values)  # what the optimizer put there, to tell the user's writes apart
+
+    def _written(self, key) -> None:
+        self.owner.mark(self.param)
+
+    def written_values(self) -> dict[str, Any]:
+        return {key: value for key, value in self.items() if self.installed.get(key) is not value}
+
+    def __reduce__(self):
+        return dict, (dict(self),)
+
+
+def _plain_state(items) -> defaultdict:
+    return defaultdict(dict, items)
+
+
+class _OptimizerState(_Watched, defaultdict):
+    """``optimizer.state`` of the chunked optimizers: a ``defaultdict(dict)``
+    that remembers which parameters' entries were written from outside
+    (``state[p] = {...}`` as ZeroRedundancyOptimizer.load_state_dict does,
+    ``del state[p]``, writes into an entry), so that the optimizer copies them
+    into its chunks before it next uses them. The optimizer's own entries go
+    in through :meth:`install`. Copies and pickles are plain defaultdicts."""
+
+    def __init__(self, items=()) -> None:
+        super().__init__(dict, items)
+        self.pending: dict[int, torch.Tensor] = {id(p): p for p in self if isinstance(p, torch.Tensor)}
+
+    def mark(self, param) -> None:
+        if isinstance(param, torch.Tensor):
+            self.pending[id(param)] = param
+
+    _written = mark
+
+    def install(self, param: torch.Tensor, entry: dict) -> None:
+        dict.__setitem__(self, param, entry)
+
+    def __reduce__(self):
+        return _plain_state, ([(key, dict(entry) if isinstance(entry, dict) else entry)
+                               for key, entry in self.items()],)
+
+
 class ChunkedAdam(Optimizer):
     """``torch.optim.Adam`` with flat-chunk states and one fused kernel per chunk.
 
@@ -434,10 +672,13 @@ class ChunkedAdam(Optimizer):
       rounded result.
     * ``offload``: ``None`` or ``"cpu"`` (states and master weights in CPU
       memory; see the module docstring).
-    * ``chunk_size``: elements per chunk (default ``2**24``).
+    * ``chunk_size``: elements per chunk (default ``2**24``; on CPU
+      ``2**26`` measured faster, see the module docstring).
 
-    Host synchronisation: none per step on GPU, except that a tensor ``lr``
-    (or tensor betas) is read with ``float()`` each step; use Python floats.
+    Host synchronisation: none per step on GPU, except that ``lr`` (and
+    betas, eps, weight_decay) are read with ``float()`` once per param group
+    per step: a CUDA tensor ``lr`` costs one device-to-host sync per group
+    per step; a Python float or a CPU tensor costs none.
 
     Works with ``torch.amp.GradScaler`` (``scaler.step(opt)`` hands the scale
     and the overflow flag to the kernel), LR schedulers,
@@ -490,7 +731,11 @@ class ChunkedAdam(Optimizer):
         self.chunk_size = chunk_size
         # (group index, device, dtype) -> chunks, in order of first use
         self._chunks: dict[tuple[int, torch.device, torch.dtype], list[_Chunk]] = defaultdict(list)
-        self._location: dict[torch.Tensor, tuple[_Chunk, int]] = {}
+        # id(param) -> (chunk, index); ids, not tensors, as keys: a tensor
+        # hashes through a Python-level __hash__, several times slower
+        self._location: dict[int, tuple[_Chunk, int]] = {}
+        # group index -> (ids of its params, its params without a chunk yet)
+        self._unlocated: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
         # Exercise the offload staging on CPU parameters (tests); on CUDA it
         # is on whenever offload="cpu".
         self._force_staging = False
@@ -521,6 +766,101 @@ class ChunkedAdam(Optimizer):
                                group.get("weight_decay", self.defaults["weight_decay"]))
         super().add_param_group(group)
 
+    # -- optimizer.state ------------------------------------------------
+    # Outside writes into the state (ZeroRedundancyOptimizer.load_state_dict,
+    # `state[p] = ...`, a whole new mapping) are collected by _OptimizerState
+    # and copied into the chunks by _sync_state before the next step or
+    # state_dict(); a state assigned wholesale (also through torch's
+    # __setstate__, which updates __dict__ directly) is wrapped on first use.
+    @property
+    def state(self) -> _OptimizerState:
+        state = self.__dict__.get("state")
+        if type(state) is not _OptimizerState:
+            state = self._adopt_state(state or {})
+        return state
+
+    @state.setter
+    def state(self, value) -> None:
+        self._adopt_state(value)
+
+    def _adopt_state(self, value) -> _OptimizerState:
+        state = value if type(value) is _OptimizerState else _OptimizerState(value)
+        # parameters that have a chunk but no entry in the new mapping start afresh, as in torch
+        for chunk, index in getattr(self, "_location", {}).values():
+            state.mark(chunk.params[index])
+        self.__dict__["state"] = state
+        return state
+
+    def _sync_state(self) -> None:
+        """Copy the entries written from outside into the chunks: a replaced
+        or deleted entry resets the parameter's state and imports what the
+        new entry holds; a write into one of our entries imports the values
+        that changed. Parameters without a chunk get one (in group order)."""
+        state = self.state
+        pending, state.pending = state.pending, {}
+        located, fresh = [], defaultdict(list)
+        for group_index, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if id(p) not in pending:
+                    continue
+                entry = dict.get(state, p)
+                if id(p) in self._location:
+                    located.append((p, entry))
+                elif entry:
+                    fresh[group_index].append((p, entry))
+        for group_index, items in fresh.items():
+            self._assign(group_index, [p for p, _ in items])
+            located.extend(items)
+        touched = {}
+        with torch.no_grad():
+            for p, entry in located:
+                chunk, index = self._location[id(p)]
+                if isinstance(entry, _ParamState) and entry.chunk is chunk:
+                    values = entry.written_values()
+                else:
+                    chunk.reset(index)
+                    values = entry or {}
+                for key, value in values.items():
+                    chunk.import_value(index, key, value)
+                touched[id(chunk)] = chunk
+        for chunk in touched.values():
+            chunk.reclassify_from_steps()
+            self._refresh_state(chunk)
+
+    def _refresh_state(self, chunk: _Chunk) -> None:
+        """Install the chunk's views as its parameters' entries."""
+        state = self.state
+        for index, p in enumerate(chunk.params):
+            state.install(p, _ParamState(chunk.param_state(index), state, p, chunk))
+        chunk.record_versions()
+
+    def _rechunk(self) -> None:
+        """Some parameter changed dtype or device since its chunk was made
+        (``model.to(torch.bfloat16)``): move every state into chunks keyed by
+        the parameters' current dtype and device (for a moment both copies
+        exist). New fp32 masters are seeded from the parameters; masters of
+        parameters that stay fp16/bf16 are kept."""
+        name = type(self).__name__
+        for group_index, group in enumerate(self.param_groups):
+            for position, p in enumerate(group["params"]):
+                if id(p) in self._location and (p.is_complex() or p.dtype not in _PARAM_DTYPES):
+                    raise TypeError(f"{name}: parameter {position} of param group {group_index} is now {p.dtype} "
+                                    f"(its dtype changed after its optimizer state was created); {name} supports "
+                                    "float16, bfloat16, float32 and float64 parameters")
+        entries = {}
+        for chunks in self._chunks.values():
+            for chunk in chunks:
+                for index, p in enumerate(chunk.params):
+                    entries[p] = chunk.torch_entry(index)
+        self._chunks.clear()
+        self._location.clear()
+        self._unlocated.clear()
+        state = self.state
+        for p, entry in entries.items():
+            state.install(p, entry)
+            state.mark(p)
+        self._sync_state()
+
     # -- chunk bookkeeping ---------------------------------------------
     def _state_device(self, device: torch.device) -> torch.device:
         return torch.device("cpu") if self.offload == "cpu" else device
@@ -531,6 +871,7 @@ class ChunkedAdam(Optimizer):
     def _assign(self, group_index: int, params: list[torch.Tensor]) -> None:
         """Give chunks to parameters that have none yet, in the order given."""
         group = self.param_groups[group_index]
+        self._unlocated.clear()
         by_key: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
         for p in params:
             by_key[(p.device, p.dtype)].append(p)
@@ -548,8 +889,8 @@ class ChunkedAdam(Optimizer):
                     chunk = _Chunk(list(current), state_device, state_dtype, master, group["amsgrad"], staged, pin)
                     self._chunks[(group_index, device, dtype)].append(chunk)
                     for index, member in enumerate(chunk.params):
-                        self._location[member] = (chunk, index)
-                        self.state[member] = chunk.param_state(index)
+                        self._location[id(member)] = (chunk, index)
+                    self._refresh_state(chunk)
 
             for p in members:
                 span = padded_numel(p.numel()) if state_dtype == EIGHT_BIT else p.numel()
@@ -559,6 +900,26 @@ class ChunkedAdam(Optimizer):
                 current.append(p)
                 filled += span
             close()
+
+    def _locate_new(self, group_index: int, group: dict[str, Any]) -> None:
+        """Chunks for parameters that get their first gradient now. The
+        parameters still without a chunk are cached per group (keyed by the
+        ids of the group's parameters), so a step does not look every
+        parameter up once all have chunks."""
+        params = group["params"]
+        ids = list(map(id, params))
+        cached = self._unlocated.get(group_index)
+        if cached is None or cached[0] != ids:
+            cached = self._unlocated[group_index] = (ids, [p for p in params if id(p) not in self._location])
+        fresh = []
+        for p in cached[1]:
+            if p.grad is not None:
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients, please consider "
+                                       "SparseAdam instead")
+                fresh.append(p)
+        if fresh:
+            self._assign(group_index, fresh)
 
     def chunk_layout(self) -> list[dict[str, Any]]:
         """One entry per chunk: group, device, dtypes, element count, params."""
@@ -577,56 +938,82 @@ class ChunkedAdam(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.state.pending:
+            self._sync_state()
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
-        name = type(self).__name__
-        for group_index, group in enumerate(self.param_groups):
-            fresh = []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError(f"{name} does not support sparse gradients, please consider SparseAdam instead")
-                if p not in self._location:
-                    fresh.append(p)
-            if fresh:
-                self._assign(group_index, fresh)
+        hypers = []
+        for group in self.param_groups:
+            # float(): a CUDA tensor lr or beta costs a host sync here (README)
             beta1, beta2 = group["betas"]
-            hyper = dict(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-                         weight_decay=float(group["weight_decay"]),
-                         decoupled_weight_decay=bool(group["decoupled_weight_decay"]),
-                         maximize=bool(group["maximize"]))
-            for (index, device, _), chunks in self._chunks.items():
-                if index != group_index:
-                    continue
-                if any(chunk.staged for chunk in chunks):
-                    self._step_staged(chunks, device, grad_scale, found_inf, group["amsgrad"], hyper)
-                    continue
-                for chunk in chunks:
-                    self._step_chunk(chunk, grad_scale, found_inf, group["amsgrad"], hyper)
+            hypers.append(dict(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
+                               eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+                               decoupled_weight_decay=bool(group["decoupled_weight_decay"]),
+                               maximize=bool(group["maximize"])))
+        for group_index, device, work in self._collect_work():
+            amsgrad = self.param_groups[group_index]["amsgrad"]
+            if any(chunk.staged for chunk, _, _ in work):
+                self._step_staged(work, device, grad_scale, found_inf, amsgrad, hypers[group_index])
+                continue
+            for chunk, grads, complete in work:
+                self._step_chunk(chunk, grads, complete, grad_scale, found_inf, amsgrad, hypers[group_index])
         return loss
 
-    def _grads(self, chunk: _Chunk) -> list[Optional[torch.Tensor]]:
-        grads = []
-        for p in chunk.params:
-            g = p.grad
-            if g is not None and g.stride() != p.stride() and not same_layout(g, p):
-                g = torch.empty_like(p).copy_(g)  # the parameter's strides
-            grads.append(g)
-        return grads
+    def _collect_work(self) -> list[tuple[int, torch.device, list]]:
+        """(group index, device, [(chunk, grads, every param has a grad)])
+        for every chunk, checked before any kernel runs: when a parameter
+        changed dtype or device, the states are moved first (_rechunk)."""
+        for _ in range(2):
+            for group_index, group in enumerate(self.param_groups):
+                self._locate_new(group_index, group)
+            collected, moved = [], False
+            for (group_index, device, _), chunks in self._chunks.items():
+                work = [(chunk, self._grads(chunk)) for chunk in chunks]
+                if any(grads is None for _, grads in work):
+                    moved = True
+                    break
+                collected.append((group_index, device, [(chunk, *grads) for chunk, grads in work]))
+            if not moved:
+                return collected
+            self._rechunk()
+        raise AssertionError("parameters still differ from their chunks after re-chunking")
 
-    def _step_chunk(self, chunk: _Chunk, grad_scale, found_inf, amsgrad: bool, hyper: dict) -> None:
-        grads = self._grads(chunk)
+    def _grads(self, chunk: _Chunk) -> Optional[tuple[list[Optional[torch.Tensor]], bool]]:
+        """The chunk's gradients in its parameters' layout and whether every
+        parameter has one; None when a parameter's dtype or device changed."""
+        grads = []
+        complete = True
+        dtype, device_index = chunk.param_dtype, chunk.device_index
+        for p, contiguous in zip(chunk.params, chunk.contiguous):
+            g = p.grad
+            if g is None:
+                complete = False
+            else:
+                if p.dtype is not dtype or p.get_device() != device_index:
+                    return None
+                if not (contiguous and g.is_contiguous()):  # (a sparse tensor is not contiguous)
+                    if g.is_sparse:
+                        raise RuntimeError(f"{type(self).__name__} does not support sparse gradients, please "
+                                           "consider SparseAdam instead")
+                    if g.stride() != p.stride() and not same_layout(g, p):
+                        g = torch.empty_like(p).copy_(g)  # the parameter's strides
+            grads.append(g)
+        return grads, complete
+
+    def _step_chunk(self, chunk: _Chunk, grads, complete: bool, grad_scale, found_inf, amsgrad: bool,
+                    hyper: dict) -> None:
         if amsgrad and chunk.max_exp_avg_sq is None:
             chunk.ensure_amsgrad()
             self._refresh_state(chunk)
-        for start, stop in chunk.runs([g is not None for g in grads]):
+        chunk.reseed_changed()
+        for start, stop in chunk.runs(grads, complete):
             lo, hi = chunk.offsets[start], chunk.offsets[stop]
             _update(chunk, chunk.params[start:stop], grads[start:stop], lo, hi,
                     chunk.master[lo:hi] if chunk.master is not None else None, chunk.steps[start:stop],
                     grad_scale, found_inf, amsgrad, hyper)
+        chunk.record_versions()
 
-    def _step_staged(self, chunks: list[_Chunk], device: torch.device, grad_scale, found_inf, amsgrad: bool,
+    def _step_staged(self, chunks: list, device: torch.device, grad_scale, found_inf, amsgrad: bool,
                      hyper: dict) -> None:
         """Offloaded chunks: gradients down, CPU kernel, parameters up; the
         next run's gradients are on their way while the CPU works."""
@@ -634,12 +1021,12 @@ class ChunkedAdam(Optimizer):
         if transfers is None:
             transfers = self._transfers[device] = _Transfers(device)
         work = []
-        for chunk in chunks:
-            grads = self._grads(chunk)
+        for chunk, grads, complete in chunks:
             if amsgrad and chunk.max_exp_avg_sq is None:
                 chunk.ensure_amsgrad()
                 self._refresh_state(chunk)
-            for start, stop in chunk.runs([g is not None for g in grads]):
+            chunk.reseed_changed()
+            for start, stop in chunk.runs(grads, complete):
                 work.append((chunk, start, stop, grads[start:stop]))
         if not work:
             return
@@ -663,23 +1050,27 @@ class ChunkedAdam(Optimizer):
                     amsgrad, hyper)
             transfers.copy_up(chunk, start, stop)
         transfers.finish()
+        for chunk, _, _ in chunks:
+            chunk.record_versions()
 
-    def _refresh_state(self, chunk: _Chunk) -> None:
-        for index, p in enumerate(chunk.params):
-            self.state[p] = chunk.param_state(index)
-
-    # -- state dict -------------------------------------------------------
+    # -- state dict, copies, pickles ----------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """torch.optim.Adam's layout. Parameters with 8-bit states export them
         decoded to float32 (new tensors, not views), so the checkpoint loads
         into torch.optim.Adam/AdamW; loading it back re-encodes them."""
+        if self.state.pending:
+            self._sync_state()
         state_dict = super().state_dict()
         index = 0
         for group in self.param_groups:
             for p in group["params"]:
-                located = self._location.get(p)
-                if located is not None and located[0].quantized and index in state_dict["state"]:
-                    state_dict["state"][index] = located[0].export_state(located[1])
+                entry = state_dict["state"].get(index)
+                if entry is not None:
+                    located = self._location.get(id(p))
+                    if located is not None and located[0].quantized:
+                        state_dict["state"][index] = located[0].export_state(located[1])
+                    elif isinstance(entry, dict):
+                        state_dict["state"][index] = dict(entry)  # a plain dict, not our tracked entry
                 index += 1
         return state_dict
 
@@ -708,42 +1099,60 @@ class ChunkedAdam(Optimizer):
         saved_state = state_dict["state"]
         self._chunks.clear()
         self._location.clear()
-        self.state = defaultdict(dict)
-        for group_index, (group, saved) in enumerate(zip(groups, saved_groups)):
-            with_state = [(p, saved_state[i]) for p, i in zip(group["params"], saved["params"]) if i in saved_state]
-            if not with_state:
-                continue
-            self._assign(group_index, [p for p, _ in with_state])
-            touched = set()
-            with torch.no_grad():
-                for p, entry in with_state:
-                    chunk, index = self._location[p]
-                    touched.add(id(chunk))
-                    chunk.steps[index] = float(entry["step"])
-                    if "max_exp_avg_sq" in entry:
-                        chunk.ensure_amsgrad()
-                    for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
-                        if key not in entry:
-                            continue
-                        if chunk.quantized:
-                            chunk.import_state(index, key, entry[key])
-                        else:
-                            chunk.view(getattr(chunk, key), index).copy_(entry[key])
-                    if chunk.master_is_fp32 and "master_param" in entry:
-                        chunk.view(chunk.master, index).copy_(entry["master_param"])
-            for chunks in self._chunks.values():
-                for chunk in chunks:
-                    if id(chunk) in touched:
-                        chunk.reclassify_from_steps()
-                        self._refresh_state(chunk)
+        self._unlocated.clear()
+        self.state = {p: saved_state[i] for group, saved in zip(groups, saved_groups)
+                      for p, i in zip(group["params"], saved["params"]) if i in saved_state}
+        self._sync_state()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """torch's Optimizer pickles only defaults, state and param_groups; the
+        chunks are rebuilt from the state entries at the next step (so a
+        deepcopied or unpickled optimizer continues exactly)."""
+        state = super().__getstate__()
+        state["state"] = _plain_state((p, dict(entry) if isinstance(entry, dict) else entry)
+                                      for p, entry in self.state.items())
+        for name in _PICKLED_SETTINGS:
+            state[name] = getattr(self, name)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        entries = state.pop("state", {})
+        super().__setstate__(state)
+        self._chunks = defaultdict(list)
+        self._location = {}
+        self._unlocated = {}
+        self._transfers = {}
+        self._step_supports_amp_scaling = True
+        self.state = entries
 
 
 def _update(chunk: _Chunk, params, grads, lo: int, hi: int, master, steps, grad_scale, found_inf, amsgrad: bool,
             hyper: dict) -> None:
-    """One kernel call for the run [lo, hi) of a chunk, on its state format."""
-    step = chunked_adam_8bit if chunk.quantized else chunked_adam
+    """One kernel call for the run [lo, hi) of a chunk, on its state format.
+
+    Eager steps call the kernel the op would run (``backends.kernel``)
+    directly and bump the version counters of what it wrote in one call, as
+    the op's ADInplaceOrView step does: the custom op's Python-level dispatch
+    (a version bump per tensor, alias checks) cost ~1.3 us per parameter,
+    more than the update of a small tensor (bench_optim.py,
+    ``step overhead``). Under torch.compile the op itself is called."""
+    _advance_steps(steps, found_inf)
     states = chunk.state_args(lo, hi, amsgrad)
-    step(params, grads, *states, master, steps, grad_scale, found_inf, check=False, **hyper)
+    device = chunk.exp_avg.device
+    args = (params, grads, *states, master, steps[:1],
+            None if grad_scale is None else grad_scale.to(device, torch.float32),
+            None if found_inf is None else found_inf.to(device, torch.float32),
+            hyper["lr"], hyper["beta1"], hyper["beta2"], hyper["eps"], hyper["weight_decay"],
+            hyper["decoupled_weight_decay"], hyper["maximize"])
+    if torch.compiler.is_compiling():
+        (adam_step_8bit_op if chunk.quantized else adam_step_op)(*args)
+        return
+    backends.kernel("adam_step_8bit" if chunk.quantized else "adam_step", device)(*args)
+    written = [*params, *(t for t in states if t is not None)]
+    if master is not None:
+        written.append(master)
+    torch.autograd.graph.increment_version(written)
 
 
 class ChunkedAdamW(ChunkedAdam):
