@@ -245,14 +245,15 @@ def peer_inplace_abn_resnet(builder: Callable[..., nn.Module], peer_module: Modu
     return model
 
 
-def _peer_inplace_abn_reference(builder: Callable[..., nn.Module]) -> Callable[[nn.Module], tuple[nn.Module, list]]:
+def _peer_inplace_abn_reference(builder: Callable[..., nn.Module],
+                                peer_module: ModuleType) -> Callable[[nn.Module], tuple[nn.Module, list]]:
     def plain_equivalent(peer_model: nn.Module) -> tuple[nn.Module, list[str]]:
         model = builder(norm_act="inplace")
         state = peer_model.state_dict()
         # mapillary scales by |weight| + eps: start the reference there, so
         # both follow the same trajectory while the weights stay positive.
         for name, module in peer_model.named_modules():
-            if type(module).__name__ == "InPlaceABN" and getattr(module, "weight", None) is not None:
+            if isinstance(module, peer_module.InPlaceABN) and module.weight is not None:
                 state[f"{name}.weight"] = module.weight.detach().abs() + module.eps
         model.load_state_dict(state)
         model, notes = _reverted(model)
@@ -273,7 +274,7 @@ def _resnet_variants(name: str) -> tuple[list[Variant], list[str]]:
     if peer is None:
         return variants, [f"{name} / inplace_abn (mapillary): skipped, {why_not}"]
     variants.append(Variant(name, "inplace_abn (mapillary)", lambda: peer_inplace_abn_resnet(builder, peer),
-                            function=LEAKY, plain_equivalent=_peer_inplace_abn_reference(builder)))
+                            function=LEAKY, plain_equivalent=_peer_inplace_abn_reference(builder, peer)))
     return variants, []
 
 

@@ -307,6 +307,13 @@ def test_mapillary_inplace_abn_is_swapped_in_when_it_imports(monkeypatch):
     ours.load_state_dict(peer_model.state_dict())  # same keys, same weights
     x = torch.randn(2, 3, 64, 64)
     torch.testing.assert_close(peer_model(x.clone()), ours(x.clone()), rtol=1e-4, atol=1e-5)
+    # The --train reference: plain PyTorch modules, scale |weight| + eps as mapillary computes it.
+    reference, notes = peer.plain_equivalent(peer_model)
+    assert not any(isinstance(m, (FakeInPlaceABN, effilayers.nn.ABN)) for m in reference.modules())
+    assert any(isinstance(m, nn.LeakyReLU) for m in reference.modules())
+    torch.testing.assert_close(reference.layer1[0].bn1.weight, peer_model.layer1[0].bn1.weight.abs() + 1e-5)
+    assert notes == ["reference scale |weight| + eps, as inplace_abn computes it"]
+    torch.testing.assert_close(reference(x.clone()), ours(x.clone()), rtol=1e-3, atol=1e-4)
 
 
 # ---- --model: every builder ----------------------------------------------------------------
