@@ -7,7 +7,9 @@ Variants, all DenseNet-121 with the same weights:
 ``torch-naive``            ``memory_efficient=False``: plain PyTorch modules.
 ``torch-checkpoint``       torchvision's ``memory_efficient=True`` when
                            torchvision imports, else the same construction
-                           here: each ``cat -> norm1 -> relu1 -> conv1`` under
+                           (``effilayers.bench.checkpointed_densenet``, also a
+                           variant of ``python -m effilayers.bench``): each
+                           ``cat -> norm1 -> relu1 -> conv1`` under
                            ``torch.utils.checkpoint`` (which also runs norm1's
                            running-statistics update a second time in backward).
 ``effilayers``             ``memory_efficient=True`` (exact function).
@@ -24,16 +26,13 @@ Targets (issue 4): activation bytes <= 0.33x naive at 224; on GPU a step
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from effilayers import memory
+from effilayers.bench import checkpointed_densenet, torchvision_densenet
 from effilayers.models import densenet121
-from effilayers.models.densenet import DenseLayer
 
 from .conftest import devices, synchronize
 
@@ -41,52 +40,15 @@ VARIANTS = ["torch-naive", "torch-checkpoint", "effilayers", "effilayers-inplace
 STEP_SHAPE = {"cpu": (4, 3, 64, 64), "cuda": (64, 3, 224, 224)}
 
 
-def _torchvision_densenet121():
-    if importlib.util.find_spec("torchvision") is None:
-        return None
-    try:
-        import torchvision
-
-        return torchvision.models.densenet121(memory_efficient=True)
-    except Exception:  # noqa: BLE001 - a CPU torch with a CUDA torchvision fails to load its ops
-        return None
-
-
-class _CheckpointedLayer(DenseLayer):
-    """torchvision's recipe: the bottleneck under activation checkpointing."""
-
-    def forward(self, features, batch_statistics=None):
-        features = [features] if isinstance(features, torch.Tensor) else list(features)
-
-        def bottleneck(*maps):
-            return self.conv1(self.relu1(self.norm1(torch.cat(maps, 1))))
-
-        out = checkpoint(bottleneck, *features, use_reentrant=False)
-        out = self.conv2(self.relu2(self.norm2(out)))
-        if self.drop_rate > 0:
-            out = F.dropout(out, p=self.drop_rate, training=self.training)
-        return out
-
-
-def checkpointed(model):
-    """``model`` (built with ``memory_efficient=False``) with every dense
-    layer's bottleneck under checkpointing, in place; tests/test_densenet.py
-    uses it to show the second running-statistics update."""
-    for module in model.modules():
-        if isinstance(module, DenseLayer):
-            module.__class__ = _CheckpointedLayer
-    return model
-
-
 def build(variant: str):
     torch.manual_seed(0)
     if variant == "torch-naive":
         return densenet121(memory_efficient=False)
     if variant == "torch-checkpoint":
-        model = _torchvision_densenet121()
-        if model is not None:
-            return model
-        return checkpointed(densenet121(memory_efficient=False))
+        torchvision_builder, _ = torchvision_densenet("densenet121")
+        if torchvision_builder is not None:
+            return torchvision_builder()
+        return checkpointed_densenet(densenet121(memory_efficient=False))
     if variant == "effilayers":
         return densenet121(memory_efficient=True)
     return densenet121(memory_efficient=True, norm_act="inplace")

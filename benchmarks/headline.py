@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from effilayers.bench import agreement
+
 START = "<!-- headline:start -->"
 END = "<!-- headline:end -->"
 
@@ -55,9 +57,12 @@ def table(report: dict, source: str) -> str:
     settings = report["settings"]
     results = report["results"]
     max_batch = any(r.get("max_batch") is not None for r in results)
+    trained = any(r.get("loss_tolerance") is not None for r in results)
     header = ["model", "variant", "activation MiB", "CUDA peak MiB", "step ms", "images/s"]
     if max_batch:
         header.append("max batch")
+    if trained:
+        header.append(f"losses vs float64 ({settings['train']} steps)")
     lines = [
         f"`{source}`: {_device(report)}; batch {settings['batch']}, {settings['size']}×{settings['size']}, "
         f"{settings['dtype']}{', channels_last' if settings.get('channels_last') else ''}"
@@ -76,6 +81,8 @@ def table(report: dict, source: str) -> str:
                _with_ratio(f"{r['images_per_s']:.1f}", ratios.get("images_per_s"))]
         if max_batch:
             row.append(_with_ratio(str(r.get("max_batch")), ratios.get("max_batch")))
+        if trained:
+            row.append(agreement(r))
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 

@@ -360,11 +360,12 @@ def test_running_statistics_match_after_three_training_steps(momentum):
 
 def test_checkpointing_updates_running_statistics_twice_and_recomputation_once():
     """The README's claim: a bottleneck under torch.utils.checkpoint (the
-    construction bench_densenet.py times, as torchvision builds it) runs
-    norm1's training forward again in backward, so its num_batches_tracked
-    counts 2 per step and its running statistics move twice; the
-    recomputing Function updates them once, as the naive model does."""
-    from benchmarks.bench_densenet import checkpointed
+    construction effilayers-bench and bench_densenet.py time, as torchvision
+    builds it) runs norm1's training forward again in backward, so its
+    num_batches_tracked counts 2 per step and its running statistics move
+    twice; the recomputing Function updates them once, as the naive model
+    does."""
+    from effilayers.bench import checkpointed_densenet as checkpointed
 
     efficient, naive = _pair(small_inputs=True)
     checkpointing = checkpointed(copy.deepcopy(naive))
