@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -76,3 +77,23 @@ def forced_backend(request, op_name: str):
 def stats_device(request):
     """Runs the test with batch_stats forced to one backend; yields the device."""
     yield from forced_backend(request, "batch_stats")
+
+
+@contextlib.contextmanager
+def fake_cuda_autocast(dtype: torch.dtype):
+    """CUDA autocast without a GPU: inside, ``torch.empty(..., device="cuda")``
+    makes fake CUDA tensors (shapes and dtypes only), and ops on them go
+    through the AutocastCUDA kernels torch registers, so torch's own output
+    dtypes under CUDA autocast can be read, and an op's compared with them,
+    on a CPU-only machine."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    enabled, previous = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    with FakeTensorMode():
+        torch.set_autocast_enabled("cuda", True)
+        torch.set_autocast_dtype("cuda", dtype)
+        try:
+            yield
+        finally:
+            torch.set_autocast_enabled("cuda", enabled)
+            torch.set_autocast_dtype("cuda", previous)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from functools import partial
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from effilayers.functional import cross_entropy
 from effilayers.nn import CrossEntropyLoss
 from effilayers.ops.cross_entropy import REFERENCE_CHUNK_ELEMENTS, _as_rows
 
-from .conftest import forced_backend
+from .conftest import fake_cuda_autocast, forced_backend
 
 OP = "cross_entropy"
 
@@ -467,7 +468,8 @@ def test_saved_memory(cpu_device, dtype):
 
 def test_saved_memory_under_autocast_vs_torch():
     # CPU autocast, like CUDA's, runs torch's cross_entropy in float32: it
-    # saves a float32 log-softmax, twice the bf16 logits; this op keeps bf16.
+    # saves a float32 log-softmax, twice the bf16 logits; this op saves a
+    # bf16 gradient. Both return a float32 loss.
     rows, classes = 32, 500
     head = Head(16, classes, torch.float32)
     h = make_logits((rows, 16), torch.float32, "cpu")
@@ -485,10 +487,64 @@ def test_saved_memory_under_autocast_vs_torch():
         results[name] += (head.linear.weight.grad.clone(),)
     bf16_bytes = rows * classes * 2
     assert results["torch"][2] == torch.bfloat16 and results["ours"][2] == torch.bfloat16
-    assert results["torch"][1] == torch.float32 and results["ours"][1] == torch.bfloat16
+    assert results["torch"][1] == torch.float32 and results["ours"][1] == torch.float32
     assert results["ours"][0] == bf16_bytes
     assert results["torch"][0] >= 2 * bf16_bytes
     torch.testing.assert_close(results["ours"][3], results["torch"][3], rtol=2e-2, atol=2e-2)
+
+
+def test_autocast_loss_dtype_follows_torch():
+    # CPU autocast runs F.cross_entropy in float32. A sum over 8000 rows of
+    # ~11 each is ~9e4: beyond fp16 (65504), so the loss must not be rounded
+    # to the logits' dtype (it was: inf).
+    logits = make_logits((8000, 1000), torch.float16, "cpu", seed=5)
+    target = make_target((8000,), 1000, "cpu")
+    with torch.autocast("cpu", dtype=torch.float16):
+        expected = F.cross_entropy(logits, target, reduction="sum")
+        loss = cross_entropy(logits, target, reduction="sum")
+    assert loss.dtype == expected.dtype == torch.float32
+    assert 65504 < float(loss) < math.inf
+    torch.testing.assert_close(loss, expected, rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["saved", "inplace"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_autocast_gradient_keeps_logits_dtype(cpu_device, reduction, inplace):
+    # The float32 loss's gradient (per row for "none") scales the saved bf16
+    # gradient: the logits get a bf16 gradient, as from torch under autocast.
+    head = Head(8, 33, torch.float32)
+    h = make_logits((12, 8), torch.float32, cpu_device)
+    target = make_target((12,), 33, cpu_device, ignore_every=5)
+    grads = {}
+    for name, fn in (("torch", F.cross_entropy), ("ours", partial(cross_entropy, inplace_backward=inplace))):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = head(h)
+            loss = fn(logits, target, reduction=reduction, label_smoothing=0.1)
+        assert loss.dtype == torch.float32
+        grad_output = torch.linspace(0.5, 2.0, loss.numel()).view(loss.shape)
+        # retain_graph=True takes the out-of-place multiply, the last backward the in-place one
+        (retained,) = torch.autograd.grad(loss, logits, grad_output, retain_graph=True)
+        (grad,) = torch.autograd.grad(loss, logits, grad_output)
+        assert grad.dtype == retained.dtype == torch.bfloat16
+        assert torch.equal(retained, grad)
+        grads[name] = grad.double()
+    torch.testing.assert_close(grads["ours"], grads["torch"], rtol=2e-2, atol=1e-4)
+
+
+def test_autocast_cuda_loss_dtype_follows_torch():
+    # CUDA autocast (fake CUDA tensors: torch's own AutocastCUDA kernels, no
+    # GPU needed) runs F.cross_entropy's log_softmax and nll_loss in float32.
+    for autocast_dtype in (torch.float16, torch.bfloat16):
+        with fake_cuda_autocast(autocast_dtype):
+            for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+                logits = torch.empty(6, 11, dtype=dtype, device="cuda")
+                target = torch.zeros(6, dtype=torch.int64, device="cuda")
+                for reduction in ("mean", "sum", "none"):
+                    expected = F.cross_entropy(logits, target, reduction=reduction)
+                    for inplace in (False, True):
+                        loss = cross_entropy(logits, target, reduction=reduction, inplace_backward=inplace)
+                        assert loss.dtype == expected.dtype, (autocast_dtype, dtype, reduction)
+                        assert loss.shape == expected.shape
 
 
 # --------------------------------------------------------------------------
@@ -633,9 +689,13 @@ def test_opcheck():
     logits = make_logits((4, 7), torch.float32, "cpu")
     target = make_target((4,), 7, "cpu", ignore_every=3)
     weight = make_weight(7, "cpu").float()
-    torch.library.opcheck(_cross_entropy_forward, (logits, target, weight, -100, 0.1, "mean", True))
-    torch.library.opcheck(_cross_entropy_forward, (logits.t().contiguous().t(), target, None, -100, 0.0, "none", False))
-    torch.library.opcheck(_cross_entropy_forward_, (logits.clone(), target, None, -100, 0.0, "sum"))
+    torch.library.opcheck(_cross_entropy_forward, (logits, target, weight, -100, 0.1, "mean", True, torch.float32))
+    torch.library.opcheck(_cross_entropy_forward,
+                          (logits.t().contiguous().t(), target, None, -100, 0.0, "none", False, torch.float32))
+    torch.library.opcheck(_cross_entropy_forward_, (logits.clone(), target, None, -100, 0.0, "sum", torch.float32))
+    # the autocast case: bf16 logits, float32 loss
+    torch.library.opcheck(_cross_entropy_forward, (logits.bfloat16(), target, None, -100, 0.0, "none", True,
+                                                   torch.float32))
 
 
 def test_fake_tensor_shapes():
@@ -679,7 +739,7 @@ def test_compile_fullgraph_matches_eager(inplace):
 
 
 @pytest.mark.gpu
-def test_cuda_autocast_keeps_logits_dtype():
+def test_cuda_autocast_float32_loss_like_torch():
     head = Head(16, 1000, torch.float32).cuda()
     h = make_logits((64, 16), torch.float32, "cuda")
     target = make_target((64,), 1000, "cuda")
@@ -687,8 +747,8 @@ def test_cuda_autocast_keeps_logits_dtype():
         logits = head(h)
         loss = cross_entropy(logits, target)
         expected = F.cross_entropy(logits, target)
-    assert logits.dtype == torch.bfloat16 and loss.dtype == torch.bfloat16 and expected.dtype == torch.float32
-    torch.testing.assert_close(loss.float(), expected, rtol=1e-2, atol=1e-2)
+    assert logits.dtype == torch.bfloat16 and loss.dtype == torch.float32 and expected.dtype == torch.float32
+    torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu

@@ -20,7 +20,7 @@ import effilayers.functional as EF
 from effilayers import backends, memory
 from effilayers.ops.reductions import _reduce_op, as_three
 
-from .conftest import forced_backend
+from .conftest import fake_cuda_autocast, forced_backend
 
 REDUCE_PARAMS = [
     pytest.param(("reference", "cpu"), id="reference-cpu"),
@@ -537,16 +537,53 @@ def test_compile_fullgraph_matches_eager():
     torch.testing.assert_close(actual_grad, expected_grad)
 
 
-def test_autocast_leaves_dtypes_like_torch():
-    # torch.sum/mean/var/std/vector_norm are not on CPU autocast's cast lists:
-    # an fp32 tensor stays fp32, a bf16 activation gives a bf16 result.
-    x = values((4, 8), torch.float32, "cpu")
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        activation = x @ x.t()
-        for kind, theirs in (("sum", torch.sum), ("mean", torch.mean), ("var", torch.var), ("std", torch.std),
-                             ("norm", torch.linalg.vector_norm)):
-            assert ours(kind, x).dtype == theirs(x).dtype == torch.float32
-            assert ours(kind, activation).dtype == theirs(activation).dtype == torch.bfloat16
+AUTOCAST_PAIRS = [  # (name, ours, torch's)
+    ("sum", lambda t: EF.sum(t), lambda t: torch.sum(t)),
+    ("sum dim", lambda t: EF.sum(t, 1), lambda t: torch.sum(t, 1)),
+    ("sum dtype=float16", lambda t: EF.sum(t, 1, dtype=torch.float16), lambda t: torch.sum(t, 1, dtype=torch.float16)),
+    ("mean", lambda t: EF.mean(t, 1), lambda t: torch.mean(t, 1)),
+    ("var", lambda t: EF.var(t, 1), lambda t: torch.var(t, 1)),
+    ("std", lambda t: EF.std(t), lambda t: torch.std(t)),
+    ("norm", lambda t: EF.norm(t, 1), lambda t: torch.linalg.vector_norm(t, 2, 1)),
+    ("norm via torch.norm", lambda t: EF.norm(t), lambda t: torch.norm(t)),
+    ("norm ord=1", lambda t: EF.norm(t, 1, ord=1), lambda t: torch.linalg.vector_norm(t, 1, 1)),
+    ("norm ord=inf", lambda t: EF.norm(t, 1, ord=math.inf), lambda t: torch.linalg.vector_norm(t, math.inf, 1)),
+    ("norm dtype=float64", lambda t: EF.norm(t, dtype=torch.float64),
+     lambda t: torch.linalg.vector_norm(t, dtype=torch.float64)),
+]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_autocast_dtypes_follow_torch(device):
+    # Measured in torch 2.13: CUDA autocast returns float32 from sum and
+    # vector_norm/norm given no dtype, and leaves mean/var/std alone; CPU
+    # autocast leaves all of them alone. CUDA runs on fake CUDA tensors here
+    # (torch's AutocastCUDA kernels need no GPU); test_cuda_autocast_* below
+    # checks the values on a real one.
+    for autocast_dtype in (torch.float16, torch.bfloat16):
+        context = torch.autocast("cpu", dtype=autocast_dtype) if device == "cpu" else fake_cuda_autocast(autocast_dtype)
+        with context:
+            for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+                x = torch.ones(4, 8, dtype=dtype, device=device)
+                for name, mine, theirs in AUTOCAST_PAIRS:
+                    assert mine(x).dtype == theirs(x).dtype, (device, autocast_dtype, dtype, name)
+                if device == "cuda":
+                    half = x.to(autocast_dtype)
+                    assert EF.sum(half).dtype == EF.norm(half).dtype == torch.float32
+                    assert EF.mean(half).dtype == autocast_dtype
+
+
+@pytest.mark.gpu
+def test_cuda_autocast_sum_is_float32_and_finite():
+    # 1e5 x 60000 in fp16: torch's autocast sum is 6e9 in float32; rounding
+    # the same float32 result to fp16 would give inf.
+    x = torch.full((100_000,), 60000.0, dtype=torch.float16, device="cuda")
+    with torch.autocast("cuda", dtype=torch.float16):
+        expected, actual = torch.sum(x), EF.sum(x)
+        norm_expected, norm_actual = torch.linalg.vector_norm(x), EF.norm(x)
+    assert actual.dtype == expected.dtype == torch.float32 == norm_actual.dtype == norm_expected.dtype
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=0)
+    torch.testing.assert_close(norm_actual, norm_expected, rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("order", [1, math.inf])

@@ -15,7 +15,7 @@ from effilayers import memory
 from effilayers.functional import log_softmax, scaled_masked_softmax, softmax
 from effilayers.ops import softmax as softmax_ops
 
-from .conftest import HAS_CUDA, activate_backend
+from .conftest import HAS_CUDA, activate_backend, fake_cuda_autocast
 
 # (backend, device, small): "small" backends (the Triton interpreter) get
 # small shapes and lowered block limits so the multi-block paths run.
@@ -597,6 +597,15 @@ def test_autocast_keeps_the_input_dtype():
         assert softmax(xb, -1).dtype == torch.softmax(xb, -1).dtype == torch.bfloat16
         assert log_softmax(xf, -1).dtype == torch.log_softmax(xf, -1).dtype == torch.float32
         assert scaled_masked_softmax(xb, causal=True).dtype == torch.bfloat16
+    # CUDA autocast (fake CUDA tensors run torch's AutocastCUDA kernels without
+    # a GPU): torch returns float32, ours the input dtype, as documented.
+    with fake_cuda_autocast(torch.float16):
+        for dtype in (torch.float16, torch.bfloat16):
+            x = torch.empty(4, 9, dtype=dtype, device="cuda")
+            for mine, theirs in ((softmax, torch.softmax), (log_softmax, torch.log_softmax)):
+                assert theirs(x, -1).dtype == torch.float32 and mine(x, -1).dtype == dtype
+                assert mine(x, -1, dtype=torch.float32).dtype == torch.float32
+            assert scaled_masked_softmax(x, causal=True).dtype == dtype
 
 
 @pytest.mark.gpu

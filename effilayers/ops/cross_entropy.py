@@ -12,7 +12,8 @@ Numerics
     logits) with an online maximum and rescaled sum, so one read of the row
     gives it and a row of ``-inf`` values with one finite value is exact. The
     per-row loss and the reduction are float32; the returned loss has the
-    logits' dtype, as torch returns it (float16 logits -> float16 loss). Per
+    logits' dtype, as torch returns it (float16 logits -> float16 loss), or
+    float32 under ``torch.autocast`` (see Autocast below). Per
     row, with ``w`` the class weights (1 without ``weight``), ``W = sum(w)``,
     ``eps = label_smoothing``, ``t`` the target and ``lse`` the log-sum-exp::
 
@@ -68,13 +69,18 @@ Targets out of range (neither in ``[0, C)`` nor ``ignore_index``)
     (it is data-dependent) and the same NaN rule applies on every device.
 
 Autocast
-    ``torch.nn.functional.cross_entropy`` is on CUDA autocast's float32
-    list: under autocast it upcasts bf16/fp16 logits to a float32 copy
-    before the log-softmax. This op is not: it keeps the logits' dtype and
-    accumulates in float32 inside the kernel, which gives the float32
-    accuracy without the copy. The difference a user sees: under autocast
-    torch returns a float32 loss and this op returns the logits' dtype (cast
-    it with ``.float()`` for logging if wanted).
+    Under ``torch.autocast`` (CPU or CUDA) ``torch.nn.functional.cross_entropy``
+    runs in float32 and returns a float32 loss; so does this op, with the
+    autocast of the logits' device enabled and float16/bfloat16/float32
+    logits: the loss (a scalar, or ``(N, ...)`` for ``reduction="none"``) is
+    returned in float32 before any rounding to the logits' dtype, so a sum
+    over many rows does not overflow float16 (8000x1000 fp16 logits with
+    ``reduction="sum"``: about 9e4 like torch, where rounding to fp16 gave
+    ``inf``; ``tests/test_cross_entropy.py::test_autocast_loss_dtype_follows_torch``).
+    Unlike torch, no float32 copy of the
+    logits is made: the kernels accumulate in float32 anyway, and the saved
+    gradient (and ``inplace_backward``'s) stays in the logits' dtype, which is
+    also the dtype of the gradient autograd hands back, as with torch.
 
 Backends: a C++ CPU kernel (``csrc/cpu/cross_entropy.cpp``), a Triton GPU
 kernel (``effilayers/kernels/cross_entropy.py``) and the chunked PyTorch
@@ -94,7 +100,7 @@ from torch.nn import _reduction as _Reduction
 from torch._subclasses.fake_tensor import is_fake
 
 from .. import backends
-from ._layout import three_groups
+from ._layout import autocast_to_float32, three_groups
 
 __all__ = [
     "cross_entropy",
@@ -263,8 +269,8 @@ def _row_weights(target_rows, weight, ignore_index, classes, acc):
     return (weight.to(acc)[safe] * valid).sum().reshape(1)
 
 
-def _run(logits, target, weight, ignore_index, label_smoothing, reduction, grad):
-    """Run the row kernel; returns the loss in the logits' dtype. ``grad``:
+def _run(logits, target, weight, ignore_index, label_smoothing, reduction, grad, loss_dtype):
+    """Run the row kernel; returns the loss in ``loss_dtype``. ``grad``:
     None, or a logits-shaped buffer (possibly the logits) to fill."""
     acc = acc_dtype(logits.dtype)
     classes = logits.shape[1]
@@ -295,11 +301,11 @@ def _run(logits, target, weight, ignore_index, label_smoothing, reduction, grad)
     if copied_grad is not None:
         grad.copy_(copied_grad)
     if reduction == "none":
-        return loss_rows.view(_loss_shape(logits, "none")).to(logits.dtype)
+        return loss_rows.view(_loss_shape(logits, "none")).to(loss_dtype)
     loss = loss_rows.sum()
     if reduction == "mean":
         loss = loss / total.reshape(())
-    return loss.to(logits.dtype)
+    return loss.to(loss_dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -316,17 +322,20 @@ def _cross_entropy_forward(
     label_smoothing: float,
     reduction: str,
     compute_grad: bool,
+    loss_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, grad): grad is the reduction-scaled d loss / d logits in the
-    logits' dtype, or an empty tensor when ``compute_grad`` is False."""
+    """(loss, grad): the loss in ``loss_dtype``; grad is the reduction-scaled
+    d loss / d logits in the logits' dtype, or an empty tensor when
+    ``compute_grad`` is False."""
     grad = _grad_buffer(logits) if compute_grad else logits.new_empty((0,))
-    loss = _run(logits, target, weight, ignore_index, label_smoothing, reduction, grad if compute_grad else None)
+    loss = _run(logits, target, weight, ignore_index, label_smoothing, reduction, grad if compute_grad else None,
+                loss_dtype)
     return loss, grad
 
 
 @_cross_entropy_forward.register_fake
-def _(logits, target, weight, ignore_index, label_smoothing, reduction, compute_grad):
-    loss = logits.new_empty(_loss_shape(logits, reduction))
+def _(logits, target, weight, ignore_index, label_smoothing, reduction, compute_grad, loss_dtype):
+    loss = logits.new_empty(_loss_shape(logits, reduction), dtype=loss_dtype)
     grad = _grad_buffer(logits) if compute_grad else logits.new_empty((0,))
     return loss, grad
 
@@ -339,30 +348,32 @@ def _cross_entropy_forward_(
     ignore_index: int,
     label_smoothing: float,
     reduction: str,
+    loss_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """The loss; the reduction-scaled gradient is written over ``logits``."""
-    return _run(logits, target, weight, ignore_index, label_smoothing, reduction, logits)
+    """The loss in ``loss_dtype``; the reduction-scaled gradient is written over ``logits``."""
+    return _run(logits, target, weight, ignore_index, label_smoothing, reduction, logits, loss_dtype)
 
 
 @_cross_entropy_forward_.register_fake
-def _(logits, target, weight, ignore_index, label_smoothing, reduction):
-    return logits.new_empty(_loss_shape(logits, reduction))
+def _(logits, target, weight, ignore_index, label_smoothing, reduction, loss_dtype):
+    return logits.new_empty(_loss_shape(logits, reduction), dtype=loss_dtype)
 
 
 class _CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, weight, ignore_index, label_smoothing, reduction, inplace_backward, grad_mode):
+    def forward(ctx, logits, target, weight, ignore_index, label_smoothing, reduction, inplace_backward, grad_mode,
+                loss_dtype):
         # needs_input_grad says True under no_grad too: `grad_mode` (read
         # before apply) keeps no_grad / inference_mode calls from computing
         # and writing a gradient nobody will use.
         compute_grad = ctx.needs_input_grad[0] and grad_mode
         ctx.reduction = reduction
         if compute_grad and inplace_backward:
-            loss = _cross_entropy_forward_(logits, target, weight, ignore_index, label_smoothing, reduction)
+            loss = _cross_entropy_forward_(logits, target, weight, ignore_index, label_smoothing, reduction, loss_dtype)
             grad = logits
         else:
             loss, grad = _cross_entropy_forward(
-                logits, target, weight, ignore_index, label_smoothing, reduction, compute_grad
+                logits, target, weight, ignore_index, label_smoothing, reduction, compute_grad, loss_dtype
             )
         if compute_grad:
             ctx.save_for_backward(grad)
@@ -378,13 +389,16 @@ class _CrossEntropyFunction(torch.autograd.Function):
             )
         (grad,) = ctx.saved_tensors
         scale = grad_output.unsqueeze(1) if ctx.reduction == "none" else grad_output
+        # grad_output may be float32 (autocast's loss) while the gradient has
+        # the logits' dtype: multiplying in place (into the gradient's dtype,
+        # computed in the wider one) keeps it so without a float32 temporary.
         if torch.compiler.is_compiling() or torch._C._autograd._get_current_graph_task_keep_graph():
             # retain_graph=True (gradcheck, a second backward): keep the saved
             # gradient intact at the cost of one logits-sized output.
-            return grad * scale, None, None, None, None, None, None, None
+            return grad.clone().mul_(scale), None, None, None, None, None, None, None, None
         # The usual single backward: scale the saved buffer in place, so
         # backward allocates nothing logits-sized.
-        return grad.mul_(scale), None, None, None, None, None, None, None
+        return grad.mul_(scale), None, None, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------
@@ -488,9 +502,11 @@ def cross_entropy(
         logits = logits.unsqueeze(0)
         target = target.unsqueeze(0)
     _check_target_range(logits, target, ignore_index, logits.shape[1])
+    # torch.autocast runs F.cross_entropy in float32 on CPU and CUDA: the loss follows.
+    loss_dtype = torch.float32 if autocast_to_float32(logits, ("cpu", "cuda")) else logits.dtype
     loss = _CrossEntropyFunction.apply(
         logits, target, weight, int(ignore_index), float(label_smoothing), reduction, inplace_backward,
-        torch.is_grad_enabled(),
+        torch.is_grad_enabled(), loss_dtype,
     )
     if unbatched and reduction == "none":
         loss = loss.squeeze(0)

@@ -72,10 +72,15 @@ Edge cases (as torch): an empty reduction gives sum 0, norm 0, mean/var/std
 nan; var divides M2 by max(0, n - correction) (inf, or nan when M2 is 0);
 ``dim=()`` reduces everything; a 0-dim input accepts dim 0 and -1.
 
-Autocast: like torch.sum/mean (which autocast leaves alone), the op runs in
-the dtype it is given; under ``torch.autocast`` a bf16 activation is reduced
-as bf16 input (float32 accumulation) and returns bf16 unless ``dtype`` says
-otherwise.
+Autocast: each function returns what the torch op it replaces returns under
+``torch.autocast``. CUDA autocast runs ``torch.sum`` and
+``torch.linalg.vector_norm`` (and ``torch.norm``) in float32 when no
+``dtype`` is given, so with CUDA autocast enabled :func:`sum` and
+:func:`norm` (every ``ord``) of float16/bfloat16 input return float32: the
+float32 result the kernel formed anyway, not rounded to the input dtype, and
+without the float32 copy of the input torch makes. ``mean``, ``var`` and
+``std`` are not on autocast's lists and keep the input dtype; CPU autocast
+changes none of the five. An explicit ``dtype=`` always wins, as in torch.
 
 Reference (pure PyTorch, the fallback and the float64 oracle): converts the
 input to float64 and uses torch's reductions; that copy is 4x the input's
@@ -90,7 +95,7 @@ from typing import Optional, Sequence
 import torch
 
 from .. import backends
-from ._layout import normalize_dims, three_groups
+from ._layout import autocast_to_float32, normalize_dims, three_groups
 
 __all__ = ["sum", "mean", "var", "std", "norm", "reduce_reference", "reduce_three_reference", "KINDS"]
 
@@ -280,8 +285,21 @@ backends.register(
 )
 
 
+# CUDA autocast runs torch.sum, torch.linalg.vector_norm and torch.norm in
+# float32 when they get no dtype (its "fp32_set_opt_dtype" policy); it leaves
+# mean/var/std alone, and CPU autocast leaves all five alone.
+_AUTOCAST_FLOAT32_DEVICES = {"sum": ("cuda",), "norm": ("cuda",)}
+
+
+def _autocast_dtype(op: str, x: torch.Tensor, dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:
+    if dtype is None and autocast_to_float32(x, _AUTOCAST_FLOAT32_DEVICES.get(op, ())):
+        return torch.float32
+    return dtype
+
+
 def _reduce(op: str, x, dim, kind: str, correction: int, keepdim: bool, dtype) -> torch.Tensor:
     _check(op, x, dtype, keepdim, correction)
+    dtype = _autocast_dtype(op, x, dtype)
     return _reduce_op(x, list(_dims(op, x, dim)), kind, correction, keepdim, dtype)
 
 
@@ -322,6 +340,7 @@ def norm(x: torch.Tensor, dim=None, keepdim: bool = False, *, ord=2, dtype: Opti
     if ord == 2:
         return _reduce("norm", x, dim, "norm", 0, keepdim, dtype)
     _check("norm", x, dtype, keepdim)
+    dtype = _autocast_dtype("norm", x, dtype)
     dims = _dims("norm", x, dim)
     if ord == 1:
         return _reduce("norm", x.abs(), dims, "sum", 0, keepdim, dtype)
