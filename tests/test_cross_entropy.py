@@ -203,6 +203,55 @@ def test_empty_batch(ce_device):
         assert grad.shape == (0, 5)
 
 
+def test_zero_classes_like_torch(ce_device):
+    # Every target must be ignored (there is no class to point at). torch:
+    # sum 0, mean NaN (0 / 0), "none" zeros; with label smoothing NaN
+    # everywhere (its eps / C is inf, times a zero sum).
+    logits = torch.empty(4, 0, device=ce_device)
+    target = torch.full((4,), -100, device=ce_device)
+    for reduction in ("mean", "sum", "none"):
+        for smoothing in (0.0, 0.1):
+            for weight in (None, torch.ones(0, device=ce_device)):
+                exp_loss, _ = torch_expected(logits, target, reduction=reduction, label_smoothing=smoothing,
+                                             weight=weight)
+                for inplace in (False, True):
+                    leaf = logits.clone().requires_grad_()
+                    loss = cross_entropy(leaf * 1, target, reduction=reduction, label_smoothing=smoothing,
+                                         weight=weight, inplace_backward=inplace)
+                    (grad,) = torch.autograd.grad(loss, leaf, torch.ones_like(loss))
+                    assert loss.shape == exp_loss.shape and grad.shape == logits.shape
+                    torch.testing.assert_close(loss.double().cpu(), exp_loss.cpu(), equal_nan=True)
+    # (N, 0, d) and unbatched (0,): torch 2.13 raises on these shapes (a size
+    # mismatch; a probability-target error); the same rule per row applies.
+    for shape, target_shape in (((2, 0, 3), (2, 3)), ((0,), ())):
+        spatial = torch.full(target_shape, -100, device=ce_device)
+        assert torch.equal(cross_entropy(torch.empty(shape, device=ce_device), spatial, reduction="none").cpu(),
+                           torch.zeros(spatial.shape))
+        assert math.isnan(float(cross_entropy(torch.empty(shape, device=ce_device), spatial, label_smoothing=0.1,
+                                              reduction="sum")))
+
+
+def test_zero_classes_row_kernels(ce_device):
+    # The row kernels themselves (reached only through the op's own early
+    # return, but callable directly): no logit is read, ignored rows give 0,
+    # others NaN, and nothing is written.
+    kernel = effilayers.backends.kernel(OP, ce_device)
+    logits = torch.empty(3, 0, 2, device=ce_device)
+    target = torch.tensor([-100, -100, 0, -100, 5, -100], device=ce_device)
+    scale = torch.ones(1, device=ce_device)
+    for grad in (None, torch.empty_like(logits), logits):
+        for smoothing in (0.0, 0.1):
+            if ce_device.type == "cpu" and backend_of(ce_device) == "cpp":
+                with pytest.raises(IndexError, match="out of bounds for 0 classes"):
+                    kernel(logits, target, None, grad, scale, -100, smoothing)
+                loss = kernel(logits, torch.full_like(target, -100), None, grad, scale, -100, smoothing)
+                assert torch.equal(loss.cpu(), torch.zeros(6))
+                continue
+            loss = kernel(logits, target, None, grad, scale, -100, smoothing)
+            assert torch.equal(loss.cpu().isnan(), target.cpu() != -100)
+            assert bool((loss.cpu()[target.cpu() == -100] == 0).all())
+
+
 def test_unbatched_and_integer_targets(ce_device):
     logits = make_logits((9,), torch.float64, ce_device)
     target = torch.tensor(4, device=ce_device)

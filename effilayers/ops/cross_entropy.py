@@ -24,7 +24,9 @@ Numerics
     are not ``ignore_index`` (torch's convention; NaN when every row is
     ignored, with a zero gradient, as torch does). Ignored rows have loss 0
     and gradient 0. A ``-inf`` logit on the target gives an infinite loss and
-    a finite gradient, like torch; ``+inf`` logits give NaN.
+    a finite gradient, like torch; ``+inf`` logits give NaN. Logits with 0
+    classes (every target ignored) give torch's values without running a
+    kernel: rows 0 (NaN with label smoothing, torch's ``eps / 0`` times 0).
 
 What is saved for backward
     The gradient is computed during the forward pass, already scaled for the
@@ -157,6 +159,9 @@ def cross_entropy_rows_reference(
     eps = float(label_smoothing)
     w_all = None if weight is None else weight.to(acc).view(1, classes, 1)
     scale = grad_scale.reshape(()).to(acc)
+    if classes == 0:  # nothing to read or write: ignored rows 0, the rest have no valid target
+        loss_rows.copy_(torch.where(target == ignore_index, 0.0, math.nan))
+        return loss_rows
     inner_block = n_inner if classes * n_inner <= REFERENCE_CHUNK_ELEMENTS else max(1, REFERENCE_CHUNK_ELEMENTS // classes)
     outer_block = max(1, REFERENCE_CHUNK_ELEMENTS // (classes * inner_block))
     for n0 in range(0, n_outer, outer_block):
@@ -263,9 +268,9 @@ def _loss_shape(logits: torch.Tensor, reduction: str) -> tuple[int, ...]:
 def _row_weights(target_rows, weight, ignore_index, classes, acc):
     """sum over non-ignored rows of w[t] (as a 1-element tensor; no sync)."""
     valid = target_rows != ignore_index
-    if weight is None:
+    if weight is None or classes == 0:  # 0 classes: no weight to index (every row is ignored or NaN)
         return valid.sum().to(acc).reshape(1)
-    safe = torch.where(valid, target_rows, torch.zeros_like(target_rows)).clamp(0, max(classes - 1, 0))
+    safe = torch.where(valid, target_rows, torch.zeros_like(target_rows)).clamp(0, classes - 1)
     return (weight.to(acc)[safe] * valid).sum().reshape(1)
 
 
@@ -295,9 +300,17 @@ def _run(logits, target, weight, ignore_index, label_smoothing, reduction, grad,
     if weight is not None:
         # (C,) values: the kernels take them contiguous in the accumulation dtype.
         weight = weight.to(device=logits.device, dtype=acc).contiguous()
-    loss_rows = backends.kernel("cross_entropy", logits.device)(
-        rows3, target_rows, weight, grad3, grad_scale, ignore_index, float(label_smoothing)
-    )
+    if classes == 0:
+        # No logit to read and no gradient element to write: torch's values
+        # directly. Ignored rows give 0, or NaN with label smoothing (torch's
+        # eps / C is inf, times a zero sum); any other target is out of range
+        # (NaN, as the kernels flag it; CPU raised before).
+        ignored = 0.0 if label_smoothing == 0 else math.nan
+        loss_rows = torch.where(target_rows == ignore_index, ignored, math.nan).to(acc)
+    else:
+        loss_rows = backends.kernel("cross_entropy", logits.device)(
+            rows3, target_rows, weight, grad3, grad_scale, ignore_index, float(label_smoothing)
+        )
     if copied_grad is not None:
         grad.copy_(copied_grad)
     if reduction == "none":
