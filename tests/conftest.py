@@ -97,3 +97,34 @@ def fake_cuda_autocast(dtype: torch.dtype):
         finally:
             torch.set_autocast_enabled("cuda", enabled)
             torch.set_autocast_dtype("cuda", previous)
+
+
+def peak_rss_growth(fn) -> int:
+    """Bytes by which the process's peak resident set grows while ``fn`` runs
+    (Linux: writing 5 to /proc/self/clear_refs resets VmHWM to the current
+    RSS, so earlier peaks do not hide this one)."""
+    def high_water_mark():
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM"))
+
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")
+    before = high_water_mark()
+    fn()
+    return high_water_mark() - before
+
+
+# Rows this many elements apart put the third row's offsets past 2**31.
+FAR_APART = 2**30 + 1
+
+
+def far_apart_rows(values: torch.Tensor) -> torch.Tensor:
+    """``values`` (rows, cols) copied into a view whose rows are FAR_APART
+    elements apart in one uninitialised storage of more than 2**31 elements:
+    kernels must form int64 offsets, yet only the pages of the rows are
+    touched (a few KiB of resident memory for GiBs of address space)."""
+    rows, cols = values.shape
+    storage = torch.empty((rows - 1) * FAR_APART + cols, dtype=values.dtype, device=values.device)
+    view = storage.as_strided((rows, cols), (FAR_APART, 1))
+    view.copy_(values)
+    return view

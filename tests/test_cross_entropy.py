@@ -17,7 +17,7 @@ from effilayers.functional import cross_entropy
 from effilayers.nn import CrossEntropyLoss
 from effilayers.ops.cross_entropy import REFERENCE_CHUNK_ELEMENTS, _as_rows
 
-from .conftest import fake_cuda_autocast, forced_backend
+from .conftest import fake_cuda_autocast, far_apart_rows, forced_backend, peak_rss_growth
 
 OP = "cross_entropy"
 
@@ -47,6 +47,11 @@ def ce_device(request):
 
 @pytest.fixture(params=CPU_PARAMS)
 def cpu_device(request):
+    yield from forced_backend(request, OP)
+
+
+@pytest.fixture(params=CE_PARAMS[:3])
+def cpu_or_interpreter_device(request):
     yield from forced_backend(request, OP)
 
 
@@ -594,6 +599,34 @@ def test_autocast_cuda_loss_dtype_follows_torch():
                         loss = cross_entropy(logits, target, reduction=reduction, inplace_backward=inplace)
                         assert loss.dtype == expected.dtype, (autocast_dtype, dtype, reduction)
                         assert loss.shape == expected.shape
+
+
+def test_offsets_past_2_31_elements(cpu_or_interpreter_device, small_triton_block):
+    # Logits rows 2**30 + 1 elements apart in one uninitialised storage: the
+    # third row starts past element 2**31 (an int32 row offset reads the wrong
+    # place), yet only the rows' pages become resident.
+    device = cpu_or_interpreter_device
+    values = make_logits((3, 37), torch.float16, device, seed=6)
+    target = torch.tensor([0, 36, 17], device=device)
+    exp_loss, exp_grad = torch_expected(values, target, reduction="none", label_smoothing=0.1)
+    kernel = effilayers.backends.kernel(OP, device)
+
+    def run(rows=far_apart_rows):
+        logits = rows(values).requires_grad_()
+        loss = cross_entropy(logits, target, reduction="none", label_smoothing=0.1)
+        (grad,) = torch.autograd.grad(loss, logits, torch.ones_like(loss))
+        torch.testing.assert_close(loss.double(), exp_loss, **TOL[torch.float16])
+        torch.testing.assert_close(grad.double(), exp_grad, **TOL[torch.float16])
+        # The row kernel writing the gradient over the far-apart logits
+        # themselves (inplace_backward's path): int64 offsets for stores too.
+        in_place = rows(values)
+        as_rows = in_place.unsqueeze(-1)  # (N, C, 1)
+        loss_rows = kernel(as_rows, target, None, as_rows, torch.ones(1, device=device), -100, 0.1)
+        torch.testing.assert_close(loss_rows.double(), exp_loss, **TOL[torch.float16])
+        torch.testing.assert_close(in_place.double(), exp_grad, **TOL[torch.float16])
+
+    run(rows=torch.clone)  # the same calls on small tensors first: lazy initialisation is not counted
+    assert peak_rss_growth(run) < 64 * 2**20  # GiBs of address space, a few pages resident
 
 
 # --------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import effilayers.functional as EF
 from effilayers import backends, memory
 from effilayers.ops.reductions import _reduce_op, as_three
 
-from .conftest import fake_cuda_autocast, forced_backend
+from .conftest import activate_backend, fake_cuda_autocast, far_apart_rows, forced_backend, peak_rss_growth
 
 REDUCE_PARAMS = [
     pytest.param(("reference", "cpu"), id="reference-cpu"),
@@ -535,6 +535,27 @@ def test_compile_fullgraph_matches_eager():
     (expected_grad,) = torch.autograd.grad(expected, x, grad_out)
     (actual_grad,) = torch.autograd.grad(actual, x, grad_out)
     torch.testing.assert_close(actual_grad, expected_grad)
+
+
+@pytest.mark.parametrize("backend_name", ["cpp", "triton"])
+def test_offsets_past_2_31_elements(backend_name):
+    # Rows 2**30 + 1 elements apart in one uninitialised storage: the third
+    # row starts past element 2**31, read in place as (outer, reduced, inner)
+    # with a row stride beyond int32 (and, transposed, an inner stride). Only
+    # the rows' pages become resident.
+    data = values((3, 45), torch.float16, "cpu", seed=13)
+    context = activate_backend("reduce", backend_name, "cpu")  # fails under EFFILAYERS_REQUIRE_COMPILED if it cannot run
+    try:
+        def run(rows=far_apart_rows):
+            x = rows(data)
+            for kind in ("sum", "var", "norm"):
+                assert_matches(ours(kind, x, 1), truth(kind, data, 1), torch.float16)
+                assert_matches(ours(kind, x.t(), 0), truth(kind, data, 1), torch.float16)
+
+        run(rows=torch.clone)  # the same calls on small tensors first: lazy initialisation is not counted
+        assert peak_rss_growth(run) < 64 * 2**20
+    finally:
+        context.__exit__(None, None, None)
 
 
 AUTOCAST_PAIRS = [  # (name, ours, torch's)

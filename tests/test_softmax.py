@@ -15,7 +15,7 @@ from effilayers import memory
 from effilayers.functional import log_softmax, scaled_masked_softmax, softmax
 from effilayers.ops import softmax as softmax_ops
 
-from .conftest import HAS_CUDA, activate_backend, fake_cuda_autocast
+from .conftest import HAS_CUDA, activate_backend, fake_cuda_autocast, far_apart_rows, peak_rss_growth
 
 # (backend, device, small): "small" backends (the Triton interpreter) get
 # small shapes and lowered block limits so the multi-block paths run.
@@ -501,20 +501,6 @@ def test_cpp_rows_longer_than_the_scratch(log):
         context.__exit__(None, None, None)
 
 
-def _peak_rss_growth(fn) -> int:
-    """Bytes by which the process's peak resident set grows while fn runs
-    (Linux: writing 5 to /proc/self/clear_refs resets VmHWM to the current RSS)."""
-    def high_water_mark():
-        with open("/proc/self/status") as status:
-            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM"))
-
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")
-    before = high_water_mark()
-    fn()
-    return high_water_mark() - before
-
-
 def test_cpp_scratch_is_bounded():
     # Extra memory beyond the output is at most two 4 MiB buffers per thread,
     # whatever the input's size. Measured before the blocked paths (peak RSS
@@ -534,16 +520,50 @@ def test_cpp_scratch_is_bounded():
                  (torch.randn(1, 10_000_000).bfloat16(), 1)]
         for x, dim in cases:
             results = []
-            growth = _peak_rss_growth(lambda: results.append(softmax(x, dim)))
+            growth = peak_rss_growth(lambda: results.append(softmax(x, dim)))
             assert growth - results[0].nbytes < allowed, (x.dtype, tuple(x.shape), growth)
             grad = torch.ones_like(x)
-            growth = _peak_rss_growth(
+            growth = peak_rss_growth(
                 lambda: results.append(torch.ops.effilayers_cpu.softmax_backward(grad, results[0], dim, False, 1.0,
                                                                                  x.dtype)))
             assert growth - results[1].nbytes < allowed, ("backward", x.dtype, tuple(x.shape), growth)
     finally:
         torch.set_num_threads(threads)
         context.__exit__(None, None, None)
+
+
+@pytest.fixture(params=[p for p in BACKENDS if "cuda" not in p.id])
+def cpu_backend(request, monkeypatch):
+    yield from _forced(request, monkeypatch)
+
+
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+def test_offsets_past_2_31_elements(cpu_backend, log):
+    # Rows 2**30 + 1 elements apart in one uninitialised storage: the third
+    # row starts past element 2**31, so an int32 offset anywhere (row index
+    # times stride, or a column index times the inner stride for dim=0) reads
+    # the wrong place, while only the rows' pages become resident.
+    fn = log_softmax if log else softmax
+    values = varied((3, 45), torch.float16)
+    grad_values = varied((3, 45), torch.float16, seed=1)
+    mask = torch.rand(45, generator=torch.Generator().manual_seed(0)) > 0.3
+
+    def run(rows=far_apart_rows):
+        x = rows(values).requires_grad_()
+        y = fn(x, -1)
+        assert_matches(y, expected(values, -1, log), torch.float16, log)
+        grad = rows(grad_values)  # read by backward through its far-apart rows
+        (gx,) = torch.autograd.grad(y, x, grad)
+        check_grad(gx, y, grad_values, -1, log, torch.float16)
+        columns = rows(values).t()  # softmax over dim 0: neighbours 2**30 + 1 apart
+        assert_matches(fn(columns, 0), expected(values.t(), 0, log), torch.float16, log)
+        if not log:
+            masked = scaled_masked_softmax(rows(values), mask, 0.5)
+            assert_matches(masked, torch.softmax((values.double() * 0.5).masked_fill(~mask, -math.inf), -1),
+                           torch.float16, False)
+
+    run(rows=torch.clone)  # the same calls on small tensors first: lazy initialisation is not counted
+    assert peak_rss_growth(run) < 64 * 2**20  # GiBs of address space, a few pages resident
 
 
 # --------------------------------------------------------------------------- fp16 accuracy cases
