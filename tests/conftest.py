@@ -62,6 +62,18 @@ def activate_backend(op_name: str, backend: str, device: str):
     return context
 
 
+@contextlib.contextmanager
+def required_backend(op_name: str, backend: str, device: str):
+    """``with`` form of :func:`activate_backend`: the block runs with
+    ``backend`` forced, and skips (fails under EFFILAYERS_REQUIRE_COMPILED=1)
+    when it cannot run here."""
+    context = activate_backend(op_name, backend, device)
+    try:
+        yield
+    finally:
+        context.__exit__(None, None, None)
+
+
 def forced_backend(request, op_name: str):
     """Body of a fixture parametrised by (backend, device) pairs: runs the
     test with that backend forced and yields the device."""

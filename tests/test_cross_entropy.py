@@ -17,7 +17,7 @@ from effilayers.functional import cross_entropy
 from effilayers.nn import CrossEntropyLoss
 from effilayers.ops.cross_entropy import REFERENCE_CHUNK_ELEMENTS, _as_rows
 
-from .conftest import fake_cuda_autocast, far_apart_rows, forced_backend, peak_rss_growth
+from .conftest import fake_cuda_autocast, far_apart_rows, forced_backend, peak_rss_growth, required_backend
 
 OP = "cross_entropy"
 
@@ -173,9 +173,8 @@ def test_long_rows_65537_classes(cpu_device, dtype):
 def test_triton_row_just_over_one_block(monkeypatch):
     from effilayers.kernels import cross_entropy as kernels
 
-    with effilayers.use_backend("triton"):
-        if effilayers.backends.choice(OP, "cpu").kernel is None:
-            pytest.skip("Triton kernels need TRITON_INTERPRET=1 on CPU")
+    # Skips only where Triton cannot run; fails instead under EFFILAYERS_REQUIRE_COMPILED=1 (CI).
+    with required_backend(OP, "triton", "cpu"):
         monkeypatch.setattr(kernels, "MAX_BLOCK", 64)
         logits = make_logits((3, 65), torch.float32, torch.device("cpu"))
         target = torch.tensor([64, 0, 63])

@@ -20,7 +20,7 @@ import effilayers.functional as EF
 from effilayers import backends, memory
 from effilayers.ops.reductions import _reduce_op, as_three
 
-from .conftest import activate_backend, fake_cuda_autocast, far_apart_rows, forced_backend, peak_rss_growth
+from .conftest import fake_cuda_autocast, far_apart_rows, forced_backend, peak_rss_growth, required_backend
 
 REDUCE_PARAMS = [
     pytest.param(("reference", "cpu"), id="reference-cpu"),
@@ -188,15 +188,7 @@ def test_dense_full_reduction_reads_in_place():
 def test_triton_multi_tile_and_split(monkeypatch, shape, dims, dtype):
     # Tiny tiles and a small program target so every output needs several
     # tiles and the long reductions split across programs (float64 combine).
-    context = effilayers.use_backend("triton")
-    with context:
-        chosen = backends.choice("reduce", "cpu")
-        if chosen.kernel is None:
-            from .conftest import REQUIRE_COMPILED
-
-            if REQUIRE_COMPILED:
-                pytest.fail(chosen.error)
-            pytest.skip(chosen.error)
+    with required_backend("reduce", "triton", "cpu"):  # a failure, not a skip, under EFFILAYERS_REQUIRE_COMPILED=1
         from effilayers.kernels import reductions as kernels
 
         monkeypatch.setattr(kernels, "TILE_ELEMENTS", 16)
@@ -447,9 +439,8 @@ def test_triton_gradients_match_reference(kind):
     x = values((3, 4, 5), torch.float32, "cpu", seed=8)
     results = []
     for backend_name in ("reference", "triton"):
-        with effilayers.use_backend(backend_name):
-            if backends.choice("reduce", "cpu").kernel is None:
-                pytest.skip("Triton needs TRITON_INTERPRET=1 on CPU")
+        # Skips only where Triton cannot run; fails instead under EFFILAYERS_REQUIRE_COMPILED=1 (CI).
+        with required_backend("reduce", backend_name, "cpu"):
             leaf = x.clone().requires_grad_()
             out = ours(kind, leaf, (0, 2))
             out.backward(torch.linspace(0.5, 1.5, out.numel()).view(out.shape))
@@ -544,18 +535,15 @@ def test_offsets_past_2_31_elements(backend_name):
     # with a row stride beyond int32 (and, transposed, an inner stride). Only
     # the rows' pages become resident.
     data = values((3, 45), torch.float16, "cpu", seed=13)
-    context = activate_backend("reduce", backend_name, "cpu")  # fails under EFFILAYERS_REQUIRE_COMPILED if it cannot run
-    try:
-        def run(rows=far_apart_rows):
-            x = rows(data)
-            for kind in ("sum", "var", "norm"):
-                assert_matches(ours(kind, x, 1), truth(kind, data, 1), torch.float16)
-                assert_matches(ours(kind, x.t(), 0), truth(kind, data, 1), torch.float16)
+    def run(rows=far_apart_rows):
+        x = rows(data)
+        for kind in ("sum", "var", "norm"):
+            assert_matches(ours(kind, x, 1), truth(kind, data, 1), torch.float16)
+            assert_matches(ours(kind, x.t(), 0), truth(kind, data, 1), torch.float16)
 
+    with required_backend("reduce", backend_name, "cpu"):  # fails under EFFILAYERS_REQUIRE_COMPILED if it cannot run
         run(rows=torch.clone)  # the same calls on small tensors first: lazy initialisation is not counted
         assert peak_rss_growth(run) < 64 * 2**20
-    finally:
-        context.__exit__(None, None, None)
 
 
 AUTOCAST_PAIRS = [  # (name, ours, torch's)
