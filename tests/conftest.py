@@ -135,8 +135,34 @@ def far_apart_rows(values: torch.Tensor) -> torch.Tensor:
     elements apart in one uninitialised storage of more than 2**31 elements:
     kernels must form int64 offsets, yet only the pages of the rows are
     touched (a few KiB of resident memory for GiBs of address space)."""
+    import torch.utils.deterministic as deterministic
+
     rows, cols = values.shape
-    storage = torch.empty((rows - 1) * FAR_APART + cols, dtype=values.dtype, device=values.device)
+    fill, deterministic.fill_uninitialized_memory = deterministic.fill_uninitialized_memory, False
+    try:  # not NaN-filled even under poison_cpp_allocations: that would make GiBs resident
+        storage = torch.empty((rows - 1) * FAR_APART + cols, dtype=values.dtype, device=values.device)
+    finally:
+        deterministic.fill_uninitialized_memory = fill
     view = storage.as_strided((rows, cols), (FAR_APART, 1))
     view.copy_(values)
     return view
+
+
+def poison_cpp_allocations(request) -> None:
+    """For the rest of the test, tensors allocated by ATen on CPU, the C++
+    kernels' outputs included (at::empty / at::empty_like), start as NaN
+    (integers at their maximum): torch's use_deterministic_algorithms(True)
+    with fill_uninitialized_memory. An output element a kernel forgets to
+    write then fails a comparison instead of holding whatever was there."""
+    import torch.utils.deterministic as deterministic
+
+    previous = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+                deterministic.fill_uninitialized_memory)
+
+    def restore():
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+        deterministic.fill_uninitialized_memory = previous[2]
+
+    request.addfinalizer(restore)
+    deterministic.fill_uninitialized_memory = True
+    torch.use_deterministic_algorithms(True)

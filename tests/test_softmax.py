@@ -15,7 +15,8 @@ from effilayers import memory
 from effilayers.functional import log_softmax, scaled_masked_softmax, softmax
 from effilayers.ops import softmax as softmax_ops
 
-from .conftest import HAS_CUDA, REQUIRE_COMPILED, activate_backend, fake_cuda_autocast, far_apart_rows, peak_rss_growth
+from .conftest import (HAS_CUDA, REQUIRE_COMPILED, activate_backend, fake_cuda_autocast, far_apart_rows,
+                       peak_rss_growth, poison_cpp_allocations)
 
 # (backend, device, small): "small" backends (the Triton interpreter) get
 # small shapes and lowered block limits so the multi-block paths run.
@@ -56,12 +57,17 @@ def compiled_backend(request, monkeypatch):
 
 def _forced(request, monkeypatch):
     """Forces one backend for the three softmax ops; yields (name, device).
-    Reference and Triton outputs start as NaN (poisoned), so an element no
-    kernel writes fails. The C++ kernels allocate with at::empty_like, which
-    Python cannot poison; an unwritten element there holds arbitrary memory
-    and fails the float64 comparison unless it happens to be right."""
+    Every output starts as NaN (poisoned), so an element no kernel writes
+    fails: the reference and Triton kernels allocate through output_like,
+    patched here; the C++ kernels allocate with at::empty_like, which torch
+    itself fills with NaN under use_deterministic_algorithms(True) (with
+    torch.utils.deterministic.fill_uninitialized_memory, True by default).
+    That mode, rather than an out= argument on the ops, keeps the op schemas
+    as they are and poisons exactly the allocations the kernels make."""
     name, device = request.param
     context = activate_backend("softmax_forward", name, device)
+    if name == "cpp":
+        poison_cpp_allocations(request)
 
     def poisoned(x, dim, dtype, original=softmax_ops.output_like):
         return original(x, dim, dtype).fill_(float("nan"))
