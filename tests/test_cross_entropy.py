@@ -726,7 +726,19 @@ def test_module_matches_torch_module():
     logits = make_logits((7, 6), torch.float32, "cpu")
     target = make_target((7,), 6, "cpu")
     torch.testing.assert_close(mine(logits, target), theirs(logits, target), rtol=1e-5, atol=1e-6)
-    assert "label_smoothing=0.1" in repr(mine)
+    # A drop-in: isinstance, repr and state dict as torch's (both ways)
+    assert isinstance(mine, torch.nn.CrossEntropyLoss)
+    assert repr(mine) == repr(theirs) == "CrossEntropyLoss()"
+    assert list(mine.state_dict()) == list(theirs.state_dict()) == ["weight"]
+    back = torch.nn.CrossEntropyLoss(weight=torch.zeros(6))
+    back.load_state_dict(mine.state_dict())
+    assert torch.equal(back.weight, weight)
+    assert (mine.ignore_index, mine.reduction, mine.label_smoothing) == (2, "sum", 0.1)
+    assert CrossEntropyLoss().state_dict() == torch.nn.CrossEntropyLoss().state_dict() == {}
+    # the one addition shows in repr only when set
+    assert repr(CrossEntropyLoss(inplace_backward=True)) == "CrossEntropyLoss(inplace_backward=True)"
+    with pytest.raises(TypeError, match="inplace_backward must be a bool"):
+        CrossEntropyLoss(inplace_backward=1)
 
 
 def test_module_legacy_reduction_arguments():

@@ -366,6 +366,22 @@ def test_correction_at_least_n_like_torch(backend, kind):
         torch.testing.assert_close(actual.double().cpu(), expected, equal_nan=True)
 
 
+@pytest.mark.parametrize("kind", ["var", "std"])
+def test_float_and_negative_correction_like_torch(backend, kind):
+    # torch.var/std take any real correction (dividing M2 by max(0, n - c)).
+    x = values((4, 9), torch.float32, backend[1], seed=14)
+    for correction in (0.5, 1.5, -1.0, 2, 8.5, 9.0):
+        for dim in (1, None):
+            actual = ours(kind, x, dim, correction=correction)
+            expected = truth(kind, x.cpu(), dim, correction=correction)
+            torch.testing.assert_close(actual.double().cpu(), expected, rtol=1e-5, atol=1e-6, equal_nan=True)
+    leaf = x.clone().requires_grad_()
+    ours(kind, leaf, 1, correction=0.5).sum().backward()
+    reference = x.cpu().double().requires_grad_()
+    getattr(torch, kind)(reference, 1, correction=0.5).sum().backward()
+    torch.testing.assert_close(leaf.grad.double().cpu(), reference.grad, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_dim_empty_tuple_and_zero_dim_like_torch(backend, kind):
     x = values((3, 4), torch.float32, backend[1])
@@ -393,10 +409,10 @@ def test_bad_arguments():
         EF.norm(x, (1, -1))
     with pytest.raises(TypeError, match="dim must contain ints"):
         EF.std(x, (0.5,))
-    with pytest.raises(ValueError, match="correction must be a non-negative int"):
-        EF.var(x, correction=-1)
-    with pytest.raises(ValueError, match="correction must be a non-negative int"):
-        EF.std(x, correction=0.5)
+    with pytest.raises(TypeError, match="correction must be an int or a float"):
+        EF.var(x, correction="1")
+    with pytest.raises(TypeError, match="correction must be an int or a float"):
+        EF.std(x, correction=True)
     with pytest.raises(TypeError, match="keepdim must be a bool"):
         EF.sum(x, 0, 1)
     with pytest.raises(ValueError, match="kind must be one of"):

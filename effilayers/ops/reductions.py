@@ -69,7 +69,8 @@ Autograd (what is saved)
     result is 0.
 
 Edge cases (as torch): an empty reduction gives sum 0, norm 0, mean/var/std
-nan; var divides M2 by max(0, n - correction) (inf, or nan when M2 is 0);
+nan; var divides M2 by max(0, n - correction) (inf, or nan when M2 is 0), for
+any int or float ``correction`` (0.5 and -1 included, as torch takes them);
 ``dim=()`` reduces everything; a 0-dim input accepts dim 0 and -1.
 
 Autocast: each function returns what the torch op it replaces returns under
@@ -107,7 +108,7 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _check(op: str, x, dtype, keepdim, correction=0) -> None:
+def _check(op: str, x, dtype, keepdim, correction=0.0) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{op}: x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _FLOAT_DTYPES:
@@ -119,8 +120,8 @@ def _check(op: str, x, dtype, keepdim, correction=0) -> None:
         raise TypeError(f"{op}: dtype must be None, float16, bfloat16, float32 or float64, got {dtype}")
     if not isinstance(keepdim, bool):
         raise TypeError(f"{op}: keepdim must be a bool, got {type(keepdim).__name__}")
-    if isinstance(correction, bool) or not isinstance(correction, int) or correction < 0:
-        raise ValueError(f"{op}: correction must be a non-negative int, got {correction!r}")
+    if isinstance(correction, bool) or not isinstance(correction, (int, float)):
+        raise TypeError(f"{op}: correction must be an int or a float (as in torch.var), got {correction!r}")
 
 
 def _dims(op: str, x: torch.Tensor, dim) -> tuple[int, ...]:
@@ -172,7 +173,7 @@ def as_three(x: torch.Tensor, dims: Sequence[int]) -> torch.Tensor:
     )
 
 
-def reduce_three_reference(x: torch.Tensor, out: torch.Tensor, kind: str, correction: int) -> None:
+def reduce_three_reference(x: torch.Tensor, out: torch.Tensor, kind: str, correction: float) -> None:
     """The reference kernel: reduces the (outer, reduced, inner) view ``x``
     over dim 1 into ``out`` (outer, inner), computed in float64 (a float64
     copy of the input)."""
@@ -198,7 +199,7 @@ def reduce_three_reference(x: torch.Tensor, out: torch.Tensor, kind: str, correc
     out.copy_(result)
 
 
-def reduce_reference(x: torch.Tensor, dim=None, kind: str = "sum", correction: int = 1, keepdim: bool = False,
+def reduce_reference(x: torch.Tensor, dim=None, kind: str = "sum", correction: float = 1.0, keepdim: bool = False,
                      dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Whole-op reference (float64 inside): the test oracle."""
     dims = _dims(kind, x, dim)
@@ -213,7 +214,7 @@ def _run(kernel, x, dims, kind, correction, keepdim, dtype) -> torch.Tensor:
 
 
 @torch.library.custom_op("effilayers::reduce", mutates_args=())
-def _reduce_op(x: torch.Tensor, dims: list[int], kind: str, correction: int, keepdim: bool,
+def _reduce_op(x: torch.Tensor, dims: list[int], kind: str, correction: float, keepdim: bool,
                dtype: Optional[torch.dtype]) -> torch.Tensor:
     if kind not in KINDS:
         raise ValueError(f"reduce: kind must be one of {', '.join(KINDS)}, got {kind!r}")
@@ -257,7 +258,7 @@ def _backward(ctx, grad):
     else:
         saved = ctx.saved_tensors
         x = saved[0]
-        mean = _reduce_op(x, list(ctx.dims), "mean", 0, True, acc)
+        mean = _reduce_op(x, list(ctx.dims), "mean", 0.0, True, acc)
         dof = n - ctx.correction
         scale = 2.0 / dof if dof > 0 else float("nan")
         if ctx.kind == "std":
@@ -297,15 +298,15 @@ def _autocast_dtype(op: str, x: torch.Tensor, dtype: Optional[torch.dtype]) -> O
     return dtype
 
 
-def _reduce(op: str, x, dim, kind: str, correction: int, keepdim: bool, dtype) -> torch.Tensor:
+def _reduce(op: str, x, dim, kind: str, correction: float, keepdim: bool, dtype) -> torch.Tensor:
     _check(op, x, dtype, keepdim, correction)
     dtype = _autocast_dtype(op, x, dtype)
-    return _reduce_op(x, list(_dims(op, x, dim)), kind, correction, keepdim, dtype)
+    return _reduce_op(x, list(_dims(op, x, dim)), kind, float(correction), keepdim, dtype)
 
 
 def sum(x: torch.Tensor, dim=None, keepdim: bool = False, *, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Sum over ``dim`` with float32 accumulation; see the module docstring."""
-    return _reduce("sum", x, dim, "sum", 0, keepdim, dtype)
+    return _reduce("sum", x, dim, "sum", 0.0, keepdim, dtype)
 
 
 def mean(x: torch.Tensor, dim=None, keepdim: bool = False, *, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -313,13 +314,14 @@ def mean(x: torch.Tensor, dim=None, keepdim: bool = False, *, dtype: Optional[to
     return _reduce("mean", x, dim, "mean", 0, keepdim, dtype)
 
 
-def var(x: torch.Tensor, dim=None, *, correction: int = 1, keepdim: bool = False,
+def var(x: torch.Tensor, dim=None, *, correction: float = 1, keepdim: bool = False,
         dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """Variance over ``dim``: M2 / max(0, n - correction), two-pass in float32."""
+    """Variance over ``dim``: M2 / max(0, n - correction), two-pass in float32.
+    ``correction`` is any int or float, as in ``torch.var``."""
     return _reduce("var", x, dim, "var", correction, keepdim, dtype)
 
 
-def std(x: torch.Tensor, dim=None, *, correction: int = 1, keepdim: bool = False,
+def std(x: torch.Tensor, dim=None, *, correction: float = 1, keepdim: bool = False,
         dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Standard deviation over ``dim`` (the square root of :func:`var`)."""
     return _reduce("std", x, dim, "std", correction, keepdim, dtype)
