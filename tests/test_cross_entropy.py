@@ -182,6 +182,20 @@ def test_triton_row_just_over_one_block(monkeypatch):
         assert_matches_torch(logits, target, torch.float32, label_smoothing=0.1, weight=make_weight(65, "cpu"))
 
 
+def test_subnormal_gradients_like_torch(ce_device):
+    # softmax(x) of logits 90 and 100 below the maximum is a float32
+    # subnormal (8.2e-40, 3.8e-44): torch's gradient keeps it, and so must
+    # the kernels' exp (the C++ one used to flush it to 0).
+    logits = torch.tensor([[0.0, -100.0, -90.0, -103.0, -200.0] + [-5.0] * 19], device=ce_device)  # vector lanes
+    target = torch.tensor([0], device=ce_device)
+    exp_loss, exp_grad = torch_expected(logits, target)
+    loss, grad = ours(logits, target)
+    expected = exp_grad.float().cpu()  # torch's float64 gradient rounded once
+    assert float(expected[0, 1]) > 0 and float(expected[0, 3]) == 2**-149
+    torch.testing.assert_close(grad.cpu(), expected, rtol=1e-5, atol=2**-148)
+    assert bool((grad.cpu()[0, 1:4] > 0).all())
+
+
 def test_matches_with_other_ignore_index(ce_device):
     logits = make_logits((8, 6), torch.float64, ce_device)
     target = make_target((8,), 6, ce_device, ignore_every=3, ignore_index=2)
