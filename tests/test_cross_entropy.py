@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 import warnings
 from functools import partial
 
@@ -17,8 +18,8 @@ from effilayers.functional import cross_entropy
 from effilayers.nn import CrossEntropyLoss
 from effilayers.ops.cross_entropy import REFERENCE_CHUNK_ELEMENTS, _as_rows
 
-from .conftest import (fake_cuda_autocast, far_apart_rows, forced_backend, peak_rss_growth, poison_cpp_allocations,
-                       required_backend)
+from .conftest import (REQUIRE_COMPILED, fake_cuda_autocast, far_apart_rows, forced_backend, peak_rss_growth,
+                       poison_cpp_allocations, required_backend)
 
 OP = "cross_entropy"
 
@@ -194,6 +195,20 @@ def test_subnormal_gradients_like_torch(ce_device):
     assert float(expected[0, 1]) > 0 and float(expected[0, 3]) == 2**-149
     torch.testing.assert_close(grad.cpu(), expected, rtol=1e-5, atol=2**-148)
     assert bool((grad.cpu()[0, 1:4] > 0).all())
+
+
+def test_extreme_logits_overflow_like_torch(ce_device):
+    # lse - x[t] of logits +-3e38 exceeds float32: inf loss with a finite
+    # gradient, as torch's float32 log-softmax gives (bf16 behaves the same).
+    logits = torch.tensor([[3e38, -3e38, 0.0], [3e38, 1e38, 0.0]], device=ce_device)
+    target = torch.tensor([1, 1], device=ce_device)
+    exp_loss = F.cross_entropy(logits.cpu(), target.cpu(), reduction="none")
+    leaf = logits.cpu().clone().requires_grad_()
+    (exp_grad,) = torch.autograd.grad(F.cross_entropy(leaf, target.cpu(), reduction="sum"), leaf)
+    loss, grad = ours(logits, target, reduction="none")
+    assert math.isinf(float(exp_loss[0])) and math.isinf(float(loss[0]))
+    torch.testing.assert_close(loss.cpu(), exp_loss)
+    torch.testing.assert_close(grad.cpu(), exp_grad)
 
 
 def test_matches_with_other_ignore_index(ce_device):
@@ -890,3 +905,46 @@ def test_cuda_peak_memory_vs_torch():
     assert peaks["torch"] >= 2.5 * logits_bytes
     assert peaks["saved"] <= 1.2 * logits_bytes
     assert peaks["inplace"] <= 0.3 * peaks["torch"]
+
+
+@pytest.mark.gpu
+def test_cuda_target_shape_peak_and_time():
+    # The target at its shape: 16384 x 131072 bf16 logits (4 GiB),
+    # forward + backward, peak <= 0.3x F.cross_entropy's at <= 1.0x its time.
+    # Only inplace_backward can meet it: the default mode saves a
+    # logits-sized gradient, about a third of torch's peak (checked too).
+    # Needs ~28 GiB (the logits, a fresh copy per call and torch's ~3x peak).
+    free, _ = torch.cuda.mem_get_info()
+    if free < 40 * 2**30:
+        (pytest.fail if REQUIRE_COMPILED else pytest.skip)(f"needs ~40 GiB of free GPU memory, {free / 2**30:.1f} free")
+    rows, classes = 16384, 131072
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    source = torch.randn(rows, classes, device="cuda", dtype=torch.bfloat16, generator=generator).mul_(4)
+    target = torch.randint(0, classes, (rows,), device="cuda", generator=generator)
+    target[::17] = -100
+    logits_bytes = source.numel() * source.element_size()
+    peaks, times = {}, {}
+    with effilayers.use_backend("triton"):
+        for name, fn in (("torch", F.cross_entropy), ("default", cross_entropy),
+                         ("inplace", partial(cross_entropy, inplace_backward=True))):
+            peak, elapsed = 0, []
+            for index in range(8):  # 3 warm-up calls, then the median of 5
+                logits = source.clone().requires_grad_() * 1  # a non-leaf (inplace_backward refuses leaves)
+                torch.cuda.synchronize()
+                before = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                loss = fn(logits, target)
+                (grad,) = torch.autograd.grad(loss, logits)
+                end.record()
+                torch.cuda.synchronize()
+                if index >= 3:
+                    peak = max(peak, torch.cuda.max_memory_allocated() - before)
+                    elapsed.append(start.elapsed_time(end))
+                del loss, grad, logits
+            peaks[name], times[name] = peak, statistics.median(elapsed)
+    report = {name: (peaks[name] / 2**30, times[name]) for name in peaks}  # GiB, ms: shown when an assert fails
+    assert peaks["inplace"] <= 0.3 * peaks["torch"], report
+    assert times["inplace"] <= 1.0 * times["torch"], report
+    assert peaks["default"] <= 1.2 * logits_bytes, report
