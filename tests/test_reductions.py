@@ -20,7 +20,7 @@ import effilayers.functional as EF
 from effilayers import backends, memory
 from effilayers.ops.reductions import _reduce_op, as_three
 
-from .conftest import forced_backend
+from .conftest import fake_cuda_autocast, far_apart_rows, forced_backend, peak_rss_growth, required_backend
 
 REDUCE_PARAMS = [
     pytest.param(("reference", "cpu"), id="reference-cpu"),
@@ -188,15 +188,7 @@ def test_dense_full_reduction_reads_in_place():
 def test_triton_multi_tile_and_split(monkeypatch, shape, dims, dtype):
     # Tiny tiles and a small program target so every output needs several
     # tiles and the long reductions split across programs (float64 combine).
-    context = effilayers.use_backend("triton")
-    with context:
-        chosen = backends.choice("reduce", "cpu")
-        if chosen.kernel is None:
-            from .conftest import REQUIRE_COMPILED
-
-            if REQUIRE_COMPILED:
-                pytest.fail(chosen.error)
-            pytest.skip(chosen.error)
+    with required_backend("reduce", "triton", "cpu"):  # a failure, not a skip, under EFFILAYERS_REQUIRE_COMPILED=1
         from effilayers.kernels import reductions as kernels
 
         monkeypatch.setattr(kernels, "TILE_ELEMENTS", 16)
@@ -374,6 +366,22 @@ def test_correction_at_least_n_like_torch(backend, kind):
         torch.testing.assert_close(actual.double().cpu(), expected, equal_nan=True)
 
 
+@pytest.mark.parametrize("kind", ["var", "std"])
+def test_float_and_negative_correction_like_torch(backend, kind):
+    # torch.var/std take any real correction (dividing M2 by max(0, n - c)).
+    x = values((4, 9), torch.float32, backend[1], seed=14)
+    for correction in (0.5, 1.5, -1.0, 2, 8.5, 9.0):
+        for dim in (1, None):
+            actual = ours(kind, x, dim, correction=correction)
+            expected = truth(kind, x.cpu(), dim, correction=correction)
+            torch.testing.assert_close(actual.double().cpu(), expected, rtol=1e-5, atol=1e-6, equal_nan=True)
+    leaf = x.clone().requires_grad_()
+    ours(kind, leaf, 1, correction=0.5).sum().backward()
+    reference = x.cpu().double().requires_grad_()
+    getattr(torch, kind)(reference, 1, correction=0.5).sum().backward()
+    torch.testing.assert_close(leaf.grad.double().cpu(), reference.grad, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_dim_empty_tuple_and_zero_dim_like_torch(backend, kind):
     x = values((3, 4), torch.float32, backend[1])
@@ -401,10 +409,10 @@ def test_bad_arguments():
         EF.norm(x, (1, -1))
     with pytest.raises(TypeError, match="dim must contain ints"):
         EF.std(x, (0.5,))
-    with pytest.raises(ValueError, match="correction must be a non-negative int"):
-        EF.var(x, correction=-1)
-    with pytest.raises(ValueError, match="correction must be a non-negative int"):
-        EF.std(x, correction=0.5)
+    with pytest.raises(TypeError, match="correction must be an int or a float"):
+        EF.var(x, correction="1")
+    with pytest.raises(TypeError, match="correction must be an int or a float"):
+        EF.std(x, correction=True)
     with pytest.raises(TypeError, match="keepdim must be a bool"):
         EF.sum(x, 0, 1)
     with pytest.raises(ValueError, match="kind must be one of"):
@@ -447,9 +455,8 @@ def test_triton_gradients_match_reference(kind):
     x = values((3, 4, 5), torch.float32, "cpu", seed=8)
     results = []
     for backend_name in ("reference", "triton"):
-        with effilayers.use_backend(backend_name):
-            if backends.choice("reduce", "cpu").kernel is None:
-                pytest.skip("Triton needs TRITON_INTERPRET=1 on CPU")
+        # Skips only where Triton cannot run; fails instead under EFFILAYERS_REQUIRE_COMPILED=1 (CI).
+        with required_backend("reduce", backend_name, "cpu"):
             leaf = x.clone().requires_grad_()
             out = ours(kind, leaf, (0, 2))
             out.backward(torch.linspace(0.5, 1.5, out.numel()).view(out.shape))
@@ -537,16 +544,71 @@ def test_compile_fullgraph_matches_eager():
     torch.testing.assert_close(actual_grad, expected_grad)
 
 
-def test_autocast_leaves_dtypes_like_torch():
-    # torch.sum/mean/var/std/vector_norm are not on CPU autocast's cast lists:
-    # an fp32 tensor stays fp32, a bf16 activation gives a bf16 result.
-    x = values((4, 8), torch.float32, "cpu")
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        activation = x @ x.t()
-        for kind, theirs in (("sum", torch.sum), ("mean", torch.mean), ("var", torch.var), ("std", torch.std),
-                             ("norm", torch.linalg.vector_norm)):
-            assert ours(kind, x).dtype == theirs(x).dtype == torch.float32
-            assert ours(kind, activation).dtype == theirs(activation).dtype == torch.bfloat16
+@pytest.mark.parametrize("backend_name", ["cpp", "triton"])
+def test_offsets_past_2_31_elements(backend_name):
+    # Rows 2**30 + 1 elements apart in one uninitialised storage: the third
+    # row starts past element 2**31, read in place as (outer, reduced, inner)
+    # with a row stride beyond int32 (and, transposed, an inner stride). Only
+    # the rows' pages become resident.
+    data = values((3, 45), torch.float16, "cpu", seed=13)
+    def run(rows=far_apart_rows):
+        x = rows(data)
+        for kind in ("sum", "var", "norm"):
+            assert_matches(ours(kind, x, 1), truth(kind, data, 1), torch.float16)
+            assert_matches(ours(kind, x.t(), 0), truth(kind, data, 1), torch.float16)
+
+    with required_backend("reduce", backend_name, "cpu"):  # fails under EFFILAYERS_REQUIRE_COMPILED if it cannot run
+        run(rows=torch.clone)  # the same calls on small tensors first: lazy initialisation is not counted
+        assert peak_rss_growth(run) < 64 * 2**20
+
+
+AUTOCAST_PAIRS = [  # (name, ours, torch's)
+    ("sum", lambda t: EF.sum(t), lambda t: torch.sum(t)),
+    ("sum dim", lambda t: EF.sum(t, 1), lambda t: torch.sum(t, 1)),
+    ("sum dtype=float16", lambda t: EF.sum(t, 1, dtype=torch.float16), lambda t: torch.sum(t, 1, dtype=torch.float16)),
+    ("mean", lambda t: EF.mean(t, 1), lambda t: torch.mean(t, 1)),
+    ("var", lambda t: EF.var(t, 1), lambda t: torch.var(t, 1)),
+    ("std", lambda t: EF.std(t), lambda t: torch.std(t)),
+    ("norm", lambda t: EF.norm(t, 1), lambda t: torch.linalg.vector_norm(t, 2, 1)),
+    ("norm via torch.norm", lambda t: EF.norm(t), lambda t: torch.norm(t)),
+    ("norm ord=1", lambda t: EF.norm(t, 1, ord=1), lambda t: torch.linalg.vector_norm(t, 1, 1)),
+    ("norm ord=inf", lambda t: EF.norm(t, 1, ord=math.inf), lambda t: torch.linalg.vector_norm(t, math.inf, 1)),
+    ("norm dtype=float64", lambda t: EF.norm(t, dtype=torch.float64),
+     lambda t: torch.linalg.vector_norm(t, dtype=torch.float64)),
+]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_autocast_dtypes_follow_torch(device):
+    # Measured in torch 2.13: CUDA autocast returns float32 from sum and
+    # vector_norm/norm given no dtype, and leaves mean/var/std alone; CPU
+    # autocast leaves all of them alone. CUDA runs on fake CUDA tensors here
+    # (torch's AutocastCUDA kernels need no GPU); test_cuda_autocast_* below
+    # checks the values on a real one.
+    for autocast_dtype in (torch.float16, torch.bfloat16):
+        context = torch.autocast("cpu", dtype=autocast_dtype) if device == "cpu" else fake_cuda_autocast(autocast_dtype)
+        with context:
+            for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+                x = torch.ones(4, 8, dtype=dtype, device=device)
+                for name, mine, theirs in AUTOCAST_PAIRS:
+                    assert mine(x).dtype == theirs(x).dtype, (device, autocast_dtype, dtype, name)
+                if device == "cuda":
+                    half = x.to(autocast_dtype)
+                    assert EF.sum(half).dtype == EF.norm(half).dtype == torch.float32
+                    assert EF.mean(half).dtype == autocast_dtype
+
+
+@pytest.mark.gpu
+def test_cuda_autocast_sum_is_float32_and_finite():
+    # 1e5 x 60000 in fp16: torch's autocast sum is 6e9 in float32; rounding
+    # the same float32 result to fp16 would give inf.
+    x = torch.full((100_000,), 60000.0, dtype=torch.float16, device="cuda")
+    with torch.autocast("cuda", dtype=torch.float16):
+        expected, actual = torch.sum(x), EF.sum(x)
+        norm_expected, norm_actual = torch.linalg.vector_norm(x), EF.norm(x)
+    assert actual.dtype == expected.dtype == torch.float32 == norm_actual.dtype == norm_expected.dtype
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=0)
+    torch.testing.assert_close(norm_actual, norm_expected, rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("order", [1, math.inf])

@@ -58,7 +58,7 @@ constexpr const char* kCrossEntropyRows =
 // Sum / mean / var / std / vector 2-norm over the middle dimension of an
 // (outer, reduced, inner) strided view into a contiguous (outer, inner) out
 // of the result dtype (effilayers/ops/reductions.py).
-constexpr const char* kReduce = "reduce_(Tensor x, Tensor(a!) out, str kind, int correction) -> ()";
+constexpr const char* kReduce = "reduce_(Tensor x, Tensor(a!) out, str kind, float correction) -> ()";
 
 // The same update with 8-bit block-quantized states: int8 / uint8 codes and
 // one float32 absmax per block of 256 (effilayers/ops/adam.py).

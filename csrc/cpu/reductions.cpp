@@ -263,7 +263,7 @@ struct Accumulator {
     count = total;
   }
 
-  double finish(Kind kind, int64_t correction) const {
+  double finish(Kind kind, double correction) const {
     switch (kind) {
       case Kind::Sum:
         return a;
@@ -274,7 +274,7 @@ struct Accumulator {
       default: {
         if (count == 0) return std::numeric_limits<double>::quiet_NaN();
         // torch divides by max(0, n - correction): M2 / 0 is inf, 0 / 0 nan.
-        const double dof = std::max(0.0, count - static_cast<double>(correction));
+        const double dof = std::max(0.0, count - correction);  // any real correction, as torch takes
         const double var = m2 / dof;
         return kind == Kind::Var ? var : std::sqrt(var);
       }
@@ -456,7 +456,7 @@ void reduce_columns(const scalar_t* x, const Geometry& g, Partial partial, std::
 }
 
 template <typename scalar_t, typename acc_t, typename out_t>
-void reduce_kernel(const scalar_t* x, const Geometry& g, Kind kind, int64_t correction, out_t* out) {
+void reduce_kernel(const scalar_t* x, const Geometry& g, Kind kind, double correction, out_t* out) {
   const Partial partial = partial_of(kind);
   const int64_t outputs = g.outer * g.inner;
   if (g.reduced == 0) {
@@ -488,13 +488,12 @@ void reduce_kernel(const scalar_t* x, const Geometry& g, Kind kind, int64_t corr
   });
 }
 
-void reduce_cpu(const at::Tensor& x, const at::Tensor& out, const std::string& kind_name, int64_t correction) {
+void reduce_cpu(const at::Tensor& x, const at::Tensor& out, const std::string& kind_name, double correction) {
   check_floating_input(x, "reduce");
   TORCH_CHECK_VALUE(x.dim() == 3, "reduce (cpu kernel): x must be the (outer, reduced, inner) view, got ", x.dim(),
                     " dimensions");
   TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu(), "reduce (cpu kernel): x and out must be CPU tensors, got ",
               x.device(), " and ", out.device());
-  TORCH_CHECK_VALUE(correction >= 0, "reduce: correction must be non-negative, got ", correction);
   const Kind kind = parse_kind(kind_name);
   const at::ScalarType out_type = out.scalar_type();
   TORCH_CHECK_TYPE(out_type == at::kHalf || out_type == at::kBFloat16 || out_type == at::kFloat ||

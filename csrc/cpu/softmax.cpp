@@ -16,6 +16,10 @@
 // - then runs max / exp-and-sum / scale on the contiguous buffer with vector
 // code (float: vec_math.h's exp_vec), and converts on the way out. Rows that
 // already are unit-stride float32 (float64) in and out skip the buffer.
+// The buffer holds at most kScratchElements values whatever the shape: rows
+// longer than that are walked in blocks of the reduced range, twice (an
+// online max / rescaled sum, then the output), so the extra memory is
+// O(threads * kScratchElements) (4 MiB of float per buffer), never input-sized.
 //
 // Rows of all -inf (fully masked) give 0 (log: -inf) and zero gradient,
 // not NaN; a NaN or +inf in a row makes the row NaN.
@@ -32,6 +36,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -49,6 +54,21 @@ namespace {
 constexpr int64_t kInnerBlock = 16;  // (the float column path takes 8 * kMaxColumnGroups)
 // Aim for ~32K elements per parallel chunk: less and the fork/join dominates.
 constexpr int64_t kChunkElements = 32768;
+// Largest buffer a work item fills, in accumulation values (4 MiB of float;
+// backward fills two): rows that fit are converted once and reduced from the
+// buffer, reading the input once - rows of up to 1,048,576 values, or 16
+// neighbouring rows (inner > 1) of up to 65,536. Longer rows are walked in
+// blocks of the reduced range (softmax_blocked), reading the input and
+// evaluating exp twice: measured on one thread (thread CPU time), 4x1e6 fp16
+// rows over dim 1 go from ~6 to ~13 ms and 100000x64 fp16 over dim 0 from
+// ~30 to ~63 ms when blocked, so the threshold is set high; what it buys is a
+// bound: a whole-row buffer of a 1e8-value row would be 400 MB per thread.
+constexpr int64_t kScratchElements = 1 << 20;
+// Most rows a work item buffers at once (kInnerBlock, or the float column
+// path's remainder of fewer than 8): the per-row running values of the
+// blocked path live on the stack.
+constexpr int64_t kMaxBufferedRows = 16;
+static_assert(kInnerBlock <= kMaxBufferedRows && 8 <= kMaxBufferedRows, "rows a work item buffers");
 
 struct Groups {
   int64_t outer = 1, reduced = 1, inner = 1;
@@ -320,11 +340,30 @@ void softmax_in_place(acc_t* v, int64_t n, bool log) {
   softmax_row(v, v, n, log);
 }
 
-// out = scale * y * (g - sum(g*y))  |  scale * (g - exp(y) * sum(g)); out may be g.
+// The row sum the gradient needs: sum(g * y) (softmax) or sum(g) (log-softmax).
 template <typename acc_t>
-void softmax_grad_row(const acc_t* g, const acc_t* y, acc_t* out, int64_t n, bool log, acc_t scale) {
+acc_t softmax_grad_total(const acc_t* g, const acc_t* y, int64_t n, bool log) {
+  if (log) return lane_sum(g, n);
+  acc_t dot = 0;
+  int64_t k = 0;
+  if constexpr (std::is_same_v<acc_t, float>) {
+    using V = Vec<float>;
+    constexpr int W = V::kWidth;
+    V::type d0 = {}, d1 = {};
+    for (; k + 2 * W <= n; k += 2 * W) {
+      d0 += V::load(g + k) * V::load(y + k);
+      d1 += V::load(g + k + W) * V::load(y + k + W);
+    }
+    dot = V::sum(d0 + d1);
+  }
+  for (; k < n; ++k) dot += g[k] * y[k];
+  return dot;
+}
+
+// out = scale * y * (g - total)  |  scale * (g - exp(y) * total); out may be g.
+template <typename acc_t>
+void softmax_grad_apply(const acc_t* g, const acc_t* y, acc_t* out, int64_t n, bool log, acc_t total, acc_t scale) {
   if (log) {
-    const acc_t total = lane_sum(g, n);
     int64_t k = 0;
     if constexpr (std::is_same_v<acc_t, float>) {
       using V = Vec<float>;
@@ -336,21 +375,13 @@ void softmax_grad_row(const acc_t* g, const acc_t* y, acc_t* out, int64_t n, boo
     }
     for (; k < n; ++k) out[k] = (g[k] - std::exp(y[k]) * total) * scale;
   } else {
-    acc_t dot = 0;
-    int64_t k = 0;
-    if constexpr (std::is_same_v<acc_t, float>) {
-      using V = Vec<float>;
-      constexpr int W = V::kWidth;
-      V::type d0 = {}, d1 = {};
-      for (; k + 2 * W <= n; k += 2 * W) {
-        d0 += V::load(g + k) * V::load(y + k);
-        d1 += V::load(g + k + W) * V::load(y + k + W);
-      }
-      dot = V::sum(d0 + d1);
-    }
-    for (; k < n; ++k) dot += g[k] * y[k];
-    for (k = 0; k < n; ++k) out[k] = scale * y[k] * (g[k] - dot);
+    for (int64_t k = 0; k < n; ++k) out[k] = scale * y[k] * (g[k] - total);
   }
+}
+
+template <typename acc_t>
+void softmax_grad_row(const acc_t* g, const acc_t* y, acc_t* out, int64_t n, bool log, acc_t scale) {
+  softmax_grad_apply(g, y, out, n, log, softmax_grad_total(g, y, n, log), scale);
 }
 
 template <typename acc_t>
@@ -429,23 +460,113 @@ void softmax_grad_columns(const float* g, int64_t g_stride, const float* y, int6
   }
 }
 
-// Runs fn(o, i0, rows, scratch) for every work item: rows i0..i0+rows of
-// outer index o. scratch holds `buffers` arrays of rows * reduced values,
-// allocated once per parallel chunk (not kept between calls).
+// Runs fn(o, i0, rows, scratch, capacity) for every work item: rows
+// i0..i0+rows of outer index o. scratch holds `buffers` arrays of `capacity`
+// values each: rows * reduced when that fits in kScratchElements (the rows are
+// buffered whole), else kScratchElements (the blocked paths). Allocated once
+// per parallel chunk, uninitialised, and never input-sized.
 template <typename acc_t, typename Fn>
 void for_each_block(const Groups& shape, int64_t buffers, int64_t block, Fn&& fn) {
   const int64_t rows_per_item = shape.inner == 1 ? 1 : std::min(block, shape.inner);
   const int64_t blocks = (shape.inner + rows_per_item - 1) / rows_per_item;
   const int64_t items = shape.outer * blocks;
   const int64_t grain = std::max<int64_t>(1, kChunkElements / std::max<int64_t>(1, shape.reduced * rows_per_item));
+  const int64_t capacity = std::min(kScratchElements, rows_per_item * shape.reduced);
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> scratch(static_cast<size_t>(buffers * rows_per_item * shape.reduced));
+    std::unique_ptr<acc_t[]> scratch(buffers > 0 ? new acc_t[buffers * capacity] : nullptr);  // not zero-filled
     for (int64_t item = begin; item < end; ++item) {
       const int64_t o = item / blocks;
       const int64_t i0 = (item % blocks) * rows_per_item;
-      fn(o, i0, std::min(rows_per_item, shape.inner - i0), scratch.data());
+      fn(o, i0, std::min(rows_per_item, shape.inner - i0), scratch.get(), capacity);
     }
   });
+}
+
+// Strided rows to and from a buffer: `rows` rows of the tensor at `data` +
+// `offset`, values `stride` apart, rows `row_stride` apart.
+struct RowSet {
+  int64_t offset, stride, row_stride;
+  RowSet at(int64_t k0) const { return {offset + k0 * stride, stride, row_stride}; }
+};
+
+// Forward of `rows` rows of n values too long to buffer whole. Pass 1 reads
+// them in blocks of the reduced range, keeping per row a running maximum and
+// a sum of exponentials rescaled by exp(old - new) when the maximum grows;
+// pass 2 reads each block again and writes exp(x - max) / sum (or
+// x - max - log(sum)). The same exp_vec as the one-pass path, so the values
+// differ from it only in the order of the sum.
+template <typename acc_t>
+void softmax_blocked(const Reader<acc_t>& load, const void* xp, RowSet x, const Writer<acc_t>& store, void* op,
+                     RowSet out, int64_t n, int64_t rows, bool log, acc_t* buffer) {
+  constexpr acc_t kInf = std::numeric_limits<acc_t>::infinity();
+  TORCH_INTERNAL_ASSERT(rows <= kMaxBufferedRows);
+  const int64_t block = kScratchElements / rows;
+  // shift: the running maximum, or 0 while it is -inf (exp(-inf - 0) is 0,
+  // where -inf - -inf would be NaN); total: sum of exp(x - shift) so far. A
+  // NaN (skipped by row_max) reaches total through exp, as in softmax_row.
+  acc_t shift[kMaxBufferedRows], total[kMaxBufferedRows];
+  for (int64_t r = 0; r < rows; ++r) {
+    shift[r] = 0;
+    total[r] = 0;
+  }
+  bool finite_max[kMaxBufferedRows] = {};
+  for (int64_t k0 = 0; k0 < n; k0 += block) {
+    const int64_t len = std::min(block, n - k0);
+    load(xp, x.at(k0).offset, x.stride, len, rows, x.row_stride, buffer);
+    for (int64_t r = 0; r < rows; ++r) {
+      const acc_t* v = buffer + r * len;
+      const acc_t block_max = row_max(v, len);
+      if (block_max != -kInf && (!finite_max[r] || block_max > shift[r])) {
+        total[r] *= std::exp(shift[r] - block_max);  // the maximum grew: rescale what was summed
+        shift[r] = block_max;
+        finite_max[r] = true;
+      }
+      total[r] += exp_sum(v, static_cast<acc_t*>(nullptr), len, shift[r]);
+    }
+  }
+  for (int64_t k0 = 0; k0 < n; k0 += block) {
+    const int64_t len = std::min(block, n - k0);
+    load(xp, x.at(k0).offset, x.stride, len, rows, x.row_stride, buffer);
+    for (int64_t r = 0; r < rows; ++r) {
+      acc_t* v = buffer + r * len;
+      if (log) {
+        // As softmax_row: (x - shift) - log(sum), -inf for an empty row.
+        const acc_t log_total = total[r] == 0 ? kInf : std::log(total[r]);
+        for (int64_t k = 0; k < len; ++k) v[k] = (v[k] - shift[r]) - log_total;
+      } else {
+        exp_sum(v, v, len, shift[r]);
+        const acc_t inverse = total[r] == 0 ? acc_t(0) : acc_t(1) / total[r];  // NaN total stays NaN
+        for (int64_t k = 0; k < len; ++k) v[k] *= inverse;
+      }
+    }
+    store(op, out.at(k0).offset, out.stride, len, rows, out.row_stride, buffer);
+  }
+}
+
+// Backward of rows too long to buffer whole: the row sums over blocks, then
+// the gradient block by block (two reads of grad and output).
+template <typename acc_t>
+void softmax_grad_blocked(const Reader<acc_t>& load_grad, const void* gp, RowSet g, const Reader<acc_t>& load_y,
+                          const void* yp, RowSet y, const Writer<acc_t>& store, void* op, RowSet out, int64_t n,
+                          int64_t rows, bool log, acc_t scale, acc_t* gbuf, acc_t* ybuf) {
+  TORCH_INTERNAL_ASSERT(rows <= kMaxBufferedRows);
+  const int64_t block = kScratchElements / rows;
+  acc_t total[kMaxBufferedRows] = {};
+  for (int64_t k0 = 0; k0 < n; k0 += block) {
+    const int64_t len = std::min(block, n - k0);
+    load_grad(gp, g.at(k0).offset, g.stride, len, rows, g.row_stride, gbuf);
+    if (!log) load_y(yp, y.at(k0).offset, y.stride, len, rows, y.row_stride, ybuf);
+    for (int64_t r = 0; r < rows; ++r) total[r] += softmax_grad_total(gbuf + r * len, ybuf + r * len, len, log);
+  }
+  for (int64_t k0 = 0; k0 < n; k0 += block) {
+    const int64_t len = std::min(block, n - k0);
+    load_grad(gp, g.at(k0).offset, g.stride, len, rows, g.row_stride, gbuf);
+    load_y(yp, y.at(k0).offset, y.stride, len, rows, y.row_stride, ybuf);
+    for (int64_t r = 0; r < rows; ++r) {
+      softmax_grad_apply(gbuf + r * len, ybuf + r * len, gbuf + r * len, len, log, total[r], scale);
+    }
+    store(op, out.at(k0).offset, out.stride, len, rows, out.row_stride, gbuf);
+  }
 }
 
 template <typename acc_t>
@@ -461,7 +582,8 @@ void softmax_forward_impl(const at::Tensor& x, const Groups& xg, at::Tensor& out
   const bool columns = xg.inner > 1 && xg.inner_stride == 1 && og.inner_stride == 1 &&
                        x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat;
   const int64_t block = columns ? 8 * kMaxColumnGroups : kInnerBlock;
-  for_each_block<acc_t>(xg, direct ? 0 : 1, block, [&](int64_t o, int64_t i0, int64_t rows, acc_t* buffer) {
+  for_each_block<acc_t>(xg, direct ? 0 : 1, block, [&](int64_t o, int64_t i0, int64_t rows, acc_t* buffer,
+                                                       int64_t /*capacity*/) {
     if (direct) {
       softmax_row(x.const_data_ptr<acc_t>() + o * xg.outer_stride, out.mutable_data_ptr<acc_t>() + o * og.outer_stride,
                   n, log);
@@ -480,9 +602,15 @@ void softmax_forward_impl(const at::Tensor& x, const Groups& xg, at::Tensor& out
     }
     const int64_t left = rows - done, first = i0 + done;
     if (left == 0) return;
-    load(xp, o * xg.outer_stride + first * xg.inner_stride, xg.reduced_stride, n, left, xg.inner_stride, buffer);
+    const RowSet in{o * xg.outer_stride + first * xg.inner_stride, xg.reduced_stride, xg.inner_stride};
+    const RowSet to{o * og.outer_stride + first * og.inner_stride, og.reduced_stride, og.inner_stride};
+    if (left * n > kScratchElements) {
+      softmax_blocked(load, xp, in, store, op, to, n, left, log, buffer);
+      return;
+    }
+    load(xp, in.offset, in.stride, n, left, in.row_stride, buffer);
     for (int64_t r = 0; r < left; ++r) softmax_in_place(buffer + r * n, n, log);
-    store(op, o * og.outer_stride + first * og.inner_stride, og.reduced_stride, n, left, og.inner_stride, buffer);
+    store(op, to.offset, to.stride, n, left, to.row_stride, buffer);
   });
 }
 
@@ -522,7 +650,8 @@ void softmax_backward_impl(const at::Tensor& grad, const Groups& gg, const at::T
                        grad.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat &&
                        out.scalar_type() == at::kFloat;
   const int64_t block = columns ? 8 * kMaxColumnGroups : kInnerBlock;
-  for_each_block<acc_t>(yg, direct ? 0 : 2, block, [&](int64_t o, int64_t i0, int64_t rows, acc_t* scratch) {
+  for_each_block<acc_t>(yg, direct ? 0 : 2, block, [&](int64_t o, int64_t i0, int64_t rows, acc_t* scratch,
+                                                       int64_t capacity) {
     if (direct) {
       softmax_grad_row(grad.const_data_ptr<acc_t>() + o * gg.outer_stride,
                        y.const_data_ptr<acc_t>() + o * yg.outer_stride,
@@ -544,13 +673,21 @@ void softmax_backward_impl(const at::Tensor& grad, const Groups& gg, const at::T
     const int64_t left = rows - done, first = i0 + done;
     if (left == 0) return;
     acc_t* gbuf = scratch;
-    acc_t* ybuf = scratch + left * n;
-    load_grad(gp, o * gg.outer_stride + first * gg.inner_stride, gg.reduced_stride, n, left, gg.inner_stride, gbuf);
-    load_y(yp, o * yg.outer_stride + first * yg.inner_stride, yg.reduced_stride, n, left, yg.inner_stride, ybuf);
+    acc_t* ybuf = scratch + capacity;
+    const RowSet g_rows{o * gg.outer_stride + first * gg.inner_stride, gg.reduced_stride, gg.inner_stride};
+    const RowSet y_rows{o * yg.outer_stride + first * yg.inner_stride, yg.reduced_stride, yg.inner_stride};
+    const RowSet to{o * og.outer_stride + first * og.inner_stride, og.reduced_stride, og.inner_stride};
+    if (left * n > kScratchElements) {
+      softmax_grad_blocked(load_grad, gp, g_rows, load_y, yp, y_rows, store, op, to, n, left, log,
+                           static_cast<acc_t>(scale), gbuf, ybuf);
+      return;
+    }
+    load_grad(gp, g_rows.offset, g_rows.stride, n, left, g_rows.row_stride, gbuf);
+    load_y(yp, y_rows.offset, y_rows.stride, n, left, y_rows.row_stride, ybuf);
     for (int64_t r = 0; r < left; ++r) {
       softmax_grad_row(gbuf + r * n, ybuf + r * n, gbuf + r * n, n, log, static_cast<acc_t>(scale));
     }
-    store(op, o * og.outer_stride + first * og.inner_stride, og.reduced_stride, n, left, og.inner_stride, gbuf);
+    store(op, to.offset, to.stride, n, left, to.row_stride, gbuf);
   });
 }
 

@@ -93,9 +93,12 @@ def _cross_entropy_rows_kernel(
             sum_w += tl.sum(w, axis=0)
 
     lse = tl.where(running_max == neg_inf, neg_inf, running_max + tl.log(sum_exp)).to(ACC)
-    x_t = tl.load(row_ptr + safe_target * class_stride).to(ACC)
+    # Only a row with a valid target reads one: with 0 classes there is no
+    # element to read (an unmasked load of "class 0" went out of bounds).
+    has_target = valid & in_range
+    x_t = tl.load(row_ptr + safe_target * class_stride, mask=has_target, other=0.0).to(ACC)
     if HAS_WEIGHT:
-        w_t = tl.load(weight_ptr + safe_target).to(ACC)
+        w_t = tl.load(weight_ptr + safe_target, mask=has_target, other=0.0).to(ACC)
     else:
         w_t = tl.full((), 1.0, ACC)
     loss = (1.0 - eps) * w_t * (lse - x_t)

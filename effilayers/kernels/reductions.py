@@ -145,7 +145,7 @@ def _config(outer: int, reduced: int, inner: int):
     return block_r, block_i, splits, rows_per_split
 
 
-def reduce_triton(x: torch.Tensor, out: torch.Tensor, kind: str, correction: int) -> None:
+def reduce_triton(x: torch.Tensor, out: torch.Tensor, kind: str, correction: float) -> None:
     if kind not in KINDS:
         raise ValueError(f"reduce: kind must be one of {', '.join(KINDS)}, got {kind!r}")
     outer, reduced, inner = x.shape
@@ -196,7 +196,7 @@ def reduce_triton(x: torch.Tensor, out: torch.Tensor, kind: str, correction: int
     out.copy_(_finish(kind, value, m2, reduced, correction).view(out.shape))
 
 
-def _finish(kind: str, value: torch.Tensor, m2: torch.Tensor, count: int, correction: int) -> torch.Tensor:
+def _finish(kind: str, value: torch.Tensor, m2: torch.Tensor, count: int, correction: float) -> torch.Tensor:
     """The result in float64 from the combined sum / sum of squares / mean, M2."""
     if kind == "sum":
         return value

@@ -1,11 +1,13 @@
 """Loss modules: drop-ins for ``torch.nn`` losses.
 
-``CrossEntropyLoss`` takes ``torch.nn.CrossEntropyLoss``'s arguments (the
-legacy ``size_average``/``reduce`` pair is mapped to ``reduction`` the way
-torch maps it, with its deprecation warning) and registers ``weight`` as a
-buffer under the same name, so state dicts move between the two unchanged.
-It adds ``inplace_backward``: see :func:`effilayers.functional.cross_entropy`
-for what that destroys and what it saves.
+``CrossEntropyLoss`` subclasses ``torch.nn.CrossEntropyLoss``: same
+constructor arguments (the legacy ``size_average``/``reduce`` pair is mapped
+to ``reduction`` by torch's own code, with its deprecation warning), the same
+attributes, ``weight`` buffer and state dict (they load into each other), the
+same ``repr``, and ``isinstance(m, torch.nn.CrossEntropyLoss)`` holds. It
+adds ``inplace_backward`` (shown in ``repr`` only when True): see
+:func:`effilayers.functional.cross_entropy` for what that destroys and what
+it saves.
 """
 
 from __future__ import annotations
@@ -13,14 +15,14 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch.nn.modules.loss import _WeightedLoss
+from torch import nn
 
 from ..ops.cross_entropy import cross_entropy
 
 __all__ = ["CrossEntropyLoss"]
 
 
-class CrossEntropyLoss(_WeightedLoss):
+class CrossEntropyLoss(nn.CrossEntropyLoss):
     """Cross-entropy against class indices that saves one logits-sized
     gradient in the logits' dtype (none with ``inplace_backward=True``) and
     never makes a float32 copy of the logits.
@@ -31,22 +33,21 @@ class CrossEntropyLoss(_WeightedLoss):
     """
 
     __constants__ = ["ignore_index", "reduction", "label_smoothing", "inplace_backward"]
-    ignore_index: int
-    label_smoothing: float
     inplace_backward: bool
 
     def __init__(self, weight: Optional[torch.Tensor] = None, size_average=None, ignore_index: int = -100,
                  reduce=None, reduction: str = "mean", label_smoothing: float = 0.0,
                  inplace_backward: bool = False) -> None:
-        super().__init__(weight, size_average, reduce, reduction)
+        super().__init__(weight, size_average, ignore_index, reduce, reduction, label_smoothing)
+        # torch checks these only at the first forward; a drop-in can say so at construction.
         if self.reduction not in ("mean", "sum", "none"):
             raise ValueError(f"CrossEntropyLoss: reduction must be one of 'mean', 'sum', 'none', got {reduction!r}")
         if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) \
                 or not 0.0 <= label_smoothing <= 1.0:
             raise ValueError(f"CrossEntropyLoss: label_smoothing must be a float in [0, 1], got {label_smoothing!r}")
-        self.ignore_index = ignore_index
-        self.label_smoothing = float(label_smoothing)
-        self.inplace_backward = bool(inplace_backward)
+        if not isinstance(inplace_backward, bool):
+            raise TypeError(f"CrossEntropyLoss: inplace_backward must be a bool, got {inplace_backward!r}")
+        self.inplace_backward = inplace_backward
 
     def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return cross_entropy(input, target, weight=self.weight, ignore_index=self.ignore_index,
@@ -54,11 +55,5 @@ class CrossEntropyLoss(_WeightedLoss):
                              inplace_backward=self.inplace_backward)
 
     def extra_repr(self) -> str:
-        parts = [f"reduction={self.reduction!r}"]
-        if self.ignore_index != -100:
-            parts.append(f"ignore_index={self.ignore_index}")
-        if self.label_smoothing:
-            parts.append(f"label_smoothing={self.label_smoothing}")
-        if self.inplace_backward:
-            parts.append("inplace_backward=True")
-        return ", ".join(parts)
+        # torch's CrossEntropyLoss prints no arguments: the same here, plus the one addition when set.
+        return "inplace_backward=True" if self.inplace_backward else ""

@@ -15,6 +15,11 @@ contiguous tensor, a doubly strided slice), :func:`three_groups` returns
 ``None`` and the caller copies (``.contiguous()`` after moving the reduced
 dimensions together); kernels document that copy as the one case that costs an
 input-sized buffer.
+
+The same ops share one autocast rule, :func:`autocast_to_float32`: where
+``torch.autocast`` runs the torch op an effilayers op replaces in float32,
+the effilayers op returns float32 too (its reduced result or loss only; the
+input is never copied to float32).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["ThreeGroups", "merge_dims", "three_groups", "normalize_dims"]
+__all__ = ["ThreeGroups", "merge_dims", "three_groups", "normalize_dims", "autocast_to_float32"]
 
 
 @dataclass(frozen=True)
@@ -97,3 +102,24 @@ def three_groups(x: torch.Tensor, dims: Sequence[int]) -> Optional[ThreeGroups]:
         groups.append(merged)
     (outer, outer_stride), (reduced, reduced_stride), (inner, inner_stride) = groups
     return ThreeGroups(outer, reduced, inner, outer_stride, reduced_stride, inner_stride)
+
+
+# torch.autocast's policy is per device: an op is either left alone or run in
+# float32 on eligible (float16/bfloat16/float32) inputs; float64 is never
+# touched. What torch 2.13 does with the ops effilayers replaces (measured by
+# running them under autocast, CUDA through fake CUDA tensors, and matching
+# the AutocastCPU/AutocastCUDA kernels the dispatcher registers):
+#   float32 on CPU and CUDA: cross_entropy (CPU lists cross_entropy_loss; CUDA
+#                            lists the log_softmax and nll_loss it decomposes into)
+#   float32 on CUDA only:    sum, linalg_vector_norm / norm, softmax, log_softmax
+#   input dtype everywhere:  mean, var, std
+_AUTOCAST_ELIGIBLE = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def autocast_to_float32(x: torch.Tensor, device_types: Sequence[str]) -> bool:
+    """True when ``torch.autocast`` is enabled for ``x``'s device, that device
+    type is one of ``device_types`` (where torch's autocast runs the op in
+    float32) and ``x``'s dtype is one autocast casts."""
+    device_type = x.device.type
+    return (device_type in device_types and x.dtype in _AUTOCAST_ELIGIBLE
+            and torch.is_autocast_enabled(device_type))

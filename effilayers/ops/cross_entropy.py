@@ -12,7 +12,8 @@ Numerics
     logits) with an online maximum and rescaled sum, so one read of the row
     gives it and a row of ``-inf`` values with one finite value is exact. The
     per-row loss and the reduction are float32; the returned loss has the
-    logits' dtype, as torch returns it (float16 logits -> float16 loss). Per
+    logits' dtype, as torch returns it (float16 logits -> float16 loss), or
+    float32 under ``torch.autocast`` (see Autocast below). Per
     row, with ``w`` the class weights (1 without ``weight``), ``W = sum(w)``,
     ``eps = label_smoothing``, ``t`` the target and ``lse`` the log-sum-exp::
 
@@ -23,13 +24,23 @@ Numerics
     are not ``ignore_index`` (torch's convention; NaN when every row is
     ignored, with a zero gradient, as torch does). Ignored rows have loss 0
     and gradient 0. A ``-inf`` logit on the target gives an infinite loss and
-    a finite gradient, like torch; ``+inf`` logits give NaN.
+    a finite gradient, like torch; ``+inf`` logits give NaN. Logits with 0
+    classes (every target ignored) give torch's values without running a
+    kernel: rows 0 (NaN with label smoothing, torch's ``eps / 0`` times 0).
+    Logits near the top of bf16's range behave as torch's do: the loss
+    ``lse - x[t]`` is formed in float32, so with values of about +-3e38 in one
+    row (``lse`` ~3e38, ``x[t]`` ~-3e38) it overflows to ``inf``, exactly as
+    torch's float32 log-softmax does; the gradient stays finite.
 
 What is saved for backward
     The gradient is computed during the forward pass, already scaled for the
     reduction (``1 / sum(w[t])`` for the mean), and saved in the logits'
     dtype and layout: one logits-sized buffer and nothing else (torch saves
-    its log-softmax output, in float32 under CUDA autocast). Backward
+    its log-softmax output, in float32 under CUDA autocast). So the default
+    mode's peak is about one logits size above the logits, a third of
+    ``F.cross_entropy``'s (~3x: its log-softmax and two logits-sized
+    gradients in backward): the issue's memory target (peak <= 0.3x torch's at
+    16384x131072 bf16) needs ``inplace_backward=True``, below. Backward
     multiplies that buffer by ``grad_output`` in place (a scalar for
     ``"mean"``/``"sum"``, one value per row for ``"none"``) and returns it,
     so backward allocates nothing logits-sized. Under ``retain_graph=True``
@@ -68,13 +79,18 @@ Targets out of range (neither in ``[0, C)`` nor ``ignore_index``)
     (it is data-dependent) and the same NaN rule applies on every device.
 
 Autocast
-    ``torch.nn.functional.cross_entropy`` is on CUDA autocast's float32
-    list: under autocast it upcasts bf16/fp16 logits to a float32 copy
-    before the log-softmax. This op is not: it keeps the logits' dtype and
-    accumulates in float32 inside the kernel, which gives the float32
-    accuracy without the copy. The difference a user sees: under autocast
-    torch returns a float32 loss and this op returns the logits' dtype (cast
-    it with ``.float()`` for logging if wanted).
+    Under ``torch.autocast`` (CPU or CUDA) ``torch.nn.functional.cross_entropy``
+    runs in float32 and returns a float32 loss; so does this op, with the
+    autocast of the logits' device enabled and float16/bfloat16/float32
+    logits: the loss (a scalar, or ``(N, ...)`` for ``reduction="none"``) is
+    returned in float32 before any rounding to the logits' dtype, so a sum
+    over many rows does not overflow float16 (8000x1000 fp16 logits with
+    ``reduction="sum"``: about 9e4 like torch, where rounding to fp16 gave
+    ``inf``; ``tests/test_cross_entropy.py::test_autocast_loss_dtype_follows_torch``).
+    Unlike torch, no float32 copy of the
+    logits is made: the kernels accumulate in float32 anyway, and the saved
+    gradient (and ``inplace_backward``'s) stays in the logits' dtype, which is
+    also the dtype of the gradient autograd hands back, as with torch.
 
 Backends: a C++ CPU kernel (``csrc/cpu/cross_entropy.cpp``), a Triton GPU
 kernel (``effilayers/kernels/cross_entropy.py``) and the chunked PyTorch
@@ -94,7 +110,7 @@ from torch.nn import _reduction as _Reduction
 from torch._subclasses.fake_tensor import is_fake
 
 from .. import backends
-from ._layout import three_groups
+from ._layout import autocast_to_float32, three_groups
 
 __all__ = [
     "cross_entropy",
@@ -151,6 +167,9 @@ def cross_entropy_rows_reference(
     eps = float(label_smoothing)
     w_all = None if weight is None else weight.to(acc).view(1, classes, 1)
     scale = grad_scale.reshape(()).to(acc)
+    if classes == 0:  # nothing to read or write: ignored rows 0, the rest have no valid target
+        loss_rows.copy_(torch.where(target == ignore_index, 0.0, math.nan))
+        return loss_rows
     inner_block = n_inner if classes * n_inner <= REFERENCE_CHUNK_ELEMENTS else max(1, REFERENCE_CHUNK_ELEMENTS // classes)
     outer_block = max(1, REFERENCE_CHUNK_ELEMENTS // (classes * inner_block))
     for n0 in range(0, n_outer, outer_block):
@@ -257,14 +276,14 @@ def _loss_shape(logits: torch.Tensor, reduction: str) -> tuple[int, ...]:
 def _row_weights(target_rows, weight, ignore_index, classes, acc):
     """sum over non-ignored rows of w[t] (as a 1-element tensor; no sync)."""
     valid = target_rows != ignore_index
-    if weight is None:
+    if weight is None or classes == 0:  # 0 classes: no weight to index (every row is ignored or NaN)
         return valid.sum().to(acc).reshape(1)
-    safe = torch.where(valid, target_rows, torch.zeros_like(target_rows)).clamp(0, max(classes - 1, 0))
+    safe = torch.where(valid, target_rows, torch.zeros_like(target_rows)).clamp(0, classes - 1)
     return (weight.to(acc)[safe] * valid).sum().reshape(1)
 
 
-def _run(logits, target, weight, ignore_index, label_smoothing, reduction, grad):
-    """Run the row kernel; returns the loss in the logits' dtype. ``grad``:
+def _run(logits, target, weight, ignore_index, label_smoothing, reduction, grad, loss_dtype):
+    """Run the row kernel; returns the loss in ``loss_dtype``. ``grad``:
     None, or a logits-shaped buffer (possibly the logits) to fill."""
     acc = acc_dtype(logits.dtype)
     classes = logits.shape[1]
@@ -289,17 +308,25 @@ def _run(logits, target, weight, ignore_index, label_smoothing, reduction, grad)
     if weight is not None:
         # (C,) values: the kernels take them contiguous in the accumulation dtype.
         weight = weight.to(device=logits.device, dtype=acc).contiguous()
-    loss_rows = backends.kernel("cross_entropy", logits.device)(
-        rows3, target_rows, weight, grad3, grad_scale, ignore_index, float(label_smoothing)
-    )
+    if classes == 0:
+        # No logit to read and no gradient element to write: torch's values
+        # directly. Ignored rows give 0, or NaN with label smoothing (torch's
+        # eps / C is inf, times a zero sum); any other target is out of range
+        # (NaN, as the kernels flag it; CPU raised before).
+        ignored = 0.0 if label_smoothing == 0 else math.nan
+        loss_rows = torch.where(target_rows == ignore_index, ignored, math.nan).to(acc)
+    else:
+        loss_rows = backends.kernel("cross_entropy", logits.device)(
+            rows3, target_rows, weight, grad3, grad_scale, ignore_index, float(label_smoothing)
+        )
     if copied_grad is not None:
         grad.copy_(copied_grad)
     if reduction == "none":
-        return loss_rows.view(_loss_shape(logits, "none")).to(logits.dtype)
+        return loss_rows.view(_loss_shape(logits, "none")).to(loss_dtype)
     loss = loss_rows.sum()
     if reduction == "mean":
         loss = loss / total.reshape(())
-    return loss.to(logits.dtype)
+    return loss.to(loss_dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -316,17 +343,20 @@ def _cross_entropy_forward(
     label_smoothing: float,
     reduction: str,
     compute_grad: bool,
+    loss_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, grad): grad is the reduction-scaled d loss / d logits in the
-    logits' dtype, or an empty tensor when ``compute_grad`` is False."""
+    """(loss, grad): the loss in ``loss_dtype``; grad is the reduction-scaled
+    d loss / d logits in the logits' dtype, or an empty tensor when
+    ``compute_grad`` is False."""
     grad = _grad_buffer(logits) if compute_grad else logits.new_empty((0,))
-    loss = _run(logits, target, weight, ignore_index, label_smoothing, reduction, grad if compute_grad else None)
+    loss = _run(logits, target, weight, ignore_index, label_smoothing, reduction, grad if compute_grad else None,
+                loss_dtype)
     return loss, grad
 
 
 @_cross_entropy_forward.register_fake
-def _(logits, target, weight, ignore_index, label_smoothing, reduction, compute_grad):
-    loss = logits.new_empty(_loss_shape(logits, reduction))
+def _(logits, target, weight, ignore_index, label_smoothing, reduction, compute_grad, loss_dtype):
+    loss = logits.new_empty(_loss_shape(logits, reduction), dtype=loss_dtype)
     grad = _grad_buffer(logits) if compute_grad else logits.new_empty((0,))
     return loss, grad
 
@@ -339,30 +369,32 @@ def _cross_entropy_forward_(
     ignore_index: int,
     label_smoothing: float,
     reduction: str,
+    loss_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """The loss; the reduction-scaled gradient is written over ``logits``."""
-    return _run(logits, target, weight, ignore_index, label_smoothing, reduction, logits)
+    """The loss in ``loss_dtype``; the reduction-scaled gradient is written over ``logits``."""
+    return _run(logits, target, weight, ignore_index, label_smoothing, reduction, logits, loss_dtype)
 
 
 @_cross_entropy_forward_.register_fake
-def _(logits, target, weight, ignore_index, label_smoothing, reduction):
-    return logits.new_empty(_loss_shape(logits, reduction))
+def _(logits, target, weight, ignore_index, label_smoothing, reduction, loss_dtype):
+    return logits.new_empty(_loss_shape(logits, reduction), dtype=loss_dtype)
 
 
 class _CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, weight, ignore_index, label_smoothing, reduction, inplace_backward, grad_mode):
+    def forward(ctx, logits, target, weight, ignore_index, label_smoothing, reduction, inplace_backward, grad_mode,
+                loss_dtype):
         # needs_input_grad says True under no_grad too: `grad_mode` (read
         # before apply) keeps no_grad / inference_mode calls from computing
         # and writing a gradient nobody will use.
         compute_grad = ctx.needs_input_grad[0] and grad_mode
         ctx.reduction = reduction
         if compute_grad and inplace_backward:
-            loss = _cross_entropy_forward_(logits, target, weight, ignore_index, label_smoothing, reduction)
+            loss = _cross_entropy_forward_(logits, target, weight, ignore_index, label_smoothing, reduction, loss_dtype)
             grad = logits
         else:
             loss, grad = _cross_entropy_forward(
-                logits, target, weight, ignore_index, label_smoothing, reduction, compute_grad
+                logits, target, weight, ignore_index, label_smoothing, reduction, compute_grad, loss_dtype
             )
         if compute_grad:
             ctx.save_for_backward(grad)
@@ -378,13 +410,16 @@ class _CrossEntropyFunction(torch.autograd.Function):
             )
         (grad,) = ctx.saved_tensors
         scale = grad_output.unsqueeze(1) if ctx.reduction == "none" else grad_output
+        # grad_output may be float32 (autocast's loss) while the gradient has
+        # the logits' dtype: multiplying in place (into the gradient's dtype,
+        # computed in the wider one) keeps it so without a float32 temporary.
         if torch.compiler.is_compiling() or torch._C._autograd._get_current_graph_task_keep_graph():
             # retain_graph=True (gradcheck, a second backward): keep the saved
             # gradient intact at the cost of one logits-sized output.
-            return grad * scale, None, None, None, None, None, None, None
+            return grad.clone().mul_(scale), None, None, None, None, None, None, None, None
         # The usual single backward: scale the saved buffer in place, so
         # backward allocates nothing logits-sized.
-        return grad.mul_(scale), None, None, None, None, None, None, None
+        return grad.mul_(scale), None, None, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------
@@ -488,9 +523,11 @@ def cross_entropy(
         logits = logits.unsqueeze(0)
         target = target.unsqueeze(0)
     _check_target_range(logits, target, ignore_index, logits.shape[1])
+    # torch.autocast runs F.cross_entropy in float32 on CPU and CUDA: the loss follows.
+    loss_dtype = torch.float32 if autocast_to_float32(logits, ("cpu", "cuda")) else logits.dtype
     loss = _CrossEntropyFunction.apply(
         logits, target, weight, int(ignore_index), float(label_smoothing), reduction, inplace_backward,
-        torch.is_grad_enabled(),
+        torch.is_grad_enabled(), loss_dtype,
     )
     if unbatched and reduction == "none":
         loss = loss.squeeze(0)

@@ -69,13 +69,19 @@ Autograd (what is saved)
     result is 0.
 
 Edge cases (as torch): an empty reduction gives sum 0, norm 0, mean/var/std
-nan; var divides M2 by max(0, n - correction) (inf, or nan when M2 is 0);
+nan; var divides M2 by max(0, n - correction) (inf, or nan when M2 is 0), for
+any int or float ``correction`` (0.5 and -1 included, as torch takes them);
 ``dim=()`` reduces everything; a 0-dim input accepts dim 0 and -1.
 
-Autocast: like torch.sum/mean (which autocast leaves alone), the op runs in
-the dtype it is given; under ``torch.autocast`` a bf16 activation is reduced
-as bf16 input (float32 accumulation) and returns bf16 unless ``dtype`` says
-otherwise.
+Autocast: each function returns what the torch op it replaces returns under
+``torch.autocast``. CUDA autocast runs ``torch.sum`` and
+``torch.linalg.vector_norm`` (and ``torch.norm``) in float32 when no
+``dtype`` is given, so with CUDA autocast enabled :func:`sum` and
+:func:`norm` (every ``ord``) of float16/bfloat16 input return float32: the
+float32 result the kernel formed anyway, not rounded to the input dtype, and
+without the float32 copy of the input torch makes. ``mean``, ``var`` and
+``std`` are not on autocast's lists and keep the input dtype; CPU autocast
+changes none of the five. An explicit ``dtype=`` always wins, as in torch.
 
 Reference (pure PyTorch, the fallback and the float64 oracle): converts the
 input to float64 and uses torch's reductions; that copy is 4x the input's
@@ -90,7 +96,7 @@ from typing import Optional, Sequence
 import torch
 
 from .. import backends
-from ._layout import normalize_dims, three_groups
+from ._layout import autocast_to_float32, normalize_dims, three_groups
 
 __all__ = ["sum", "mean", "var", "std", "norm", "reduce_reference", "reduce_three_reference", "KINDS"]
 
@@ -102,7 +108,7 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _check(op: str, x, dtype, keepdim, correction=0) -> None:
+def _check(op: str, x, dtype, keepdim, correction=0.0) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{op}: x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _FLOAT_DTYPES:
@@ -114,8 +120,8 @@ def _check(op: str, x, dtype, keepdim, correction=0) -> None:
         raise TypeError(f"{op}: dtype must be None, float16, bfloat16, float32 or float64, got {dtype}")
     if not isinstance(keepdim, bool):
         raise TypeError(f"{op}: keepdim must be a bool, got {type(keepdim).__name__}")
-    if isinstance(correction, bool) or not isinstance(correction, int) or correction < 0:
-        raise ValueError(f"{op}: correction must be a non-negative int, got {correction!r}")
+    if isinstance(correction, bool) or not isinstance(correction, (int, float)):
+        raise TypeError(f"{op}: correction must be an int or a float (as in torch.var), got {correction!r}")
 
 
 def _dims(op: str, x: torch.Tensor, dim) -> tuple[int, ...]:
@@ -167,7 +173,7 @@ def as_three(x: torch.Tensor, dims: Sequence[int]) -> torch.Tensor:
     )
 
 
-def reduce_three_reference(x: torch.Tensor, out: torch.Tensor, kind: str, correction: int) -> None:
+def reduce_three_reference(x: torch.Tensor, out: torch.Tensor, kind: str, correction: float) -> None:
     """The reference kernel: reduces the (outer, reduced, inner) view ``x``
     over dim 1 into ``out`` (outer, inner), computed in float64 (a float64
     copy of the input)."""
@@ -193,7 +199,7 @@ def reduce_three_reference(x: torch.Tensor, out: torch.Tensor, kind: str, correc
     out.copy_(result)
 
 
-def reduce_reference(x: torch.Tensor, dim=None, kind: str = "sum", correction: int = 1, keepdim: bool = False,
+def reduce_reference(x: torch.Tensor, dim=None, kind: str = "sum", correction: float = 1.0, keepdim: bool = False,
                      dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Whole-op reference (float64 inside): the test oracle."""
     dims = _dims(kind, x, dim)
@@ -208,7 +214,7 @@ def _run(kernel, x, dims, kind, correction, keepdim, dtype) -> torch.Tensor:
 
 
 @torch.library.custom_op("effilayers::reduce", mutates_args=())
-def _reduce_op(x: torch.Tensor, dims: list[int], kind: str, correction: int, keepdim: bool,
+def _reduce_op(x: torch.Tensor, dims: list[int], kind: str, correction: float, keepdim: bool,
                dtype: Optional[torch.dtype]) -> torch.Tensor:
     if kind not in KINDS:
         raise ValueError(f"reduce: kind must be one of {', '.join(KINDS)}, got {kind!r}")
@@ -252,7 +258,7 @@ def _backward(ctx, grad):
     else:
         saved = ctx.saved_tensors
         x = saved[0]
-        mean = _reduce_op(x, list(ctx.dims), "mean", 0, True, acc)
+        mean = _reduce_op(x, list(ctx.dims), "mean", 0.0, True, acc)
         dof = n - ctx.correction
         scale = 2.0 / dof if dof > 0 else float("nan")
         if ctx.kind == "std":
@@ -280,14 +286,27 @@ backends.register(
 )
 
 
-def _reduce(op: str, x, dim, kind: str, correction: int, keepdim: bool, dtype) -> torch.Tensor:
+# CUDA autocast runs torch.sum, torch.linalg.vector_norm and torch.norm in
+# float32 when they get no dtype (its "fp32_set_opt_dtype" policy); it leaves
+# mean/var/std alone, and CPU autocast leaves all five alone.
+_AUTOCAST_FLOAT32_DEVICES = {"sum": ("cuda",), "norm": ("cuda",)}
+
+
+def _autocast_dtype(op: str, x: torch.Tensor, dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:
+    if dtype is None and autocast_to_float32(x, _AUTOCAST_FLOAT32_DEVICES.get(op, ())):
+        return torch.float32
+    return dtype
+
+
+def _reduce(op: str, x, dim, kind: str, correction: float, keepdim: bool, dtype) -> torch.Tensor:
     _check(op, x, dtype, keepdim, correction)
-    return _reduce_op(x, list(_dims(op, x, dim)), kind, correction, keepdim, dtype)
+    dtype = _autocast_dtype(op, x, dtype)
+    return _reduce_op(x, list(_dims(op, x, dim)), kind, float(correction), keepdim, dtype)
 
 
 def sum(x: torch.Tensor, dim=None, keepdim: bool = False, *, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Sum over ``dim`` with float32 accumulation; see the module docstring."""
-    return _reduce("sum", x, dim, "sum", 0, keepdim, dtype)
+    return _reduce("sum", x, dim, "sum", 0.0, keepdim, dtype)
 
 
 def mean(x: torch.Tensor, dim=None, keepdim: bool = False, *, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -295,13 +314,14 @@ def mean(x: torch.Tensor, dim=None, keepdim: bool = False, *, dtype: Optional[to
     return _reduce("mean", x, dim, "mean", 0, keepdim, dtype)
 
 
-def var(x: torch.Tensor, dim=None, *, correction: int = 1, keepdim: bool = False,
+def var(x: torch.Tensor, dim=None, *, correction: float = 1, keepdim: bool = False,
         dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """Variance over ``dim``: M2 / max(0, n - correction), two-pass in float32."""
+    """Variance over ``dim``: M2 / max(0, n - correction), two-pass in float32.
+    ``correction`` is any int or float, as in ``torch.var``."""
     return _reduce("var", x, dim, "var", correction, keepdim, dtype)
 
 
-def std(x: torch.Tensor, dim=None, *, correction: int = 1, keepdim: bool = False,
+def std(x: torch.Tensor, dim=None, *, correction: float = 1, keepdim: bool = False,
         dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Standard deviation over ``dim`` (the square root of :func:`var`)."""
     return _reduce("std", x, dim, "std", correction, keepdim, dtype)
@@ -322,6 +342,7 @@ def norm(x: torch.Tensor, dim=None, keepdim: bool = False, *, ord=2, dtype: Opti
     if ord == 2:
         return _reduce("norm", x, dim, "norm", 0, keepdim, dtype)
     _check("norm", x, dtype, keepdim)
+    dtype = _autocast_dtype("norm", x, dtype)
     dims = _dims("norm", x, dim)
     if ord == 1:
         return _reduce("norm", x.abs(), dims, "sum", 0, keepdim, dtype)
