@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 # Relative tolerances for results computed from the same (already rounded)
 # input, compared with a float64 computation.
@@ -41,3 +43,26 @@ def to_layout(x, layout):
         assert x.shape[-1] == 1 or not result.is_contiguous()  # size-1 last dims stay contiguous
         return result
     raise ValueError(layout)
+
+
+class NewStorages(TorchDispatchMode):
+    """Records the ATen ops that run and the bytes of every storage an op
+    creates (an output whose storage is none of the op's inputs': views and
+    in-place ops create none). What runs inside a custom op is not seen (the
+    mode is off while the op runs): record the kernel itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.allocated = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = tree_leaves((args, kwargs))
+        known = {x.untyped_storage().data_ptr() for x in inputs if isinstance(x, torch.Tensor)}
+        known |= {x.data_ptr() for x in inputs if isinstance(x, torch.UntypedStorage)}
+        out = func(*args, **kwargs)
+        self.ops.append(str(func.overloadpacket))
+        for x in tree_leaves(out):
+            if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() not in known:
+                self.allocated.append(x.untyped_storage().nbytes())
+        return out

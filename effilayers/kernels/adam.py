@@ -1,4 +1,4 @@
-"""Triton kernel for ``effilayers::adam_step_`` on GPU.
+"""Triton kernels of ``effilayers::adam_step_`` and ``effilayers::adam_step_8bit_`` on GPU.
 
 Why Triton and not CUDA: it runs in CI on CPU tensors under
 ``TRITON_INTERPRET=1``, and this file was written on a machine without a GPU.
@@ -6,17 +6,80 @@ The choice is provisional: CUDA versus Triton for this op must be re-decided
 by measurement on a GPU (achieved bandwidth of the step against a
 device-to-device copy of the same bytes), and the loser deleted.
 
-The kernel works on flat buffers. The op's parameters and gradients are
-separate tensors, so this wrapper gathers them (``torch.cat``) and scatters
-the updated parameters back with one ``torch._foreach_copy_``: two extra
-passes over the parameters and one over the gradients compared with the CPU
-kernel, which reads them in place: ~52 bytes moved per fp32 parameter of a
-multi-parameter chunk against the 28-byte floor, plus two chunk-sized
-temporaries (a one-parameter chunk is a view and pays nothing). This is why
-the GPU bandwidth target is open. A pointer-array kernel (one program per
-block of one tensor, addresses from a device table, like apex's
-multi-tensor-apply) or parameters kept as views of flat buffers would remove
-them; measure on a GPU before choosing.
+Parameters and gradients in place
+---------------------------------
+A chunk's states are flat buffers; its parameters and gradients are separate
+tensors wherever the model put them. The kernels reach them through two
+small int64 tables on the device (the multi-tensor-apply pattern):
+
+* the parameter table, one row per parameter: (parameter address, gradient
+  address, numel, first element of its states in the flat buffers);
+* the tile table, one row per program: (parameter row, first element of the
+  tile in the parameter), so a program updates up to ``BLOCK`` elements of
+  one parameter and a tile never straddles two.
+
+The addresses are those of the parameters' and gradients' memory (a dense
+tensor's ``data_ptr`` is its lowest address, in any permuted layout), and a
+gradient has its parameter's strides (``check_adam_arguments``; the optimizer
+copies a gradient of another layout into the parameter's first), so element
+``k`` of a parameter's memory, of its gradient's and ``first + k`` of the
+state buffers belong together. Offsets are int64 throughout: a parameter
+larger than the chunk size gets a chunk of its own, which may exceed 2^31
+elements.
+
+Bytes moved per element: every parameter, gradient and state element is
+read once and written at most once. fp32 parameters with fp32 states: read
+p, g, m, v and write p, m, v = 28 bytes (the floor of a one-pass update);
+with bf16 states 20; fp16/bf16 parameters with fp32 masters and fp32 states:
+read g, master, m, v and write p, master, m, v = 28 (the low-precision
+parameter is written, not read); amsgrad adds a read and a write of its
+state (8 bytes in fp32). 8-bit states, fp32 parameters: p and g 4 bytes
+each way, one byte per moment each way, plus the two float32 scales of each
+256-element block read and written: 16.06 bytes. On top, each program reads
+its 16-byte tile row and its parameter's 32-byte row: under 0.05 bytes per
+element. (Before, a multi-parameter chunk was gathered with ``torch.cat``
+into flat temporaries and scattered back with ``torch._foreach_copy_``:
+~52 bytes per fp32 element, and two chunk-sized temporaries.) None of this
+has been measured on a GPU yet.
+
+Vector accesses: for tensor arguments the launcher tells the compiler which
+pointers are 16-byte aligned and which integers are multiples of 16, and
+that is what lets it turn a thread's contiguous elements into 128-bit loads
+and stores. Addresses and numels read from a table carry no such facts, so
+the host checks them once per table (every parameter and gradient on 16
+bytes, every numel a multiple of ``VECTOR``, the elements in 16 bytes of the
+narrowest buffer indexed per element, so every parameter's first state
+element is one too) and, when they hold, the kernels are specialised
+(``ALIGNED``) to assert them with ``tl.multiple_of``. Compiled for sm_90 on
+a machine without a GPU (Triton 3.9, ``triton.compile`` to PTX;
+tests/test_optim.py::test_triton_kernels_compile_to_vector_accesses), the
+aligned multi-parameter kernels have the same vector accesses as the
+one-parameter ones, and the unaligned ones one 32-bit or narrower access
+per parameter and gradient element (and per state element, except the 8-bit
+codes, whose blocks are always aligned); what that costs in bandwidth is
+unmeasured. Real models' parameters are almost always aligned (separate
+allocations, sizes multiples of 8).
+
+Host work per call: the argument checks, one pass over the parameters
+reading numel and the two addresses, and two dictionary lookups. The tile
+table depends only on the numels, the parameter table on the addresses too;
+both stay on the device in small caches (``_TILE_TABLES``,
+``_PARAMETER_TABLES``) keyed by everything they hold plus device and
+stream, so an entry is right for any call that finds it. In a steady
+training loop the caching allocator normally hands the gradients the same
+addresses every step, also with ``zero_grad(set_to_none=True)``, and the
+tables are built once (not verified on a GPU here). A miss costs one small
+host-to-device copy per table, from pinned memory, queued on the current
+stream without making the host wait (the caching host allocator keeps the
+pinned buffer until the copy has run). The stream is part of the key, so a
+table is only read by kernels on the stream its memory was allocated on, and
+a table evicted from the cache goes back to the allocator ordered after
+them. A chunk of one parameter needs no table at all: the kernels are
+specialised (``SINGLE``) to take it as an argument, as before.
+
+Not supported: CUDA graph capture (a missing table is copied from the host
+during the call, and a captured graph would go on reading cached tables
+after the cache let them go).
 
 No host synchronisation: the step count, the gradient scale and the
 overflow flag are read by the kernel from device memory; with ``found_inf``
@@ -26,35 +89,87 @@ non-zero every store is masked off.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-from ..ops.adam import (QUANT_BLOCK, check_adam_8bit_arguments, check_adam_arguments, gather_padded, memory_flat,
-                        scatter_padded)
+from ..ops.adam import QUANT_BLOCK, check_adam_8bit_arguments, check_adam_arguments, memory_flat, padded_numel
 
 # 1024 elements x (p, g, m, v) per program: enough bytes in flight per SM for
 # a memory-bound update; 4 warps keep 8 elements per thread.
 BLOCK = 1024
 NUM_WARPS = 4
+PARAMETER_COLUMNS = tl.constexpr(4)  # (param address, grad address, numel, first state element)
+# Tables kept on each device (per stream). One entry per chunk (per run of
+# parameters sharing a step count) is used each step; the tile table of a
+# chunk of 2^24 elements is 256 KiB (0.2 % of its fp32 states).
+CACHED_TABLES = 256
 
 
 @triton.jit
-def _adam_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, master_ptr,
-                 step_ptr, grad_scale_ptr, found_inf_ptr, n,
+def _locate(parameter_table, tile_table, first_param, first_grad, n, SINGLE: tl.constexpr, ALIGNED: tl.constexpr,
+            VECTOR: tl.constexpr, STATE_MULTIPLE: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's work: (parameter pointer, gradient pointer, the
+    parameter's numel, its first element in the flat state buffers, the
+    tile's first element in the parameter). ``STATE_MULTIPLE``: what every
+    first state element is known to be a multiple of (the 8-bit layout's
+    block).
+
+    (The alignment hints are given here, on the loads themselves: a
+    ``tl.multiple_of`` on one result of a call of this function was seen, in
+    Triton 3.9's TTIR, to mark every value the function returns.)"""
+    program = tl.program_id(0).to(tl.int64)
+    if SINGLE:
+        param = first_param
+        grad = first_grad
+        numel = n
+        state_first = 0
+        first = program * BLOCK
+    else:
+        parameter = tl.load(tile_table + 2 * program)
+        first = tl.multiple_of(tl.load(tile_table + 2 * program + 1), BLOCK)
+        row = parameter_table + PARAMETER_COLUMNS * parameter
+        # first_param's pointer type: the parameters' dtype (grads share it)
+        param = tl.load(row).to(first_param.dtype)
+        grad = tl.load(row + 1).to(first_param.dtype)
+        numel = tl.load(row + 2)
+        state_first = tl.load(row + 3)
+        if ALIGNED:
+            # What the launcher would know of tensor arguments, checked on the
+            # host (_parameter_table): without it the compiler cannot prove
+            # that VECTOR elements starting at a multiple of VECTOR are all in
+            # or all out of range and 16-byte aligned, and emits one 32-bit
+            # access per element instead of 128-bit ones (seen in the PTX for
+            # sm_90; the speed difference is unmeasured).
+            param = tl.multiple_of(param, 16)
+            grad = tl.multiple_of(grad, 16)
+            numel = tl.multiple_of(numel, VECTOR)
+        if STATE_MULTIPLE > 1:
+            state_first = tl.multiple_of(state_first, STATE_MULTIPLE)
+        elif ALIGNED:
+            state_first = tl.multiple_of(state_first, VECTOR)
+    return param, grad, numel, state_first, first
+
+
+@triton.jit
+def _adam_kernel(parameter_table, tile_table, first_param, first_grad, n, exp_avg_ptr, exp_avg_sq_ptr,
+                 max_exp_avg_sq_ptr, master_ptr, step_ptr, grad_scale_ptr, found_inf_ptr,
                  lr, log_beta1, log_beta2, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, decay_factor,
-                 HAS_MASTER: tl.constexpr, AMSGRAD: tl.constexpr, SCALED: tl.constexpr, CHECK_INF: tl.constexpr,
-                 DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr,
-                 BLOCK: tl.constexpr):
-    # int64: one parameter larger than the chunk size gets a chunk of its own,
-    # so a flat run may exceed 2^31 elements.
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    limit = n
+                 SINGLE: tl.constexpr, ALIGNED: tl.constexpr, VECTOR: tl.constexpr, HAS_MASTER: tl.constexpr,
+                 AMSGRAD: tl.constexpr, SCALED: tl.constexpr, CHECK_INF: tl.constexpr, DECOUPLED: tl.constexpr,
+                 MAXIMIZE: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr, BLOCK: tl.constexpr):
+    param_ptr, grad_ptr, numel, state_first, first = _locate(parameter_table, tile_table, first_param, first_grad,
+                                                             n, SINGLE, ALIGNED, VECTOR, 1, BLOCK)
+    offsets = first + tl.arange(0, BLOCK)
+    limit = numel
     if CHECK_INF:
         # A skipped step stores nothing: no element is in range.
-        limit = tl.where(tl.load(found_inf_ptr) == 0, n, 0)
+        limit = tl.where(tl.load(found_inf_ptr) == 0, numel, 0)
     mask = offsets < limit
+    states = state_first + offsets
     step = tl.load(step_ptr).to(tl.float32)
     # log(beta) comes from the host in float64 rounded once: beta2 = 0.999
     # rounded to float32 first would move log(beta2) by 3e-5 relative.
@@ -68,7 +183,7 @@ def _adam_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_s
     if MAXIMIZE:
         g = -g
     if HAS_MASTER:
-        p = tl.load(master_ptr + offsets, mask=mask, other=0.0)
+        p = tl.load(master_ptr + states, mask=mask, other=0.0)
     else:
         p = tl.load(param_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     if HAS_WEIGHT_DECAY:
@@ -76,32 +191,116 @@ def _adam_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_s
             p = p * decay_factor
         else:
             g = g + weight_decay * p
-    m = tl.load(exp_avg_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    m = tl.load(exp_avg_ptr + states, mask=mask, other=0.0).to(tl.float32)
     m = m + one_minus_beta1 * (g - m)
-    v = tl.load(exp_avg_sq_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(exp_avg_sq_ptr + states, mask=mask, other=0.0).to(tl.float32)
     v = v * beta2 + one_minus_beta2 * g * g
     v_hat = v
     if AMSGRAD:
-        previous = tl.load(max_exp_avg_sq_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        previous = tl.load(max_exp_avg_sq_ptr + states, mask=mask, other=0.0).to(tl.float32)
         v_hat = tl.where((v != v) | (v > previous), v, previous)
-        tl.store(max_exp_avg_sq_ptr + offsets, v_hat.to(max_exp_avg_sq_ptr.dtype.element_ty), mask=mask)
+        tl.store(max_exp_avg_sq_ptr + states, v_hat.to(max_exp_avg_sq_ptr.dtype.element_ty), mask=mask)
     denom = tl.sqrt(v_hat) / bias_correction2_sqrt + eps
     p = p + (-step_size) * (m / denom)
-    tl.store(exp_avg_ptr + offsets, m.to(exp_avg_ptr.dtype.element_ty), mask=mask)
-    tl.store(exp_avg_sq_ptr + offsets, v.to(exp_avg_sq_ptr.dtype.element_ty), mask=mask)
+    tl.store(exp_avg_ptr + states, m.to(exp_avg_ptr.dtype.element_ty), mask=mask)
+    tl.store(exp_avg_sq_ptr + states, v.to(exp_avg_sq_ptr.dtype.element_ty), mask=mask)
     if HAS_MASTER:
-        tl.store(master_ptr + offsets, p, mask=mask)
-    tl.store(param_ptr + offsets, p.to(param_ptr.dtype.element_ty), mask=mask)
+        tl.store(master_ptr + states, p, mask=mask)
+    tl.store(param_ptr + offsets, p.to(first_param.dtype.element_ty), mask=mask)
 
 
 def _log(beta: float) -> float:
     return math.log(beta) if beta > 0 else -math.inf
 
 
-def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    if len(tensors) == 1:
-        return memory_flat(tensors[0])
-    return torch.cat([memory_flat(t) for t in tensors])
+# -- the tables ---------------------------------------------------------------------
+
+_TILE_TABLES: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+_PARAMETER_TABLES: "OrderedDict[tuple, tuple[torch.Tensor, bool]]" = OrderedDict()
+
+
+def _cached(cache: OrderedDict, key: tuple, build: Callable[[], Any]) -> Any:
+    entry = cache.get(key)
+    if entry is not None:
+        cache.move_to_end(key)
+        return entry
+    entry = cache[key] = build()
+    if len(cache) > CACHED_TABLES:
+        cache.popitem(last=False)
+    return entry
+
+
+def _upload(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host int64 table on ``device``, without making the host wait."""
+    if device.type != "cuda":
+        return rows  # the interpreter reads CPU tensors
+    return rows.pin_memory().to(device, non_blocking=True)
+
+
+def _tile_rows(numels: tuple[int, ...]) -> torch.Tensor:
+    """(parameter row, first element) of every BLOCK-element tile."""
+    counts = torch.tensor([-(-numel // BLOCK) for numel in numels], dtype=torch.int64)
+    rows = torch.repeat_interleave(torch.arange(len(numels)), counts)
+    first_tile = torch.cumsum(counts, 0) - counts
+    firsts = (torch.arange(rows.numel()) - first_tile[rows]) * BLOCK
+    return torch.stack((rows, firsts), dim=1)
+
+
+def _parameter_rows(numels: tuple[int, ...], addresses: tuple[int, ...], padded: bool) -> torch.Tensor:
+    spans = [padded_numel(numel) for numel in numels] if padded else numels
+    rows, state_first = [], 0
+    for index, (numel, span) in enumerate(zip(numels, spans)):
+        rows.append((addresses[2 * index], addresses[2 * index + 1], numel, state_first))
+        state_first += span
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def _parameter_table(numels: tuple[int, ...], addresses: tuple[int, ...], padded: bool, vector: int,
+                     device: torch.device) -> tuple[torch.Tensor, bool]:
+    """The table on the device, and whether every parameter and gradient
+    starts on 16 bytes and every numel (hence every parameter's first state
+    element) is a multiple of ``vector``: the kernels' ALIGNED case."""
+    aligned = all(address % 16 == 0 for address in addresses) and all(numel % vector == 0 for numel in numels)
+    return _upload(_parameter_rows(numels, addresses, padded), device), aligned
+
+
+class _Operands(NamedTuple):
+    """The kernels' first five arguments, their grid and specialisation."""
+    parameter_table: torch.Tensor
+    tile_table: torch.Tensor
+    first_param: torch.Tensor
+    first_grad: torch.Tensor
+    numel: int
+    programs: int
+    single: bool
+    aligned: bool
+    vector: int
+
+
+def _operands(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], state_dtype: torch.dtype,
+              padded: bool) -> _Operands:
+    """Tables (cached on the device) for a chunk of several parameters;
+    the tensors themselves for a chunk of one."""
+    first_param, first_grad = memory_flat(params[0]), memory_flat(grads[0])
+    # elements per 16 bytes of the narrowest buffer indexed by element
+    # offsets (8-bit states are indexed by whole 256-element blocks)
+    narrowest = first_param.element_size() if padded else min(first_param.element_size(), state_dtype.itemsize)
+    vector = 16 // narrowest
+    if len(params) == 1:
+        numel = first_param.numel()
+        # (the tables are not read: any tensor will do; the launcher itself
+        # specialises on the alignment of the tensors and of numel)
+        return _Operands(first_param, first_param, first_param, first_grad, numel, triton.cdiv(numel, BLOCK),
+                         True, False, vector)
+    device = first_param.device
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    numels = tuple(p.numel() for p in params)
+    addresses = tuple(address for p, g in zip(params, grads) for address in (p.data_ptr(), g.data_ptr()))
+    tile_table = _cached(_TILE_TABLES, (device, stream, numels), lambda: _upload(_tile_rows(numels), device))
+    parameter_table, aligned = _cached(_PARAMETER_TABLES, (device, stream, padded, vector, numels, addresses),
+                                       lambda: _parameter_table(numels, addresses, padded, vector, device))
+    return _Operands(parameter_table, tile_table, first_param, first_grad, 0, tile_table.shape[0], False, aligned,
+                     vector)
 
 
 def adam_step_triton(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, master, step, grad_scale, found_inf,
@@ -109,74 +308,82 @@ def adam_step_triton(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, master,
     check_adam_arguments(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, master, step)
     if params[0].dtype == torch.float64:
         raise TypeError("adam_step_ (triton): float64 parameters are not supported on the GPU kernel")
-    n = exp_avg.numel()
-    flat_params = _flat(list(params))  # a view when there is one parameter: updated in place
-    flat_grads = _flat(list(grads))
+    operands = _operands(params, grads, exp_avg.dtype, padded=False)
+    if operands.programs == 0:
+        return
     dummy = exp_avg
-    grid = (triton.cdiv(n, BLOCK),)
-    _adam_kernel[grid](
-        flat_params, flat_grads, exp_avg, exp_avg_sq,
+    _adam_kernel[(operands.programs,)](
+        *operands[:5], exp_avg, exp_avg_sq,
         max_exp_avg_sq if max_exp_avg_sq is not None else dummy,
         master if master is not None else dummy,
-        step, grad_scale if grad_scale is not None else step, found_inf if found_inf is not None else step, n,
+        step, grad_scale if grad_scale is not None else step, found_inf if found_inf is not None else step,
         float(lr), _log(beta1), _log(beta2), float(beta2), float(1.0 - beta1), float(1.0 - beta2), float(eps),
         float(weight_decay), float(1.0 - lr * weight_decay),
-        HAS_MASTER=master is not None, AMSGRAD=max_exp_avg_sq is not None, SCALED=grad_scale is not None,
-        CHECK_INF=found_inf is not None, DECOUPLED=bool(decoupled_weight_decay), MAXIMIZE=bool(maximize),
-        HAS_WEIGHT_DECAY=weight_decay != 0, BLOCK=BLOCK, num_warps=NUM_WARPS,
+        SINGLE=operands.single, ALIGNED=operands.aligned, VECTOR=operands.vector, HAS_MASTER=master is not None,
+        AMSGRAD=max_exp_avg_sq is not None, SCALED=grad_scale is not None, CHECK_INF=found_inf is not None,
+        DECOUPLED=bool(decoupled_weight_decay), MAXIMIZE=bool(maximize), HAS_WEIGHT_DECAY=weight_decay != 0,
+        BLOCK=BLOCK, num_warps=NUM_WARPS,
     )
-    if len(params) > 1:
-        pieces = torch.split(flat_params, [p.numel() for p in params])
-        torch._foreach_copy_([memory_flat(p) for p in params], list(pieces))
 
 
 # -- 8-bit block-quantized states ------------------------------------------------
 
 # Four 256-element quantization blocks per program: the same 1024 elements in
-# flight as the unquantized kernel, and the per-block absmax is a row
+# flight as the unquantized kernel (so both share the tile table: a tile is
+# four whole blocks of the padded layout), and the per-block absmax is a row
 # reduction of a (4, 256) tile.
 BLOCKS_PER_PROGRAM = 4
+assert BLOCKS_PER_PROGRAM * QUANT_BLOCK == BLOCK
 
 
 @triton.jit
-def _adam_8bit_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_absmax_ptr, exp_avg_sq_ptr, exp_avg_sq_absmax_ptr,
-                      max_exp_avg_sq_ptr, max_exp_avg_sq_absmax_ptr, master_ptr,
-                      step_ptr, grad_scale_ptr, found_inf_ptr, num_blocks,
+def _adam_8bit_kernel(parameter_table, tile_table, first_param, first_grad, n, exp_avg_ptr, exp_avg_absmax_ptr,
+                      exp_avg_sq_ptr, exp_avg_sq_absmax_ptr, max_exp_avg_sq_ptr, max_exp_avg_sq_absmax_ptr,
+                      master_ptr, step_ptr, grad_scale_ptr, found_inf_ptr,
                       lr, log_beta1, log_beta2, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay,
                       decay_factor,
-                      HAS_MASTER: tl.constexpr, AMSGRAD: tl.constexpr, SCALED: tl.constexpr,
-                      CHECK_INF: tl.constexpr, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
-                      HAS_WEIGHT_DECAY: tl.constexpr, QBLOCK: tl.constexpr, ROWS: tl.constexpr):
-    blocks = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # int64 offsets below (> 2^31 elements)
-    limit = num_blocks
+                      SINGLE: tl.constexpr, ALIGNED: tl.constexpr, VECTOR: tl.constexpr, HAS_MASTER: tl.constexpr,
+                      AMSGRAD: tl.constexpr, SCALED: tl.constexpr, CHECK_INF: tl.constexpr, DECOUPLED: tl.constexpr,
+                      MAXIMIZE: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr, QBLOCK: tl.constexpr,
+                      ROWS: tl.constexpr):
+    param_ptr, grad_ptr, numel, state_first, first = _locate(parameter_table, tile_table, first_param, first_grad,
+                                                             n, SINGLE, ALIGNED, VECTOR, QBLOCK, ROWS * QBLOCK)
+    limit = numel
     if CHECK_INF:
-        limit = tl.where(tl.load(found_inf_ptr) == 0, num_blocks, 0)
-    block_mask = blocks < limit
-    offsets = blocks[:, None] * QBLOCK + tl.arange(0, QBLOCK)[None, :]
+        limit = tl.where(tl.load(found_inf_ptr) == 0, numel, 0)
+    # Blocks of the parameter's padded span: the states cover whole blocks
+    # (their padding stays zero: zero gradient, zero moments), the parameter
+    # and its gradient only their first numel elements.
+    local_blocks = first // QBLOCK + tl.arange(0, ROWS)
+    block_mask = local_blocks * QBLOCK < limit
+    elements = local_blocks[:, None] * QBLOCK + tl.arange(0, QBLOCK)[None, :]
+    element_mask = elements < limit
     mask = block_mask[:, None]
+    blocks = state_first // QBLOCK + local_blocks
+    states = state_first + elements
     step = tl.load(step_ptr).to(tl.float32)
     bias_correction1 = 1.0 - tl.exp(step * log_beta1)
     bias_correction2_sqrt = tl.sqrt(1.0 - tl.exp(step * log_beta2))
     step_size = lr / bias_correction1
 
     # decode: m = sign(q) (|q|/127)^2 a,  v = (q/255)^4 a
-    q_m = tl.load(exp_avg_ptr + offsets, mask=mask, other=0).to(tl.float32)
+    q_m = tl.load(exp_avg_ptr + states, mask=mask, other=0).to(tl.float32)
     t = tl.abs(q_m) / 127.0
     magnitude = (t * t) * tl.load(exp_avg_absmax_ptr + blocks, mask=block_mask, other=0.0)[:, None]
     m = tl.where(q_m < 0, -magnitude, magnitude)
-    t = tl.load(exp_avg_sq_ptr + offsets, mask=mask, other=0).to(tl.float32) / 255.0
+    t = tl.load(exp_avg_sq_ptr + states, mask=mask, other=0).to(tl.float32) / 255.0
     t = t * t
     v = (t * t) * tl.load(exp_avg_sq_absmax_ptr + blocks, mask=block_mask, other=0.0)[:, None]
 
-    g = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(grad_ptr + elements, mask=element_mask, other=0.0).to(tl.float32)
     if SCALED:
         g = g / tl.load(grad_scale_ptr).to(tl.float32)
     if MAXIMIZE:
         g = -g
     if HAS_MASTER:
-        p = tl.load(master_ptr + offsets, mask=mask, other=0.0)
+        p = tl.load(master_ptr + states, mask=mask, other=0.0)
     else:
-        p = tl.load(param_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        p = tl.load(param_ptr + elements, mask=element_mask, other=0.0).to(tl.float32)
     if HAS_WEIGHT_DECAY:
         if DECOUPLED:
             p = p * decay_factor
@@ -186,15 +393,15 @@ def _adam_8bit_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_absmax_ptr, exp_
     v = v * beta2 + one_minus_beta2 * g * g
     v_hat = v
     if AMSGRAD:
-        t = tl.load(max_exp_avg_sq_ptr + offsets, mask=mask, other=0).to(tl.float32) / 255.0
+        t = tl.load(max_exp_avg_sq_ptr + states, mask=mask, other=0).to(tl.float32) / 255.0
         t = t * t
         previous = (t * t) * tl.load(max_exp_avg_sq_absmax_ptr + blocks, mask=block_mask, other=0.0)[:, None]
         v_hat = tl.where((v != v) | (v > previous), v, previous)
     denom = tl.sqrt_rn(v_hat) / bias_correction2_sqrt + eps
     p = p + (-step_size) * (m / denom)
     if HAS_MASTER:
-        tl.store(master_ptr + offsets, p, mask=mask)
-    tl.store(param_ptr + offsets, p.to(param_ptr.dtype.element_ty), mask=mask)
+        tl.store(master_ptr + states, p, mask=mask)
+    tl.store(param_ptr + elements, p.to(first_param.dtype.element_ty), mask=element_mask)
 
     # encode with a fresh absmax per block (row); NaN when the block holds a
     # NaN, like the reference's amax: codes 0, the block decodes to NaN
@@ -202,11 +409,11 @@ def _adam_8bit_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_absmax_ptr, exp_
     ratio = _block_ratio(tl.abs(m), absmax)
     q = tl.minimum(tl.floor(tl.sqrt_rn(ratio) * 127.0 + 0.5), 127.0)
     q = tl.where(m < 0, -q, q)
-    tl.store(exp_avg_ptr + offsets, q.to(tl.int32).to(tl.int8), mask=mask)
+    tl.store(exp_avg_ptr + states, q.to(tl.int32).to(tl.int8), mask=mask)
     tl.store(exp_avg_absmax_ptr + blocks, absmax, mask=block_mask)
-    _encode_unsigned(v, exp_avg_sq_ptr, exp_avg_sq_absmax_ptr, offsets, blocks, mask, block_mask)
+    _encode_unsigned(v, exp_avg_sq_ptr, exp_avg_sq_absmax_ptr, states, blocks, mask, block_mask)
     if AMSGRAD:
-        _encode_unsigned(v_hat, max_exp_avg_sq_ptr, max_exp_avg_sq_absmax_ptr, offsets, blocks, mask, block_mask)
+        _encode_unsigned(v_hat, max_exp_avg_sq_ptr, max_exp_avg_sq_absmax_ptr, states, blocks, mask, block_mask)
 
 
 @triton.jit
@@ -237,27 +444,24 @@ def _encode_unsigned(v, codes_ptr, absmax_ptr, offsets, blocks, mask, block_mask
 def adam_step_8bit_triton(params, grads, exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax, max_exp_avg_sq,
                           max_exp_avg_sq_absmax, master, step, grad_scale, found_inf,
                           lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay, maximize) -> None:
-    """Like adam_step_triton, on the padded layout: parameters and gradients
-    are gathered into zero-padded flat buffers (a view for one parameter whose
-    size is a multiple of the block), the zero padding stays zero through the
-    update, and the parameters are scattered back."""
+    """Like adam_step_triton, on the padded layout: the parameter table's
+    state offsets follow the padded spans, and a tile is four whole blocks of
+    one parameter."""
     check_adam_8bit_arguments(params, grads, exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax,
                               max_exp_avg_sq, max_exp_avg_sq_absmax, master, step)
-    flat_params = gather_padded(list(params))
-    flat_grads = gather_padded(list(grads))
-    num_blocks = exp_avg.numel() // QUANT_BLOCK
+    operands = _operands(params, grads, exp_avg.dtype, padded=True)
+    if operands.programs == 0:
+        return
     amsgrad = max_exp_avg_sq is not None
-    grid = (triton.cdiv(num_blocks, BLOCKS_PER_PROGRAM),)
-    _adam_8bit_kernel[grid](
-        flat_params, flat_grads, exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax,
+    _adam_8bit_kernel[(operands.programs,)](
+        *operands[:5], exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax,
         max_exp_avg_sq if amsgrad else exp_avg_sq, max_exp_avg_sq_absmax if amsgrad else exp_avg_sq_absmax,
         master if master is not None else exp_avg_absmax,
         step, grad_scale if grad_scale is not None else step, found_inf if found_inf is not None else step,
-        num_blocks,
         float(lr), _log(beta1), _log(beta2), float(beta2), float(1.0 - beta1), float(1.0 - beta2), float(eps),
         float(weight_decay), float(1.0 - lr * weight_decay),
-        HAS_MASTER=master is not None, AMSGRAD=amsgrad, SCALED=grad_scale is not None,
+        SINGLE=operands.single, ALIGNED=operands.aligned, VECTOR=operands.vector, HAS_MASTER=master is not None,
+        AMSGRAD=amsgrad, SCALED=grad_scale is not None,
         CHECK_INF=found_inf is not None, DECOUPLED=bool(decoupled_weight_decay), MAXIMIZE=bool(maximize),
         HAS_WEIGHT_DECAY=weight_decay != 0, QBLOCK=QUANT_BLOCK, ROWS=BLOCKS_PER_PROGRAM, num_warps=NUM_WARPS,
     )
-    scatter_padded(flat_params, list(params))

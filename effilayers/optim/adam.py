@@ -98,12 +98,13 @@ order; with 1 thread 468, 465, 450, 426 ms (reverse order; the other
 size: a chunk is one kernel call, i.e. one fork/join of the CPU threads,
 and on a loaded machine a join waits for a thread another job has
 preempted, so fewer chunks are faster mostly with several threads.
-What remains unmeasured, and why the default stays at 2^24: on a GPU the
-Triton wrapper gathers a multi-parameter chunk into two temporaries of
-``4 * chunk_size`` bytes each (128 MiB at 2^24 for fp32, 512 MiB at 2^26),
-and offload pipelines chunk by chunk (the CPU updates one chunk while the
-next one's gradients travel), so a larger chunk overlaps less; neither the
-GPU step nor the offload pipeline has been timed at any chunk size. For
+What remains unmeasured, and why the default stays at 2^24: offload
+pipelines chunk by chunk (the CPU updates one chunk while the next one's
+gradients travel), so a larger chunk overlaps less, and neither the GPU step
+nor the offload pipeline has been timed at any chunk size. (The Triton
+kernel reads the parameters and gradients of a chunk in place through a
+device table of addresses, so a larger chunk no longer costs GPU
+temporaries: only its tile table, 16 bytes per 1024 elements.) For
 CPU-only training ``chunk_size=2**26`` was faster here. Chunks are
 allocated at the size of what they hold, so a partly filled last chunk
 wastes nothing.
