@@ -982,8 +982,8 @@ def _run(argv: list[str]) -> int:
 
     print(format_table(results))
     if setup.device.type == "cpu":
-        print("CUDA peak bytes: n/a on CPU. Activation bytes are device-independent: "
-              "the ratios hold on a GPU at the same shapes.")
+        print("CUDA peak bytes: n/a on CPU. Activation bytes count the tensors autograd keeps, which these "
+              "layers choose the same way on every device; a GPU run adds the peak bytes.")
     if setup.dtype != torch.float32:
         print(f"Under autocast, activation bytes include the {args.dtype} copies of the weights that autocast "
               "keeps for backward (2 bytes per parameter), the same for every variant.")
