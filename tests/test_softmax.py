@@ -511,7 +511,15 @@ def _cpp_long_rows():
     columns = varied((70_000, 18), torch.float32, seed=3) * 3  # 16 + 2 neighbouring rows of 70,000
     columns[:28_000] = -math.inf
     columns[50_000, 3] = 12.0
-    return [(rows.to(torch.bfloat16), 1), (columns.half(), 0)]
+    # Every value far below 0 (the first finite block maximum is about -100:
+    # exp(0 - max) overflows, so the empty sum must not be rescaled), and a
+    # -1e4 attention-style mask over the first blocks of a row (bf16: the
+    # gradients of a 1.1M-value row sum beyond fp16's range).
+    negative = varied((300_000, 5), torch.float32, seed=5) - 100.0
+    masked = varied((1, 1_100_000), torch.float32, seed=6)
+    masked[:, :1_050_000] = -1e4
+    return [(rows.to(torch.bfloat16), 1), (columns.half(), 0), (negative, 0), (negative.double(), 0),
+            (masked.to(torch.bfloat16), 1)]
 
 
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])

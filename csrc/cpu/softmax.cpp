@@ -517,7 +517,12 @@ void softmax_blocked(const Reader<acc_t>& load, const void* xp, RowSet x, const 
       const acc_t* v = buffer + r * len;
       const acc_t block_max = row_max(v, len);
       if (block_max != -kInf && (!finite_max[r] || block_max > shift[r])) {
-        total[r] *= std::exp(shift[r] - block_max);  // the maximum grew: rescale what was summed
+        // The maximum grew: rescale what was summed. Before the first finite
+        // maximum the sum holds only 0 (-inf values) or NaN, and shift is the
+        // placeholder 0, so there is nothing to rescale; exp(0 - block_max)
+        // would overflow to inf for a block_max below about -88 (float) and
+        // make 0 * inf = NaN.
+        if (finite_max[r]) total[r] *= std::exp(shift[r] - block_max);
         shift[r] = block_max;
         finite_max[r] = true;
       }
