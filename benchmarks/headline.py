@@ -19,14 +19,10 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from effilayers.bench import agreement
+from effilayers.bench import agreement, measured_cells
 
 START = "<!-- headline:start -->"
 END = "<!-- headline:end -->"
-
-
-def _mib(value: Optional[int]) -> str:
-    return "n/a" if value is None else f"{value / 2**20:,.1f}"
 
 
 def _with_ratio(text: str, ratio: Optional[float]) -> str:
@@ -74,11 +70,9 @@ def table(report: dict, source: str) -> str:
     ]
     for r in results:
         ratios = r.get("ratios", {})
-        row = [r["model"], r["variant"],
-               _with_ratio(_mib(r["activation_bytes"]), ratios.get("activation_bytes")),
-               _with_ratio(_mib(r.get("cuda_peak_bytes")), ratios.get("cuda_peak_bytes")),
-               _with_ratio(f"{r['step_time_s'] * 1e3:.1f}", ratios.get("step_time")),
-               _with_ratio(f"{r['images_per_s']:.1f}", ratios.get("images_per_s"))]
+        cells = measured_cells(r)
+        row = [r["model"], r["variant"]] + [_with_ratio(cell, ratios.get(key)) for cell, key in zip(
+            cells, ("activation_bytes", "cuda_peak_bytes", "step_time", "images_per_s"))]
         if max_batch:
             row.append(_with_ratio(str(r.get("max_batch")), ratios.get("max_batch")))
         if trained:

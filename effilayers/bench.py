@@ -115,11 +115,16 @@ def max_tries(start: int, limit: int) -> int:
 
 
 # Allocation failures that do not raise torch.OutOfMemoryError: cuBLAS and
-# cuDNN report a failed workspace allocation as a plain RuntimeError, and
-# cuDNN finds no algorithm that fits ("not supported") near the limit.
-_OUT_OF_MEMORY_TEXT = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED",
-                       "CUDNN_STATUS_NOT_SUPPORTED")
+# cuDNN report a failed workspace allocation as a plain RuntimeError.
+_OUT_OF_MEMORY_TEXT = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")
+# cuDNN also finds no algorithm ("not supported") for a batch too large for
+# its workspace or indexing: "does not fit" once a smaller batch has trained,
+# a configuration error when nothing has.
+_TOO_LARGE_TEXT = "CUDNN_STATUS_NOT_SUPPORTED"
 _OUT_OF_MEMORY_ERROR = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+# BatchNorm in training refuses a batch with one value per channel: batch 1
+# does not train such a model, whatever the memory.
+_ONE_VALUE_PER_CHANNEL = "Expected more than 1 value per channel"
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -129,20 +134,32 @@ def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(text in str(error) for text in _OUT_OF_MEMORY_TEXT)
 
 
+def _too_small_for_batch_norm(error: BaseException) -> bool:
+    return isinstance(error, ValueError) and _ONE_VALUE_PER_CHANNEL in str(error)
+
+
 def search_max_batch(step: Callable[[int], None], release: Callable[[], None], start: int, limit: int,
                      tick: Callable[[], None] = lambda: None) -> int:
     """:func:`find_max_batch` over ``step(batch)``, which trains one step and
-    may run out of memory (:func:`is_out_of_memory`; other errors propagate).
-    ``release()`` runs after every try, fitting or not, to free what it left
-    behind before the next one; ``tick()`` once per try."""
+    may run out of memory (:func:`is_out_of_memory`; cuDNN's "not supported"
+    too once a smaller batch has trained; a batch BatchNorm refuses because it
+    leaves one value per channel does not train either; other errors
+    propagate). ``release()`` runs after every try, fitting or not, to free
+    what it left behind before the next one; ``tick()`` once per try."""
+    trained = False
 
     def try_step(batch: int) -> bool:
+        nonlocal trained
         tick()
         try:
             step(batch)
-            fits = True
+            fits = trained = True
         except RuntimeError as error:
-            if not is_out_of_memory(error):
+            if not (is_out_of_memory(error) or (trained and _TOO_LARGE_TEXT in str(error))):
+                raise
+            fits = False
+        except ValueError as error:
+            if not _too_small_for_batch_norm(error):
                 raise
             fits = False
         # The except block is over: the traceback, and with it the frames
@@ -491,7 +508,47 @@ def _measure(model: nn.Module, setup: Setup, num_classes: int, tick: Callable[[]
              eager: Optional[nn.Module] = None) -> dict[str, Any]:
     """``model`` is what is timed (compiled with --compile); activation bytes
     are counted on ``eager`` (the same module uncompiled, the same function):
-    saved-tensor hooks see what eager autograd keeps, not a compiled graph."""
+    saved-tensor hooks see what eager autograd keeps, not a compiled graph.
+
+    A variant that runs out of memory at ``setup.batch`` is measured as such
+    (``out_of_memory``, no numbers): on a GPU, plain PyTorch failing at a
+    batch that the memory-efficient variants train is the point of the
+    comparison. A batch BatchNorm cannot train (one value per channel) is the
+    user's setting to change, reported as a BenchError."""
+    ticks = 0
+
+    def counted_tick() -> None:
+        nonlocal ticks
+        ticks += 1
+        tick()
+
+    try:
+        return _measure_fitting(model, setup, num_classes, counted_tick, eager)
+    except ValueError as error:
+        if not _too_small_for_batch_norm(error):
+            raise
+        raise BenchError(f"batch {setup.batch} at {setup.size}x{setup.size} leaves BatchNorm one value per channel "
+                         f"in training ({error}); use a larger --batch or --size") from None
+    except RuntimeError as error:
+        if not is_out_of_memory(error):
+            raise
+    # Out of the except block: the frames holding the failed step's tensors are gone.
+    _release(model, setup.device)
+    for _ in range(1 + setup.steps - ticks):
+        tick()
+    return {"activation_bytes": None, "cuda_peak_bytes": None, "step_times_s": [], "step_time_s": None,
+            "images_per_s": None, "out_of_memory": True}
+
+
+def _release(model: nn.Module, device: torch.device) -> None:
+    # An out-of-memory error in backward leaves some gradients behind.
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    _empty_cache(device)
+
+
+def _measure_fitting(model: nn.Module, setup: Setup, num_classes: int, tick: Callable[[], None],
+                     eager: Optional[nn.Module]) -> dict[str, Any]:
     optimizer = _optimizer(model)
     images, labels = setup.data(setup.batch, num_classes, seed=SEED)
     with setup.autocast():
@@ -531,14 +588,21 @@ def _float64_curve(variant: Variant, pristine: nn.Module, setup: Setup, num_clas
     notes: list[str] = []
     what = "float64 plain PyTorch" + (f" computing {variant.function}" if variant.function else "")
     exact = dataclasses.replace(setup, dtype=torch.float64, compile=False)
+    ticks = 0
+
+    def counted_tick() -> None:
+        nonlocal ticks
+        ticks += 1
+        tick()
+
     try:
         model = pristine
         if variant.plain_equivalent is not None:
             model, notes = variant.plain_equivalent(model)
         model = _prepare(model.to(torch.float64), exact)
-        return _train_curve(model, exact, num_classes, tick), what, notes
+        return _train_curve(model, exact, num_classes, counted_tick), what, notes
     except (RuntimeError, TypeError, ValueError, NotImplementedError) as error:
-        for _ in range(setup.train_steps):
+        for _ in range(setup.train_steps - ticks):
             tick()
         return None, f"{what} failed: {type(error).__name__}: {error}", notes
 
@@ -551,13 +615,7 @@ def _max_batch(model: nn.Module, setup: Setup, num_classes: int, limit: int, tic
         _train_step(model, optimizer, setup, images, labels)
         setup.synchronize()
 
-    def release() -> None:
-        # An out-of-memory error in backward leaves some gradients behind.
-        model.zero_grad(set_to_none=True)
-        gc.collect()
-        _empty_cache(setup.device)
-
-    return search_max_batch(step, release, setup.batch, limit, tick)
+    return search_max_batch(step, lambda: _release(model, setup.device), setup.batch, limit, tick)
 
 
 # ---- driver --------------------------------------------------------------------------------
@@ -568,11 +626,13 @@ class Result:
     model: str
     variant: str
     same_weights: bool
-    activation_bytes: int
+    # None (with out_of_memory) when the variant did not fit at the batch
+    activation_bytes: Optional[int]
     cuda_peak_bytes: Optional[int]
     step_times_s: list[float]
-    step_time_s: float
-    images_per_s: float
+    step_time_s: Optional[float]
+    images_per_s: Optional[float]
+    out_of_memory: bool = False
     ratios: dict[str, Optional[float]] = field(default_factory=dict)
     losses: Optional[list[float]] = None
     # Against plain PyTorch's float32 losses (what a user would compare).
@@ -659,7 +719,11 @@ def _run_model(variants: list[Variant], setup: Setup, max_batch_limit: Optional[
             runner = torch.compile(model)
         measured = _measure(runner, setup, num_classes, bar.update, eager=model)
         losses = None
-        if setup.train_steps:
+        if measured.get("out_of_memory"):
+            notes.append(f"out of memory at batch {setup.batch}: no time, activation bytes or losses")
+            bar.update(setup.train_steps)
+            pristine = None  # a later variant computing the same function runs the float64 reference
+        elif setup.train_steps:
             model.load_state_dict(initial_state)
             losses = _train_curve(runner, setup, num_classes, bar.update)
             if pristine is not None:
@@ -681,6 +745,8 @@ def _run_model(variants: list[Variant], setup: Setup, max_batch_limit: Optional[
         del model, runner, initial_state
         gc.collect()
         _empty_cache(setup.device)
+    # float64 references no variant ran (each variant computing it did not fit)
+    bar.update(setup.train_steps * len({v.function for v in variants} - set(float64_losses)))
     plain = results[0]
     for result in results:
         result.ratios = {
@@ -690,7 +756,7 @@ def _run_model(variants: list[Variant], setup: Setup, max_batch_limit: Optional[
             "images_per_s": _ratio(result.images_per_s, plain.images_per_s),
             "max_batch": _ratio(result.max_batch, plain.max_batch),
         }
-        if result.losses and plain.losses:
+        if result.losses and plain.losses:  # both trained
             differences = _relative_errors(result.losses, plain.losses)
             result.final_loss_rel_diff = differences[-1]
             result.max_loss_rel_diff = max(differences)
@@ -704,6 +770,10 @@ def _check_losses(results: list[Result], variants: list[Variant],
                   dtype: torch.dtype) -> None:
     """Fill in the --train check of every result (see LOSS_NOISE_FACTOR)."""
     plain = results[0]
+    if plain.losses is None:
+        for result in results:
+            result.notes.append("losses not checked: plain PyTorch did not train at this batch (no noise floor)")
+        return
     plain_reference, why_not, _ = float64_losses[None]
     if plain_reference is None:
         for result in results:
@@ -713,6 +783,8 @@ def _check_losses(results: list[Result], variants: list[Variant],
     tolerances = [max(LOSS_NOISE_FACTOR * largest, LOSS_TOLERANCE_FLOOR[dtype])
                   for largest in itertools.accumulate(noise, max)]
     for result, variant in zip(results, variants):
+        if result.losses is None:
+            continue
         reference, what, notes = float64_losses[variant.function]
         result.loss_reference = what
         result.notes += [f"float64 reference: {note}" for note in notes]
@@ -731,7 +803,16 @@ def _check_losses(results: list[Result], variants: list[Variant],
 
 
 def _mib(value: Optional[int]) -> str:
-    return "n/a" if value is None else f"{value / 2**20:.1f}"
+    return "n/a" if value is None else f"{value / 2**20:,.1f}"
+
+
+def measured_cells(result: dict[str, Any]) -> list[str]:
+    """Activation MiB, CUDA peak MiB, step ms, images/s of one result (a
+    :class:`Result`'s fields): "OOM" for a variant that did not fit."""
+    if result.get("out_of_memory"):
+        return ["OOM"] * 4
+    return [_mib(result["activation_bytes"]), _mib(result.get("cuda_peak_bytes")),
+            f"{result['step_time_s'] * 1e3:.1f}", f"{result['images_per_s']:.1f}"]
 
 
 def _times(value: Optional[float]) -> str:
@@ -757,10 +838,10 @@ def format_table(results: list[Result]) -> str:
         header += ["losses vs float64"]
     rows = [header]
     for r in results:
-        row = [r.model, r.variant, _mib(r.activation_bytes), _times(r.ratios["activation_bytes"]),
-               _mib(r.cuda_peak_bytes), _times(r.ratios["cuda_peak_bytes"]),
-               f"{r.step_time_s * 1e3:.1f}", _times(r.ratios["step_time"]),
-               f"{r.images_per_s:.1f}", _times(r.ratios["images_per_s"])]
+        activation, peak, step, speed = measured_cells(vars(r))
+        row = [r.model, r.variant, activation, _times(r.ratios["activation_bytes"]),
+               peak, _times(r.ratios["cuda_peak_bytes"]), step, _times(r.ratios["step_time"]),
+               speed, _times(r.ratios["images_per_s"])]
         if show_max_batch:
             row += [str(r.max_batch), _times(r.ratios["max_batch"])]
         if show_losses:
@@ -817,8 +898,9 @@ def plot(results: list[Result], path: str, pyplot: Any) -> Any:
     for r in results:
         plain_of.setdefault(r.model, r)
     panels: list[tuple[str, Callable[[Result], Optional[float]], str]] = [
-        ("activation MiB (one forward)", lambda r: r.activation_bytes / 2**20, "activation_bytes"),
-        ("median step time, ms", lambda r: r.step_time_s * 1e3, "step_time"),
+        ("activation MiB (one forward)",
+         lambda r: None if r.activation_bytes is None else r.activation_bytes / 2**20, "activation_bytes"),
+        ("median step time, ms", lambda r: None if r.step_time_s is None else r.step_time_s * 1e3, "step_time"),
     ]
     if any(r.cuda_peak_bytes is not None for r in results):
         panels.append(("CUDA peak MiB (one step)",
@@ -853,7 +935,8 @@ def plot(results: list[Result], path: str, pyplot: Any) -> Any:
         for axis in (curves, errors):
             axis.set_xlabel("training step")
             axis.xaxis.get_major_locator().set_params(integer=True)
-            axis.legend(fontsize=7)
+            if axis.get_legend_handles_labels()[0]:
+                axis.legend(fontsize=7)
     figure.suptitle("effilayers bench: " + ", ".join(sorted({r.model for r in results}))
                     + " (bar labels: ratio to plain PyTorch)")
     figure.tight_layout()

@@ -372,7 +372,7 @@ def test_find_max_batch_rejects_nonpositive_arguments():
     (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), True),
     (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), True),
     (RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a "
-                  "non-contiguous input."), True),
+                  "non-contiguous input."), False),  # search_max_batch decides (below)
     (RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)"), False),
     (ValueError("out of memory"), False),
 ])
@@ -386,6 +386,53 @@ def test_search_max_batch_lets_other_errors_through():
 
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
         bench.search_max_batch(step, lambda: None, 2, 64)
+
+
+def test_search_max_batch_takes_cudnn_not_supported_as_too_large_only_after_a_batch_trained():
+    not_supported = "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a " \
+                    "non-contiguous input."
+
+    def step(batch):
+        if batch > 20:
+            raise RuntimeError(not_supported)
+
+    assert bench.search_max_batch(step, lambda: None, 2, 64) == 20
+
+    def never(batch):
+        raise RuntimeError(not_supported)
+
+    # Unsupported at the first batch tried: a configuration problem, not a size.
+    with pytest.raises(RuntimeError, match="NOT_SUPPORTED"):
+        bench.search_max_batch(never, lambda: None, 2, 64)
+
+
+def test_search_max_batch_takes_batch_norms_one_value_error_as_not_training():
+    def step(batch):
+        if batch == 1:
+            raise ValueError("Expected more than 1 value per channel when training, got input size [1, 8, 1, 1]")
+        if batch > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+    assert bench.search_max_batch(step, lambda: None, 4, 64) == 2
+
+    def only_batch_norm(batch):
+        raise ValueError("Expected more than 1 value per channel when training, got input size [1, 8, 1, 1]")
+
+    assert bench.search_max_batch(only_batch_norm, lambda: None, 1, 64) == 0
+
+    def other_value_error(batch):
+        raise ValueError("a different problem")
+
+    with pytest.raises(ValueError, match="different problem"):
+        bench.search_max_batch(other_value_error, lambda: None, 2, 64)
+
+
+def test_a_batch_batch_norm_cannot_train_exits_2_with_advice(capsys):
+    # ResNet-18 at 32x32 reaches layer4 at 1x1: batch 1 leaves one value per channel.
+    assert bench.main(["--model", "resnet18", "--batch", "1", "--size", "32", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "effilayers-bench: error: batch 1 at 32x32 leaves BatchNorm one value per channel" in err
+    assert "use a larger --batch or --size" in err
 
 
 class RecordingBar:
@@ -447,6 +494,48 @@ def test_max_batch_end_to_end_against_a_simulated_memory_limit(tmp_path, monkeyp
     table = capsys.readouterr().out
     assert "max batch" in table and "2.50x" in table
     assert bars[0].count == bars[0].total  # every try counted, and the estimate filled up
+
+
+def test_a_variant_out_of_memory_at_the_batch_is_reported_and_the_others_measured(tmp_path, monkeypatch, capsys):
+    """Plain PyTorch running out of memory at a batch the memory-efficient
+    variant trains is a result (the comparison users run the bench for),
+    not a crash; --max-batch then still searches for its largest batch."""
+    real_step = bench._train_step
+
+    def plain_runs_out_of_memory(model, optimizer, setup, images, labels):
+        converted = any(isinstance(m, effilayers.nn.ABN) for m in model.modules())
+        if not converted and images.shape[0] > 2:
+            F.cross_entropy(model(images), labels).backward()  # gradients left behind, as on a GPU
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+        return real_step(model, optimizer, setup, images, labels)
+
+    bars = []
+    monkeypatch.setattr(bench, "MAX_BATCH_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(bench, "_train_step", plain_runs_out_of_memory)
+    monkeypatch.setattr(bench, "_progress", lambda total: bars.append(RecordingBar(total)) or bars[-1])
+    report = run_bench(tmp_path, "--model", "tests.test_bench:tiny_convertible_model", "--size", "32",
+                       "--batch", "4", "--steps", "1", "--train", "2", "--max-batch", "--max-batch-limit", "16",
+                       plot=HAVE_MATPLOTLIB)
+    results = by_variant(report)
+    plain, converted = results["as given"], results["effilayers convert(inplace)"]
+    assert plain["out_of_memory"] is True
+    assert plain["step_time_s"] is None and plain["activation_bytes"] is None and plain["losses"] is None
+    assert plain["max_batch"] == 2
+    assert any("out of memory at batch 4" in note for note in plain["notes"])
+    assert converted["out_of_memory"] is False and converted["step_time_s"] > 0
+    assert converted["max_batch"] == 16 and converted["losses"] is not None
+    # nothing to compare with: no ratios to plain and no loss check
+    assert converted["ratios"]["step_time"] is None and converted["ratios"]["max_batch"] == pytest.approx(8.0)
+    assert converted["losses_agree"] is None
+    assert any("plain PyTorch did not train" in note for note in converted["notes"])
+    out = capsys.readouterr().out
+    plain_row = next(line for line in out.splitlines() if line.startswith("tests.test_bench") and "as given" in line)
+    assert plain_row.count("OOM") == 4
+    assert bars[0].count == bars[0].total
+    # and the README's headline script renders such a report
+    import benchmarks.headline as headline
+
+    assert "| OOM | OOM | OOM | OOM |" in headline.table(report, "x.json")
 
 
 def test_max_batch_on_cpu_exits_2_with_a_message(capsys):
