@@ -57,12 +57,13 @@ block size was measured.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Optional, Sequence
 
 import torch
 import triton
 import triton.language as tl
+
+from ._cache import TableCache
 
 TABLE_COLUMNS = 6
 BLOCK_M = 64
@@ -295,8 +296,7 @@ def _rows(features: Sequence[torch.Tensor]) -> list[tuple[int, int, int, int, in
 # the first step. The stream is part of the key so that a table is only ever
 # read on the stream it was allocated on (the allocator's reuse after
 # eviction is ordered on that stream).
-_TABLE_CACHE: "OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor, int]]" = OrderedDict()
-_TABLE_CACHE_ENTRIES = 256
+_TABLES = TableCache(entries=256)
 
 
 def _tables(features: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -304,19 +304,14 @@ def _tables(features: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tenso
     rows = _rows(features)
     device = features[0].device
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream, BLOCK_K, tuple(rows))
-    cached = _TABLE_CACHE.get(key)
-    if cached is not None:
-        _TABLE_CACHE.move_to_end(key)
-        return cached
-    tiles = [(index, start) for index, row in enumerate(rows) for start in range(0, row[1], BLOCK_K)]
-    table = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
-    tile_table = torch.tensor(tiles, dtype=torch.int64).to(device, non_blocking=True)
-    entry = (table, tile_table, len(tiles))
-    _TABLE_CACHE[key] = entry
-    if len(_TABLE_CACHE) > _TABLE_CACHE_ENTRIES:
-        _TABLE_CACHE.popitem(last=False)
-    return entry
+
+    def build() -> tuple[torch.Tensor, torch.Tensor, int]:
+        tiles = [(index, start) for index, row in enumerate(rows) for start in range(0, row[1], BLOCK_K)]
+        table = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+        tile_table = torch.tensor(tiles, dtype=torch.int64).to(device, non_blocking=True)
+        return table, tile_table, len(tiles)
+
+    return _TABLES.get((device, stream, BLOCK_K, tuple(rows)), build)
 
 
 def _pixel_splits(device: torch.device, rows: int, programs: int) -> int:
