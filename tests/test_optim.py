@@ -899,6 +899,278 @@ def test_step_bumps_parameter_versions_like_torch():
         loss.backward()
 
 
+# -- writes from outside meeting syncs, exports and layout changes -------------
+
+def _sync_trigger(trigger, params, optimizer, twins, reference):
+    """Something that makes the optimizer sync or export its state, done to
+    (params, optimizer) and, where torch has an equivalent, to the torch
+    reference; returns the (params, optimizer) that go on training."""
+    import pickle
+
+    if trigger == "delete-another-entry":
+        del optimizer.state[params[2]]
+        del reference.state[twins[2]]
+    elif trigger == "write-another-entry-then-state_dict":
+        optimizer.state[params[2]]["step"] = optimizer.state[params[2]]["step"].clone()
+        optimizer.state_dict()
+    elif trigger == "another-param-to-channels_last":
+        for p in (params[2], twins[2]):
+            p.data = p.data.contiguous(memory_format=torch.channels_last)  # what module.to(memory_format=) does
+    elif trigger == "deepcopy":
+        params, optimizer = copy.deepcopy((params, optimizer))
+    elif trigger == "pickle":
+        params, optimizer = pickle.loads(pickle.dumps((params, optimizer)))
+    elif trigger == "state_dict-into-a-fresh-optimizer":
+        saved = optimizer.state_dict()
+        params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        fresh = ChunkedAdamW(params, lr=1e-2, chunk_size=4096, offload=optimizer.offload)
+        fresh._force_staging = optimizer._force_staging
+        fresh.load_state_dict(saved)
+        optimizer = fresh
+    return params, optimizer
+
+
+@pytest.mark.parametrize("trigger", ["delete-another-entry", "write-another-entry-then-state_dict",
+                                     "another-param-to-channels_last", "deepcopy", "pickle",
+                                     "state_dict-into-a-fresh-optimizer"])
+@pytest.mark.parametrize("copies", ["bf16-fp32-masters", "offload-staging"])
+def test_parameter_writes_survive_state_syncs_and_exports(copies, trigger):
+    """Chunks that keep their own copy of the parameters (fp32 masters,
+    offload): a write into a parameter between steps must reach that copy
+    even when the state is synced (because of another parameter's entry),
+    exported (state_dict, deepcopy, pickle) or re-chunked before the next
+    step. Compared with torch.optim.AdamW on fp32 parameters fed the same
+    gradients."""
+    dtype = torch.bfloat16 if copies == "bf16-fp32-masters" else torch.float32
+    generator = torch.Generator().manual_seed(3)
+    start = [torch.randn(shape, generator=generator).to(dtype) for shape in [(13, 7), (301,), (4, 3, 3, 3)]]
+    params = [torch.nn.Parameter(t.clone()) for t in start]
+    twins = [torch.nn.Parameter(t.float()) for t in start]
+    optimizer = ChunkedAdamW(params, lr=1e-2, chunk_size=4096, offload=None if dtype is torch.bfloat16 else "cpu")
+    optimizer._force_staging = dtype is torch.float32
+    reference = torch.optim.AdamW(twins, lr=1e-2)
+
+    def train(params, optimizer, steps):
+        for _ in range(steps):
+            for p, q in zip(params, twins):
+                g = torch.randn(p.shape, generator=generator).to(dtype)
+                p.grad, q.grad = g, g.float()
+            optimizer.step()
+            reference.step()
+
+    train(params, optimizer, 3)
+    with torch.no_grad():
+        for p in (params[0], twins[0]):
+            p.fill_(5.0)
+        for p in (params[1], twins[1]):
+            p.clamp_(-0.5, 0.5)
+    params, optimizer = _sync_trigger(trigger, params, optimizer, twins, reference)
+    train(params, optimizer, 3)
+    for index, (p, q) in enumerate(zip(params, twins)):
+        if dtype is torch.bfloat16:
+            master = optimizer.state[p]["master_param"]
+            # a deleted entry restarts from the bf16 parameter (torch's from
+            # its fp32 one): the deleted parameter agrees to bf16 rounding
+            restarted = index == 2 and trigger == "delete-another-entry"
+            torch.testing.assert_close(master, q.detach(), **(dict(rtol=1e-2, atol=1e-2) if restarted else FP32_TOL))
+            assert torch.equal(p.detach(), master.to(dtype))
+        else:
+            torch.testing.assert_close(p.detach(), q.detach(), **FP32_TOL)
+
+
+def test_turning_amsgrad_on_keeps_a_parameter_write():
+    """amsgrad switched on between steps re-installs the chunk's entries: a
+    write into a bf16 parameter made before must still reach its master."""
+    params = [torch.nn.Parameter(torch.randn(8, dtype=torch.bfloat16)) for _ in range(2)]
+    optimizer = ChunkedAdamW(params, lr=1e-3)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    with torch.no_grad():
+        params[0].fill_(5.0)
+    optimizer.param_groups[0]["amsgrad"] = True
+    optimizer.step()
+    # one step of lr 1e-3 from 5.0 (the old values are N(0, 1))
+    torch.testing.assert_close(optimizer.state[params[0]]["master_param"], torch.full((8,), 5.0), rtol=0, atol=2e-3)
+
+
+def test_parameter_storage_swap_reaches_the_master():
+    """`p.data = t` (same dtype and layout) bypasses the version counter; the
+    new storage address shows it, and the next step starts from t."""
+    params = [torch.nn.Parameter(torch.randn(8, dtype=torch.bfloat16)) for _ in range(2)]
+    optimizer = ChunkedAdamW(params, lr=1e-3)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+    params[0].data = torch.full((8,), 5.0, dtype=torch.bfloat16)
+    optimizer.step()
+    torch.testing.assert_close(optimizer.state[params[0]]["master_param"], torch.full((8,), 5.0), rtol=0, atol=2e-3)
+
+
+def test_pickled_optimizer_is_as_small_as_torch():
+    """The entries are views of the chunks, and pickle writes a view's whole
+    storage: the optimizer must pickle compact copies instead."""
+    import pickle
+
+    sizes = {}
+    for cls in (torch.optim.AdamW, ChunkedAdamW):
+        params = [torch.nn.Parameter(torch.randn(1000)) for _ in range(100)]
+        optimizer = cls(params)
+        for p in params:
+            p.grad = torch.randn(1000)
+        optimizer.step()
+        sizes[cls] = len(pickle.dumps(optimizer))
+    # parameters, exp_avg and exp_avg_sq: 1.2 MB each way (80 MB as views)
+    assert sizes[ChunkedAdamW] <= 1.05 * sizes[torch.optim.AdamW], sizes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-fp32-masters"])
+def test_memory_format_change_after_steps_matches_torch(dtype):
+    """model.to(memory_format=torch.channels_last) after some steps re-points
+    the conv weight at a copy in another memory order: the states (and the
+    fp32 master) must follow into that order, or the kernel pairs each
+    element with another one's states."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 4, 3).to(dtype)
+    twin = torch.nn.Conv2d(3, 4, 3)
+    with torch.no_grad():
+        for p, q in zip(conv.parameters(), twin.parameters()):
+            q.copy_(p)
+    optimizer = ChunkedAdamW(conv.parameters(), lr=1e-2)
+    reference = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(5)
+    for step in range(6):
+        if step == 3:
+            conv.to(memory_format=torch.channels_last)
+            twin.to(memory_format=torch.channels_last)
+        for p, q in zip(conv.parameters(), twin.parameters()):
+            g = torch.randn(p.shape, generator=generator).to(dtype)
+            p.grad, q.grad = g, g.float()
+        optimizer.step()
+        reference.step()
+    weight = conv.weight
+    assert weight.is_contiguous(memory_format=torch.channels_last)
+    state, expected = optimizer.state[weight], reference.state[twin.weight]
+    assert state["exp_avg"].stride() == weight.stride()
+    for key in ("exp_avg", "exp_avg_sq"):
+        torch.testing.assert_close(state[key], expected[key], **FP32_TOL)
+    actual = state["master_param"] if dtype is torch.bfloat16 else weight
+    torch.testing.assert_close(actual.detach(), twin.weight.detach(), **FP32_TOL)
+
+
+def test_in_place_write_to_a_step_counter_takes_effect():
+    """`state[p]["step"].zero_()` writes the chunk's counter through the view
+    without telling the optimizer: the bias correction must still use the
+    new count (the counters' version counter shows the write)."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in [(7, 5), (13,), (4, 3, 2)]]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    optimizer = ChunkedAdamW(params, lr=0.1)
+    reference = torch.optim.AdamW(twins, lr=0.1)
+    generator = torch.Generator().manual_seed(1)
+
+    def train(steps):
+        for _ in range(steps):
+            for p, q in zip(params, twins):
+                p.grad = torch.randn(p.shape, generator=generator)
+                q.grad = p.grad.clone()
+            optimizer.step()
+            reference.step()
+
+    train(3)
+    optimizer.state[params[1]]["step"].zero_()
+    reference.state[twins[1]]["step"].zero_()
+    train(2)
+    for p, q in zip(params, twins):
+        torch.testing.assert_close(p, q, **FP32_TOL)
+    assert [float(optimizer.state[p]["step"]) for p in params] == [5.0, 2.0, 5.0]
+
+
+def test_entry_fetched_before_a_sync_stays_live():
+    """`entry = optimizer.state[p0]`, then a sync caused by another entry:
+    writes through `entry` still reach the optimizer, as with torch."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in [(7, 5), (13,), (4, 3, 2)]]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    optimizer = ChunkedAdamW(params, lr=0.1)
+    reference = torch.optim.AdamW(twins, lr=0.1)
+    generator = torch.Generator().manual_seed(1)
+
+    def train(steps):
+        for _ in range(steps):
+            for p, q in zip(params, twins):
+                p.grad = torch.randn(p.shape, generator=generator)
+                q.grad = p.grad.clone()
+            optimizer.step()
+            reference.step()
+
+    train(3)
+    ours, theirs = optimizer.state[params[0]], reference.state[twins[0]]
+    optimizer.state[params[1]] = {}
+    reference.state[twins[1]] = {}
+    train(1)
+    for entry, p in ((ours, params[0]), (theirs, twins[0])):
+        entry["step"] = torch.tensor(0.0)
+        entry["exp_avg"] = torch.zeros_like(p)
+    train(2)
+    for p, q in zip(params, twins):
+        torch.testing.assert_close(p, q, **FP32_TOL)
+    assert optimizer.state[params[0]] is ours and float(ours["step"]) == 2.0
+
+
+def test_entries_holding_views_of_the_chunks_can_be_reassigned():
+    """`state[p] = dict(state[p])` and swapping two entries hand the
+    optimizer views of its own chunks: the reset before the import must not
+    zero what they show."""
+    params = [torch.nn.Parameter(torch.randn(6)) for _ in range(3)]
+    optimizer = ChunkedAdamW(params, lr=0.1)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn(6)
+        optimizer.step()
+    before = [{key: value.clone() for key, value in optimizer.state[p].items()} for p in params]
+    optimizer.state[params[0]] = dict(optimizer.state[params[0]])
+    optimizer.state[params[1]], optimizer.state[params[2]] = optimizer.state[params[2]], optimizer.state[params[1]]
+    after = optimizer.state_dict()["state"]
+    for index, source in ((0, 0), (1, 2), (2, 1)):
+        for key, value in before[source].items():
+            assert torch.equal(after[index][key], value), (index, key)
+
+
+def test_state_copy_is_a_plain_defaultdict():
+    """optimizer.state.copy() (and copy.copy, `|`) as torch's state gives:
+    a defaultdict(dict) holding the same entries."""
+    params = [torch.nn.Parameter(torch.randn(4))]
+    optimizer = ChunkedAdamW(params)
+    params[0].grad = torch.randn(4)
+    optimizer.step()
+    for copied in (optimizer.state.copy(), copy.copy(optimizer.state), optimizer.state | {}, {} | optimizer.state):
+        assert type(copied) is type(torch.optim.AdamW(params).state)
+        assert copied[params[0]] is optimizer.state[params[0]]
+        assert copied.default_factory is dict
+
+
+@pytest.mark.gpu
+def test_functional_step_counters_on_cpu_wait_for_a_cuda_found_inf():
+    """chunked_adam with CPU states and a CUDA found_inf (offloaded state,
+    GradScaler on the GPU): the flag must be read after the GPU wrote it."""
+    from effilayers.optim import chunked_adam
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    params = [torch.randn(16)]
+    before = params[0].clone()
+    steps = torch.zeros(1)
+    found_inf = torch.zeros(1, device="cuda")
+    torch.cuda._sleep(200_000_000)  # the GPU is busy when the flag is queued
+    found_inf.fill_(1.0)
+    chunked_adam(params, [torch.randn(16)], torch.zeros(16), torch.zeros(16), None, None, steps,
+                 found_inf=found_inf, lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                 decoupled_weight_decay=True, maximize=False)
+    assert float(steps) == 0.0 and torch.equal(params[0], before)
+
+
 # -- the Triton kernel on chunks of several parameters ----------------------------
 #
 # The kernel reads every parameter and gradient in place through a device

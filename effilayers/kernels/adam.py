@@ -88,6 +88,7 @@ non-zero every store is masked off.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import OrderedDict
 from typing import Any, Callable, NamedTuple, Sequence
@@ -303,6 +304,24 @@ def _operands(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], sta
                      vector)
 
 
+def _on_parameter_device(launcher: Callable) -> Callable:
+    """Runs a launcher under a device guard of the parameters' device:
+    Triton launches on the current device's stream, and the tables are
+    cached under the stream of the parameters' device; the two must agree
+    (and the kernel must run where its pointers live) whatever device is
+    current."""
+
+    @functools.wraps(launcher)
+    def guarded(params, *args):
+        if params and params[0].device.type == "cuda":
+            with torch.cuda.device(params[0].device):
+                return launcher(params, *args)
+        return launcher(params, *args)
+
+    return guarded
+
+
+@_on_parameter_device
 def adam_step_triton(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, master, step, grad_scale, found_inf,
                      lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay, maximize) -> None:
     check_adam_arguments(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, master, step)
@@ -441,6 +460,7 @@ def _encode_unsigned(v, codes_ptr, absmax_ptr, offsets, blocks, mask, block_mask
     tl.store(absmax_ptr + blocks, absmax, mask=block_mask)
 
 
+@_on_parameter_device
 def adam_step_8bit_triton(params, grads, exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax, max_exp_avg_sq,
                           max_exp_avg_sq_absmax, master, step, grad_scale, found_inf,
                           lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay, maximize) -> None:

@@ -33,26 +33,49 @@ two consistent with what torch's optimizers would see:
   (or ``state_dict()``) those entries are copied into the chunks: a new or
   deleted entry resets the parameter's state (step 0, zero moments, master
   from the parameter, as torch starts from an empty entry) and then imports
-  what the entry holds (torch's layout, or this class's 8-bit payload).
+  what the entry holds (torch's layout, or this class's 8-bit payload; an
+  entry holding views of the chunks themselves, such as ``dict(state[q])``,
+  is copied first). ``state.copy()`` is a plain ``defaultdict(dict)`` of
+  the same entries.
+* Entries hold views, so values edited in place take effect at the next
+  step: ``state[p]["exp_avg"].mul_(0)``, ``exp_avg_sq``,
+  ``max_exp_avg_sq``, ``master_param``, and with 8-bit states the raw
+  ``*_codes`` / ``*_absmax`` ranges (the decoded tensors of
+  ``state_dict()`` are copies: edit those and load them back). A step
+  counter edited in place (``state[p]["step"].zero_()``) is seen through
+  the counters' version counter: the next step re-reads the counters to
+  regroup parameters by step count, one host read then, none otherwise.
+  An entry fetched earlier stays the parameter's entry (the optimizer
+  refills the same dict when it re-installs its views), so writes through
+  it keep working after syncs and re-chunks.
 * ``copy.deepcopy(optimizer)``, ``pickle`` and ``torch.save(optimizer)``
   keep ``self.state`` (torch's ``__getstate__``) plus this class's settings;
   the chunks are rebuilt from the entries at the next step, so a copy taken
-  together with its model continues exactly.
+  together with its model continues exactly. Pickles hold a compact copy of
+  each entry (a pickled view would carry its whole chunk); ``deepcopy``
+  copies each chunk once and keeps the entries views of the copy.
 * The fp32 masters (and the CPU copy of offloaded parameters) are the
   optimizer's own copies of the parameters. The parameters' version
   counters (host-side ints) are recorded whenever the optimizer writes
-  them; a parameter whose counter moved by the next step (``p.clamp_()``,
-  ``p.copy_()``, ``model.load_state_dict()``, all under ``no_grad``) is
-  copied into the copy first, so the update starts from the user's value
-  as in torch. A master element whose rounding still equals the parameter
-  keeps its extra bits. Writes through ``p.data`` (``p.data.fill_()``,
-  ``p.data = t``) bypass the version counter and are not seen.
-* A parameter whose dtype or device changed since its chunk was made
-  (``model.to(torch.bfloat16)``, ``model.cuda()``, all or some parameters)
-  makes the next step move every state into chunks keyed by the new dtype
-  and device (both copies exist for a moment); new fp32 masters are
-  seeded from the parameters. A dtype the optimizer does not support
-  (complex) is a TypeError naming the parameter.
+  them; a parameter whose counter moved (``p.clamp_()``, ``p.copy_()``,
+  ``model.load_state_dict()``, all under ``no_grad``) is copied into the
+  copy before the next step and before anything syncs, exports
+  (``state_dict()``, deepcopy, pickle) or re-chunks the state, so the
+  update starts from the user's value as in torch. A master element whose
+  rounding still equals the parameter keeps its extra bits. ``p.data = t``
+  bypasses the version counter but moves the parameter's storage address,
+  which each step compares for parameters with a gradient: the copy is
+  re-seeded then. In-place writes through ``p.data`` (``p.data.fill_()``)
+  are not seen.
+* A parameter whose dtype, device or memory order changed since its chunk
+  was made (``model.to(torch.bfloat16)``, ``model.cuda()``,
+  ``model.to(memory_format=torch.channels_last)``, all or some parameters;
+  seen by its new storage address when it next has a gradient) makes that
+  step move every state into chunks keyed by the new dtype and device,
+  laid out in the parameters' new memory order (both copies exist for a
+  moment); new fp32 masters are seeded from the parameters. A dtype the
+  optimizer does not support (complex) is a TypeError naming the
+  parameter.
 
 8-bit states
 ------------
@@ -124,6 +147,7 @@ streams replaced by synchronous copies.
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections import defaultdict
 from typing import Any, Callable, Iterable, Optional
@@ -197,8 +221,9 @@ def _advance_steps(steps: torch.Tensor, found_inf: Optional[torch.Tensor]) -> No
     else:
         # An indicator, not the value: GradScaler sums found_inf over devices
         # (2.0 with two overflowing GPUs). Non-zero (NaN included) skips, as
-        # in the kernels.
-        steps.add_(found_inf.to(steps.device, non_blocking=True) == 0)
+        # in the kernels. A copy to the CPU blocks: a non_blocking one may
+        # return before the value lands, and add_ reads it at once.
+        steps.add_(found_inf.to(steps.device, non_blocking=steps.device.type != "cpu") == 0)
 
 
 def chunked_adam_8bit(
@@ -255,10 +280,15 @@ class _Chunk:
         self.numel = self.offsets[-1]
         self.param_dtype = params[0].dtype
         self.param_device = params[0].device
+        # The layout every state range was made in: a parameter's range holds
+        # it in this memory order, whatever the parameter's strides are now.
+        self.strides = [p.stride() for p in params]
         # Cached for the per-step checks (a cheap int compare per parameter):
-        # a parameter whose dtype or device index differs was moved since
-        # (model.to(...)), and a contiguous parameter with a contiguous
-        # gradient needs no stride comparison.
+        # a parameter whose storage address differs was re-pointed since
+        # (model.to(dtype / device / memory_format), `p.data = t`), and a
+        # contiguous parameter with a contiguous gradient needs no stride
+        # comparison.
+        self.pointers = [p.data_ptr() for p in params]
         self.device_index = params[0].get_device()
         self.contiguous = [p.is_contiguous() for p in params]
         self.state_device = state_device
@@ -291,9 +321,13 @@ class _Chunk:
         self.grad_staging = staging(self.param_dtype) if staged else None
         self.param_staging = staging(self.param_dtype) if staged and master else None
         self.steps = torch.zeros(len(params), dtype=torch.float32, device=state_device)
-        # Host-side classes of parameters known to share a step count.
+        # Host-side classes of parameters known to share a step count, and
+        # the counters' version after the optimizer's last write: an in-place
+        # write from outside (`state[p]["step"].zero_()` on the view) moves
+        # it, and the classes are recomputed from the values.
         self.step_class = [0] * len(params)
         self.uniform = True
+        self.steps_version = self.steps._version
         # The parameters' version counters when the optimizer last wrote them
         # (or seeded its copy); only chunks that keep their own copy of the
         # parameters (fp32 masters, offload) need them.
@@ -303,6 +337,21 @@ class _Chunk:
     def record_versions(self) -> None:
         if self.master is not None:
             self.versions = [p._version for p in self.params]
+
+    def repointed(self, param: torch.Tensor) -> bool:
+        """``param`` (one of the chunk's) has a new storage address. True
+        when it kept its dtype, device and strides (``p.data = t``): the
+        chunk still fits, and its copy of the parameter is re-seeded at the
+        next :meth:`reseed_changed`. False when the chunk no longer fits
+        (new dtype, device or memory order)."""
+        index = next(i for i, member in enumerate(self.params) if member is param)
+        if (param.dtype is not self.param_dtype or param.get_device() != self.device_index
+                or param.stride() != self.strides[index]):
+            return False
+        self.pointers[index] = param.data_ptr()
+        if self.versions is not None:
+            self.versions[index] = None  # differs from any counter
+        return True
 
     def reseed_changed(self) -> None:
         """Parameters written by the user since the optimizer last wrote them
@@ -343,10 +392,12 @@ class _Chunk:
         return torch.cat([memory_flat(p.detach()) for p in self.params])
 
     def view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
-        # the flat range holds the parameter in its memory order: view it
-        # with the parameter's strides (channels_last stays channels_last)
-        param = self.params[index]
-        return flat.as_strided(param.shape, param.stride(), flat.storage_offset() + self.offsets[index])
+        # the flat range holds the parameter in the memory order it had when
+        # the chunk was made: view it with those strides (channels_last stays
+        # channels_last, and a later layout change of the parameter does not
+        # scramble the values read through the view)
+        return flat.as_strided(self.params[index].shape, self.strides[index],
+                               flat.storage_offset() + self.offsets[index])
 
     def ensure_amsgrad(self) -> None:
         if self.max_exp_avg_sq is None:
@@ -382,7 +433,8 @@ class _Chunk:
         for name, _, decode in self._quantized_names():
             codes, absmax = getattr(self, name), getattr(self, name + "_absmax")
             values = decode(codes[lo:hi], absmax[lo // QUANT_BLOCK:hi // QUANT_BLOCK])
-            out = torch.empty_strided(param.shape, param.stride(), dtype=torch.float32, device=self.state_device)
+            out = torch.empty_strided(param.shape, self.strides[index], dtype=torch.float32,
+                                      device=self.state_device)
             memory_flat(out).copy_(values[:self.sizes[index]])
             entry[name] = out
         if self.master_is_fp32:
@@ -394,7 +446,8 @@ class _Chunk:
         param = self.params[index]
         lo, hi = self.offsets[index], self.offsets[index + 1]
         encode = {n: e for n, e, _ in self._quantized_names()}[name]
-        shaped = torch.empty_strided(param.shape, param.stride(), dtype=torch.float32, device=self.state_device)
+        shaped = torch.empty_strided(param.shape, self.strides[index], dtype=torch.float32,
+                                     device=self.state_device)
         shaped.copy_(value)
         padded = torch.zeros(hi - lo, dtype=torch.float32, device=self.state_device)
         padded[:self.sizes[index]] = memory_flat(shaped)
@@ -406,6 +459,12 @@ class _Chunk:
         """torch.optim.Adam's entry for parameter ``index`` (views, or decoded
         copies for 8-bit states)."""
         return self.export_state(index) if self.quantized else self.param_state(index)
+
+    def storages(self) -> list[int]:
+        """Addresses of the storages of the chunk's buffers."""
+        buffers = (self.exp_avg, self.exp_avg_sq, self.max_exp_avg_sq, self.exp_avg_absmax, self.exp_avg_sq_absmax,
+                   self.max_exp_avg_sq_absmax, self.master, self.steps)
+        return [buffer.untyped_storage().data_ptr() for buffer in buffers if buffer is not None]
 
     def reset(self, index: int) -> None:
         """Fresh state for parameter ``index``: step 0, zero moments, its copy
@@ -500,10 +559,19 @@ class _Chunk:
         return runs
 
     def reclassify_from_steps(self) -> None:
+        """Step classes from the counters' values (a host read: only after
+        writes from outside, never on the ordinary step path)."""
         values = self.steps.tolist()
         ids: dict[float, int] = {}
         self.step_class = [ids.setdefault(v, len(ids)) for v in values]
         self.uniform = len(ids) <= 1
+        self.steps_version = self.steps._version
+
+    def check_steps(self) -> None:
+        """Recompute the step classes if a counter was written in place from
+        outside since the optimizer's last write (a host-side int compare)."""
+        if self.steps._version != self.steps_version:
+            self.reclassify_from_steps()
 
 
 class _Transfers:
@@ -604,12 +672,24 @@ class _Watched:
 class _ParamState(_Watched, dict):
     """``optimizer.state[p]`` of a parameter that has a chunk: views into the
     chunk. A write into it (``state[p]["step"] = ...``) marks ``p`` for
-    re-import. Copies and pickles are plain dicts."""
+    re-import. The optimizer refills the same object when it re-installs
+    the views (after a sync or a re-chunk), so a handle taken earlier stays
+    live. Copies and pickles are plain dicts."""
 
-    def __init__(self, values: dict, owner: "_OptimizerState", param: torch.Tensor, chunk: _Chunk) -> None:
+    def __init__(self, values: dict, owner: "_OptimizerState", param: torch.Tensor,
+                 chunk: Optional[_Chunk]) -> None:
         super().__init__(values)
-        self.owner, self.param, self.chunk = owner, param, chunk
-        self.installed = dict(values)  # what the optimizer put there, to tell the user's writes apart
+        self.owner, self.param = owner, param
+        self.reinstall(values, chunk)
+
+    def reinstall(self, values: dict, chunk: Optional[_Chunk]) -> None:
+        """Replace the contents without reporting a write. ``chunk=None``:
+        the values are not views of any chunk (all of them get imported)."""
+        dict.clear(self)
+        dict.update(self, values)
+        self.chunk = chunk
+        # what the optimizer put there, to tell the user's writes apart
+        self.installed = dict(values) if chunk is not None else {}
 
     def _written(self, key) -> None:
         self.owner.mark(self.param)
@@ -645,6 +725,27 @@ class _OptimizerState(_Watched, defaultdict):
 
     def install(self, param: torch.Tensor, entry: dict) -> None:
         dict.__setitem__(self, param, entry)
+
+    def copy(self) -> defaultdict:
+        """A plain ``defaultdict(dict)`` holding the same entries (a shallow
+        copy, as ``torch.optim``'s state would give)."""
+        return defaultdict(dict, self.items())
+
+    __copy__ = copy
+
+    def __or__(self, other):
+        if not isinstance(other, dict):
+            return NotImplemented
+        merged = self.copy()
+        merged.update(other)
+        return merged
+
+    def __ror__(self, other):
+        if not isinstance(other, dict):
+            return NotImplemented
+        merged = defaultdict(dict, other)
+        merged.update(self)
+        return merged
 
     def __reduce__(self):
         return _plain_state, ([(key, dict(entry) if isinstance(entry, dict) else entry)
@@ -799,28 +900,44 @@ class ChunkedAdam(Optimizer):
         that changed. Parameters without a chunk get one (in group order)."""
         state = self.state
         pending, state.pending = state.pending, {}
+        # (param, reset its state first, values to import), decided before
+        # new chunks re-install any entry
         located, fresh = [], defaultdict(list)
         for group_index, group in enumerate(self.param_groups):
             for p in group["params"]:
                 if id(p) not in pending:
                     continue
                 entry = dict.get(state, p)
-                if id(p) in self._location:
-                    located.append((p, entry))
+                place = self._location.get(id(p))
+                ours = isinstance(entry, _ParamState) and entry.param is p
+                if place is not None and ours and entry.chunk is place[0]:
+                    located.append((p, False, entry.written_values()))
+                elif place is not None:
+                    located.append((p, True, dict(entry or {})))
                 elif entry:
-                    fresh[group_index].append((p, entry))
+                    fresh[group_index].append((p, True, dict(entry)))
+        # An entry may hold views of the chunks themselves (`state[p] =
+        # dict(state[p])`, entries swapped between parameters): copy those
+        # values before a reset zeroes what they show.
+        replaced = [values for items in (located, *fresh.values()) for _, reset, values in items if reset]
+        if replaced:
+            owned = {address for chunks in self._chunks.values() for chunk in chunks for address in chunk.storages()}
+            for values in replaced:
+                for key, value in values.items():
+                    if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in owned:
+                        values[key] = value.clone()
+        # the user's writes to parameters reach the chunks' copies before
+        # anything is imported over them (and before versions are recorded)
+        self._reseed_copies()
         for group_index, items in fresh.items():
-            self._assign(group_index, [p for p, _ in items])
+            self._assign(group_index, [p for p, _, _ in items])
             located.extend(items)
         touched = {}
         with torch.no_grad():
-            for p, entry in located:
+            for p, reset, values in located:
                 chunk, index = self._location[id(p)]
-                if isinstance(entry, _ParamState) and entry.chunk is chunk:
-                    values = entry.written_values()
-                else:
+                if reset:
                     chunk.reset(index)
-                    values = entry or {}
                 for key, value in values.items():
                     chunk.import_value(index, key, value)
                 touched[id(chunk)] = chunk
@@ -828,12 +945,28 @@ class ChunkedAdam(Optimizer):
             chunk.reclassify_from_steps()
             self._refresh_state(chunk)
 
+    def _reseed_copies(self) -> None:
+        """Parameters written by the user since the optimizer last wrote them
+        are copied into the chunks' own copies (fp32 masters, offload). Every
+        path that exports those copies or records the parameters' versions
+        calls this first, so no pending write is lost or marked as seen."""
+        with torch.no_grad():
+            for chunks in self._chunks.values():
+                for chunk in chunks:
+                    chunk.reseed_changed()
+
     def _refresh_state(self, chunk: _Chunk) -> None:
-        """Install the chunk's views as its parameters' entries."""
+        """Install the chunk's views as its parameters' entries, refilling
+        the entry objects already there (a handle the user holds stays live)."""
+        with torch.no_grad():
+            chunk.reseed_changed()
         state = self.state
         for index, p in enumerate(chunk.params):
-            state.install(p, _ParamState(chunk.param_state(index), state, p, chunk))
-        chunk.record_versions()
+            entry = dict.get(state, p)
+            if isinstance(entry, _ParamState) and entry.owner is state and entry.param is p:
+                entry.reinstall(chunk.param_state(index), chunk)
+            else:
+                state.install(p, _ParamState(chunk.param_state(index), state, p, chunk))
 
     def _rechunk(self) -> None:
         """Some parameter changed dtype or device since its chunk was made
@@ -848,18 +981,22 @@ class ChunkedAdam(Optimizer):
                     raise TypeError(f"{name}: parameter {position} of param group {group_index} is now {p.dtype} "
                                     f"(its dtype changed after its optimizer state was created); {name} supports "
                                     "float16, bfloat16, float32 and float64 parameters")
-        entries = {}
+        self._reseed_copies()
+        state = self.state
         for chunks in self._chunks.values():
             for chunk in chunks:
                 for index, p in enumerate(chunk.params):
-                    entries[p] = chunk.torch_entry(index)
+                    # views of the old chunk in its layout, until imported
+                    exported = chunk.torch_entry(index)
+                    entry = dict.get(state, p)
+                    if isinstance(entry, _ParamState) and entry.owner is state and entry.param is p:
+                        entry.reinstall(exported, None)  # the user's handle stays live
+                    else:
+                        state.install(p, exported)
+                    state.mark(p)
         self._chunks.clear()
         self._location.clear()
         self._unlocated.clear()
-        state = self.state
-        for p, entry in entries.items():
-            state.install(p, entry)
-            state.mark(p)
         self._sync_state()
 
     # -- chunk bookkeeping ---------------------------------------------
@@ -984,13 +1121,14 @@ class ChunkedAdam(Optimizer):
         parameter has one; None when a parameter's dtype or device changed."""
         grads = []
         complete = True
-        dtype, device_index = chunk.param_dtype, chunk.device_index
-        for p, contiguous in zip(chunk.params, chunk.contiguous):
+        for p, contiguous, pointer in zip(chunk.params, chunk.contiguous, chunk.pointers):
             g = p.grad
             if g is None:
                 complete = False
             else:
-                if p.dtype is not dtype or p.get_device() != device_index:
+                # a new storage address is the one cheap sign of `p.data = t`
+                # and of a changed dtype, device or memory order (a copy)
+                if p.data_ptr() != pointer and not chunk.repointed(p):
                     return None
                 if not (contiguous and g.is_contiguous()):  # (a sparse tensor is not contiguous)
                     if g.is_sparse:
@@ -1003,16 +1141,18 @@ class ChunkedAdam(Optimizer):
 
     def _step_chunk(self, chunk: _Chunk, grads, complete: bool, grad_scale, found_inf, amsgrad: bool,
                     hyper: dict) -> None:
+        chunk.reseed_changed()
         if amsgrad and chunk.max_exp_avg_sq is None:
             chunk.ensure_amsgrad()
             self._refresh_state(chunk)
-        chunk.reseed_changed()
+        chunk.check_steps()
         for start, stop in chunk.runs(grads, complete):
             lo, hi = chunk.offsets[start], chunk.offsets[stop]
             _update(chunk, chunk.params[start:stop], grads[start:stop], lo, hi,
                     chunk.master[lo:hi] if chunk.master is not None else None, chunk.steps[start:stop],
                     grad_scale, found_inf, amsgrad, hyper)
         chunk.record_versions()
+        chunk.steps_version = chunk.steps._version
 
     def _step_staged(self, chunks: list, device: torch.device, grad_scale, found_inf, amsgrad: bool,
                      hyper: dict) -> None:
@@ -1023,10 +1163,11 @@ class ChunkedAdam(Optimizer):
             transfers = self._transfers[device] = _Transfers(device)
         work = []
         for chunk, grads, complete in chunks:
+            chunk.reseed_changed()
             if amsgrad and chunk.max_exp_avg_sq is None:
                 chunk.ensure_amsgrad()
                 self._refresh_state(chunk)
-            chunk.reseed_changed()
+            chunk.check_steps()
             for start, stop in chunk.runs(grads, complete):
                 work.append((chunk, start, stop, grads[start:stop]))
         if not work:
@@ -1053,6 +1194,7 @@ class ChunkedAdam(Optimizer):
         transfers.finish()
         for chunk, _, _ in chunks:
             chunk.record_versions()
+            chunk.steps_version = chunk.steps._version
 
     # -- state dict, copies, pickles ----------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -1061,6 +1203,7 @@ class ChunkedAdam(Optimizer):
         into torch.optim.Adam/AdamW; loading it back re-encodes them."""
         if self.state.pending:
             self._sync_state()
+        self._reseed_copies()
         state_dict = super().state_dict()
         index = 0
         for group in self.param_groups:
@@ -1108,10 +1251,29 @@ class ChunkedAdam(Optimizer):
     def __getstate__(self) -> dict[str, Any]:
         """torch's Optimizer pickles only defaults, state and param_groups; the
         chunks are rebuilt from the state entries at the next step (so a
-        deepcopied or unpickled optimizer continues exactly)."""
+        deepcopied or unpickled optimizer continues exactly). The entries are
+        compact copies: pickle writes a view's whole storage, which here is
+        its chunk."""
+        return self._exported(compact=True)
+
+    def __deepcopy__(self, memo: dict) -> "ChunkedAdam":
+        """As pickling does, minus the compact copies: deepcopy copies each
+        chunk's storage once and keeps the entries views of the copy."""
+        twin = type(self).__new__(type(self))
+        memo[id(self)] = twin
+        twin.__setstate__(copy.deepcopy(self._exported(compact=False), memo))
+        return twin
+
+    def _exported(self, compact: bool) -> dict[str, Any]:
+        self._reseed_copies()
         state = super().__getstate__()
-        state["state"] = _plain_state((p, dict(entry) if isinstance(entry, dict) else entry)
-                                      for p, entry in self.state.items())
+        entries = []
+        for p, entry in self.state.items():
+            if isinstance(entry, dict):
+                entry = {key: value.clone() if compact and isinstance(value, torch.Tensor) else value
+                         for key, value in entry.items()}
+            entries.append((p, entry))
+        state["state"] = _plain_state(entries)
         for name in _PICKLED_SETTINGS:
             state[name] = getattr(self, name)
         return state
