@@ -90,14 +90,14 @@ from __future__ import annotations
 
 import functools
 import math
-from collections import OrderedDict
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 import triton
 import triton.language as tl
 
 from ..ops.adam import QUANT_BLOCK, check_adam_8bit_arguments, check_adam_arguments, memory_flat, padded_numel
+from ._cache import TableCache
 
 # 1024 elements x (p, g, m, v) per program: enough bytes in flight per SM for
 # a memory-bound update; 4 warps keep 8 elements per thread.
@@ -216,19 +216,9 @@ def _log(beta: float) -> float:
 
 # -- the tables ---------------------------------------------------------------------
 
-_TILE_TABLES: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
-_PARAMETER_TABLES: "OrderedDict[tuple, tuple[torch.Tensor, bool]]" = OrderedDict()
-
-
-def _cached(cache: OrderedDict, key: tuple, build: Callable[[], Any]) -> Any:
-    entry = cache.get(key)
-    if entry is not None:
-        cache.move_to_end(key)
-        return entry
-    entry = cache[key] = build()
-    if len(cache) > CACHED_TABLES:
-        cache.popitem(last=False)
-    return entry
+# thread-safe LRU caches (threads stepping optimizers at once share them)
+_TILE_TABLES = TableCache(entries=CACHED_TABLES)  # -> tile table
+_PARAMETER_TABLES = TableCache(entries=CACHED_TABLES)  # -> (parameter table, aligned)
 
 
 def _upload(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -297,9 +287,10 @@ def _operands(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], sta
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     numels = tuple(p.numel() for p in params)
     addresses = tuple(address for p, g in zip(params, grads) for address in (p.data_ptr(), g.data_ptr()))
-    tile_table = _cached(_TILE_TABLES, (device, stream, numels), lambda: _upload(_tile_rows(numels), device))
-    parameter_table, aligned = _cached(_PARAMETER_TABLES, (device, stream, padded, vector, numels, addresses),
-                                       lambda: _parameter_table(numels, addresses, padded, vector, device))
+    tile_table = _TILE_TABLES.get((device, stream, numels), lambda: _upload(_tile_rows(numels), device))
+    parameter_table, aligned = _PARAMETER_TABLES.get(
+        (device, stream, padded, vector, numels, addresses),
+        lambda: _parameter_table(numels, addresses, padded, vector, device))
     return _Operands(parameter_table, tile_table, first_param, first_grad, 0, tile_table.shape[0], False, aligned,
                      vector)
 
