@@ -10,6 +10,7 @@ import json
 import sys
 import types
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -695,3 +696,30 @@ def test_readme_headline_is_generated_from_the_committed_results(monkeypatch):
         report = json.loads(Path(source).read_text())
         assert {"command", "settings", "environment", "results"} <= set(report)
     assert section.strip() == headline.render(sources).strip()
+
+
+def test_gpu_session_script_commands_are_valid():
+    """benchmarks/gpu_session.sh is what a session with a GPU runs; it can
+    only run there, so check here that every command it would run names
+    files that exist and options the bench command and pytest accept."""
+    import shlex
+    import subprocess
+
+    from effilayers.bench import _parser
+
+    root = Path(__file__).resolve().parents[1]
+    listing = subprocess.run(["bash", str(root / "benchmarks" / "gpu_session.sh"), "--list"],
+                             capture_output=True, text=True, check=True).stdout
+    commands = [line for line in listing.splitlines() if line and not line.startswith("#")]
+    assert len(commands) >= 8, listing
+    for command in commands:
+        words = shlex.split(command)
+        assert words[:3] in (["python3", "-m", "pytest"], ["python3", "-m", "effilayers.bench"]), command
+        if words[2] == "effilayers.bench":
+            arguments = _parser().parse_args(words[3:])
+            assert arguments.device == "cuda" and arguments.json, command
+        else:
+            paths = [w for w in words[3:] if w.startswith(("tests", "benchmarks/"))]
+            assert paths and all((root / path).exists() for path in paths), command
+    bad = subprocess.run(["bash", str(root / "benchmarks" / "gpu_session.sh"), "nope"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "part must be one of" in bad.stderr
