@@ -553,10 +553,22 @@ def test_building_blocks_reject_bad_arguments(owner, defaults, change, error, ma
 
 
 def test_builders_reject_weights_and_other_architectures():
-    with pytest.raises(TypeError, match="no 'weights'"):
+    with pytest.raises(TypeError, match="ship no weights: weights must be None, got 'IMAGENET1K_V1'"):
         models.densenet121(weights="IMAGENET1K_V1")
+    with pytest.raises(TypeError, match="ship no weights: pretrained must be False, got True"):
+        models.densenet121(pretrained=True)
     with pytest.raises(ValueError, match="fixes growth_rate"):
         models.densenet121(growth_rate=12)
+
+
+def test_builders_take_torchvisions_no_weights_call():
+    """torchvision's signature, densenet121(*, weights=None, progress=True,
+    **kwargs): generic code passes the no-weights defaults explicitly."""
+    with torch.device("meta"):
+        for kwargs in (dict(weights=None), dict(progress=True), dict(pretrained=False),
+                       dict(weights=None, progress=False, num_classes=10)):
+            model = models.densenet121(**kwargs)
+            assert model.classifier.out_features == kwargs.get("num_classes", 1000), kwargs
 
 
 # ---- memory -----------------------------------------------------------------------------------

@@ -72,7 +72,7 @@ from torch import nn
 from ..convert import FusedActivation, fused_norm
 from ..nn import ABN, MaxPool2d
 from ..ops.densenet import bottleneck, layout_of
-from .resnet import INPLACE_SLOPE
+from .resnet import INPLACE_SLOPE, drop_weight_arguments
 from ..ops.stats import batch_stats
 
 __all__ = [
@@ -479,12 +479,7 @@ def _rename_legacy_keys(module, state_dict, prefix, local_metadata, strict, miss
 
 
 def _densenet(growth_rate: int, block_config: Sequence[int], num_init_features: int, kwargs: dict) -> DenseNet:
-    for name in ("weights", "pretrained", "progress"):
-        if name in kwargs:
-            raise TypeError(
-                f"effilayers DenseNets take no {name!r} argument: they ship no weights. Build the torchvision "
-                "model with its weights and load them: model.load_state_dict(torchvision_model.state_dict())"
-            )
+    kwargs = drop_weight_arguments(kwargs, "DenseNets")
     fixed = dict(growth_rate=growth_rate, block_config=tuple(block_config), num_init_features=num_init_features)
     for name, value in fixed.items():
         given = kwargs.get(name, value)
