@@ -200,7 +200,9 @@ BAD_BOTTLENECK_ARGUMENTS = {
     "integer-features": (lambda f, w: dict(features=[f.long()]), TypeError, "floating-point tensors, got torch.int64"),
     "mixed-dtypes": (lambda f, w: dict(features=[f, f.double()]), TypeError, r"features\[0\]'s dtype and device"),
     "batch-mismatch": (lambda f, w: dict(features=[f, f[:1]]), ValueError, "same N, H, W"),
-    "one-value-per-channel": (lambda f, w: dict(features=[f[:1, :, :1, :1]]), ValueError, "more than one value"),
+    "one-value-per-channel": (lambda f, w: dict(features=[f[:1, :, :1, :1]]), ValueError,
+                              r"bottleneck: expected more than 1 value per channel when training, got input size "
+                              r"\(1, 3, 1, 1\)"),
     "conv-shape": (lambda f, w: dict(conv_weight=w[:, :2]), ValueError, r"conv_weight must be \(C_out, 3, kH, kW\)"),
     "conv-not-a-tensor": (lambda f, w: dict(conv_weight=w.numpy()), TypeError, "conv_weight must be a torch.Tensor"),
     "conv-integer": (lambda f, w: dict(conv_weight=w.long()), TypeError, "conv_weight must be a floating-point"),
