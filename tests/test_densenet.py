@@ -1087,6 +1087,48 @@ def test_block_output_used_out_of_place_trains():
         torch.testing.assert_close(a, b, rtol=0, atol=1e-11)
 
 
+@pytest.mark.parametrize("mode", ["plain", "checkpoint", pytest.param("save_on_cpu", marks=pytest.mark.gpu)])
+def test_saved_tensor_hooks_free_the_block_buffer_after_forward(monkeypatch, mode):
+    """Under torch.utils.checkpoint nothing of the block but its input may
+    stay alive between forward and backward, and under save_on_cpu nothing
+    of it on the GPU: the block buffer's storage must be freed once the
+    output is dropped (an autograd node kept it through a non-tensor
+    attribute, which saved-tensor hooks cannot see). Without hooks the saved
+    maps keep it, which shows the probe works. Gradients are the naive
+    block's either way."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils.checkpoint import checkpoint
+
+    from effilayers.models import densenet as densenet_module
+
+    buffers = []
+
+    class RecordedBuffer(densenet_module._BlockBuffer):
+        def __init__(self, like, channels):
+            super().__init__(like, channels)
+            buffers.append(StorageWeakRef(self.buffer.untyped_storage()))
+
+    monkeypatch.setattr(densenet_module, "_BlockBuffer", RecordedBuffer)
+    device = "cuda" if mode == "save_on_cpu" else "cpu"
+    block, naive = _block().to(device, torch.float64), _block().to(device, torch.float64)
+    for layer in naive.values():
+        layer.memory_efficient = False
+    x = torch.randn(2, 6, 5, 5, dtype=torch.float64, device=device, requires_grad=True)
+    if mode == "checkpoint":
+        out = checkpoint(block, x, use_reentrant=False)
+    else:
+        with torch.autograd.graph.save_on_cpu() if mode == "save_on_cpu" else contextlib.nullcontext():
+            out = block(x)
+    loss = (out * 2).square().sum()
+    del out
+    assert len(buffers) == 1
+    assert buffers[0].expired() == (mode != "plain")
+    grad = torch.autograd.grad(loss, [x, *block.parameters()])
+    expected = torch.autograd.grad((naive(x) * 2).square().sum(), [x, *naive.parameters()])
+    for a, b in zip(grad, expected):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
 @pytest.mark.gpu
 def test_densenet264_trains_at_batch_64_bf16_224():
     """Issue 4's capacity target: DenseNet-264, batch 64, 224x224, bf16

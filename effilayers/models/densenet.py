@@ -223,6 +223,28 @@ class DenseLayer(nn.Module):
         return out
 
 
+class _OutputWatch:
+    """The block output's version when the block returned it: all that the
+    backward of a map needs (``check``). Kept apart from the buffer so that
+    autograd nodes reach the buffer's memory only through saved tensors,
+    which ``torch.utils.checkpoint`` and other saved-tensor hooks
+    (``save_on_cpu``) drop or move."""
+
+    __slots__ = ("output", "version")
+
+    def __init__(self) -> None:
+        self.output: Optional[weakref.ref] = None
+        self.version = 0
+
+    def check(self) -> None:
+        output = self.output() if self.output is not None else None
+        if output is not None and output._version != self.version:
+            raise RuntimeError(
+                "the output of an effilayers DenseBlock was modified by an in-place operation before backward; "
+                "it shares memory with the feature maps the block keeps for backward. Use an out-of-place "
+                "operation (or .clone() the output first).")
+
+
 class _BlockBuffer:
     """One (N, C_total, H, W) buffer holding every map of a dense block, so
     that the block's output needs no concatenation: the maps are written into
@@ -234,14 +256,15 @@ class _BlockBuffer:
     write through one map must not bump a version counter shared with the
     maps saved before it. What autograd's version check cannot see then is
     an in-place change of the block's *output*, which shares their memory;
-    the backward of every map checks for it and raises (``check``)."""
+    the backward of every map checks for it and raises (``_OutputWatch``).
+    Nothing outlives the block's forward but the maps and the output: the
+    storage lives as long as a saved map or the output does."""
 
     def __init__(self, like: torch.Tensor, channels: int) -> None:
         n, _, h, w = like.shape
         self.buffer = torch.empty((n, channels, h, w), dtype=like.dtype, device=like.device,
                                   memory_format=layout_of(like))
-        self.output: Optional[weakref.ref] = None
-        self.output_version = 0
+        self.output_watch = _OutputWatch()
 
     def slot(self, start: int, channels: int) -> torch.Tensor:
         view = self.buffer.narrow(1, start, channels)
@@ -253,16 +276,8 @@ class _BlockBuffer:
             # No backward can follow (and inference tensors have no version
             # counter to watch).
             return
-        self.output = weakref.ref(output)
-        self.output_version = output._version
-
-    def check(self) -> None:
-        output = self.output() if self.output is not None else None
-        if output is not None and output._version != self.output_version:
-            raise RuntimeError(
-                "the output of an effilayers DenseBlock was modified by an in-place operation before backward; "
-                "it shares memory with the feature maps the block keeps for backward. Use an out-of-place "
-                "operation (or .clone() the output first).")
+        self.output_watch.output = weakref.ref(output)
+        self.output_watch.version = output._version
 
 
 class _IntoBuffer(torch.autograd.Function):
@@ -273,12 +288,14 @@ class _IntoBuffer(torch.autograd.Function):
     def forward(ctx, new_map: torch.Tensor, buffer: _BlockBuffer, start: int) -> torch.Tensor:
         slot = buffer.slot(start, new_map.shape[1])
         slot.copy_(new_map)
-        ctx.buffer = buffer
+        # Not the buffer: the node would keep the whole block's memory alive
+        # outside saved tensors, where checkpointing cannot free it.
+        ctx.output_watch = buffer.output_watch
         return slot
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        ctx.buffer.check()
+        ctx.output_watch.check()
         return grad, None, None
 
 
