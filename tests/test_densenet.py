@@ -386,6 +386,104 @@ def test_checkpointing_updates_running_statistics_twice_and_recomputation_once()
         assert not torch.allclose(norms["checkpointing"][mean], norms["naive"][mean], rtol=1e-3, atol=1e-6), mean
 
 
+# ---- hooks and other reasons to call the modules ------------------------------------------------
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    """The fallback warnings are once per process: forget earlier ones."""
+    from effilayers.models import densenet as densenet_module
+
+    monkeypatch.setattr(densenet_module, "_WARNED", set(), raising=False)
+
+
+def _count_bottlenecks(monkeypatch):
+    """A list that grows by one per call of the recomputing Function."""
+    from effilayers.models import densenet as densenet_module
+
+    calls = []
+    original = densenet_module.bottleneck
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(densenet_module, "bottleneck", counting)
+    return calls
+
+
+HOOKED = ["features.denseblock1.denselayer2.norm1", "features.denseblock1.denselayer2.relu1",
+          "features.denseblock1.denselayer2.conv1", "features.denseblock2.denselayer1.norm2",
+          "features.denseblock2.denselayer1.relu2", "features.denseblock2.denselayer1.conv2",
+          "features.transition1.norm", "features.transition1.relu", "features.transition1.conv"]
+
+
+def test_module_hooks_fire_as_in_the_naive_model(monkeypatch, fresh_warnings):
+    """A norm -> relu -> conv whose modules carry hooks is computed by
+    calling them (once per forward, as the naive model does); the other
+    steps still recompute. Outputs and gradients stay the naive model's."""
+    efficient, naive = _pair(small_inputs=True)
+    fired = {}
+    for name, model in (("efficient", efficient), ("naive", naive)):
+        fired[name] = []
+        for path in HOOKED:
+            module = model.get_submodule(path)
+            module.register_forward_pre_hook(lambda m, args, path=path, log=fired[name]: log.append(("pre", path)))
+            module.register_forward_hook(lambda m, args, out, path=path, log=fired[name]: log.append(("post", path)))
+        model.get_submodule(HOOKED[-1]).register_full_backward_hook(
+            lambda m, grad_in, grad_out, log=fired[name]: log.append(("backward", HOOKED[-1])))
+    calls = _count_bottlenecks(monkeypatch)
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="memory_efficient=True calls the modules.*hooks"):
+        _assert_same(efficient, naive, x, rtol=1e-9, atol=1e-10)
+    assert fired["efficient"] == fired["naive"]
+    assert len(fired["naive"]) == 2 * len(HOOKED) + 1
+    # 5 layers x 2 steps + 1 transition, less the three hooked steps.
+    assert len(calls) == 11 - 3
+
+
+def test_global_module_hooks_fire_as_in_the_naive_model(fresh_warnings):
+    efficient, naive = _pair(small_inputs=True)
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    seen = {}
+    for name, model in (("efficient", efficient), ("naive", naive)):
+        seen[name] = []
+        handle = torch.nn.modules.module.register_module_forward_hook(
+            lambda m, args, out, log=seen[name]: log.append(type(m).__name__))
+        try:
+            with pytest.warns(UserWarning, match="hooks") if name == "efficient" else contextlib.nullcontext():
+                model(x)
+        finally:
+            handle.remove()
+    assert seen["efficient"] == seen["naive"]
+    assert seen["naive"].count("Conv2d") == 1 + 2 * 5 + 1
+
+
+@pytest.mark.filterwarnings("ignore:effilayers DenseNet")
+def test_pruned_convolutions_train_like_the_naive_model():
+    """torch.nn.utils.prune recomputes ``weight`` from ``weight_orig`` in a
+    forward pre-hook; reading ``conv.weight`` directly used the last step's
+    (freed) graph and raised in the second backward."""
+    from torch.nn.utils import prune
+
+    efficient, naive = _pair(small_inputs=True)
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    results = []
+    for model in (efficient, naive):
+        for path in ("features.denseblock1.denselayer1.conv1", "features.denseblock2.denselayer2.conv2",
+                     "features.transition1.conv"):
+            prune.l1_unstructured(model.get_submodule(path), "weight", amount=0.5)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            optimizer.zero_grad()
+            model(x).square().mean().backward()
+            optimizer.step()
+        conv = model.features.denseblock1.denselayer1.conv1
+        results.append((model(x).detach(), conv.weight_orig.grad.clone(), conv.weight.detach().clone()))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
 # ---- state dicts ------------------------------------------------------------------------------
 
 

@@ -61,6 +61,7 @@ depth 100, k = 12::
 from __future__ import annotations
 
 import re
+import warnings
 import weakref
 from collections import OrderedDict
 from typing import Any, Optional, Sequence
@@ -172,6 +173,50 @@ def _plain_norm_relu(norm: nn.Module, relu: nn.Module) -> bool:
     return type(norm) is nn.BatchNorm2d and type(relu) is nn.ReLU
 
 
+_module_globals = torch.nn.modules.module
+
+
+def _hooked(norm: nn.Module, relu: nn.Module, conv: nn.Module) -> bool:
+    """Whether calling these modules would run hooks, their own or global
+    ones (``register_module_forward_hook``, ...). Dict-emptiness tests only:
+    this runs for every layer of every forward."""
+    if _module_globals._global_forward_pre_hooks or _module_globals._global_forward_hooks \
+            or _module_globals._global_backward_pre_hooks or _module_globals._global_backward_hooks:
+        return True
+    return any(m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks
+               for m in (norm, relu, conv))
+
+
+# Why memory_efficient=True fell back to the module path somewhere: each
+# reason is warned about once per process.
+_WARNED: set[str] = set()
+
+_FALLBACK_REASONS = {
+    "hooks": "for a norm -> relu -> conv whose modules have forward or backward hooks (their own or global "
+             "ones; torch.nn.utils.prune and the old weight_norm are forward pre-hooks): the recomputing path "
+             "reads their weights without calling them, so it would skip the hooks",
+}
+
+
+def _fall_back(reason: str) -> None:
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(f"effilayers DenseNet: memory_efficient=True calls the modules, saving no memory, "
+                      f"{_FALLBACK_REASONS[reason]}", stacklevel=2)
+
+
+def _recomputes(norm: nn.Module, relu: nn.Module, conv: nn.Module) -> bool:
+    """Whether a memory-efficient ``conv(relu(norm(x)))`` runs through the
+    recomputing Function; if not, the caller calls the modules (the naive
+    path, for this one step), which computes the same function."""
+    if not _plain_norm_relu(norm, relu):
+        return False
+    if _hooked(norm, relu, conv):
+        _fall_back("hooks")
+        return False
+    return True
+
+
 class DenseLayer(nn.Module):
     """Bottleneck (norm1, relu1, conv1 1x1) then norm2, relu2, conv2 (3x3),
     producing ``growth_rate`` channels from the list of earlier maps.
@@ -209,11 +254,11 @@ class DenseLayer(nn.Module):
         their per-channel (mean, biased variance), when the block has them
         (memory-efficient mode uses them instead of recomputing)."""
         features = [features] if isinstance(features, torch.Tensor) else list(features)
-        if self.memory_efficient and _plain_norm_relu(self.norm1, self.relu1):
+        if self.memory_efficient and _recomputes(self.norm1, self.relu1, self.conv1):
             out = _norm_relu_conv(features, self.norm1, self.conv1, batch_statistics)
         else:
             out = self._bottleneck_naive(features)
-        if self.memory_efficient and _plain_norm_relu(self.norm2, self.relu2):
+        if self.memory_efficient and _recomputes(self.norm2, self.relu2, self.conv2):
             out = _norm_relu_conv([out], self.norm2, self.conv2)
         else:
             # InPlaceABN writes over conv1's output, the one copy kept.
@@ -382,7 +427,7 @@ class Transition(nn.Sequential):
         self.memory_efficient = memory_efficient
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not (self.memory_efficient and _plain_norm_relu(self.norm, self.relu)):
+        if not (self.memory_efficient and _recomputes(self.norm, self.relu, self.conv)):
             return super().forward(x)
         return self.pool(_norm_relu_conv([x], self.norm, self.conv))
 
