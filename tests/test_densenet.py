@@ -459,6 +459,27 @@ def test_global_module_hooks_fire_as_in_the_naive_model(fresh_warnings):
     assert seen["naive"].count("Conv2d") == 1 + 2 * 5 + 1
 
 
+@pytest.mark.parametrize("change", ["reflect", "replicate", "dilated", "bias"])
+def test_convolutions_the_function_does_not_implement_take_the_module_path(monkeypatch, fresh_warnings, change):
+    """padding_mode other than "zeros" was computed with zero padding; other
+    conv settings the recomputing Function lacks raised mid-forward. Both
+    now call the module (for that step only), like the naive model."""
+    efficient, naive = _pair(small_inputs=True)
+    for model in (efficient, naive):
+        conv = model.features.denseblock2.denselayer2.conv2
+        if change == "dilated":
+            conv.dilation, conv.padding = (2, 2), (2, 2)  # same output size
+        elif change == "bias":
+            conv.bias = nn.Parameter(torch.linspace(-1, 1, conv.out_channels, dtype=torch.float64))
+        else:
+            conv.padding_mode = change
+    calls = _count_bottlenecks(monkeypatch)
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="calls the modules.*convolution it does not implement"):
+        _assert_same(efficient, naive, x, rtol=1e-9, atol=1e-10)
+    assert len(calls) == 11 - 1
+
+
 @pytest.mark.filterwarnings("ignore:effilayers DenseNet")
 def test_pruned_convolutions_train_like_the_naive_model():
     """torch.nn.utils.prune recomputes ``weight`` from ``weight_orig`` in a

@@ -148,10 +148,8 @@ def _uses_batch_statistics(norm: nn.BatchNorm2d) -> bool:
 def _norm_relu_conv(features: list[torch.Tensor], norm: nn.BatchNorm2d, conv: nn.Conv2d,
                     batch_statistics: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """``conv(relu(norm(cat(features))))`` through the recomputing Function,
-    with ``norm``'s running-statistics behaviour."""
-    if conv.stride != (1, 1) or conv.dilation != (1, 1) or conv.groups != 1 or conv.bias is not None \
-            or len(set(conv.padding)) != 1 or isinstance(conv.padding, str):
-        raise ValueError(f"memory-efficient DenseNet: unsupported convolution {conv}")
+    with ``norm``'s running-statistics behaviour (``conv`` passed
+    :func:`_plain_conv`)."""
     update = norm.training and norm.track_running_stats
     keeps_running = not norm.training or norm.track_running_stats
     return bottleneck(
@@ -171,6 +169,15 @@ def _plain_norm_relu(norm: nn.Module, relu: nn.Module) -> bool:
     :func:`effilayers.convert` / :func:`effilayers.revert`, take the plain
     module path instead)."""
     return type(norm) is nn.BatchNorm2d and type(relu) is nn.ReLU
+
+
+def _plain_conv(conv: nn.Module) -> bool:
+    """Whether ``conv`` is a convolution the recomputing Function implements:
+    exactly ``nn.Conv2d``, stride and dilation 1, no groups or bias, the same
+    zero padding on every side."""
+    return type(conv) is nn.Conv2d and conv.stride == (1, 1) and conv.dilation == (1, 1) and conv.groups == 1 \
+        and conv.bias is None and not isinstance(conv.padding, str) and conv.padding[0] == conv.padding[1] \
+        and conv.padding_mode == "zeros"
 
 
 _module_globals = torch.nn.modules.module
@@ -195,6 +202,8 @@ _FALLBACK_REASONS = {
     "hooks": "for a norm -> relu -> conv whose modules have forward or backward hooks (their own or global "
              "ones; torch.nn.utils.prune and the old weight_norm are forward pre-hooks): the recomputing path "
              "reads their weights without calling them, so it would skip the hooks",
+    "conv": "for a convolution it does not implement (only nn.Conv2d with stride and dilation 1, no groups or "
+            "bias, the same padding on every side and padding_mode='zeros')",
 }
 
 
@@ -210,6 +219,9 @@ def _recomputes(norm: nn.Module, relu: nn.Module, conv: nn.Module) -> bool:
     recomputing Function; if not, the caller calls the modules (the naive
     path, for this one step), which computes the same function."""
     if not _plain_norm_relu(norm, relu):
+        return False
+    if not _plain_conv(conv):
+        _fall_back("conv")
         return False
     if _hooked(norm, relu, conv):
         _fall_back("hooks")
