@@ -38,6 +38,13 @@ modules, so they have the same parameters, buffers and state-dict keys,
 compute the same function and update the running statistics once per
 forward in the same way.
 
+A memory-efficient step calls its modules instead, saving nothing there and
+warning once per reason (``_recomputes``), where the recomputing Function
+would not compute what calling them does: modules with hooks, a
+convolution or norm it does not implement (``SyncBatchNorm``), and under
+``torch.jit.trace``, ``torch.fx`` symbolic tracing or ``torch.func``
+transforms.
+
 Dropout (``drop_rate > 0``) is applied to the output of ``conv2``, after the
 recomputed part, so it is never recomputed: its mask is drawn once, in the
 forward pass, and backward uses that same mask in both modes.
@@ -187,11 +194,11 @@ def _hooked(norm: nn.Module, relu: nn.Module, conv: nn.Module) -> bool:
     """Whether calling these modules would run hooks, their own or global
     ones (``register_module_forward_hook``, ...). Dict-emptiness tests only:
     this runs for every layer of every forward."""
-    if _module_globals._global_forward_pre_hooks or _module_globals._global_forward_hooks \
-            or _module_globals._global_backward_pre_hooks or _module_globals._global_backward_hooks:
-        return True
-    return any(m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks
-               for m in (norm, relu, conv))
+    return bool(_module_globals._global_forward_pre_hooks or _module_globals._global_forward_hooks
+                or _module_globals._global_backward_pre_hooks or _module_globals._global_backward_hooks
+                or norm._forward_pre_hooks or norm._forward_hooks or norm._backward_pre_hooks or norm._backward_hooks
+                or relu._forward_pre_hooks or relu._forward_hooks or relu._backward_pre_hooks or relu._backward_hooks
+                or conv._forward_pre_hooks or conv._forward_hooks or conv._backward_pre_hooks or conv._backward_hooks)
 
 
 # Why memory_efficient=True fell back to the module path somewhere: each
@@ -202,6 +209,13 @@ _FALLBACK_REASONS = {
     "hooks": "for a norm -> relu -> conv whose modules have forward or backward hooks (their own or global "
              "ones; torch.nn.utils.prune and the old weight_norm are forward pre-hooks): the recomputing path "
              "reads their weights without calling them, so it would skip the hooks",
+    "norm": "for a norm and activation other than exactly nn.BatchNorm2d and nn.ReLU (e.g. nn.SyncBatchNorm, "
+            "whose statistics span processes, or a BatchNorm2d subclass)",
+    "jit.trace": "under torch.jit.trace: the traced graph is the plain model's (the block buffer's Tensor.set_ "
+                 "and the recomputing autograd Functions do not trace)",
+    "fx": "under torch.fx symbolic tracing: the GraphModule calls the modules as the plain model does (the "
+          "recomputing path cannot be traced symbolically)",
+    "func": "under torch.func transforms (grad, vmap, ...), which its autograd Functions do not support",
     "conv": "for a convolution it does not implement (only nn.Conv2d with stride and dilation 1, no groups or "
             "bias, the same padding on every side and padding_mode='zeros')",
 }
@@ -214,11 +228,39 @@ def _fall_back(reason: str) -> None:
                       f"{_FALLBACK_REASONS[reason]}", stacklevel=2)
 
 
+_is_fx_symbolic_tracing = getattr(torch.fx._symbolic_trace, "is_fx_symbolic_tracing", None) \
+    or torch.fx._symbolic_trace.is_fx_tracing
+
+
+def _tracer() -> Optional[str]:
+    """The tracer or transform now running that the recomputing path (its
+    autograd Functions, the block buffer) cannot go through, as a key of
+    ``_FALLBACK_REASONS``; None when there is none. torch.compile is not
+    one: it traces the custom ops and plans its own memory."""
+    if torch.compiler.is_compiling():
+        return None
+    if torch.jit.is_tracing():
+        return "jit.trace"
+    if _is_fx_symbolic_tracing():
+        return "fx"
+    if torch._C._are_functorch_transforms_active():
+        return "func"
+    return None
+
+
 def _recomputes(norm: nn.Module, relu: nn.Module, conv: nn.Module) -> bool:
     """Whether a memory-efficient ``conv(relu(norm(x)))`` runs through the
     recomputing Function; if not, the caller calls the modules (the naive
     path, for this one step), which computes the same function."""
     if not _plain_norm_relu(norm, relu):
+        # effilayers' own norms (norm_act="inplace", convert) save memory
+        # their own way; a BatchNorm that is not BatchNorm2d + ReLU does not.
+        if isinstance(norm, nn.modules.batchnorm._BatchNorm):
+            _fall_back("norm")
+        return False
+    tracer = _tracer()
+    if tracer is not None:
+        _fall_back(tracer)
         return False
     if not _plain_conv(conv):
         _fall_back("conv")
@@ -386,19 +428,22 @@ class DenseBlock(nn.ModuleDict):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         layers = list(self.values())
         buffer = None
+        # Under a tracer the layers call their modules: no buffer, no shared
+        # statistics (checked before anything that would branch on x).
+        traced = _tracer() is not None
         # Zero-copy concatenation: the maps live in one buffer from the start,
         # so the output is not a second copy of all of them. Not under
         # torch.compile, which cannot trace the storage aliasing (Tensor.set_)
         # and plans what its graph keeps itself.
-        if x.dim() == 4 and layers and all(layer.memory_efficient for layer in layers) \
-                and not torch.compiler.is_compiling():
+        if not traced and layers and all(layer.memory_efficient for layer in layers) \
+                and not torch.compiler.is_compiling() and x.dim() == 4:
             channels = x.shape[1] + sum(layer.conv2.out_channels for layer in layers)
             buffer = _BlockBuffer(x, channels)
             x = _IntoBuffer.apply(x, buffer, 0)
         features = [x]
         # A channel's batch statistics are the same in every layer that
         # normalises it: compute them once per map, when it appears.
-        share = any(layer.memory_efficient and _plain_norm_relu(layer.norm1, layer.relu1)
+        share = not traced and any(layer.memory_efficient and _plain_norm_relu(layer.norm1, layer.relu1)
                     and _uses_batch_statistics(layer.norm1) for layer in layers)
         means: list[torch.Tensor] = []
         variances: list[torch.Tensor] = []
