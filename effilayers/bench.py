@@ -123,8 +123,11 @@ _OUT_OF_MEMORY_TEXT = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STA
 _TOO_LARGE_TEXT = "CUDNN_STATUS_NOT_SUPPORTED"
 _OUT_OF_MEMORY_ERROR = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 # BatchNorm in training refuses a batch with one value per channel: batch 1
-# does not train such a model, whatever the memory.
-_ONE_VALUE_PER_CHANNEL = "Expected more than 1 value per channel"
+# does not train such a model, whatever the memory. torch says "Expected
+# more than 1 value per channel when training, ..."; effilayers' ABN and
+# DenseNet bottleneck say the same after their own name ("bottleneck:
+# expected ...").
+_ONE_VALUE_PER_CHANNEL = "expected more than 1 value per channel when training"
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -135,7 +138,7 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 
 def _too_small_for_batch_norm(error: BaseException) -> bool:
-    return isinstance(error, ValueError) and _ONE_VALUE_PER_CHANNEL in str(error)
+    return isinstance(error, ValueError) and _ONE_VALUE_PER_CHANNEL in str(error).lower()
 
 
 def search_max_batch(step: Callable[[int], None], release: Callable[[], None], start: int, limit: int,

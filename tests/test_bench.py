@@ -428,6 +428,42 @@ def test_search_max_batch_takes_batch_norms_one_value_error_as_not_training():
         bench.search_max_batch(other_value_error, lambda: None, 2, 64)
 
 
+def _one_value_models():
+    """effilayers modules whose training forward raises their own "one value
+    per channel" error at batch 1 (not torch's BatchNorm's)."""
+    torch.manual_seed(0)
+    densenet = effilayers.models.DenseNet(growth_rate=4, block_config=(1,), num_init_features=8, bn_size=2,
+                                          num_classes=3, small_inputs=True)
+    return {"abn": (effilayers.nn.ABN(8), (8, 1, 1), "^abn: expected more than 1 value per channel"),
+            "inplace_abn": (nn.Sequential(nn.Conv2d(8, 8, 1), effilayers.nn.InPlaceABN(8)), (8, 1, 1),
+                            "^inplace_abn: expected more than 1 value per channel"),
+            "densenet": (densenet, (3, 1, 1), "^bottleneck: expected more than 1 value per channel")}
+
+
+@pytest.mark.parametrize("name", ["abn", "inplace_abn", "densenet"])
+def test_search_max_batch_takes_effilayers_one_value_errors_as_not_training(name):
+    model, shape, message = _one_value_models()[name]
+    with pytest.raises(ValueError, match=message):  # effilayers' own error, not torch's
+        model(torch.randn(1, *shape))
+
+    def step(batch):
+        if batch >= 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        model(torch.randn(batch, *shape)).sum().backward()
+
+    assert bench.search_max_batch(step, lambda: None, 2, 8) == 0
+
+
+def test_a_densenet_batch_the_bottleneck_cannot_train_exits_2_with_advice(capsys):
+    # DenseNet-121 at 32x32 reaches its last block at 1x1, where the
+    # memory-efficient bottleneck (not BatchNorm2d) refuses batch 1.
+    assert bench.main(["--model", "effilayers.models:densenet121", "--batch", "1", "--size", "32",
+                       "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "effilayers-bench: error: batch 1 at 32x32 leaves BatchNorm one value per channel" in err
+    assert "(bottleneck: expected more than 1 value per channel" in err
+
+
 def test_a_batch_batch_norm_cannot_train_exits_2_with_advice(capsys):
     # ResNet-18 at 32x32 reaches layer4 at 1x1: batch 1 leaves one value per channel.
     assert bench.main(["--model", "resnet18", "--batch", "1", "--size", "32", "--steps", "1"]) == 2

@@ -200,7 +200,9 @@ BAD_BOTTLENECK_ARGUMENTS = {
     "integer-features": (lambda f, w: dict(features=[f.long()]), TypeError, "floating-point tensors, got torch.int64"),
     "mixed-dtypes": (lambda f, w: dict(features=[f, f.double()]), TypeError, r"features\[0\]'s dtype and device"),
     "batch-mismatch": (lambda f, w: dict(features=[f, f[:1]]), ValueError, "same N, H, W"),
-    "one-value-per-channel": (lambda f, w: dict(features=[f[:1, :, :1, :1]]), ValueError, "more than one value"),
+    "one-value-per-channel": (lambda f, w: dict(features=[f[:1, :, :1, :1]]), ValueError,
+                              r"bottleneck: expected more than 1 value per channel when training, got input size "
+                              r"\(1, 3, 1, 1\)"),
     "conv-shape": (lambda f, w: dict(conv_weight=w[:, :2]), ValueError, r"conv_weight must be \(C_out, 3, kH, kW\)"),
     "conv-not-a-tensor": (lambda f, w: dict(conv_weight=w.numpy()), TypeError, "conv_weight must be a torch.Tensor"),
     "conv-integer": (lambda f, w: dict(conv_weight=w.long()), TypeError, "conv_weight must be a floating-point"),
@@ -384,6 +386,183 @@ def test_checkpointing_updates_running_statistics_twice_and_recomputation_once()
         assert not torch.allclose(norms["checkpointing"][mean], norms["naive"][mean], rtol=1e-3, atol=1e-6), mean
 
 
+# ---- hooks and other reasons to call the modules ------------------------------------------------
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    """The fallback warnings are once per process: forget earlier ones."""
+    from effilayers.models import densenet as densenet_module
+
+    monkeypatch.setattr(densenet_module, "_WARNED", set(), raising=False)
+
+
+def _count_bottlenecks(monkeypatch):
+    """A list that grows by one per call of the recomputing Function."""
+    from effilayers.models import densenet as densenet_module
+
+    calls = []
+    original = densenet_module.bottleneck
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(densenet_module, "bottleneck", counting)
+    return calls
+
+
+HOOKED = ["features.denseblock1.denselayer2.norm1", "features.denseblock1.denselayer2.relu1",
+          "features.denseblock1.denselayer2.conv1", "features.denseblock2.denselayer1.norm2",
+          "features.denseblock2.denselayer1.relu2", "features.denseblock2.denselayer1.conv2",
+          "features.transition1.norm", "features.transition1.relu", "features.transition1.conv"]
+
+
+def test_module_hooks_fire_as_in_the_naive_model(monkeypatch, fresh_warnings):
+    """A norm -> relu -> conv whose modules carry hooks is computed by
+    calling them (once per forward, as the naive model does); the other
+    steps still recompute. Outputs and gradients stay the naive model's."""
+    efficient, naive = _pair(small_inputs=True)
+    fired = {}
+    for name, model in (("efficient", efficient), ("naive", naive)):
+        fired[name] = []
+        for path in HOOKED:
+            module = model.get_submodule(path)
+            module.register_forward_pre_hook(lambda m, args, path=path, log=fired[name]: log.append(("pre", path)))
+            module.register_forward_hook(lambda m, args, out, path=path, log=fired[name]: log.append(("post", path)))
+        model.get_submodule(HOOKED[-1]).register_full_backward_hook(
+            lambda m, grad_in, grad_out, log=fired[name]: log.append(("backward", HOOKED[-1])))
+    calls = _count_bottlenecks(monkeypatch)
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="memory_efficient=True calls the modules.*hooks"):
+        _assert_same(efficient, naive, x, rtol=1e-9, atol=1e-10)
+    assert fired["efficient"] == fired["naive"]
+    assert len(fired["naive"]) == 2 * len(HOOKED) + 1
+    # 5 layers x 2 steps + 1 transition, less the three hooked steps.
+    assert len(calls) == 11 - 3
+
+
+def test_global_module_hooks_fire_as_in_the_naive_model(fresh_warnings):
+    efficient, naive = _pair(small_inputs=True)
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    seen = {}
+    for name, model in (("efficient", efficient), ("naive", naive)):
+        seen[name] = []
+        handle = torch.nn.modules.module.register_module_forward_hook(
+            lambda m, args, out, log=seen[name]: log.append(type(m).__name__))
+        try:
+            with pytest.warns(UserWarning, match="hooks") if name == "efficient" else contextlib.nullcontext():
+                model(x)
+        finally:
+            handle.remove()
+    assert seen["efficient"] == seen["naive"]
+    assert seen["naive"].count("Conv2d") == 1 + 2 * 5 + 1
+
+
+@pytest.mark.parametrize("change", ["reflect", "replicate", "dilated", "bias"])
+def test_convolutions_the_function_does_not_implement_take_the_module_path(monkeypatch, fresh_warnings, change):
+    """padding_mode other than "zeros" was computed with zero padding; other
+    conv settings the recomputing Function lacks raised mid-forward. Both
+    now call the module (for that step only), like the naive model."""
+    efficient, naive = _pair(small_inputs=True)
+    for model in (efficient, naive):
+        conv = model.features.denseblock2.denselayer2.conv2
+        if change == "dilated":
+            conv.dilation, conv.padding = (2, 2), (2, 2)  # same output size
+        elif change == "bias":
+            conv.bias = nn.Parameter(torch.linspace(-1, 1, conv.out_channels, dtype=torch.float64))
+        else:
+            conv.padding_mode = change
+    calls = _count_bottlenecks(monkeypatch)
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="calls the modules.*convolution it does not implement"):
+        _assert_same(efficient, naive, x, rtol=1e-9, atol=1e-10)
+    assert len(calls) == 11 - 1
+
+
+def test_sync_batch_norm_takes_the_module_path_with_a_warning(monkeypatch, fresh_warnings):
+    """SyncBatchNorm's statistics span processes, which the recomputing
+    Function does not compute: its steps call the modules, saying so."""
+    efficient, naive = (nn.SyncBatchNorm.convert_sync_batchnorm(m) for m in _pair(small_inputs=True))
+    calls = _count_bottlenecks(monkeypatch)
+    with pytest.warns(UserWarning, match="calls the modules.*SyncBatchNorm"):
+        _assert_same(efficient, naive, torch.randn(2, 3, 8, 8, dtype=torch.float64), rtol=1e-9, atol=1e-10)
+    assert not calls
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace:DeprecationWarning")
+def test_jit_trace_records_the_plain_models_graph(fresh_warnings):
+    """Tracing went through the block buffer's Tensor.set_ and failed
+    ("unordered_map::at"); traced, the model is the naive one."""
+    efficient, naive = (m.eval() for m in _pair(dtype=torch.float32, small_inputs=True))
+    with pytest.warns(UserWarning, match="under torch.jit.trace"):
+        traced = torch.jit.trace(efficient, torch.randn(2, 3, 16, 16))
+    x = torch.randn(3, 3, 16, 16)
+    torch.testing.assert_close(traced(x), naive(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("memory_efficient", [True, False])
+def test_fx_symbolic_trace_gives_the_naive_graph(fresh_warnings, memory_efficient):
+    """torch.fx.symbolic_trace (what torchvision's create_feature_extractor
+    uses) failed on DenseBlock's branch on x.dim(), in both modes. The
+    GraphModule calls the modules and trains like the naive model."""
+    efficient, naive = _pair(small_inputs=True)
+    model = efficient if memory_efficient else naive
+    with pytest.warns(UserWarning, match="torch.fx symbolic tracing") if memory_efficient \
+            else contextlib.nullcontext():
+        graph = torch.fx.symbolic_trace(model)
+    assert sum(node.op == "call_module" and "conv" in str(node.target) for node in graph.graph.nodes) == 12
+    _assert_same(graph, copy.deepcopy(naive), torch.randn(2, 3, 8, 8, dtype=torch.float64), rtol=1e-9, atol=1e-10)
+
+
+def test_torch_func_grad_and_vmap_compute_the_naive_gradients(fresh_warnings):
+    """torch.func transforms need setup_context-style autograd Functions;
+    under them the layers call their modules."""
+    from torch.func import functional_call, grad, vmap
+
+    gradients = []
+    x = torch.randn(3, 3, 8, 8, dtype=torch.float64)
+    for model in _pair(small_inputs=True):
+        model.eval()
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        buffers = dict(model.named_buffers())
+
+        def loss(params, x):
+            return functional_call(model, (params, buffers), (x,)).square().sum()
+
+        with pytest.warns(UserWarning, match="torch.func") if model.memory_efficient else contextlib.nullcontext():
+            gradients.append((grad(loss)(params, x), vmap(grad(loss), in_dims=(None, 0))(params, x[:, None])))
+    for got, expected in zip(gradients[0], gradients[1]):
+        assert got.keys() == expected.keys()
+        for name in got:
+            torch.testing.assert_close(got[name], expected[name], rtol=1e-9, atol=1e-11, msg=name)
+
+
+@pytest.mark.filterwarnings("ignore:effilayers DenseNet")
+def test_pruned_convolutions_train_like_the_naive_model():
+    """torch.nn.utils.prune recomputes ``weight`` from ``weight_orig`` in a
+    forward pre-hook; reading ``conv.weight`` directly used the last step's
+    (freed) graph and raised in the second backward."""
+    from torch.nn.utils import prune
+
+    efficient, naive = _pair(small_inputs=True)
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    results = []
+    for model in (efficient, naive):
+        for path in ("features.denseblock1.denselayer1.conv1", "features.denseblock2.denselayer2.conv2",
+                     "features.transition1.conv"):
+            prune.l1_unstructured(model.get_submodule(path), "weight", amount=0.5)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            optimizer.zero_grad()
+            model(x).square().mean().backward()
+            optimizer.step()
+        conv = model.features.denseblock1.denselayer1.conv1
+        results.append((model(x).detach(), conv.weight_orig.grad.clone(), conv.weight.detach().clone()))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
 # ---- state dicts ------------------------------------------------------------------------------
 
 
@@ -424,7 +603,7 @@ def test_inplace_norm_act_computes_the_leaky_relu_model():
     _assert_same(inplace.train(), leaky.train(), torch.randn(2, 3, 32, 32, dtype=torch.float64), 1e-9, 1e-10)
 
 
-def test_revert_gives_back_batch_norm_and_the_same_function():
+def test_revert_gives_back_batch_norm_and_the_same_function(fresh_warnings):
     torch.manual_seed(0)
     model = DenseNet(growth_rate=4, block_config=(2, 3), num_init_features=8, bn_size=2, num_classes=5,
                      norm_act="inplace").double().eval()
@@ -433,7 +612,9 @@ def test_revert_gives_back_batch_norm_and_the_same_function():
     effilayers.revert(model)
     layer = model.features.denseblock2.denselayer3
     assert type(layer.norm2) is nn.BatchNorm2d and isinstance(layer.relu2, nn.LeakyReLU)
-    torch.testing.assert_close(model(x), expected, rtol=0, atol=1e-12)
+    # BatchNorm2d + LeakyReLU is not the recomputing Function's: said once.
+    with pytest.warns(UserWarning, match="other than exactly nn.BatchNorm2d and nn.ReLU"):
+        torch.testing.assert_close(model(x), expected, rtol=0, atol=1e-12)
 
 
 def test_densenet264_and_small_inputs_keys():
@@ -553,10 +734,22 @@ def test_building_blocks_reject_bad_arguments(owner, defaults, change, error, ma
 
 
 def test_builders_reject_weights_and_other_architectures():
-    with pytest.raises(TypeError, match="no 'weights'"):
+    with pytest.raises(TypeError, match="ship no weights: weights must be None, got 'IMAGENET1K_V1'"):
         models.densenet121(weights="IMAGENET1K_V1")
+    with pytest.raises(TypeError, match="ship no weights: pretrained must be False, got True"):
+        models.densenet121(pretrained=True)
     with pytest.raises(ValueError, match="fixes growth_rate"):
         models.densenet121(growth_rate=12)
+
+
+def test_builders_take_torchvisions_no_weights_call():
+    """torchvision's signature, densenet121(*, weights=None, progress=True,
+    **kwargs): generic code passes the no-weights defaults explicitly."""
+    with torch.device("meta"):
+        for kwargs in (dict(weights=None), dict(progress=True), dict(pretrained=False),
+                       dict(weights=None, progress=False, num_classes=10)):
+            model = models.densenet121(**kwargs)
+            assert model.classifier.out_features == kwargs.get("num_classes", 1000), kwargs
 
 
 # ---- memory -----------------------------------------------------------------------------------
@@ -1071,6 +1264,48 @@ def test_block_output_used_out_of_place_trains():
     torch.testing.assert_close(outputs[0][1], outputs[1][1], rtol=0, atol=1e-12)
     for a, b in zip(outputs[0][2], outputs[1][2]):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-11)
+
+
+@pytest.mark.parametrize("mode", ["plain", "checkpoint", pytest.param("save_on_cpu", marks=pytest.mark.gpu)])
+def test_saved_tensor_hooks_free_the_block_buffer_after_forward(monkeypatch, mode):
+    """Under torch.utils.checkpoint nothing of the block but its input may
+    stay alive between forward and backward, and under save_on_cpu nothing
+    of it on the GPU: the block buffer's storage must be freed once the
+    output is dropped (an autograd node kept it through a non-tensor
+    attribute, which saved-tensor hooks cannot see). Without hooks the saved
+    maps keep it, which shows the probe works. Gradients are the naive
+    block's either way."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils.checkpoint import checkpoint
+
+    from effilayers.models import densenet as densenet_module
+
+    buffers = []
+
+    class RecordedBuffer(densenet_module._BlockBuffer):
+        def __init__(self, like, channels):
+            super().__init__(like, channels)
+            buffers.append(StorageWeakRef(self.buffer.untyped_storage()))
+
+    monkeypatch.setattr(densenet_module, "_BlockBuffer", RecordedBuffer)
+    device = "cuda" if mode == "save_on_cpu" else "cpu"
+    block, naive = _block().to(device, torch.float64), _block().to(device, torch.float64)
+    for layer in naive.values():
+        layer.memory_efficient = False
+    x = torch.randn(2, 6, 5, 5, dtype=torch.float64, device=device, requires_grad=True)
+    if mode == "checkpoint":
+        out = checkpoint(block, x, use_reentrant=False)
+    else:
+        with torch.autograd.graph.save_on_cpu() if mode == "save_on_cpu" else contextlib.nullcontext():
+            out = block(x)
+    loss = (out * 2).square().sum()
+    del out
+    assert len(buffers) == 1
+    assert buffers[0].expired() == (mode != "plain")
+    grad = torch.autograd.grad(loss, [x, *block.parameters()])
+    expected = torch.autograd.grad((naive(x) * 2).square().sum(), [x, *naive.parameters()])
+    for a, b in zip(grad, expected):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
 
 
 @pytest.mark.gpu

@@ -178,6 +178,15 @@ def test_zero_init_residual(norm_act):
     assert torch.all(model.layer1[0].bn1.weight == 1)
 
 
+@pytest.mark.parametrize("name", ["resnet18", "resnext50_32x4d"])
+def test_builders_take_torchvisions_no_weights_call(name):
+    with torch.device("meta"):
+        for kwargs in (dict(weights=None), dict(progress=True), dict(pretrained=False),
+                       dict(weights=None, progress=False, num_classes=10)):
+            model = getattr(models, name)(**kwargs)
+            assert model.fc.out_features == kwargs.get("num_classes", 1000), kwargs
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="norm_act must be one of 'plain', 'abn', 'inplace'"):
         models.resnet18(norm_act="fused")

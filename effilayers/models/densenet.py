@@ -38,6 +38,13 @@ modules, so they have the same parameters, buffers and state-dict keys,
 compute the same function and update the running statistics once per
 forward in the same way.
 
+A memory-efficient step calls its modules instead, saving nothing there and
+warning once per reason (``_recomputes``), where the recomputing Function
+would not compute what calling them does: modules with hooks, a
+convolution or norm it does not implement (``SyncBatchNorm``), and under
+``torch.jit.trace``, ``torch.fx`` symbolic tracing or ``torch.func``
+transforms.
+
 Dropout (``drop_rate > 0``) is applied to the output of ``conv2``, after the
 recomputed part, so it is never recomputed: its mask is drawn once, in the
 forward pass, and backward uses that same mask in both modes.
@@ -61,6 +68,7 @@ depth 100, k = 12::
 from __future__ import annotations
 
 import re
+import warnings
 import weakref
 from collections import OrderedDict
 from typing import Any, Optional, Sequence
@@ -72,7 +80,7 @@ from torch import nn
 from ..convert import FusedActivation, fused_norm
 from ..nn import ABN, MaxPool2d
 from ..ops.densenet import bottleneck, layout_of
-from .resnet import INPLACE_SLOPE
+from .resnet import INPLACE_SLOPE, drop_weight_arguments
 from ..ops.stats import batch_stats
 
 __all__ = [
@@ -147,10 +155,8 @@ def _uses_batch_statistics(norm: nn.BatchNorm2d) -> bool:
 def _norm_relu_conv(features: list[torch.Tensor], norm: nn.BatchNorm2d, conv: nn.Conv2d,
                     batch_statistics: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """``conv(relu(norm(cat(features))))`` through the recomputing Function,
-    with ``norm``'s running-statistics behaviour."""
-    if conv.stride != (1, 1) or conv.dilation != (1, 1) or conv.groups != 1 or conv.bias is not None \
-            or len(set(conv.padding)) != 1 or isinstance(conv.padding, str):
-        raise ValueError(f"memory-efficient DenseNet: unsupported convolution {conv}")
+    with ``norm``'s running-statistics behaviour (``conv`` passed
+    :func:`_plain_conv`)."""
     update = norm.training and norm.track_running_stats
     keeps_running = not norm.training or norm.track_running_stats
     return bottleneck(
@@ -170,6 +176,99 @@ def _plain_norm_relu(norm: nn.Module, relu: nn.Module) -> bool:
     :func:`effilayers.convert` / :func:`effilayers.revert`, take the plain
     module path instead)."""
     return type(norm) is nn.BatchNorm2d and type(relu) is nn.ReLU
+
+
+def _plain_conv(conv: nn.Module) -> bool:
+    """Whether ``conv`` is a convolution the recomputing Function implements:
+    exactly ``nn.Conv2d``, stride and dilation 1, no groups or bias, the same
+    zero padding on every side."""
+    return type(conv) is nn.Conv2d and conv.stride == (1, 1) and conv.dilation == (1, 1) and conv.groups == 1 \
+        and conv.bias is None and not isinstance(conv.padding, str) and conv.padding[0] == conv.padding[1] \
+        and conv.padding_mode == "zeros"
+
+
+_module_globals = torch.nn.modules.module
+
+
+def _hooked(norm: nn.Module, relu: nn.Module, conv: nn.Module) -> bool:
+    """Whether calling these modules would run hooks, their own or global
+    ones (``register_module_forward_hook``, ...). Dict-emptiness tests only:
+    this runs for every layer of every forward."""
+    return bool(_module_globals._global_forward_pre_hooks or _module_globals._global_forward_hooks
+                or _module_globals._global_backward_pre_hooks or _module_globals._global_backward_hooks
+                or norm._forward_pre_hooks or norm._forward_hooks or norm._backward_pre_hooks or norm._backward_hooks
+                or relu._forward_pre_hooks or relu._forward_hooks or relu._backward_pre_hooks or relu._backward_hooks
+                or conv._forward_pre_hooks or conv._forward_hooks or conv._backward_pre_hooks or conv._backward_hooks)
+
+
+# Why memory_efficient=True fell back to the module path somewhere: each
+# reason is warned about once per process.
+_WARNED: set[str] = set()
+
+_FALLBACK_REASONS = {
+    "hooks": "for a norm -> relu -> conv whose modules have forward or backward hooks (their own or global "
+             "ones; torch.nn.utils.prune and the old weight_norm are forward pre-hooks): the recomputing path "
+             "reads their weights without calling them, so it would skip the hooks",
+    "norm": "for a norm and activation other than exactly nn.BatchNorm2d and nn.ReLU (e.g. nn.SyncBatchNorm, "
+            "whose statistics span processes, or a BatchNorm2d subclass)",
+    "jit.trace": "under torch.jit.trace: the traced graph is the plain model's (the block buffer's Tensor.set_ "
+                 "and the recomputing autograd Functions do not trace)",
+    "fx": "under torch.fx symbolic tracing: the GraphModule calls the modules as the plain model does (the "
+          "recomputing path cannot be traced symbolically)",
+    "func": "under torch.func transforms (grad, vmap, ...), which its autograd Functions do not support",
+    "conv": "for a convolution it does not implement (only nn.Conv2d with stride and dilation 1, no groups or "
+            "bias, the same padding on every side and padding_mode='zeros')",
+}
+
+
+def _fall_back(reason: str) -> None:
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(f"effilayers DenseNet: memory_efficient=True calls the modules, saving no memory, "
+                      f"{_FALLBACK_REASONS[reason]}", stacklevel=2)
+
+
+_is_fx_symbolic_tracing = getattr(torch.fx._symbolic_trace, "is_fx_symbolic_tracing", None) \
+    or torch.fx._symbolic_trace.is_fx_tracing
+
+
+def _tracer() -> Optional[str]:
+    """The tracer or transform now running that the recomputing path (its
+    autograd Functions, the block buffer) cannot go through, as a key of
+    ``_FALLBACK_REASONS``; None when there is none. torch.compile is not
+    one: it traces the custom ops and plans its own memory."""
+    if torch.compiler.is_compiling():
+        return None
+    if torch.jit.is_tracing():
+        return "jit.trace"
+    if _is_fx_symbolic_tracing():
+        return "fx"
+    if torch._C._are_functorch_transforms_active():
+        return "func"
+    return None
+
+
+def _recomputes(norm: nn.Module, relu: nn.Module, conv: nn.Module) -> bool:
+    """Whether a memory-efficient ``conv(relu(norm(x)))`` runs through the
+    recomputing Function; if not, the caller calls the modules (the naive
+    path, for this one step), which computes the same function."""
+    if not _plain_norm_relu(norm, relu):
+        # effilayers' own norms (norm_act="inplace", convert) save memory
+        # their own way; a BatchNorm that is not BatchNorm2d + ReLU does not.
+        if isinstance(norm, nn.modules.batchnorm._BatchNorm):
+            _fall_back("norm")
+        return False
+    tracer = _tracer()
+    if tracer is not None:
+        _fall_back(tracer)
+        return False
+    if not _plain_conv(conv):
+        _fall_back("conv")
+        return False
+    if _hooked(norm, relu, conv):
+        _fall_back("hooks")
+        return False
+    return True
 
 
 class DenseLayer(nn.Module):
@@ -209,11 +308,11 @@ class DenseLayer(nn.Module):
         their per-channel (mean, biased variance), when the block has them
         (memory-efficient mode uses them instead of recomputing)."""
         features = [features] if isinstance(features, torch.Tensor) else list(features)
-        if self.memory_efficient and _plain_norm_relu(self.norm1, self.relu1):
+        if self.memory_efficient and _recomputes(self.norm1, self.relu1, self.conv1):
             out = _norm_relu_conv(features, self.norm1, self.conv1, batch_statistics)
         else:
             out = self._bottleneck_naive(features)
-        if self.memory_efficient and _plain_norm_relu(self.norm2, self.relu2):
+        if self.memory_efficient and _recomputes(self.norm2, self.relu2, self.conv2):
             out = _norm_relu_conv([out], self.norm2, self.conv2)
         else:
             # InPlaceABN writes over conv1's output, the one copy kept.
@@ -221,6 +320,28 @@ class DenseLayer(nn.Module):
         if self.drop_rate > 0:
             out = F.dropout(out, p=self.drop_rate, training=self.training)
         return out
+
+
+class _OutputWatch:
+    """The block output's version when the block returned it: all that the
+    backward of a map needs (``check``). Kept apart from the buffer so that
+    autograd nodes reach the buffer's memory only through saved tensors,
+    which ``torch.utils.checkpoint`` and other saved-tensor hooks
+    (``save_on_cpu``) drop or move."""
+
+    __slots__ = ("output", "version")
+
+    def __init__(self) -> None:
+        self.output: Optional[weakref.ref] = None
+        self.version = 0
+
+    def check(self) -> None:
+        output = self.output() if self.output is not None else None
+        if output is not None and output._version != self.version:
+            raise RuntimeError(
+                "the output of an effilayers DenseBlock was modified by an in-place operation before backward; "
+                "it shares memory with the feature maps the block keeps for backward. Use an out-of-place "
+                "operation (or .clone() the output first).")
 
 
 class _BlockBuffer:
@@ -234,14 +355,15 @@ class _BlockBuffer:
     write through one map must not bump a version counter shared with the
     maps saved before it. What autograd's version check cannot see then is
     an in-place change of the block's *output*, which shares their memory;
-    the backward of every map checks for it and raises (``check``)."""
+    the backward of every map checks for it and raises (``_OutputWatch``).
+    Nothing outlives the block's forward but the maps and the output: the
+    storage lives as long as a saved map or the output does."""
 
     def __init__(self, like: torch.Tensor, channels: int) -> None:
         n, _, h, w = like.shape
         self.buffer = torch.empty((n, channels, h, w), dtype=like.dtype, device=like.device,
                                   memory_format=layout_of(like))
-        self.output: Optional[weakref.ref] = None
-        self.output_version = 0
+        self.output_watch = _OutputWatch()
 
     def slot(self, start: int, channels: int) -> torch.Tensor:
         view = self.buffer.narrow(1, start, channels)
@@ -253,16 +375,8 @@ class _BlockBuffer:
             # No backward can follow (and inference tensors have no version
             # counter to watch).
             return
-        self.output = weakref.ref(output)
-        self.output_version = output._version
-
-    def check(self) -> None:
-        output = self.output() if self.output is not None else None
-        if output is not None and output._version != self.output_version:
-            raise RuntimeError(
-                "the output of an effilayers DenseBlock was modified by an in-place operation before backward; "
-                "it shares memory with the feature maps the block keeps for backward. Use an out-of-place "
-                "operation (or .clone() the output first).")
+        self.output_watch.output = weakref.ref(output)
+        self.output_watch.version = output._version
 
 
 class _IntoBuffer(torch.autograd.Function):
@@ -273,12 +387,14 @@ class _IntoBuffer(torch.autograd.Function):
     def forward(ctx, new_map: torch.Tensor, buffer: _BlockBuffer, start: int) -> torch.Tensor:
         slot = buffer.slot(start, new_map.shape[1])
         slot.copy_(new_map)
-        ctx.buffer = buffer
+        # Not the buffer: the node would keep the whole block's memory alive
+        # outside saved tensors, where checkpointing cannot free it.
+        ctx.output_watch = buffer.output_watch
         return slot
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        ctx.buffer.check()
+        ctx.output_watch.check()
         return grad, None, None
 
 
@@ -312,19 +428,22 @@ class DenseBlock(nn.ModuleDict):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         layers = list(self.values())
         buffer = None
+        # Under a tracer the layers call their modules: no buffer, no shared
+        # statistics (checked before anything that would branch on x).
+        traced = _tracer() is not None
         # Zero-copy concatenation: the maps live in one buffer from the start,
         # so the output is not a second copy of all of them. Not under
         # torch.compile, which cannot trace the storage aliasing (Tensor.set_)
         # and plans what its graph keeps itself.
-        if x.dim() == 4 and layers and all(layer.memory_efficient for layer in layers) \
-                and not torch.compiler.is_compiling():
+        if not traced and layers and all(layer.memory_efficient for layer in layers) \
+                and not torch.compiler.is_compiling() and x.dim() == 4:
             channels = x.shape[1] + sum(layer.conv2.out_channels for layer in layers)
             buffer = _BlockBuffer(x, channels)
             x = _IntoBuffer.apply(x, buffer, 0)
         features = [x]
         # A channel's batch statistics are the same in every layer that
         # normalises it: compute them once per map, when it appears.
-        share = any(layer.memory_efficient and _plain_norm_relu(layer.norm1, layer.relu1)
+        share = not traced and any(layer.memory_efficient and _plain_norm_relu(layer.norm1, layer.relu1)
                     and _uses_batch_statistics(layer.norm1) for layer in layers)
         means: list[torch.Tensor] = []
         variances: list[torch.Tensor] = []
@@ -365,7 +484,7 @@ class Transition(nn.Sequential):
         self.memory_efficient = memory_efficient
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not (self.memory_efficient and _plain_norm_relu(self.norm, self.relu)):
+        if not (self.memory_efficient and _recomputes(self.norm, self.relu, self.conv)):
             return super().forward(x)
         return self.pool(_norm_relu_conv([x], self.norm, self.conv))
 
@@ -479,12 +598,7 @@ def _rename_legacy_keys(module, state_dict, prefix, local_metadata, strict, miss
 
 
 def _densenet(growth_rate: int, block_config: Sequence[int], num_init_features: int, kwargs: dict) -> DenseNet:
-    for name in ("weights", "pretrained", "progress"):
-        if name in kwargs:
-            raise TypeError(
-                f"effilayers DenseNets take no {name!r} argument: they ship no weights. Build the torchvision "
-                "model with its weights and load them: model.load_state_dict(torchvision_model.state_dict())"
-            )
+    kwargs = drop_weight_arguments(kwargs, "DenseNets")
     fixed = dict(growth_rate=growth_rate, block_config=tuple(block_config), num_init_features=num_init_features)
     for name, value in fixed.items():
         given = kwargs.get(name, value)

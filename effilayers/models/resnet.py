@@ -347,14 +347,27 @@ class ResNet(nn.Module):
         return self.fc(torch.flatten(x, 1))
 
 
-def _resnet(block: Block, layers: Sequence[int], kwargs: dict) -> ResNet:
-    for name in ("weights", "pretrained", "progress"):
+def drop_weight_arguments(kwargs: dict, family: str) -> dict:
+    """``kwargs`` without torchvision's weight arguments. The no-weights call
+    generic code makes (``weights=None``, ``pretrained=False``, any
+    ``progress``, which only concerns a download) is accepted and ignored:
+    nothing is downloaded. Asking for weights raises, with how to load them."""
+    kwargs = dict(kwargs)
+    kwargs.pop("progress", None)
+    for name, no_weights in (("weights", None), ("pretrained", False)):
         if name in kwargs:
-            raise TypeError(
-                f"effilayers ResNets take no {name!r} argument: they ship no weights. Build the torchvision model "
-                "with its weights and load them: model.load_state_dict(torchvision_model.state_dict())"
-            )
-    return ResNet(block, layers, **kwargs)
+            value = kwargs.pop(name)
+            if value is not no_weights:
+                raise TypeError(
+                    f"effilayers {family} ship no weights: {name} must be {no_weights}, got {value!r}. Build the "
+                    "torchvision model with its weights and load them: "
+                    "model.load_state_dict(torchvision_model.state_dict())"
+                )
+    return kwargs
+
+
+def _resnet(block: Block, layers: Sequence[int], kwargs: dict) -> ResNet:
+    return ResNet(block, layers, **drop_weight_arguments(kwargs, "ResNets"))
 
 
 def resnet18(*, norm_act: str = "plain", **kwargs: Any) -> ResNet:

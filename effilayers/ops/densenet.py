@@ -340,7 +340,8 @@ class _Bottleneck(torch.autograd.Function):
                 var = torch.cat([v for _, v in parts])
             if n <= 1:
                 channels = sum(f.shape[1] for f in features)
-                raise ValueError("bottleneck: training needs more than one value per channel, got input shape "
+                # torch's wording (as ABN's), which effilayers-bench recognises.
+                raise ValueError("bottleneck: expected more than 1 value per channel when training, got input size "
                                  f"{(first.shape[0], channels, *first.shape[2:])}")
             invstd = torch.rsqrt(var + eps)
             if training and running_mean is not None and running_var is not None:
