@@ -298,6 +298,27 @@ def test_unbatched_and_integer_targets(ce_device):
         torch.testing.assert_close(cross_entropy(batch, target64.to(dtype)), expected)
 
 
+def test_strided_targets(ce_device, small_triton_block):
+    # Targets that are views with gaps (a column of a label table, an LM
+    # label shift, a permuted K-dim target): the kernels read one int64 per
+    # row in row order, so these must not reach them as they are.
+    labels = make_target((6, 3), 11, ce_device, ignore_every=4)
+    logits = make_logits((6, 11), torch.float64, ce_device)
+    assert_matches_torch(logits, labels[:, 1], torch.float64, label_smoothing=0.1)
+    narrow = labels.to(torch.int32)[:, 2]  # converted to int64 on the way: the conversion keeps the gaps
+    assert not narrow.is_contiguous()
+    torch.testing.assert_close(cross_entropy(logits, narrow), F.cross_entropy(logits, labels[:, 2]),
+                               **TOL[torch.float64])
+    spatial = make_logits((2, 11, 3, 4), torch.float64, ce_device, seed=3)
+    table = make_target((2, 4, 5), 11, ce_device, seed=4, ignore_every=5)
+    every_other = make_target((2, 3, 8), 11, ce_device, seed=6)[..., ::2]  # reshape(-1) keeps it a strided view
+    for target in (table[:, :, 1:4].transpose(1, 2), table.transpose(1, 2)[:, :3], table[:, :1, :4].expand(2, 3, 4),
+                   every_other):
+        assert target.shape == (2, 3, 4) and not target.is_contiguous()
+        assert_matches_torch(logits=spatial, target=target, dtype=torch.float64, reduction="none",
+                             grad_output=make_logits((2, 3, 4), torch.float64, ce_device, seed=5))
+
+
 # --------------------------------------------------------------------------
 # Layouts
 # --------------------------------------------------------------------------

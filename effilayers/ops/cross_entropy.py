@@ -296,9 +296,10 @@ def _run(logits, target, weight, ignore_index, label_smoothing, reduction, grad,
     if grad is not None and grad3 is None:
         copied_grad = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
         grad3 = _as_rows(copied_grad)
-    target_rows = target.reshape(-1)
-    if target_rows.dtype != torch.int64:
-        target_rows = target_rows.to(torch.int64)
+    # The kernels read target row r at offset r: a target with gaps (a column
+    # of a label table, a shifted or permuted view) is copied, which
+    # reshape(-1) alone does not do where a single stride fits.
+    target_rows = target.reshape(-1).to(torch.int64).contiguous()
     if reduction == "mean":
         total = _row_weights(target_rows, weight, ignore_index, classes, acc)
         grad_scale = 1.0 / total
