@@ -848,6 +848,24 @@ def test_opcheck():
                                                    torch.float32))
 
 
+@pytest.mark.parametrize("layout", ["permuted", "channels_last"])
+def test_opcheck_layouts(cpu_or_interpreter_device, layout):
+    # Dense logits laid out other than contiguously: the gradient buffer the
+    # real kernels fill must have the strides the fake kernel promises.
+    from effilayers.ops.cross_entropy import _cross_entropy_forward, _cross_entropy_forward_
+
+    utils = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
+    base = make_logits((2, 3, 2, 3), torch.float32, cpu_or_interpreter_device)
+    logits = base.permute(1, 0, 2, 3) if layout == "permuted" else base.contiguous(memory_format=torch.channels_last)
+    target = make_target(logits.shape[:1] + logits.shape[2:], logits.shape[1], cpu_or_interpreter_device,
+                         ignore_every=3)
+    for reduction in ("mean", "none"):
+        torch.library.opcheck(_cross_entropy_forward,
+                              (logits, target, None, -100, 0.1, reduction, True, torch.float32), test_utils=utils)
+        torch.library.opcheck(_cross_entropy_forward_,
+                              (logits.clone(), target, None, -100, 0.1, reduction, torch.float32), test_utils=utils)
+
+
 def test_fake_tensor_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

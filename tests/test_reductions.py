@@ -525,6 +525,18 @@ def test_opcheck():
     torch.library.opcheck(_reduce_op, (x, [0, 1, 2], "mean", 0, False, None))
 
 
+@pytest.mark.parametrize("layout", ["permuted", "channels_last"])
+def test_opcheck_layouts(backend, layout):
+    # Dense inputs whose dims merge only partly: the output's strides must be
+    # the fake kernel's on every backend.
+    base = values((2, 3, 4, 5), torch.float32, backend[1])
+    x = base.permute(1, 0, 2, 3) if layout == "permuted" else base.contiguous(memory_format=torch.channels_last)
+    utils = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
+    for dims, kind, keepdim in (([1], "sum", False), ([3], "var", True), ([0, 2], "norm", False),
+                                ([1, 2, 3], "var", True)):
+        torch.library.opcheck(_reduce_op, (x, dims, kind, 1, keepdim, None), test_utils=utils)
+
+
 @pytest.mark.slow
 def test_compile_fullgraph_matches_eager():
     torch._dynamo.reset()

@@ -788,6 +788,36 @@ def test_opcheck():
     torch.library.opcheck(softmax_ops._softmax_backward_op, (torch.randn_like(y), y, 1, False, 1.0, torch.float16))
 
 
+# Dense layouts whose leading dimensions do not merge for the last dim: a
+# kernel that kept the input's strides where the fake kernel says contiguous
+# (the C++ scaled_masked_softmax did) fails test_faketensor here, and
+# torch.compile's stride assertion in a compiled graph.
+OPCHECK_LAYOUTS = {
+    "permuted": lambda x: x.permute(1, 0, 2, 3),
+    "channels_last": lambda x: x.contiguous(memory_format=torch.channels_last),
+}
+OPCHECK_UTILS = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+@pytest.mark.parametrize("layout", list(OPCHECK_LAYOUTS))
+def test_opcheck_layouts(backend, layout):
+    _, device = backend
+    x = OPCHECK_LAYOUTS[layout](varied((2, 3, 4, 5), torch.float32, device, seed=21))
+    mask = (torch.rand(5, generator=torch.Generator().manual_seed(3)) > 0.3).to(device)
+    for args in ((x, None, 0.5, False), (x, mask, 0.5, True)):
+        torch.library.opcheck(softmax_ops._scaled_masked_softmax_op, args, test_utils=OPCHECK_UTILS)
+    for dim in (1, 3):
+        torch.library.opcheck(softmax_ops._softmax_forward_op, (x, dim, dim == 3, None), test_utils=OPCHECK_UTILS)
+        y = torch.softmax(x, dim)
+        # the gradient's layout follows the saved output's: y contiguous, and y laid out like x
+        for saved in (y.contiguous(), torch.empty_like(x).copy_(y)):
+            for grad in (torch.randn_like(x), torch.randn(x.shape, device=device)):
+                torch.library.opcheck(softmax_ops._softmax_backward_op, (grad, saved, dim, False, 1.0, torch.float32),
+                                      test_utils=OPCHECK_UTILS)
+    # In eager too: the leading dims do not merge, so the output is contiguous (the rule of output_like).
+    assert scaled_masked_softmax(x, mask, 0.5).stride() == torch.empty(x.shape).stride()
+
+
 def test_info_lists_the_ops():
     report = effilayers._info.collect()
     cpu = {entry["op"]: entry["backend"] for entry in report["ops"] if entry["device"] == "cpu"}

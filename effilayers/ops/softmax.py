@@ -36,9 +36,13 @@ Layouts
     slices. When the dimensions before or after ``dim`` cannot be merged into
     one strided index (for example ``x.permute(1, 0, 2)`` with ``dim=2``), the
     kernels first make a contiguous copy of ``x`` (one input-sized buffer,
-    freed when the op returns). The output has the input's strides when the
-    input is dense and is read in place, else it is contiguous. (``torch.softmax``
-    always returns a contiguous tensor; the values are the same.)
+    freed when the op returns). One layout rule for the outputs of all three
+    ops (and the gradient), on every backend and in the fake kernels that
+    ``torch.compile`` traces (:func:`output_like`): the input's strides when
+    the input is dense and its dimensions around ``dim`` (the last one for
+    :func:`scaled_masked_softmax`) merge, else contiguous, also where a
+    kernel could have read the input in place. (``torch.softmax`` always
+    returns a contiguous tensor; the values are the same.)
 
     :func:`scaled_masked_softmax` reads ``mask`` through its broadcast
     strides (0 along broadcast dimensions); the C++ and Triton kernels never
