@@ -510,8 +510,24 @@ def test_inplace_backward_raises_when_logits_are_saved_elsewhere(ce_device):
 def test_inplace_backward_refuses_leaves_and_overlapping_logits(ce_device):
     target = make_target((5,), 7, ce_device)
     leaf = make_logits((5, 7), torch.float32, ce_device).requires_grad_()
-    with pytest.raises(ValueError, match="leaf tensor that requires grad"):
+    with pytest.raises(ValueError, match="inplace_backward=True .* a leaf tensor that requires grad"):
         cross_entropy(leaf, target, inplace_backward=True)
+    # Views of such a leaf (a parameter) share its storage: torch refuses
+    # in-place ops on them, and the gradient must not overwrite the leaf.
+    before = leaf.detach().clone()
+    wide = make_logits((5, 14), torch.float32, ce_device).requires_grad_()
+    for view in (leaf[:], leaf.view(5, 7), leaf.view(35).view(5, 7), wide[:, ::2]):
+        with pytest.raises(RuntimeError, match="view of a leaf Variable"):
+            view.add_(0)  # torch's own rule, which the check follows
+        with pytest.raises(ValueError, match="inplace_backward=True .* a view of a leaf tensor that requires grad"):
+            cross_entropy(view, target, inplace_backward=True)
+    assert torch.equal(leaf.detach(), before)
+    # not refused: a view of a computed tensor, and any view under no_grad (nothing is written)
+    (grad,) = torch.autograd.grad(cross_entropy((leaf * 1)[:], target, inplace_backward=True), leaf)
+    torch.testing.assert_close(grad.double(), torch_expected(leaf, target)[1], **TOL[torch.float32])
+    with torch.no_grad():
+        cross_entropy(leaf[:], target, inplace_backward=True)
+    assert torch.equal(leaf.detach(), before)
     row = make_logits((1, 7), torch.float32, ce_device).requires_grad_()
     expanded = (row * 1).expand(5, 7)
     with pytest.raises(ValueError, match="share memory"):

@@ -61,8 +61,10 @@ What is saved for backward
     ``torch.autograd.graph.increment_version``, and it also holds under
     ``torch.compile``), so any other autograd node that saved the logits
     (``logits.sin()`` used elsewhere, say) raises at backward instead of
-    silently using gradient values. A leaf tensor that requires grad is refused, as torch
-    refuses in-place ops on it. When the class dimension cannot be walked in
+    silently using gradient values. A leaf tensor that requires grad, or a view of one
+    (``w[:]``, ``w.view(...)`` of a parameter ``w``), is refused with a
+    ``ValueError``, as torch refuses in-place ops on them (under ``no_grad``
+    nothing is written and nothing is refused). When the class dimension cannot be walked in
     place (strides that do not merge into (N, C, rest), see ``ops/_layout``),
     the kernel reads a contiguous copy and writes the gradient to a
     contiguous temporary that is then copied over the logits: the one case
@@ -470,10 +472,23 @@ def _check_arguments(logits, target, weight, ignore_index, label_smoothing, redu
                              f"got {tuple(weight.shape)}")
         if weight.device != logits.device:
             raise ValueError(f"cross_entropy: weight is on {weight.device} but logits are on {logits.device}")
-    if inplace_backward and logits.requires_grad and logits.is_leaf:
+    # Under no_grad / inference_mode nothing is written (no gradient is
+    # computed), and torch allows in-place ops there too: no refusal.
+    writes = inplace_backward and logits.requires_grad and torch.is_grad_enabled()
+    if writes and logits.is_leaf:
         raise ValueError(
             "cross_entropy: inplace_backward=True overwrites the logits, but they are a leaf tensor that requires "
             "grad; pass logits computed by the model (e.g. lm_head(h)) or use inplace_backward=False"
+        )
+    # A view's _base is the tensor that owns the storage (never itself a view):
+    # writing through w[:] or w.view(...) would overwrite the leaf w, which
+    # torch refuses for its own in-place ops.
+    base = logits._base
+    if writes and base is not None and base.is_leaf and base.requires_grad:
+        raise ValueError(
+            "cross_entropy: inplace_backward=True overwrites the logits, but they are a view of a leaf tensor that "
+            "requires grad (a parameter, say) and would overwrite it; pass logits computed by the model (e.g. "
+            "lm_head(h)) or use inplace_backward=False"
         )
     if inplace_backward and any(size > 1 and stride == 0 for size, stride in zip(logits.shape, logits.stride())):
         raise ValueError(
