@@ -732,6 +732,22 @@ def test_modules_are_drop_ins():
             torch.testing.assert_close(result, reference)
 
 
+@pytest.mark.slow
+def test_modules_with_implicit_dim_compile_fullgraph():
+    # torch.nn.Softmax() compiles with fullgraph=True (its warning is issued
+    # while tracing); a warnings.warn call in the traced forward broke the graph.
+    for shape in ((2, 3, 4), (2, 3, 4, 5)):
+        x = varied(shape, torch.float32)
+        for ours, theirs in ((enn.Softmax(), torch.nn.Softmax()), (enn.LogSoftmax(), torch.nn.LogSoftmax())):
+            torch._dynamo.reset()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                result = torch.compile(ours, fullgraph=True)(x)
+                reference = theirs(x)
+            assert any("Implicit dimension choice" in str(w.message) for w in caught)
+            torch.testing.assert_close(result, reference)
+
+
 def test_autocast_keeps_the_input_dtype():
     # The documented choice: the input dtype (what torch does on CPU).
     xb = varied((4, 9), torch.bfloat16)
