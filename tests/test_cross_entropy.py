@@ -227,14 +227,25 @@ def test_all_rows_ignored_mean_is_nan_with_zero_grad(ce_device):
         assert bool((grad == 0).all()) and bool((exp_grad == 0).all())
 
 
-def test_empty_batch(ce_device):
-    logits = make_logits((0, 5), torch.float32, ce_device)
-    target = torch.zeros(0, dtype=torch.int64, device=ce_device)
+@pytest.mark.parametrize("shape", [(0, 5), (2, 5, 0), (0, 5, 3), (2, 5, 3, 0)])
+def test_empty_batch(ce_device, shape):
+    # No rows: an empty batch, or empty K dims (N, C, 0) (the reference divided by zero there)
+    logits = make_logits(shape, torch.float32, ce_device)
+    target = torch.zeros(shape[:1] + shape[2:], dtype=torch.int64, device=ce_device)
     for reduction in ("mean", "sum", "none"):
-        exp_loss, _ = torch_expected(logits, target, reduction=reduction)
-        loss, grad = ours(logits, target, reduction=reduction)
-        torch.testing.assert_close(loss.double(), exp_loss, equal_nan=True)
-        assert grad.shape == (0, 5)
+        for label_smoothing, weight in ((0.0, None), (0.1, make_weight(5, ce_device).float())):
+            kwargs = dict(reduction=reduction, label_smoothing=label_smoothing, weight=weight)
+            exp_loss, _ = torch_expected(logits, target, **kwargs)
+            loss, grad = ours(logits, target, **kwargs)
+            assert loss.shape == exp_loss.shape
+            torch.testing.assert_close(loss.double(), exp_loss, equal_nan=True)
+            assert grad.shape == shape
+    # The row kernels themselves, called with no rows, return no losses.
+    if len(shape) == 3:
+        kernel = effilayers.backends.kernel(OP, ce_device)
+        scale = torch.ones(1, device=ce_device)
+        for grad in (None, torch.empty_like(logits)):
+            assert kernel(logits, target.reshape(-1), None, grad, scale, -100, 0.1).shape == (0,)
 
 
 def test_zero_classes_like_torch(ce_device):

@@ -27,6 +27,8 @@ Numerics
     a finite gradient, like torch; ``+inf`` logits give NaN. Logits with 0
     classes (every target ignored) give torch's values without running a
     kernel: rows 0 (NaN with label smoothing, torch's ``eps / 0`` times 0).
+    So do inputs without rows, ``(0, C)`` or ``(N, C, 0)``: a sum of 0, a
+    mean of NaN (0 / 0) and an empty ``"none"`` loss, as torch gives.
     Logits near the top of bf16's range behave as torch's do: the loss
     ``lse - x[t]`` is formed in float32, so with values of about +-3e38 in one
     row (``lse`` ~3e38, ``x[t]`` ~-3e38) it overflows to ``inf``, exactly as
@@ -172,6 +174,8 @@ def cross_entropy_rows_reference(
     if classes == 0:  # nothing to read or write: ignored rows 0, the rest have no valid target
         loss_rows.copy_(torch.where(target == ignore_index, 0.0, math.nan))
         return loss_rows
+    if loss_rows.numel() == 0:  # no rows ((0, C, I) or (N, C, 0)): no chunk to size
+        return loss_rows
     inner_block = n_inner if classes * n_inner <= REFERENCE_CHUNK_ELEMENTS else max(1, REFERENCE_CHUNK_ELEMENTS // classes)
     outer_block = max(1, REFERENCE_CHUNK_ELEMENTS // (classes * inner_block))
     for n0 in range(0, n_outer, outer_block):
@@ -289,15 +293,6 @@ def _run(logits, target, weight, ignore_index, label_smoothing, reduction, grad,
     None, or a logits-shaped buffer (possibly the logits) to fill."""
     acc = acc_dtype(logits.dtype)
     classes = logits.shape[1]
-    rows3 = _as_rows(logits)
-    grad3 = None if grad is None else _as_rows(grad)
-    copied_grad = None
-    if rows3 is None:
-        # Strides that do not merge into (N, C, rest): the one case that costs a copy.
-        rows3 = _as_rows(logits.contiguous())
-    if grad is not None and grad3 is None:
-        copied_grad = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
-        grad3 = _as_rows(copied_grad)
     # The kernels read target row r at offset r: a target with gaps (a column
     # of a label table, a shifted or permuted view) is copied, which
     # reshape(-1) alone does not do where a single stride fits.
@@ -311,19 +306,30 @@ def _run(logits, target, weight, ignore_index, label_smoothing, reduction, grad,
     if weight is not None:
         # (C,) values: the kernels take them contiguous in the accumulation dtype.
         weight = weight.to(device=logits.device, dtype=acc).contiguous()
-    if classes == 0:
+    if classes == 0 or target_rows.numel() == 0:
         # No logit to read and no gradient element to write: torch's values
-        # directly. Ignored rows give 0, or NaN with label smoothing (torch's
-        # eps / C is inf, times a zero sum); any other target is out of range
-        # (NaN, as the kernels flag it; CPU raised before).
+        # directly. With 0 classes, ignored rows give 0, or NaN with label
+        # smoothing (torch's eps / C is inf, times a zero sum); any other
+        # target is out of range (NaN, as the kernels flag it; CPU raised
+        # before). With no rows ((0, C), (N, C, 0)), no loss at all: the sum
+        # is 0 and the mean 0 / 0 = NaN, as torch gives.
         ignored = 0.0 if label_smoothing == 0 else math.nan
         loss_rows = torch.where(target_rows == ignore_index, ignored, math.nan).to(acc)
     else:
+        rows3 = _as_rows(logits)
+        if rows3 is None:
+            # Strides that do not merge into (N, C, rest): the one case that costs a copy.
+            rows3 = _as_rows(logits.contiguous())
+        grad3 = None if grad is None else _as_rows(grad)
+        copied_grad = None
+        if grad is not None and grad3 is None:
+            copied_grad = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
+            grad3 = _as_rows(copied_grad)
         loss_rows = backends.kernel("cross_entropy", logits.device)(
             rows3, target_rows, weight, grad3, grad_scale, ignore_index, float(label_smoothing)
         )
-    if copied_grad is not None:
-        grad.copy_(copied_grad)
+        if copied_grad is not None:
+            grad.copy_(copied_grad)
     if reduction == "none":
         return loss_rows.view(_loss_shape(logits, "none")).to(loss_dtype)
     loss = loss_rows.sum()
