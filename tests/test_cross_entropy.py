@@ -771,6 +771,27 @@ def test_argument_errors(kwargs, error, match):
         cross_entropy(logits, torch.tensor([0, 1, 2]), **kwargs)
 
 
+def test_weight_that_requires_grad_is_refused_like_torch(ce_device):
+    # torch's nll_loss is not differentiable w.r.t. weight and refuses a
+    # weight that requires grad (unless grad mode is off); a silently missing
+    # weight.grad would be worse.
+    logits = make_logits((4, 5), torch.float32, ce_device).requires_grad_()
+    target = make_target((4,), 5, ce_device)
+    weight = make_weight(5, ce_device).float().requires_grad_()
+    with pytest.raises(RuntimeError, match="not differentiable with respect to argument 'weight'"):
+        F.cross_entropy(logits, target, weight=weight)
+    for x in (logits, logits.detach()):
+        with pytest.raises(ValueError, match="weight requires grad"):
+            cross_entropy(x, target, weight=weight)
+    assert weight.grad is None
+    with torch.no_grad():
+        torch.testing.assert_close(cross_entropy(logits, target, weight=weight),
+                                   F.cross_entropy(logits, target, weight=weight), **TOL[torch.float32])
+    loss, _ = ours(logits, target, weight=weight.detach())
+    torch.testing.assert_close(loss, F.cross_entropy(logits, target, weight=weight.detach()).detach(),
+                               **TOL[torch.float32])
+
+
 def test_input_errors():
     logits = make_logits((3, 5), torch.float32, "cpu")
     with pytest.raises(TypeError, match="probability .* targets are not supported"):

@@ -5,7 +5,9 @@ label_smoothing=0.0, reduction="mean", inplace_backward=False)`` computes
 what ``torch.nn.functional.cross_entropy`` computes for class-index targets:
 logits ``(N, C)`` with target ``(N,)``, or ``(N, C, d1, ...)`` with target
 ``(N, d1, ...)`` (the class dimension is 1), or unbatched ``(C,)`` with a
-0-dim target. Probability ("soft") targets are not supported.
+0-dim target. Probability ("soft") targets are not supported. The loss is
+differentiable with respect to the logits only: a ``weight`` that requires
+grad is refused (``ValueError``) while grad mode is on, as torch refuses it.
 
 Numerics
     Each row's log-sum-exp is accumulated in float32 (float64 for float64
@@ -478,6 +480,13 @@ def _check_arguments(logits, target, weight, ignore_index, label_smoothing, redu
                              f"got {tuple(weight.shape)}")
         if weight.device != logits.device:
             raise ValueError(f"cross_entropy: weight is on {weight.device} but logits are on {logits.device}")
+        if weight.requires_grad and torch.is_grad_enabled():
+            # torch's nll_loss refuses it too (not differentiable w.r.t. weight):
+            # no gradient would reach it, and a silently missing weight.grad is worse.
+            raise ValueError(
+                "cross_entropy: weight requires grad, but the loss is not differentiable with respect to the class "
+                "weights (torch.nn.functional.cross_entropy refuses it too); pass weight.detach()"
+            )
     # Under no_grad / inference_mode nothing is written (no gradient is
     # computed), and torch allows in-place ops there too: no refusal.
     writes = inplace_backward and logits.requires_grad and torch.is_grad_enabled()
