@@ -752,6 +752,22 @@ def test_out_of_range_target(ce_device):
     assert not math.isnan(float(loss[0])) and float(loss[2]) == 0.0 and bool((grad[2] == 0).all())
 
 
+@pytest.mark.slow
+def test_out_of_range_target_under_compile(cpu_or_interpreter_device):
+    # The documented rule: the host check is skipped while compiling; the C++
+    # kernel raises, the others flag the row with NaN.
+    torch._dynamo.reset()
+    logits = make_logits((4, 5), torch.float32, cpu_or_interpreter_device)
+    bad = torch.tensor([0, 1, 7, 2], device=cpu_or_interpreter_device)
+    compiled = torch.compile(lambda x, t: cross_entropy(x, t, reduction="none"), fullgraph=True)
+    if backend_of(cpu_or_interpreter_device) == "cpp":
+        with pytest.raises(IndexError, match="target 7 is out of bounds for 5 classes"):
+            compiled(logits, bad)
+        return
+    loss = compiled(logits, bad)
+    assert torch.equal(loss.isnan().cpu(), torch.tensor([False, False, True, False]))
+
+
 # --------------------------------------------------------------------------
 # Errors
 # --------------------------------------------------------------------------

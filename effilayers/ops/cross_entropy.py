@@ -82,7 +82,10 @@ Targets out of range (neither in ``[0, C)`` nor ``ignore_index``)
     and no device assert is used: the kernel writes NaN into that row's loss
     and gradient, so the reduced loss becomes NaN and the error is visible
     at the next loss read. Under ``torch.compile`` the host check is skipped
-    (it is data-dependent) and the same NaN rule applies on every device.
+    (it is data-dependent); on CPU the C++ kernel still raises the
+    ``IndexError`` (it checks each row as it reads it), while the kernels
+    that do not check (Triton, and the PyTorch reference, the fallback)
+    give NaN as above.
 
 Autocast
     Under ``torch.autocast`` (CPU or CUDA) ``torch.nn.functional.cross_entropy``
