@@ -227,6 +227,22 @@ def test_all_rows_ignored_mean_is_nan_with_zero_grad(ce_device):
         assert bool((grad == 0).all()) and bool((exp_grad == 0).all())
 
 
+def test_weighted_mean_of_zero_total_weight_like_torch(ce_device, small_triton_block):
+    # Every target's class weight is 0 (one row ignored): torch's mean is
+    # 0 / 0 = NaN with or without label smoothing, its gradient NaN on the
+    # counted rows and 0 on the ignored one (smoothing used to give inf).
+    logits = make_logits((4, 11), torch.float64, ce_device)
+    target = torch.tensor([0, 0, -100, 1], device=ce_device)
+    weight = torch.tensor([0.0, 0.0] + [1.0, 2.0, 0.5] * 3, dtype=torch.float64, device=ce_device)
+    for label_smoothing in (0.0, 0.1, 1.0):
+        exp_loss, exp_grad = torch_expected(logits, target, weight=weight, label_smoothing=label_smoothing)
+        loss, grad = ours(logits, target, weight=weight, label_smoothing=label_smoothing)
+        assert math.isnan(float(exp_loss)) and bool(exp_grad[[0, 1, 3]].isnan().all())
+        assert bool((exp_grad[2] == 0).all())
+        torch.testing.assert_close(loss, exp_loss.to(loss.device), equal_nan=True)
+        torch.testing.assert_close(grad, exp_grad.to(grad.device), equal_nan=True)
+
+
 @pytest.mark.parametrize("shape", [(0, 5), (2, 5, 0), (0, 5, 3), (2, 5, 3, 0)])
 def test_empty_batch(ce_device, shape):
     # No rows: an empty batch, or empty K dims (N, C, 0) (the reference divided by zero there)

@@ -23,8 +23,10 @@ Numerics
         grad = ((1 - eps) * w[t] + eps / C * W) * softmax(x) - eps / C * w - (1 - eps) * w[t] * onehot(t)
 
     ``reduction="mean"`` divides by the sum of ``w[t]`` over the rows that
-    are not ``ignore_index`` (torch's convention; NaN when every row is
-    ignored, with a zero gradient, as torch does). Ignored rows have loss 0
+    are not ``ignore_index`` (torch's convention). When that sum is 0 the
+    mean is NaN, with or without label smoothing, as torch's is: every row
+    ignored gives a zero gradient, counted rows whose targets all have
+    weight 0 a NaN gradient on those rows (0 on ignored ones). Ignored rows have loss 0
     and gradient 0. A ``-inf`` logit on the target gives an infinite loss and
     a finite gradient, like torch; ``+inf`` logits give NaN. Logits with 0
     classes (every target ignored) give torch's values without running a
@@ -304,7 +306,12 @@ def _run(logits, target, weight, ignore_index, label_smoothing, reduction, grad,
     target_rows = target.reshape(-1).to(torch.int64).contiguous()
     if reduction == "mean":
         total = _row_weights(target_rows, weight, ignore_index, classes, acc)
-        grad_scale = 1.0 / total
+        # A total weight of 0 (every row ignored, or every target of a class
+        # of weight 0): torch's mean is 0 / 0 = NaN, with label smoothing too
+        # (its smoothing term is added to that NaN), and its gradient NaN on
+        # the counted rows; 1 / 0 = inf would give inf there. A NaN scale does
+        # it; the kernels still write 0 on ignored rows (a select, as torch's).
+        grad_scale = torch.where(total == 0, math.nan, 1.0 / total)
     else:
         total = None
         grad_scale = torch.ones(1, dtype=acc, device=logits.device)
@@ -339,7 +346,7 @@ def _run(logits, target, weight, ignore_index, label_smoothing, reduction, grad,
         return loss_rows.view(_loss_shape(logits, "none")).to(loss_dtype)
     loss = loss_rows.sum()
     if reduction == "mean":
-        loss = loss / total.reshape(())
+        loss = torch.where(total == 0, math.nan, loss / total).reshape(())
     return loss.to(loss_dtype)
 
 
