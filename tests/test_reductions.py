@@ -395,6 +395,27 @@ def test_dim_empty_tuple_and_zero_dim_like_torch(backend, kind):
                                    equal_nan=True)
 
 
+def test_integer_input_with_a_floating_dtype_like_torch(backend):
+    # torch.sum / torch.mean take integer and bool x with a floating dtype;
+    # without one (or for var/std/norm) both refuse, torch.sum aside (an int64 sum).
+    device = backend[1]
+    values = (torch.arange(24, device=device).view(2, 3, 4) * 977 - 9000)
+    for x in (values, values.to(torch.int32), (values % 200).to(torch.uint8), values > 0):
+        for kind in ("sum", "mean"):
+            for dtype in (torch.float32, torch.float16):
+                for dim in (None, 1, (0, 2)):
+                    expected = getattr(torch, kind)(x.cpu().double(), () if dim is None else dim)
+                    result = getattr(EF, kind)(x, dim, dtype=dtype)
+                    assert result.dtype == dtype
+                    torch.testing.assert_close(result.cpu().double(), expected.to(dtype).double(), rtol=RTOL[dtype],
+                                               atol=0)
+            with pytest.raises(TypeError, match="pass a floating dtype="):
+                getattr(EF, kind)(x)
+        for kind in ("var", "std", "norm"):
+            with pytest.raises(TypeError, match="x must be float16, bfloat16, float32 or float64"):
+                getattr(EF, kind)(x, dtype=torch.float32)
+
+
 def test_bad_arguments():
     x = torch.randn(3, 4)
     with pytest.raises(TypeError, match="x must be float16, bfloat16, float32 or float64"):

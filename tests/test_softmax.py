@@ -638,6 +638,25 @@ def test_fp16_accuracy_cases():
 # --------------------------------------------------------------------------- errors
 
 
+def test_integer_input_with_a_floating_dtype_like_torch(backend):
+    # torch.softmax(x, dim, dtype=...) accepts integer and bool x when dtype
+    # is floating (it converts x first); without one both refuse.
+    _, device = backend
+    values = torch.arange(-7, 8, device=device).view(3, 5) * 3
+    for x in (values, values.to(torch.int32), (values + 21).to(torch.uint8), values > 0):
+        for fn, theirs in ((softmax, torch.softmax), (log_softmax, torch.log_softmax)):
+            for dtype in (torch.float32, torch.float64, torch.float16):
+                y = fn(x, 1, dtype=dtype)
+                assert y.dtype == dtype
+                reference = theirs(x.cpu().double(), 1)
+                assert_matches(y, reference, dtype, fn is log_softmax)
+                assert_matches(fn(x.t(), 0, dtype=dtype), reference.t(), dtype, fn is log_softmax)
+            with pytest.raises(TypeError, match="integer and bool input needs a floating dtype="):
+                fn(x, 1)
+            with pytest.raises(TypeError, match="dtype must be float16"):
+                fn(x, 1, dtype=torch.int64)
+
+
 def test_errors():
     x = torch.randn(3, 4)
     with pytest.raises(TypeError, match="x must be a torch.Tensor"):
