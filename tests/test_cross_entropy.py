@@ -824,6 +824,18 @@ def test_weight_that_requires_grad_is_refused_like_torch(ce_device):
                                **TOL[torch.float32])
 
 
+def test_forward_mode_ad_is_refused(ce_device):
+    # No forward-mode rule: torch would hand back a zero tangent silently.
+    logits = make_logits((4, 5), torch.float32, ce_device)
+    tangent = make_logits((4, 5), torch.float32, ce_device, seed=3)
+    target = make_target((4,), 5, ce_device)
+    with pytest.raises(NotImplementedError, match="forward-mode AD"):
+        torch.func.jvp(lambda t: cross_entropy(t, target), (logits,), (tangent,))
+    with torch.autograd.forward_ad.dual_level():
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            cross_entropy(torch.autograd.forward_ad.make_dual(logits, tangent), target, reduction="none")
+
+
 def test_input_errors():
     logits = make_logits((3, 5), torch.float32, "cpu")
     with pytest.raises(TypeError, match="probability .* targets are not supported"):

@@ -416,6 +416,20 @@ def test_integer_input_with_a_floating_dtype_like_torch(backend):
                 getattr(EF, kind)(x, dtype=torch.float32)
 
 
+def test_forward_mode_ad_is_refused(backend):
+    # No forward-mode rule: torch would hand back a zero tangent silently.
+    device = backend[1]
+    x, tangent = values((3, 5), torch.float32, device), values((3, 5), torch.float32, device, seed=1)
+    for kind in KINDS:
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            torch.func.jvp(lambda t: getattr(EF, kind)(t, 1), (x,), (tangent,))
+    with pytest.raises(NotImplementedError, match="forward-mode AD"):
+        torch.func.jvp(lambda t: EF.norm(t, ord=1), (x,), (tangent,))
+    # ord=inf is torch's own vector_norm: its tangent is right, so it runs
+    _, expected = torch.func.jvp(lambda t: torch.linalg.vector_norm(t, math.inf), (x,), (tangent,))
+    torch.testing.assert_close(torch.func.jvp(lambda t: EF.norm(t, ord=math.inf), (x,), (tangent,))[1], expected)
+
+
 def test_bad_arguments():
     x = torch.randn(3, 4)
     with pytest.raises(TypeError, match="x must be float16, bfloat16, float32 or float64"):

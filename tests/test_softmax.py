@@ -657,6 +657,19 @@ def test_integer_input_with_a_floating_dtype_like_torch(backend):
                 fn(x, 1, dtype=torch.int64)
 
 
+def test_forward_mode_ad_is_refused(backend):
+    # No forward-mode rule: torch would hand back a zero tangent silently.
+    _, device = backend
+    x, tangent = varied((3, 5), torch.float32, device), varied((3, 5), torch.float32, device, seed=1)
+    for fn in (lambda t: softmax(t, 1), lambda t: log_softmax(t, 0), lambda t: scaled_masked_softmax(t, None, 0.5),
+               lambda t: scaled_masked_softmax(x, t, 0.5)):  # a float mask's tangent too
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            torch.func.jvp(fn, (x,), (tangent,))
+        with torch.autograd.forward_ad.dual_level():
+            with pytest.raises(NotImplementedError, match="forward-mode AD"):
+                fn(torch.autograd.forward_ad.make_dual(x, tangent))
+
+
 def test_errors():
     x = torch.randn(3, 4)
     with pytest.raises(TypeError, match="x must be a torch.Tensor"):

@@ -121,7 +121,7 @@ from torch.nn import _reduction as _Reduction
 from torch._subclasses.fake_tensor import is_fake
 
 from .. import backends
-from ._layout import autocast_to_float32, three_groups
+from ._layout import autocast_to_float32, refuse_forward_ad, three_groups
 
 __all__ = [
     "cross_entropy",
@@ -559,6 +559,7 @@ def cross_entropy(
     if size_average is not None or reduce is not None:
         reduction = _Reduction.legacy_get_string(size_average, reduce)
     _check_arguments(logits, target, weight, ignore_index, label_smoothing, reduction, inplace_backward)
+    refuse_forward_ad("cross_entropy", logits, weight)
     unbatched = logits.dim() == 1
     if unbatched:
         logits = logits.unsqueeze(0)

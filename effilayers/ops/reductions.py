@@ -100,7 +100,7 @@ from typing import Optional, Sequence
 import torch
 
 from .. import backends
-from ._layout import autocast_to_float32, normalize_dims, three_groups
+from ._layout import autocast_to_float32, normalize_dims, refuse_forward_ad, three_groups
 
 __all__ = ["sum", "mean", "var", "std", "norm", "reduce_reference", "reduce_three_reference", "KINDS"]
 
@@ -314,6 +314,7 @@ def _integer_input(op: str, x, dtype):
 def _reduce(op: str, x, dim, kind: str, correction: float, keepdim: bool, dtype) -> torch.Tensor:
     x = _integer_input(op, x, dtype)
     _check(op, x, dtype, keepdim, correction)
+    refuse_forward_ad(op, x)
     dtype = _autocast_dtype(op, x, dtype)
     return _reduce_op(x, list(_dims(op, x, dim)), kind, float(correction), keepdim, dtype)
 

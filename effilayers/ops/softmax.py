@@ -72,7 +72,7 @@ from typing import Optional
 import torch
 
 from .. import backends
-from ._layout import three_groups
+from ._layout import refuse_forward_ad, three_groups
 
 __all__ = [
     "softmax",
@@ -400,6 +400,7 @@ def softmax(x: torch.Tensor, dim: int, dtype: Optional[torch.dtype] = None) -> t
     float64), saving only the output for backward. See the module docstring."""
     _check_dtype(dtype, "softmax")
     x = _floating_input(x, dtype, "softmax")
+    refuse_forward_ad("softmax", x)
     _check_dim(dim, x.dim(), "softmax")
     return _softmax_forward_op(x, dim, False, dtype)
 
@@ -409,6 +410,7 @@ def log_softmax(x: torch.Tensor, dim: int, dtype: Optional[torch.dtype] = None) 
     for float64), saving only the output for backward."""
     _check_dtype(dtype, "log_softmax")
     x = _floating_input(x, dtype, "log_softmax")
+    refuse_forward_ad("log_softmax", x)
     _check_dim(dim, x.dim(), "log_softmax")
     return _softmax_forward_op(x, dim, True, dtype)
 
@@ -427,4 +429,5 @@ def scaled_masked_softmax(x: torch.Tensor, mask: Optional[torch.Tensor] = None, 
     ``scale``), never to ``mask``. Output and gradient have ``x``'s dtype.
     """
     scale = _check_masked_arguments(x, mask, scale, causal)
+    refuse_forward_ad("scaled_masked_softmax", x, mask)
     return _scaled_masked_softmax_op(x, mask, scale, causal)
