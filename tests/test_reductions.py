@@ -430,6 +430,16 @@ def test_forward_mode_ad_is_refused(backend):
     torch.testing.assert_close(torch.func.jvp(lambda t: EF.norm(t, ord=math.inf), (x,), (tangent,))[1], expected)
 
 
+def test_norm_second_positional_argument_is_dim():
+    # The README's warning: unlike torch.norm(x, p), norm(x, 1) reduces dim 1 (2-norm); ord is keyword-only.
+    x = values((3, 4), torch.float32, "cpu")
+    torch.testing.assert_close(EF.norm(x, 1), torch.linalg.vector_norm(x, 2, dim=1))
+    assert EF.norm(x, 1).shape == (3,) and torch.norm(x, 1).shape == ()
+    assert EF.norm(x, 1, True).shape == (3, 1)
+    with pytest.raises(TypeError):
+        EF.norm(x, 1, False, 1)
+
+
 def test_bad_arguments():
     x = torch.randn(3, 4)
     with pytest.raises(TypeError, match="x must be float16, bfloat16, float32 or float64"):

@@ -346,6 +346,10 @@ def norm(x: torch.Tensor, dim=None, keepdim: bool = False, *, ord=2, dtype: Opti
          ) -> torch.Tensor:
     """Vector norm over ``dim`` (``torch.linalg.vector_norm(x, ord, dim)``).
 
+    The second positional argument is ``dim``, not an order as in
+    ``torch.norm(x, p, dim)``: ``norm(x, 1)`` is the 2-norm over dimension 1;
+    ``ord`` is keyword-only.
+
     ``ord=2`` (default): this op, scaled by powers of two so the squares of
     bf16 values do not overflow. ``ord=1``: :func:`sum` of ``x.abs()``
     (overflow-free like the sum; costs an input-sized ``abs`` temporary,
