@@ -227,14 +227,41 @@ def test_all_rows_ignored_mean_is_nan_with_zero_grad(ce_device):
         assert bool((grad == 0).all()) and bool((exp_grad == 0).all())
 
 
-def test_empty_batch(ce_device):
-    logits = make_logits((0, 5), torch.float32, ce_device)
-    target = torch.zeros(0, dtype=torch.int64, device=ce_device)
+def test_weighted_mean_of_zero_total_weight_like_torch(ce_device, small_triton_block):
+    # Every target's class weight is 0 (one row ignored): torch's mean is
+    # 0 / 0 = NaN with or without label smoothing, its gradient NaN on the
+    # counted rows and 0 on the ignored one (smoothing used to give inf).
+    logits = make_logits((4, 11), torch.float64, ce_device)
+    target = torch.tensor([0, 0, -100, 1], device=ce_device)
+    weight = torch.tensor([0.0, 0.0] + [1.0, 2.0, 0.5] * 3, dtype=torch.float64, device=ce_device)
+    for label_smoothing in (0.0, 0.1, 1.0):
+        exp_loss, exp_grad = torch_expected(logits, target, weight=weight, label_smoothing=label_smoothing)
+        loss, grad = ours(logits, target, weight=weight, label_smoothing=label_smoothing)
+        assert math.isnan(float(exp_loss)) and bool(exp_grad[[0, 1, 3]].isnan().all())
+        assert bool((exp_grad[2] == 0).all())
+        torch.testing.assert_close(loss, exp_loss.to(loss.device), equal_nan=True)
+        torch.testing.assert_close(grad, exp_grad.to(grad.device), equal_nan=True)
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (2, 5, 0), (0, 5, 3), (2, 5, 3, 0)])
+def test_empty_batch(ce_device, shape):
+    # No rows: an empty batch, or empty K dims (N, C, 0) (the reference divided by zero there)
+    logits = make_logits(shape, torch.float32, ce_device)
+    target = torch.zeros(shape[:1] + shape[2:], dtype=torch.int64, device=ce_device)
     for reduction in ("mean", "sum", "none"):
-        exp_loss, _ = torch_expected(logits, target, reduction=reduction)
-        loss, grad = ours(logits, target, reduction=reduction)
-        torch.testing.assert_close(loss.double(), exp_loss, equal_nan=True)
-        assert grad.shape == (0, 5)
+        for label_smoothing, weight in ((0.0, None), (0.1, make_weight(5, ce_device).float())):
+            kwargs = dict(reduction=reduction, label_smoothing=label_smoothing, weight=weight)
+            exp_loss, _ = torch_expected(logits, target, **kwargs)
+            loss, grad = ours(logits, target, **kwargs)
+            assert loss.shape == exp_loss.shape
+            torch.testing.assert_close(loss.double(), exp_loss, equal_nan=True)
+            assert grad.shape == shape
+    # The row kernels themselves, called with no rows, return no losses.
+    if len(shape) == 3:
+        kernel = effilayers.backends.kernel(OP, ce_device)
+        scale = torch.ones(1, device=ce_device)
+        for grad in (None, torch.empty_like(logits)):
+            assert kernel(logits, target.reshape(-1), None, grad, scale, -100, 0.1).shape == (0,)
 
 
 def test_zero_classes_like_torch(ce_device):
@@ -296,6 +323,27 @@ def test_unbatched_and_integer_targets(ce_device):
     expected = cross_entropy(batch, target64)
     for dtype in (torch.int32, torch.uint8):
         torch.testing.assert_close(cross_entropy(batch, target64.to(dtype)), expected)
+
+
+def test_strided_targets(ce_device, small_triton_block):
+    # Targets that are views with gaps (a column of a label table, an LM
+    # label shift, a permuted K-dim target): the kernels read one int64 per
+    # row in row order, so these must not reach them as they are.
+    labels = make_target((6, 3), 11, ce_device, ignore_every=4)
+    logits = make_logits((6, 11), torch.float64, ce_device)
+    assert_matches_torch(logits, labels[:, 1], torch.float64, label_smoothing=0.1)
+    narrow = labels.to(torch.int32)[:, 2]  # converted to int64 on the way: the conversion keeps the gaps
+    assert not narrow.is_contiguous()
+    torch.testing.assert_close(cross_entropy(logits, narrow), F.cross_entropy(logits, labels[:, 2]),
+                               **TOL[torch.float64])
+    spatial = make_logits((2, 11, 3, 4), torch.float64, ce_device, seed=3)
+    table = make_target((2, 4, 5), 11, ce_device, seed=4, ignore_every=5)
+    every_other = make_target((2, 3, 8), 11, ce_device, seed=6)[..., ::2]  # reshape(-1) keeps it a strided view
+    for target in (table[:, :, 1:4].transpose(1, 2), table.transpose(1, 2)[:, :3], table[:, :1, :4].expand(2, 3, 4),
+                   every_other):
+        assert target.shape == (2, 3, 4) and not target.is_contiguous()
+        assert_matches_torch(logits=spatial, target=target, dtype=torch.float64, reduction="none",
+                             grad_output=make_logits((2, 3, 4), torch.float64, ce_device, seed=5))
 
 
 # --------------------------------------------------------------------------
@@ -489,8 +537,24 @@ def test_inplace_backward_raises_when_logits_are_saved_elsewhere(ce_device):
 def test_inplace_backward_refuses_leaves_and_overlapping_logits(ce_device):
     target = make_target((5,), 7, ce_device)
     leaf = make_logits((5, 7), torch.float32, ce_device).requires_grad_()
-    with pytest.raises(ValueError, match="leaf tensor that requires grad"):
+    with pytest.raises(ValueError, match="inplace_backward=True .* a leaf tensor that requires grad"):
         cross_entropy(leaf, target, inplace_backward=True)
+    # Views of such a leaf (a parameter) share its storage: torch refuses
+    # in-place ops on them, and the gradient must not overwrite the leaf.
+    before = leaf.detach().clone()
+    wide = make_logits((5, 14), torch.float32, ce_device).requires_grad_()
+    for view in (leaf[:], leaf.view(5, 7), leaf.view(35).view(5, 7), wide[:, ::2]):
+        with pytest.raises(RuntimeError, match="view of a leaf Variable"):
+            view.add_(0)  # torch's own rule, which the check follows
+        with pytest.raises(ValueError, match="inplace_backward=True .* a view of a leaf tensor that requires grad"):
+            cross_entropy(view, target, inplace_backward=True)
+    assert torch.equal(leaf.detach(), before)
+    # not refused: a view of a computed tensor, and any view under no_grad (nothing is written)
+    (grad,) = torch.autograd.grad(cross_entropy((leaf * 1)[:], target, inplace_backward=True), leaf)
+    torch.testing.assert_close(grad.double(), torch_expected(leaf, target)[1], **TOL[torch.float32])
+    with torch.no_grad():
+        cross_entropy(leaf[:], target, inplace_backward=True)
+    assert torch.equal(leaf.detach(), before)
     row = make_logits((1, 7), torch.float32, ce_device).requires_grad_()
     expanded = (row * 1).expand(5, 7)
     with pytest.raises(ValueError, match="share memory"):
@@ -704,6 +768,22 @@ def test_out_of_range_target(ce_device):
     assert not math.isnan(float(loss[0])) and float(loss[2]) == 0.0 and bool((grad[2] == 0).all())
 
 
+@pytest.mark.slow
+def test_out_of_range_target_under_compile(cpu_or_interpreter_device):
+    # The documented rule: the host check is skipped while compiling; the C++
+    # kernel raises, the others flag the row with NaN.
+    torch._dynamo.reset()
+    logits = make_logits((4, 5), torch.float32, cpu_or_interpreter_device)
+    bad = torch.tensor([0, 1, 7, 2], device=cpu_or_interpreter_device)
+    compiled = torch.compile(lambda x, t: cross_entropy(x, t, reduction="none"), fullgraph=True)
+    if backend_of(cpu_or_interpreter_device) == "cpp":
+        with pytest.raises(IndexError, match="target 7 is out of bounds for 5 classes"):
+            compiled(logits, bad)
+        return
+    loss = compiled(logits, bad)
+    assert torch.equal(loss.isnan().cpu(), torch.tensor([False, False, True, False]))
+
+
 # --------------------------------------------------------------------------
 # Errors
 # --------------------------------------------------------------------------
@@ -721,6 +801,39 @@ def test_argument_errors(kwargs, error, match):
     logits = make_logits((3, 5), torch.float32, "cpu")
     with pytest.raises(error, match=match):
         cross_entropy(logits, torch.tensor([0, 1, 2]), **kwargs)
+
+
+def test_weight_that_requires_grad_is_refused_like_torch(ce_device):
+    # torch's nll_loss is not differentiable w.r.t. weight and refuses a
+    # weight that requires grad (unless grad mode is off); a silently missing
+    # weight.grad would be worse.
+    logits = make_logits((4, 5), torch.float32, ce_device).requires_grad_()
+    target = make_target((4,), 5, ce_device)
+    weight = make_weight(5, ce_device).float().requires_grad_()
+    with pytest.raises(RuntimeError, match="not differentiable with respect to argument 'weight'"):
+        F.cross_entropy(logits, target, weight=weight)
+    for x in (logits, logits.detach()):
+        with pytest.raises(ValueError, match="weight requires grad"):
+            cross_entropy(x, target, weight=weight)
+    assert weight.grad is None
+    with torch.no_grad():
+        torch.testing.assert_close(cross_entropy(logits, target, weight=weight),
+                                   F.cross_entropy(logits, target, weight=weight), **TOL[torch.float32])
+    loss, _ = ours(logits, target, weight=weight.detach())
+    torch.testing.assert_close(loss, F.cross_entropy(logits, target, weight=weight.detach()).detach(),
+                               **TOL[torch.float32])
+
+
+def test_forward_mode_ad_is_refused(ce_device):
+    # No forward-mode rule: torch would hand back a zero tangent silently.
+    logits = make_logits((4, 5), torch.float32, ce_device)
+    tangent = make_logits((4, 5), torch.float32, ce_device, seed=3)
+    target = make_target((4,), 5, ce_device)
+    with pytest.raises(NotImplementedError, match="forward-mode AD"):
+        torch.func.jvp(lambda t: cross_entropy(t, target), (logits,), (tangent,))
+    with torch.autograd.forward_ad.dual_level():
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            cross_entropy(torch.autograd.forward_ad.make_dual(logits, tangent), target, reduction="none")
 
 
 def test_input_errors():
@@ -825,6 +938,24 @@ def test_opcheck():
     # the autocast case: bf16 logits, float32 loss
     torch.library.opcheck(_cross_entropy_forward, (logits.bfloat16(), target, None, -100, 0.0, "none", True,
                                                    torch.float32))
+
+
+@pytest.mark.parametrize("layout", ["permuted", "channels_last"])
+def test_opcheck_layouts(cpu_or_interpreter_device, layout):
+    # Dense logits laid out other than contiguously: the gradient buffer the
+    # real kernels fill must have the strides the fake kernel promises.
+    from effilayers.ops.cross_entropy import _cross_entropy_forward, _cross_entropy_forward_
+
+    utils = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
+    base = make_logits((2, 3, 2, 3), torch.float32, cpu_or_interpreter_device)
+    logits = base.permute(1, 0, 2, 3) if layout == "permuted" else base.contiguous(memory_format=torch.channels_last)
+    target = make_target(logits.shape[:1] + logits.shape[2:], logits.shape[1], cpu_or_interpreter_device,
+                         ignore_every=3)
+    for reduction in ("mean", "none"):
+        torch.library.opcheck(_cross_entropy_forward,
+                              (logits, target, None, -100, 0.1, reduction, True, torch.float32), test_utils=utils)
+        torch.library.opcheck(_cross_entropy_forward_,
+                              (logits.clone(), target, None, -100, 0.1, reduction, torch.float32), test_utils=utils)
 
 
 def test_fake_tensor_shapes():

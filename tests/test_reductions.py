@@ -395,6 +395,51 @@ def test_dim_empty_tuple_and_zero_dim_like_torch(backend, kind):
                                    equal_nan=True)
 
 
+def test_integer_input_with_a_floating_dtype_like_torch(backend):
+    # torch.sum / torch.mean take integer and bool x with a floating dtype;
+    # without one (or for var/std/norm) both refuse, torch.sum aside (an int64 sum).
+    device = backend[1]
+    values = (torch.arange(24, device=device).view(2, 3, 4) * 977 - 9000)
+    for x in (values, values.to(torch.int32), (values % 200).to(torch.uint8), values > 0):
+        for kind in ("sum", "mean"):
+            for dtype in (torch.float32, torch.float16):
+                for dim in (None, 1, (0, 2)):
+                    expected = getattr(torch, kind)(x.cpu().double(), () if dim is None else dim)
+                    result = getattr(EF, kind)(x, dim, dtype=dtype)
+                    assert result.dtype == dtype
+                    torch.testing.assert_close(result.cpu().double(), expected.to(dtype).double(), rtol=RTOL[dtype],
+                                               atol=0)
+            with pytest.raises(TypeError, match="pass a floating dtype="):
+                getattr(EF, kind)(x)
+        for kind in ("var", "std", "norm"):
+            with pytest.raises(TypeError, match="x must be float16, bfloat16, float32 or float64"):
+                getattr(EF, kind)(x, dtype=torch.float32)
+
+
+def test_forward_mode_ad_is_refused(backend):
+    # No forward-mode rule: torch would hand back a zero tangent silently.
+    device = backend[1]
+    x, tangent = values((3, 5), torch.float32, device), values((3, 5), torch.float32, device, seed=1)
+    for kind in KINDS:
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            torch.func.jvp(lambda t: getattr(EF, kind)(t, 1), (x,), (tangent,))
+    with pytest.raises(NotImplementedError, match="forward-mode AD"):
+        torch.func.jvp(lambda t: EF.norm(t, ord=1), (x,), (tangent,))
+    # ord=inf is torch's own vector_norm: its tangent is right, so it runs
+    _, expected = torch.func.jvp(lambda t: torch.linalg.vector_norm(t, math.inf), (x,), (tangent,))
+    torch.testing.assert_close(torch.func.jvp(lambda t: EF.norm(t, ord=math.inf), (x,), (tangent,))[1], expected)
+
+
+def test_norm_second_positional_argument_is_dim():
+    # The README's warning: unlike torch.norm(x, p), norm(x, 1) reduces dim 1 (2-norm); ord is keyword-only.
+    x = values((3, 4), torch.float32, "cpu")
+    torch.testing.assert_close(EF.norm(x, 1), torch.linalg.vector_norm(x, 2, dim=1))
+    assert EF.norm(x, 1).shape == (3,) and torch.norm(x, 1).shape == ()
+    assert EF.norm(x, 1, True).shape == (3, 1)
+    with pytest.raises(TypeError):
+        EF.norm(x, 1, False, 1)
+
+
 def test_bad_arguments():
     x = torch.randn(3, 4)
     with pytest.raises(TypeError, match="x must be float16, bfloat16, float32 or float64"):
@@ -523,6 +568,18 @@ def test_opcheck():
     torch.library.opcheck(_reduce_op, (x, [1], "var", 1, False, None))
     torch.library.opcheck(_reduce_op, (x.detach().half(), [0, 2], "norm", 0, True, torch.float32))
     torch.library.opcheck(_reduce_op, (x, [0, 1, 2], "mean", 0, False, None))
+
+
+@pytest.mark.parametrize("layout", ["permuted", "channels_last"])
+def test_opcheck_layouts(backend, layout):
+    # Dense inputs whose dims merge only partly: the output's strides must be
+    # the fake kernel's on every backend.
+    base = values((2, 3, 4, 5), torch.float32, backend[1])
+    x = base.permute(1, 0, 2, 3) if layout == "permuted" else base.contiguous(memory_format=torch.channels_last)
+    utils = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
+    for dims, kind, keepdim in (([1], "sum", False), ([3], "var", True), ([0, 2], "norm", False),
+                                ([1, 2, 3], "var", True)):
+        torch.library.opcheck(_reduce_op, (x, dims, kind, 1, keepdim, None), test_utils=utils)
 
 
 @pytest.mark.slow

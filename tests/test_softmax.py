@@ -638,6 +638,38 @@ def test_fp16_accuracy_cases():
 # --------------------------------------------------------------------------- errors
 
 
+def test_integer_input_with_a_floating_dtype_like_torch(backend):
+    # torch.softmax(x, dim, dtype=...) accepts integer and bool x when dtype
+    # is floating (it converts x first); without one both refuse.
+    _, device = backend
+    values = torch.arange(-7, 8, device=device).view(3, 5) * 3
+    for x in (values, values.to(torch.int32), (values + 21).to(torch.uint8), values > 0):
+        for fn, theirs in ((softmax, torch.softmax), (log_softmax, torch.log_softmax)):
+            for dtype in (torch.float32, torch.float64, torch.float16):
+                y = fn(x, 1, dtype=dtype)
+                assert y.dtype == dtype
+                reference = theirs(x.cpu().double(), 1)
+                assert_matches(y, reference, dtype, fn is log_softmax)
+                assert_matches(fn(x.t(), 0, dtype=dtype), reference.t(), dtype, fn is log_softmax)
+            with pytest.raises(TypeError, match="integer and bool input needs a floating dtype="):
+                fn(x, 1)
+            with pytest.raises(TypeError, match="dtype must be float16"):
+                fn(x, 1, dtype=torch.int64)
+
+
+def test_forward_mode_ad_is_refused(backend):
+    # No forward-mode rule: torch would hand back a zero tangent silently.
+    _, device = backend
+    x, tangent = varied((3, 5), torch.float32, device), varied((3, 5), torch.float32, device, seed=1)
+    for fn in (lambda t: softmax(t, 1), lambda t: log_softmax(t, 0), lambda t: scaled_masked_softmax(t, None, 0.5),
+               lambda t: scaled_masked_softmax(x, t, 0.5)):  # a float mask's tangent too
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            torch.func.jvp(fn, (x,), (tangent,))
+        with torch.autograd.forward_ad.dual_level():
+            with pytest.raises(NotImplementedError, match="forward-mode AD"):
+                fn(torch.autograd.forward_ad.make_dual(x, tangent))
+
+
 def test_errors():
     x = torch.randn(3, 4)
     with pytest.raises(TypeError, match="x must be a torch.Tensor"):
@@ -732,6 +764,22 @@ def test_modules_are_drop_ins():
             torch.testing.assert_close(result, reference)
 
 
+@pytest.mark.slow
+def test_modules_with_implicit_dim_compile_fullgraph():
+    # torch.nn.Softmax() compiles with fullgraph=True (its warning is issued
+    # while tracing); a warnings.warn call in the traced forward broke the graph.
+    for shape in ((2, 3, 4), (2, 3, 4, 5)):
+        x = varied(shape, torch.float32)
+        for ours, theirs in ((enn.Softmax(), torch.nn.Softmax()), (enn.LogSoftmax(), torch.nn.LogSoftmax())):
+            torch._dynamo.reset()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                result = torch.compile(ours, fullgraph=True)(x)
+                reference = theirs(x)
+            assert any("Implicit dimension choice" in str(w.message) for w in caught)
+            torch.testing.assert_close(result, reference)
+
+
 def test_autocast_keeps_the_input_dtype():
     # The documented choice: the input dtype (what torch does on CPU).
     xb = varied((4, 9), torch.bfloat16)
@@ -786,6 +834,36 @@ def test_opcheck():
     torch.library.opcheck(softmax_ops._scaled_masked_softmax_op, (x, torch.rand(5) > 0.5, 0.5, True))
     y = torch.softmax(x.detach(), 1)
     torch.library.opcheck(softmax_ops._softmax_backward_op, (torch.randn_like(y), y, 1, False, 1.0, torch.float16))
+
+
+# Dense layouts whose leading dimensions do not merge for the last dim: a
+# kernel that kept the input's strides where the fake kernel says contiguous
+# (the C++ scaled_masked_softmax did) fails test_faketensor here, and
+# torch.compile's stride assertion in a compiled graph.
+OPCHECK_LAYOUTS = {
+    "permuted": lambda x: x.permute(1, 0, 2, 3),
+    "channels_last": lambda x: x.contiguous(memory_format=torch.channels_last),
+}
+OPCHECK_UTILS = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+@pytest.mark.parametrize("layout", list(OPCHECK_LAYOUTS))
+def test_opcheck_layouts(backend, layout):
+    _, device = backend
+    x = OPCHECK_LAYOUTS[layout](varied((2, 3, 4, 5), torch.float32, device, seed=21))
+    mask = (torch.rand(5, generator=torch.Generator().manual_seed(3)) > 0.3).to(device)
+    for args in ((x, None, 0.5, False), (x, mask, 0.5, True)):
+        torch.library.opcheck(softmax_ops._scaled_masked_softmax_op, args, test_utils=OPCHECK_UTILS)
+    for dim in (1, 3):
+        torch.library.opcheck(softmax_ops._softmax_forward_op, (x, dim, dim == 3, None), test_utils=OPCHECK_UTILS)
+        y = torch.softmax(x, dim)
+        # the gradient's layout follows the saved output's: y contiguous, and y laid out like x
+        for saved in (y.contiguous(), torch.empty_like(x).copy_(y)):
+            for grad in (torch.randn_like(x), torch.randn(x.shape, device=device)):
+                torch.library.opcheck(softmax_ops._softmax_backward_op, (grad, saved, dim, False, 1.0, torch.float32),
+                                      test_utils=OPCHECK_UTILS)
+    # In eager too: the leading dims do not merge, so the output is contiguous (the rule of output_like).
+    assert scaled_masked_softmax(x, mask, 0.5).stride() == torch.empty(x.shape).stride()
 
 
 def test_info_lists_the_ops():

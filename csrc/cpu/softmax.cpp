@@ -113,6 +113,16 @@ std::pair<at::Tensor, Groups> readable(const at::Tensor& t, int64_t dim) {
   return {copy, *three_groups(copy, dim)};
 }
 
+// The output every kernel of this family allocates, and the fake kernels
+// describe (ops/softmax.py output_like): t's strides when the dims around
+// `dim` merge (empty_like keeps a dense t's permutation), else contiguous,
+// even for a kernel that could read t in place: the layout must not depend
+// on the backend, or a compiled graph's stride assertions fail.
+at::Tensor output_like(const at::Tensor& t, int64_t dim, at::ScalarType dtype) {
+  if (!three_groups(t, dim)) return at::empty(t.sizes(), t.options().dtype(dtype));
+  return at::empty_like(t, t.options().dtype(dtype));
+}
+
 int64_t wrap_dim(int64_t dim, int64_t ndim, const char* op) {
   const int64_t rank = std::max<int64_t>(ndim, 1);
   TORCH_CHECK_INDEX(dim >= -rank && dim < rank, op, ": dim ", dim, " is out of range for a tensor with ", ndim,
@@ -628,7 +638,7 @@ at::Tensor softmax_forward_cpu(const at::Tensor& x_arg, int64_t dim, bool log, s
                    out_type);
   dim = wrap_dim(dim, x_arg.dim(), op);
   auto [x, xg] = readable(x_arg, dim);
-  at::Tensor out = at::empty_like(x, x.options().dtype(out_type));
+  at::Tensor out = output_like(x_arg, dim, out_type);
   if (x.numel() == 0) return out;
   const Groups og = *three_groups(out, dim);
   if (x.scalar_type() == at::kDouble || out_type == at::kDouble) {
@@ -709,7 +719,7 @@ at::Tensor softmax_backward_cpu(const at::Tensor& grad_arg, const at::Tensor& ou
   dim = wrap_dim(dim, output_arg.dim(), op);
   auto [y, yg] = readable(output_arg, dim);
   auto [grad, gg] = readable(grad_arg, dim);
-  at::Tensor out = at::empty_like(y, y.options().dtype(input_dtype));
+  at::Tensor out = output_like(output_arg, dim, input_dtype);
   if (y.numel() == 0) return out;
   const Groups og = *three_groups(out, dim);
   const bool wide = grad.scalar_type() == at::kDouble || y.scalar_type() == at::kDouble || input_dtype == at::kDouble;
@@ -800,7 +810,8 @@ at::Tensor scaled_masked_softmax_forward_cpu(const at::Tensor& x, const std::opt
       mask_strides[xd] = m.size(d) == 1 ? 0 : m.stride(d);
     }
   }
-  at::Tensor out = at::empty_like(x);
+  // x is read in place whatever its strides; the output still follows the family's rule.
+  at::Tensor out = output_like(x, nd - 1, x.scalar_type());
   if (x.numel() == 0) return out;
   if (x.scalar_type() == at::kDouble) {
     scaled_masked_impl<double>(x, mask, mask_strides, scale, causal, out);

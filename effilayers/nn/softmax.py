@@ -6,7 +6,9 @@ forward accumulates in float32 and saves only its output for backward (see
 :mod:`effilayers.ops.softmax` for numerics, layouts and autocast).
 
 ``dim=None`` keeps torch's deprecated implicit choice, warning the same way:
-dim 0 for 0-, 1- and 3-dimensional input, else dim 1.
+dim 0 for 0-, 1- and 3-dimensional input, else dim 1. Like torch's modules
+these compile with ``torch.compile(fullgraph=True)``; the warning is then
+issued while tracing.
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ from ..ops.softmax import log_softmax, softmax
 __all__ = ["Softmax", "LogSoftmax"]
 
 
+# Marked constant for torch.compile: dynamo runs it while tracing (the
+# warning is issued then, once per compilation, as torch.nn.Softmax's is) and
+# bakes in the dim, where a warnings.warn call in the traced forward broke
+# the graph. The result depends only on the arguments, which are constants.
+@torch.compiler.assume_constant_result
 def implicit_dim(name: str, ndim: int, stacklevel: int) -> int:
     """torch.nn.functional's legacy rule for ``dim=None`` (with its warning)."""
     warnings.warn(

@@ -16,6 +16,9 @@ contiguous tensor, a doubly strided slice), :func:`three_groups` returns
 dimensions together); kernels document that copy as the one case that costs an
 input-sized buffer.
 
+They also share :func:`refuse_forward_ad`: their custom ops have no
+forward-mode derivative, and torch would drop an input's tangent silently.
+
 The same ops share one autocast rule, :func:`autocast_to_float32`: where
 ``torch.autocast`` runs the torch op an effilayers op replaces in float32,
 the effilayers op returns float32 too (its reduced result or loss only; the
@@ -28,8 +31,9 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
+from torch.autograd import forward_ad
 
-__all__ = ["ThreeGroups", "merge_dims", "three_groups", "normalize_dims", "autocast_to_float32"]
+__all__ = ["ThreeGroups", "merge_dims", "three_groups", "normalize_dims", "autocast_to_float32", "refuse_forward_ad"]
 
 
 @dataclass(frozen=True)
@@ -123,3 +127,21 @@ def autocast_to_float32(x: torch.Tensor, device_types: Sequence[str]) -> bool:
     device_type = x.device.type
     return (device_type in device_types and x.dtype in _AUTOCAST_ELIGIBLE
             and torch.is_autocast_enabled(device_type))
+
+
+def refuse_forward_ad(op: str, *tensors: Optional[torch.Tensor]) -> None:
+    """Raise where one of ``tensors`` carries a forward-mode tangent
+    (``torch.func.jvp`` / ``jacfwd``, ``torch.autograd.forward_ad``): the
+    custom ops register no forward-mode rule, and torch then returns the
+    output without a tangent, which jvp reads as a zero derivative (a wrong
+    answer, silently). Outside a dual level (every ordinary call) this is one
+    integer comparison."""
+    if forward_ad._current_level < 0:
+        return
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and forward_ad.unpack_dual(tensor).tangent is not None:
+            raise NotImplementedError(
+                f"{op}: forward-mode AD (torch.func.jvp, torch.func.jacfwd, torch.autograd.forward_ad) is not "
+                "supported: the effilayers op has no forward derivative and torch would return a zero tangent; "
+                "use reverse mode (backward, torch.autograd.grad) or the torch op"
+            )

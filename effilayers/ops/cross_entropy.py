@@ -5,7 +5,9 @@ label_smoothing=0.0, reduction="mean", inplace_backward=False)`` computes
 what ``torch.nn.functional.cross_entropy`` computes for class-index targets:
 logits ``(N, C)`` with target ``(N,)``, or ``(N, C, d1, ...)`` with target
 ``(N, d1, ...)`` (the class dimension is 1), or unbatched ``(C,)`` with a
-0-dim target. Probability ("soft") targets are not supported.
+0-dim target. Probability ("soft") targets are not supported. The loss is
+differentiable with respect to the logits only: a ``weight`` that requires
+grad is refused (``ValueError``) while grad mode is on, as torch refuses it.
 
 Numerics
     Each row's log-sum-exp is accumulated in float32 (float64 for float64
@@ -21,12 +23,16 @@ Numerics
         grad = ((1 - eps) * w[t] + eps / C * W) * softmax(x) - eps / C * w - (1 - eps) * w[t] * onehot(t)
 
     ``reduction="mean"`` divides by the sum of ``w[t]`` over the rows that
-    are not ``ignore_index`` (torch's convention; NaN when every row is
-    ignored, with a zero gradient, as torch does). Ignored rows have loss 0
+    are not ``ignore_index`` (torch's convention). When that sum is 0 the
+    mean is NaN, with or without label smoothing, as torch's is: every row
+    ignored gives a zero gradient, counted rows whose targets all have
+    weight 0 a NaN gradient on those rows (0 on ignored ones). Ignored rows have loss 0
     and gradient 0. A ``-inf`` logit on the target gives an infinite loss and
     a finite gradient, like torch; ``+inf`` logits give NaN. Logits with 0
     classes (every target ignored) give torch's values without running a
     kernel: rows 0 (NaN with label smoothing, torch's ``eps / 0`` times 0).
+    So do inputs without rows, ``(0, C)`` or ``(N, C, 0)``: a sum of 0, a
+    mean of NaN (0 / 0) and an empty ``"none"`` loss, as torch gives.
     Logits near the top of bf16's range behave as torch's do: the loss
     ``lse - x[t]`` is formed in float32, so with values of about +-3e38 in one
     row (``lse`` ~3e38, ``x[t]`` ~-3e38) it overflows to ``inf``, exactly as
@@ -61,8 +67,10 @@ What is saved for backward
     ``torch.autograd.graph.increment_version``, and it also holds under
     ``torch.compile``), so any other autograd node that saved the logits
     (``logits.sin()`` used elsewhere, say) raises at backward instead of
-    silently using gradient values. A leaf tensor that requires grad is refused, as torch
-    refuses in-place ops on it. When the class dimension cannot be walked in
+    silently using gradient values. A leaf tensor that requires grad, or a view of one
+    (``w[:]``, ``w.view(...)`` of a parameter ``w``), is refused with a
+    ``ValueError``, as torch refuses in-place ops on them (under ``no_grad``
+    nothing is written and nothing is refused). When the class dimension cannot be walked in
     place (strides that do not merge into (N, C, rest), see ``ops/_layout``),
     the kernel reads a contiguous copy and writes the gradient to a
     contiguous temporary that is then copied over the logits: the one case
@@ -76,7 +84,10 @@ Targets out of range (neither in ``[0, C)`` nor ``ignore_index``)
     and no device assert is used: the kernel writes NaN into that row's loss
     and gradient, so the reduced loss becomes NaN and the error is visible
     at the next loss read. Under ``torch.compile`` the host check is skipped
-    (it is data-dependent) and the same NaN rule applies on every device.
+    (it is data-dependent); on CPU the C++ kernel still raises the
+    ``IndexError`` (it checks each row as it reads it), while the kernels
+    that do not check (Triton, and the PyTorch reference, the fallback)
+    give NaN as above.
 
 Autocast
     Under ``torch.autocast`` (CPU or CUDA) ``torch.nn.functional.cross_entropy``
@@ -110,7 +121,7 @@ from torch.nn import _reduction as _Reduction
 from torch._subclasses.fake_tensor import is_fake
 
 from .. import backends
-from ._layout import autocast_to_float32, three_groups
+from ._layout import autocast_to_float32, refuse_forward_ad, three_groups
 
 __all__ = [
     "cross_entropy",
@@ -169,6 +180,8 @@ def cross_entropy_rows_reference(
     scale = grad_scale.reshape(()).to(acc)
     if classes == 0:  # nothing to read or write: ignored rows 0, the rest have no valid target
         loss_rows.copy_(torch.where(target == ignore_index, 0.0, math.nan))
+        return loss_rows
+    if loss_rows.numel() == 0:  # no rows ((0, C, I) or (N, C, 0)): no chunk to size
         return loss_rows
     inner_block = n_inner if classes * n_inner <= REFERENCE_CHUNK_ELEMENTS else max(1, REFERENCE_CHUNK_ELEMENTS // classes)
     outer_block = max(1, REFERENCE_CHUNK_ELEMENTS // (classes * inner_block))
@@ -287,45 +300,53 @@ def _run(logits, target, weight, ignore_index, label_smoothing, reduction, grad,
     None, or a logits-shaped buffer (possibly the logits) to fill."""
     acc = acc_dtype(logits.dtype)
     classes = logits.shape[1]
-    rows3 = _as_rows(logits)
-    grad3 = None if grad is None else _as_rows(grad)
-    copied_grad = None
-    if rows3 is None:
-        # Strides that do not merge into (N, C, rest): the one case that costs a copy.
-        rows3 = _as_rows(logits.contiguous())
-    if grad is not None and grad3 is None:
-        copied_grad = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
-        grad3 = _as_rows(copied_grad)
-    target_rows = target.reshape(-1)
-    if target_rows.dtype != torch.int64:
-        target_rows = target_rows.to(torch.int64)
+    # The kernels read target row r at offset r: a target with gaps (a column
+    # of a label table, a shifted or permuted view) is copied, which
+    # reshape(-1) alone does not do where a single stride fits.
+    target_rows = target.reshape(-1).to(torch.int64).contiguous()
     if reduction == "mean":
         total = _row_weights(target_rows, weight, ignore_index, classes, acc)
-        grad_scale = 1.0 / total
+        # A total weight of 0 (every row ignored, or every target of a class
+        # of weight 0): torch's mean is 0 / 0 = NaN, with label smoothing too
+        # (its smoothing term is added to that NaN), and its gradient NaN on
+        # the counted rows; 1 / 0 = inf would give inf there. A NaN scale does
+        # it; the kernels still write 0 on ignored rows (a select, as torch's).
+        grad_scale = torch.where(total == 0, math.nan, 1.0 / total)
     else:
         total = None
         grad_scale = torch.ones(1, dtype=acc, device=logits.device)
     if weight is not None:
         # (C,) values: the kernels take them contiguous in the accumulation dtype.
         weight = weight.to(device=logits.device, dtype=acc).contiguous()
-    if classes == 0:
+    if classes == 0 or target_rows.numel() == 0:
         # No logit to read and no gradient element to write: torch's values
-        # directly. Ignored rows give 0, or NaN with label smoothing (torch's
-        # eps / C is inf, times a zero sum); any other target is out of range
-        # (NaN, as the kernels flag it; CPU raised before).
+        # directly. With 0 classes, ignored rows give 0, or NaN with label
+        # smoothing (torch's eps / C is inf, times a zero sum); any other
+        # target is out of range (NaN, as the kernels flag it; CPU raised
+        # before). With no rows ((0, C), (N, C, 0)), no loss at all: the sum
+        # is 0 and the mean 0 / 0 = NaN, as torch gives.
         ignored = 0.0 if label_smoothing == 0 else math.nan
         loss_rows = torch.where(target_rows == ignore_index, ignored, math.nan).to(acc)
     else:
+        rows3 = _as_rows(logits)
+        if rows3 is None:
+            # Strides that do not merge into (N, C, rest): the one case that costs a copy.
+            rows3 = _as_rows(logits.contiguous())
+        grad3 = None if grad is None else _as_rows(grad)
+        copied_grad = None
+        if grad is not None and grad3 is None:
+            copied_grad = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
+            grad3 = _as_rows(copied_grad)
         loss_rows = backends.kernel("cross_entropy", logits.device)(
             rows3, target_rows, weight, grad3, grad_scale, ignore_index, float(label_smoothing)
         )
-    if copied_grad is not None:
-        grad.copy_(copied_grad)
+        if copied_grad is not None:
+            grad.copy_(copied_grad)
     if reduction == "none":
         return loss_rows.view(_loss_shape(logits, "none")).to(loss_dtype)
     loss = loss_rows.sum()
     if reduction == "mean":
-        loss = loss / total.reshape(())
+        loss = torch.where(total == 0, math.nan, loss / total).reshape(())
     return loss.to(loss_dtype)
 
 
@@ -469,10 +490,30 @@ def _check_arguments(logits, target, weight, ignore_index, label_smoothing, redu
                              f"got {tuple(weight.shape)}")
         if weight.device != logits.device:
             raise ValueError(f"cross_entropy: weight is on {weight.device} but logits are on {logits.device}")
-    if inplace_backward and logits.requires_grad and logits.is_leaf:
+        if weight.requires_grad and torch.is_grad_enabled():
+            # torch's nll_loss refuses it too (not differentiable w.r.t. weight):
+            # no gradient would reach it, and a silently missing weight.grad is worse.
+            raise ValueError(
+                "cross_entropy: weight requires grad, but the loss is not differentiable with respect to the class "
+                "weights (torch.nn.functional.cross_entropy refuses it too); pass weight.detach()"
+            )
+    # Under no_grad / inference_mode nothing is written (no gradient is
+    # computed), and torch allows in-place ops there too: no refusal.
+    writes = inplace_backward and logits.requires_grad and torch.is_grad_enabled()
+    if writes and logits.is_leaf:
         raise ValueError(
             "cross_entropy: inplace_backward=True overwrites the logits, but they are a leaf tensor that requires "
             "grad; pass logits computed by the model (e.g. lm_head(h)) or use inplace_backward=False"
+        )
+    # A view's _base is the tensor that owns the storage (never itself a view):
+    # writing through w[:] or w.view(...) would overwrite the leaf w, which
+    # torch refuses for its own in-place ops.
+    base = logits._base
+    if writes and base is not None and base.is_leaf and base.requires_grad:
+        raise ValueError(
+            "cross_entropy: inplace_backward=True overwrites the logits, but they are a view of a leaf tensor that "
+            "requires grad (a parameter, say) and would overwrite it; pass logits computed by the model (e.g. "
+            "lm_head(h)) or use inplace_backward=False"
         )
     if inplace_backward and any(size > 1 and stride == 0 for size, stride in zip(logits.shape, logits.stride())):
         raise ValueError(
@@ -518,6 +559,7 @@ def cross_entropy(
     if size_average is not None or reduce is not None:
         reduction = _Reduction.legacy_get_string(size_average, reduce)
     _check_arguments(logits, target, weight, ignore_index, label_smoothing, reduction, inplace_backward)
+    refuse_forward_ad("cross_entropy", logits, weight)
     unbatched = logits.dim() == 1
     if unbatched:
         logits = logits.unsqueeze(0)

@@ -9,8 +9,12 @@ vector norm ``torch.linalg.vector_norm(x, ord, dim)``; ord 2, 1 or inf, the
 values) and ``keepdim``. The result has the input's dtype unless ``dtype`` is
 given (``dtype=torch.float32`` returns the float32 result of fp16/bf16 input
 without rounding it to the input dtype first). Inputs must be float16,
-bfloat16, float32 or float64 (integer tensors raise TypeError; torch.sum
-would accept them). The output is a new contiguous tensor.
+bfloat16, float32 or float64, except that ``sum`` and ``mean`` take integer
+and bool inputs with a floating ``dtype``, as torch's do (through a float32
+copy, float64 for ``dtype=torch.float64``); other integer inputs raise
+TypeError (``torch.sum`` without ``dtype`` would return an int64 sum;
+``var``, ``std`` and ``norm`` refuse them in torch too). The output is a new
+contiguous tensor.
 
 Contract
     Accumulation is in float32 for fp16/bf16/fp32 input (float64 for float64)
@@ -96,7 +100,7 @@ from typing import Optional, Sequence
 import torch
 
 from .. import backends
-from ._layout import autocast_to_float32, normalize_dims, three_groups
+from ._layout import autocast_to_float32, normalize_dims, refuse_forward_ad, three_groups
 
 __all__ = ["sum", "mean", "var", "std", "norm", "reduce_reference", "reduce_three_reference", "KINDS"]
 
@@ -112,10 +116,9 @@ def _check(op: str, x, dtype, keepdim, correction=0.0) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{op}: x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _FLOAT_DTYPES:
-        raise TypeError(
-            f"{op}: x must be float16, bfloat16, float32 or float64, got {x.dtype} "
-            "(convert integer tensors first, e.g. x.float())"
-        )
+        hint = ("pass a floating dtype=, e.g. dtype=torch.float32, for integer or bool input" if op in ("sum", "mean")
+                else "convert integer tensors first, e.g. x.float(), as torch requires")
+        raise TypeError(f"{op}: x must be float16, bfloat16, float32 or float64, got {x.dtype} ({hint})")
     if dtype is not None and dtype not in _FLOAT_DTYPES:
         raise TypeError(f"{op}: dtype must be None, float16, bfloat16, float32 or float64, got {dtype}")
     if not isinstance(keepdim, bool):
@@ -298,8 +301,20 @@ def _autocast_dtype(op: str, x: torch.Tensor, dtype: Optional[torch.dtype]) -> O
     return dtype
 
 
+def _integer_input(op: str, x, dtype):
+    """torch.sum / torch.mean accept integer and bool ``x`` with a floating
+    ``dtype`` (converting x first): so do these, through a float32 copy
+    (float64 for ``dtype=torch.float64``), exact for integers up to 2**24."""
+    if op in ("sum", "mean") and isinstance(x, torch.Tensor) and not x.is_floating_point() and not x.is_complex() \
+            and dtype in _FLOAT_DTYPES:
+        return x.to(accumulation_dtype(dtype))
+    return x
+
+
 def _reduce(op: str, x, dim, kind: str, correction: float, keepdim: bool, dtype) -> torch.Tensor:
+    x = _integer_input(op, x, dtype)
     _check(op, x, dtype, keepdim, correction)
+    refuse_forward_ad(op, x)
     dtype = _autocast_dtype(op, x, dtype)
     return _reduce_op(x, list(_dims(op, x, dim)), kind, float(correction), keepdim, dtype)
 
@@ -330,6 +345,10 @@ def std(x: torch.Tensor, dim=None, *, correction: float = 1, keepdim: bool = Fal
 def norm(x: torch.Tensor, dim=None, keepdim: bool = False, *, ord=2, dtype: Optional[torch.dtype] = None
          ) -> torch.Tensor:
     """Vector norm over ``dim`` (``torch.linalg.vector_norm(x, ord, dim)``).
+
+    The second positional argument is ``dim``, not an order as in
+    ``torch.norm(x, p, dim)``: ``norm(x, 1)`` is the 2-norm over dimension 1;
+    ``ord`` is keyword-only.
 
     ``ord=2`` (default): this op, scaled by powers of two so the squares of
     bf16 values do not overflow. ``ord=1``: :func:`sum` of ``x.abs()``

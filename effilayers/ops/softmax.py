@@ -14,7 +14,9 @@ Numerics
     exponentials and the log-sum-exp are formed in that type, and only the
     final value is rounded to the output dtype. ``dtype`` names the output
     dtype; unlike ``torch.softmax(x, dim, dtype=...)`` no converted copy of
-    ``x`` is made first.
+    ``x`` is made first. Integer and bool ``x`` are accepted with a floating
+    ``dtype``, as torch accepts them: they are converted to float32 (float64
+    for ``dtype=torch.float64``) first, the one copy this makes.
 
     A row whose values are all ``-inf`` (a fully masked row) gives zeros from
     softmax and ``-inf`` from log-softmax, not the NaNs ``torch.softmax``
@@ -36,9 +38,13 @@ Layouts
     slices. When the dimensions before or after ``dim`` cannot be merged into
     one strided index (for example ``x.permute(1, 0, 2)`` with ``dim=2``), the
     kernels first make a contiguous copy of ``x`` (one input-sized buffer,
-    freed when the op returns). The output has the input's strides when the
-    input is dense and is read in place, else it is contiguous. (``torch.softmax``
-    always returns a contiguous tensor; the values are the same.)
+    freed when the op returns). One layout rule for the outputs of all three
+    ops (and the gradient), on every backend and in the fake kernels that
+    ``torch.compile`` traces (:func:`output_like`): the input's strides when
+    the input is dense and its dimensions around ``dim`` (the last one for
+    :func:`scaled_masked_softmax`) merge, else contiguous, also where a
+    kernel could have read the input in place. (``torch.softmax`` always
+    returns a contiguous tensor; the values are the same.)
 
     :func:`scaled_masked_softmax` reads ``mask`` through its broadcast
     strides (0 along broadcast dimensions); the C++ and Triton kernels never
@@ -66,7 +72,7 @@ from typing import Optional
 import torch
 
 from .. import backends
-from ._layout import three_groups
+from ._layout import refuse_forward_ad, three_groups
 
 __all__ = [
     "softmax",
@@ -90,6 +96,21 @@ def _check_tensor(x, op: str, name: str = "x") -> None:
         raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"{op}: {name} dtype must be {_DTYPE_NAMES}, got {x.dtype}")
+
+
+def _floating_input(x, dtype, op: str):
+    """``x``, or for an integer or bool ``x`` with a floating ``dtype`` its
+    conversion: ``torch.softmax(x, dim, dtype=torch.float32)`` accepts those
+    inputs (it converts x to dtype first; without a floating dtype torch
+    raises too). The copy is float32 (float64 for ``dtype=torch.float64``), so
+    integers up to 2**24 are exact before the one rounding to ``dtype``."""
+    if isinstance(x, torch.Tensor) and not x.is_floating_point() and not x.is_complex():
+        if dtype is not None:  # checked before: a floating dtype
+            return x.to(accumulation_dtype(dtype))
+        raise TypeError(f"{op}: x dtype must be {_DTYPE_NAMES}, got {x.dtype} (integer and bool input needs a "
+                        f"floating dtype=, as in torch.{op}(x, dim, dtype=torch.float32))")
+    _check_tensor(x, op)
+    return x
 
 
 def _check_dim(dim, ndim: int, op: str) -> int:
@@ -377,8 +398,9 @@ backends.register(backends.OpKernels(name="scaled_masked_softmax_forward",
 def softmax(x: torch.Tensor, dim: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """``torch.softmax(x, dim, dtype)`` accumulated in float32 (float64 for
     float64), saving only the output for backward. See the module docstring."""
-    _check_tensor(x, "softmax")
     _check_dtype(dtype, "softmax")
+    x = _floating_input(x, dtype, "softmax")
+    refuse_forward_ad("softmax", x)
     _check_dim(dim, x.dim(), "softmax")
     return _softmax_forward_op(x, dim, False, dtype)
 
@@ -386,8 +408,9 @@ def softmax(x: torch.Tensor, dim: int, dtype: Optional[torch.dtype] = None) -> t
 def log_softmax(x: torch.Tensor, dim: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """``torch.log_softmax(x, dim, dtype)`` accumulated in float32 (float64
     for float64), saving only the output for backward."""
-    _check_tensor(x, "log_softmax")
     _check_dtype(dtype, "log_softmax")
+    x = _floating_input(x, dtype, "log_softmax")
+    refuse_forward_ad("log_softmax", x)
     _check_dim(dim, x.dim(), "log_softmax")
     return _softmax_forward_op(x, dim, True, dtype)
 
@@ -406,4 +429,5 @@ def scaled_masked_softmax(x: torch.Tensor, mask: Optional[torch.Tensor] = None, 
     ``scale``), never to ``mask``. Output and gradient have ``x``'s dtype.
     """
     scale = _check_masked_arguments(x, mask, scale, causal)
+    refuse_forward_ad("scaled_masked_softmax", x, mask)
     return _scaled_masked_softmax_op(x, mask, scale, causal)
