@@ -1008,6 +1008,39 @@ def test_parameter_storage_swap_reaches_the_master():
     torch.testing.assert_close(optimizer.state[params[0]]["master_param"], torch.full((8,), 5.0), rtol=0, atol=2e-3)
 
 
+@pytest.mark.parametrize("new_tensor", ["same-layout", "channels_last", "float16"])
+@pytest.mark.parametrize("export", ["state_dict", "deepcopy", "pickle"])
+def test_parameter_storage_swap_reaches_exports_before_the_next_step(export, new_tensor):
+    """`p.data = t` between a step and an export (state_dict, deepcopy,
+    pickle): the exported master must be t, not the old master. Exports
+    compare storage addresses; a t of another memory order or dtype no
+    longer fits the chunk and moves the states first."""
+    import pickle
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4, 3, 3, 3, dtype=torch.bfloat16)),
+              torch.nn.Parameter(torch.randn(4, dtype=torch.bfloat16))]
+    optimizer = ChunkedAdamW(params, lr=1e-3)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        optimizer.step()
+    exp_avg = optimizer.state[params[0]]["exp_avg"].clone()
+    new = torch.full(params[0].shape, 5.0, dtype=torch.bfloat16)
+    if new_tensor == "channels_last":
+        new = new.contiguous(memory_format=torch.channels_last)
+    elif new_tensor == "float16":
+        new = new.half()
+    params[0].data = new
+    if export == "deepcopy":
+        optimizer = copy.deepcopy(optimizer)
+    elif export == "pickle":
+        optimizer = pickle.loads(pickle.dumps(optimizer))
+    saved = optimizer.state_dict()["state"][0]
+    assert torch.equal(saved["master_param"], torch.full(new.shape, 5.0))
+    assert torch.equal(saved["exp_avg"], exp_avg)
+
+
 def test_pickled_optimizer_is_as_small_as_torch():
     """The entries are views of the chunks, and pickle writes a view's whole
     storage: the optimizer must pickle compact copies instead."""

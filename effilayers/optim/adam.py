@@ -64,18 +64,23 @@ two consistent with what torch's optimizers would see:
   update starts from the user's value as in torch. A master element whose
   rounding still equals the parameter keeps its extra bits. ``p.data = t``
   bypasses the version counter but moves the parameter's storage address,
-  which each step compares for parameters with a gradient: the copy is
-  re-seeded then. In-place writes through ``p.data`` (``p.data.fill_()``)
-  are not seen.
+  which each step compares for parameters with a gradient and every sync
+  or export compares for all: the copy is re-seeded then (a ``t`` of
+  another dtype, device or memory order re-chunks the states first, see
+  below). In-place writes through ``p.data`` (``p.data.fill_()``) are not
+  seen.
 * A parameter whose dtype, device or memory order changed since its chunk
   was made (``model.to(torch.bfloat16)``, ``model.cuda()``,
   ``model.to(memory_format=torch.channels_last)``, all or some parameters;
   seen by its new storage address when it next has a gradient) makes that
-  step move every state into chunks keyed by the new dtype and device,
-  laid out in the parameters' new memory order (both copies exist for a
-  moment); new fp32 masters are seeded from the parameters. A dtype the
-  optimizer does not support (complex) is a TypeError naming the
-  parameter.
+  step (or a sync or export before it) move every state into chunks keyed
+  by the new dtype and device, laid out in the parameters' new memory order
+  (both copies exist for a moment); new fp32 masters are seeded from the
+  parameters. A fp32 master carried over keeps its extra bits where the
+  new parameter, rounded to the old parameter dtype, equals the old
+  parameter (a conversion), and takes the new value elsewhere (new
+  values assigned with ``p.data = t``). A dtype the optimizer does not
+  support (complex) is a TypeError naming the parameter.
 
 8-bit states
 ------------
@@ -339,12 +344,18 @@ class _Chunk:
             self.versions = [p._version for p in self.params]
 
     def repointed(self, param: torch.Tensor) -> bool:
-        """``param`` (one of the chunk's) has a new storage address. True
-        when it kept its dtype, device and strides (``p.data = t``): the
-        chunk still fits, and its copy of the parameter is re-seeded at the
-        next :meth:`reseed_changed`. False when the chunk no longer fits
-        (new dtype, device or memory order)."""
-        index = next(i for i, member in enumerate(self.params) if member is param)
+        """``param`` (one of the chunk's) has a new storage address: see
+        :meth:`repoint`."""
+        return self.repoint(next(i for i, member in enumerate(self.params) if member is param))
+
+    def repoint(self, index: int) -> bool:
+        """Parameter ``index`` has a new storage address. True when it kept
+        its dtype, device and strides (``p.data = t``): the chunk still fits,
+        and its copy of the parameter is re-seeded at the next
+        :meth:`reseed_changed`. False when the chunk no longer fits (new
+        dtype, device or memory order); the old address stays recorded, so
+        that :meth:`export_master` can tell the parameter was re-pointed."""
+        param = self.params[index]
         if (param.dtype is not self.param_dtype or param.get_device() != self.device_index
                 or param.stride() != self.strides[index]):
             return False
@@ -353,21 +364,46 @@ class _Chunk:
             self.versions[index] = None  # differs from any counter
         return True
 
-    def reseed_changed(self) -> None:
+    def reseed_changed(self, pointers: bool = False) -> bool:
         """Parameters written by the user since the optimizer last wrote them
         (``p.clamp_()``, ``model.load_state_dict()``: their version counter
         moved) are copied into the chunk's own copy, so the next update starts
         from the user's value, as with torch's optimizers. A master element
-        whose rounding still equals the parameter keeps its extra bits."""
+        whose rounding still equals the parameter keeps its extra bits.
+        ``pointers``: also compare storage addresses, which ``p.data = t``
+        moves without touching the version counter (the step compares them
+        in ``_grads`` for parameters with a gradient; exports and syncs ask
+        here). Returns False when a parameter was re-pointed at a tensor the
+        chunk no longer fits: the states must move (``_rechunk``)."""
         if self.versions is None:
-            return
+            return True
+        fits = True
+        if pointers:
+            for index, (p, pointer) in enumerate(zip(self.params, self.pointers)):
+                if p.data_ptr() != pointer and not self.repoint(index):
+                    fits = False
         now = [p._version for p in self.params]
-        if now == self.versions:
-            return
-        for index, (old, new) in enumerate(zip(self.versions, now)):
-            if old != new:
-                self.seed_copy(index)
-        self.versions = now
+        if now != self.versions:
+            for index, (old, new) in enumerate(zip(self.versions, now)):
+                if old != new:
+                    self.seed_copy(index)
+            self.versions = now
+        return fits
+
+    def export_master(self, index: int) -> torch.Tensor:
+        """The fp32 master of parameter ``index`` as a re-chunk carries it
+        over: the view itself, or, when the parameter was re-pointed at a
+        tensor of another dtype, device or memory order (``p.data = t``,
+        ``model.to(...)``), the master where the new value, rounded to the
+        chunk's parameter dtype, equals the rounded master (a conversion of
+        the old parameter keeps the master's bits), else the new value."""
+        master = self.view(self.master, index)
+        param = self.params[index]
+        if param.data_ptr() == self.pointers[index]:
+            return master
+        value = param.detach().to(master.device)
+        unchanged = value.to(self.param_dtype) == master.to(self.param_dtype)
+        return torch.where(unchanged, master, value.to(torch.float32))
 
     def seed_copy(self, index: int) -> None:
         """The chunk's copy of parameter ``index`` from the parameter."""
@@ -928,7 +964,7 @@ class ChunkedAdam(Optimizer):
                         values[key] = value.clone()
         # the user's writes to parameters reach the chunks' copies before
         # anything is imported over them (and before versions are recorded)
-        self._reseed_copies()
+        fits = self._reseed_copies()
         for group_index, items in fresh.items():
             self._assign(group_index, [p for p, _, _ in items])
             located.extend(items)
@@ -944,16 +980,34 @@ class ChunkedAdam(Optimizer):
         for chunk in touched.values():
             chunk.reclassify_from_steps()
             self._refresh_state(chunk)
+        if not fits:
+            self._rechunk()
 
-    def _reseed_copies(self) -> None:
+    def _reseed_copies(self) -> bool:
         """Parameters written by the user since the optimizer last wrote them
-        are copied into the chunks' own copies (fp32 masters, offload). Every
+        (version counter moved, or storage address moved: ``p.data = t``) are
+        copied into the chunks' own copies (fp32 masters, offload). Every
         path that exports those copies or records the parameters' versions
-        calls this first, so no pending write is lost or marked as seen."""
+        calls this first, so no pending write is lost or marked as seen.
+        False when a parameter was re-pointed at a tensor its chunk no
+        longer fits (new dtype, device or memory order): the caller
+        re-chunks."""
+        fits = True
         with torch.no_grad():
             for chunks in self._chunks.values():
                 for chunk in chunks:
-                    chunk.reseed_changed()
+                    fits = chunk.reseed_changed(pointers=True) and fits
+        return fits
+
+    def _settle(self) -> None:
+        """Before the state is exported (state_dict, deepcopy, pickle): the
+        entries written from outside are imported, the parameters' writes
+        reach the chunks' copies, and parameters re-pointed at a tensor of
+        another dtype, device or memory order move the states."""
+        if self.state.pending:
+            self._sync_state()  # reseeds too, and re-chunks when needed
+        elif not self._reseed_copies():
+            self._rechunk()
 
     def _refresh_state(self, chunk: _Chunk) -> None:
         """Install the chunk's views as its parameters' entries, refilling
@@ -988,6 +1042,8 @@ class ChunkedAdam(Optimizer):
                 for index, p in enumerate(chunk.params):
                     # views of the old chunk in its layout, until imported
                     exported = chunk.torch_entry(index)
+                    if chunk.master_is_fp32:
+                        exported["master_param"] = chunk.export_master(index)
                     entry = dict.get(state, p)
                     if isinstance(entry, _ParamState) and entry.owner is state and entry.param is p:
                         entry.reinstall(exported, None)  # the user's handle stays live
@@ -1201,9 +1257,7 @@ class ChunkedAdam(Optimizer):
         """torch.optim.Adam's layout. Parameters with 8-bit states export them
         decoded to float32 (new tensors, not views), so the checkpoint loads
         into torch.optim.Adam/AdamW; loading it back re-encodes them."""
-        if self.state.pending:
-            self._sync_state()
-        self._reseed_copies()
+        self._settle()
         state_dict = super().state_dict()
         index = 0
         for group in self.param_groups:
@@ -1265,7 +1319,7 @@ class ChunkedAdam(Optimizer):
         return twin
 
     def _exported(self, compact: bool) -> dict[str, Any]:
-        self._reseed_copies()
+        self._settle()
         state = super().__getstate__()
         entries = []
         for p, entry in self.state.items():
