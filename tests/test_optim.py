@@ -393,6 +393,39 @@ def test_state_dict_round_trip_across_chunk_sizes_and_bf16_dtype_kept():
         assert torch.equal(entry["exp_avg"], theirs[index]["exp_avg"].to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("optimizer_class,kwargs", [(torch.optim.AdamW, {}), (ChunkedAdamW, {}),
+                                                    (ChunkedAdamW, dict(state_dtype="8bit"))],
+                         ids=["torch", "chunked", "chunked-8bit"])
+def test_load_state_dict_runs_the_load_hooks_like_torch(optimizer_class, kwargs):
+    """register_load_state_dict_pre_hook / _post_hook: the pre hook gets a
+    shallow copy before anything is read and may return the state dict to
+    load; the post hook runs after loading (torch.optim.Optimizer's order)."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
+    optimizer = optimizer_class(params, lr=0.01, **kwargs)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    saved = optimizer.state_dict()
+    calls = []
+
+    def pre_hook(opt, state_dict):
+        calls.append(("pre", state_dict is not saved))
+        edited = copy.deepcopy(state_dict)
+        edited["param_groups"][0]["lr"] = 0.5
+        edited["state"][1]["step"] = torch.tensor(7.0)
+        return edited
+
+    def post_hook(opt):
+        calls.append(("post", opt.param_groups[0]["lr"], float(opt.state[params[1]]["step"])))
+
+    optimizer.register_load_state_dict_pre_hook(pre_hook)
+    optimizer.register_load_state_dict_post_hook(post_hook)
+    optimizer.load_state_dict(saved)
+    assert calls == [("pre", True), ("post", 0.5, 7.0)]
+    assert saved["param_groups"][0]["lr"] == 0.01 and float(optimizer.state[params[0]]["step"]) == 1.0
+
+
 def test_skipped_parameters_keep_their_own_step_counts():
     model = _net()
     optimizer = ChunkedAdamW(model.parameters(), lr=1e-2)

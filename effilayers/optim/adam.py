@@ -1278,8 +1278,17 @@ class ChunkedAdam(Optimizer):
         ``state_dtype`` (an fp32 torch checkpoint loaded with
         ``state_dtype=torch.bfloat16`` is rounded to bf16; a bf16 checkpoint
         loaded with bf16 states stays bit-identical). Master weights come from
-        ``master_param`` when present, else from the parameters."""
+        ``master_param`` when present, else from the parameters. Hooks
+        registered with ``register_load_state_dict_pre_hook`` /
+        ``_post_hook`` run as in torch: pre hooks on a shallow copy of
+        ``state_dict`` before anything is read (one may return a new state
+        dict), post hooks after the state is loaded."""
         name = type(self).__name__
+        state_dict = state_dict.copy()  # shallow, as torch's: a pre hook may edit it
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            returned = pre_hook(self, state_dict)
+            if returned is not None:
+                state_dict = returned
         groups = self.param_groups
         saved_groups = state_dict["param_groups"]
         if len(groups) != len(saved_groups):
@@ -1301,6 +1310,8 @@ class ChunkedAdam(Optimizer):
         self.state = {p: saved_state[i] for group, saved in zip(groups, saved_groups)
                       for p, i in zip(group["params"], saved["params"]) if i in saved_state}
         self._sync_state()
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def __getstate__(self) -> dict[str, Any]:
         """torch's Optimizer pickles only defaults, state and param_groups; the
