@@ -426,6 +426,41 @@ def test_load_state_dict_runs_the_load_hooks_like_torch(optimizer_class, kwargs)
     assert saved["param_groups"][0]["lr"] == 0.01 and float(optimizer.state[params[0]]["step"]) == 1.0
 
 
+@pytest.mark.parametrize("optimizer_class,kwargs", [(torch.optim.AdamW, {}), (ChunkedAdamW, {}),
+                                                    (ChunkedAdamW, dict(state_dtype="8bit"))],
+                         ids=["torch", "chunked", "chunked-8bit"])
+def test_state_dict_hooks_see_and_edit_torch_layout(optimizer_class, kwargs):
+    """register_state_dict_pre_hook runs before the state is read (its
+    writes are exported); a post hook sees torch's layout (8-bit states
+    decoded) and its edits, or the dict it returns, are what state_dict()
+    returns."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
+    optimizer = optimizer_class(params, lr=0.01, **kwargs)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    seen = {}
+
+    def pre_hook(opt):
+        opt.state[params[1]]["step"] = torch.tensor(4.0)
+
+    def post_hook(opt, state_dict):
+        seen["keys"] = sorted(state_dict["state"][0])
+        state_dict["state"] = {index: {key: value if key == "step" else value.to(torch.bfloat16)
+                                       for key, value in entry.items()}
+                               for index, entry in state_dict["state"].items()}
+
+    optimizer.register_state_dict_pre_hook(pre_hook)
+    optimizer.register_state_dict_post_hook(post_hook)
+    saved = optimizer.state_dict()
+    assert seen["keys"] == ["exp_avg", "exp_avg_sq", "step"]
+    assert saved["state"][0]["exp_avg"].dtype == torch.bfloat16
+    assert float(saved["state"][1]["step"]) == 4.0
+    optimizer.register_state_dict_post_hook(lambda opt, state_dict: {"replaced": True})
+    assert optimizer.state_dict() == {"replaced": True}
+
+
 def test_skipped_parameters_keep_their_own_step_counts():
     model = _net()
     optimizer = ChunkedAdamW(model.parameters(), lr=1e-2)

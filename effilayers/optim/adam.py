@@ -1253,23 +1253,50 @@ class ChunkedAdam(Optimizer):
             chunk.steps_version = chunk.steps._version
 
     # -- state dict, copies, pickles ----------------------------------------
+    @torch._disable_dynamo
     def state_dict(self) -> dict[str, Any]:
         """torch.optim.Adam's layout. Parameters with 8-bit states export them
         decoded to float32 (new tensors, not views), so the checkpoint loads
-        into torch.optim.Adam/AdamW; loading it back re-encodes them."""
+        into torch.optim.Adam/AdamW; loading it back re-encodes them. Hooks
+        run as in torch: ``register_state_dict_pre_hook`` hooks before the
+        state is read, ``register_state_dict_post_hook`` hooks on the
+        finished state dict (decoded states included; a returned dict
+        replaces it)."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
         self._settle()
-        state_dict = super().state_dict()
-        index = 0
+        # torch's packing: parameters numbered by position across the
+        # groups (a repeated parameter keeps its first number)
+        numbers: dict[int, int] = {}
+        groups, start = [], 0
         for group in self.param_groups:
-            for p in group["params"]:
-                entry = state_dict["state"].get(index)
-                if entry is not None:
-                    located = self._location.get(id(p))
-                    if located is not None and located[0].quantized:
-                        state_dict["state"][index] = located[0].export_state(located[1])
-                    elif isinstance(entry, dict):
-                        state_dict["state"][index] = dict(entry)  # a plain dict, not our tracked entry
-                index += 1
+            packed = {key: value for key, value in group.items() if key != "params"}
+            for number, p in enumerate(group["params"], start):
+                numbers.setdefault(id(p), number)
+            packed["params"] = [numbers[id(p)] for p in group["params"]]
+            start += len(group["params"])
+            groups.append(packed)
+        packed_state = {}
+        for p, entry in self.state.items():
+            if not isinstance(p, torch.Tensor):
+                packed_state[p] = entry
+                continue
+            if id(p) not in numbers:
+                # torch.optim raises a bare KeyError here
+                raise KeyError(f"{type(self).__name__}.state_dict: optimizer.state holds an entry for a parameter "
+                               f"of shape {tuple(p.shape)} that is in no param group; put it back into a group or "
+                               "delete its entry (del optimizer.state[p])")
+            located = self._location.get(id(p))
+            if located is not None and located[0].quantized:
+                entry = located[0].export_state(located[1])
+            elif isinstance(entry, dict):
+                entry = dict(entry)  # a plain dict, not our tracked entry
+            packed_state[numbers[id(p)]] = entry
+        state_dict = {"state": packed_state, "param_groups": groups}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            returned = post_hook(self, state_dict)
+            if returned is not None:
+                state_dict = returned
         return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
