@@ -1239,6 +1239,31 @@ def test_entries_holding_views_of_the_chunks_can_be_reassigned():
             assert torch.equal(after[index][key], value), (index, key)
 
 
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16, "8bit"], ids=["fp32", "bf16", "8bit"])
+def test_one_key_swapped_between_two_entries_swaps_the_values(state_dtype):
+    """`s0[key], s1[key] = s1[key], s0[key]`: both values are views of the
+    chunks, and importing the first write overwrites what the second one
+    shows unless the optimizer copies them first."""
+    params = [torch.nn.Parameter(torch.randn(300)) for _ in range(2)]
+    optimizer = ChunkedAdamW(params, lr=0.01, state_dtype=state_dtype)
+    params[0].grad, params[1].grad = torch.ones(300), -torch.ones(300)
+    optimizer.step()
+    params[1].grad = None
+    params[0].grad = torch.ones(300)
+    optimizer.step()  # params[0] at step 2, params[1] at step 1
+    before = {index: {key: value.clone() for key, value in entry.items()}  # (views of the chunks)
+              for index, entry in optimizer.state_dict()["state"].items()}
+    first, second = optimizer.state[params[0]], optimizer.state[params[1]]
+    keys = ["step", "exp_avg_codes", "exp_avg_absmax"] if state_dtype == "8bit" else ["step", "exp_avg"]
+    for key in keys:
+        first[key], second[key] = second[key], first[key]
+    after = optimizer.state_dict()["state"]
+    for index, other in ((0, 1), (1, 0)):
+        assert torch.equal(after[index]["step"], before[other]["step"])
+        assert torch.equal(after[index]["exp_avg"], before[other]["exp_avg"])
+        assert torch.equal(after[index]["exp_avg_sq"], before[index]["exp_avg_sq"])
+
+
 def test_state_copy_is_a_plain_defaultdict():
     """optimizer.state.copy() (and copy.copy, `|`) as torch's state gives:
     a defaultdict(dict) holding the same entries."""

@@ -33,9 +33,10 @@ two consistent with what torch's optimizers would see:
   (or ``state_dict()``) those entries are copied into the chunks: a new or
   deleted entry resets the parameter's state (step 0, zero moments, master
   from the parameter, as torch starts from an empty entry) and then imports
-  what the entry holds (torch's layout, or this class's 8-bit payload; an
-  entry holding views of the chunks themselves, such as ``dict(state[q])``,
-  is copied first). ``state.copy()`` is a plain ``defaultdict(dict)`` of
+  what the entry holds (torch's layout, or this class's 8-bit payload;
+  values that are views of the chunks themselves, such as
+  ``dict(state[q])`` or one key swapped between two entries, are copied
+  first). ``state.copy()`` is a plain ``defaultdict(dict)`` of
   the same entries.
 * Entries hold views, so values edited in place take effect at the next
   step: ``state[p]["exp_avg"].mul_(0)``, ``exp_avg_sq``,
@@ -952,13 +953,14 @@ class ChunkedAdam(Optimizer):
                     located.append((p, True, dict(entry or {})))
                 elif entry:
                     fresh[group_index].append((p, True, dict(entry)))
-        # An entry may hold views of the chunks themselves (`state[p] =
-        # dict(state[p])`, entries swapped between parameters): copy those
-        # values before a reset zeroes what they show.
-        replaced = [values for items in (located, *fresh.values()) for _, reset, values in items if reset]
-        if replaced:
+        # A value may be a view of the chunks themselves (`state[p] =
+        # dict(state[p])`, entries or single keys swapped between
+        # parameters): copy those before a reset zeroes, or an earlier
+        # import overwrites, what they show.
+        imported = [values for items in (located, *fresh.values()) for _, _, values in items if values]
+        if imported:
             owned = {address for chunks in self._chunks.values() for chunk in chunks for address in chunk.storages()}
-            for values in replaced:
+            for values in imported:
                 for key, value in values.items():
                     if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in owned:
                         values[key] = value.clone()
