@@ -593,11 +593,30 @@ def test_invalid_group_hyperparameters_are_named():
         ChunkedAdamW([dict(params=model.head.parameters(), betas=(0.9, 1.5))])
 
 
-def test_complex_and_non_dense_parameters_are_rejected():
+@pytest.mark.parametrize("named", [False, True], ids=["tensors", "named-tensors"])
+def test_complex_and_non_dense_parameters_are_rejected(named):
+    """Also when given as named parameters, [("w", p)] (torch 2.x)."""
+    def listed(p):
+        return [("w", p)] if named else [p]
+
     with pytest.raises(TypeError, match="does not support complex parameters"):
-        ChunkedAdam([torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))])
+        ChunkedAdam(listed(torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))))
+    with pytest.raises(TypeError, match="parameters must be floating point"):
+        ChunkedAdam(listed(torch.zeros(3, dtype=torch.int32)))
     with pytest.raises(ValueError, match="parameters must be dense"):
-        ChunkedAdam([torch.nn.Parameter(torch.randn(4, 6)[:, ::2])])
+        ChunkedAdam(listed(torch.nn.Parameter(torch.randn(4, 6)[:, ::2])))
+    optimizer = ChunkedAdam(listed(torch.nn.Parameter(torch.randn(3))))
+    assert ("param_names" in optimizer.param_groups[0]) is named
+
+
+def test_a_set_of_parameters_in_a_group_is_rejected_like_torch():
+    """torch rejects a set (its order changes between runs, and state dicts
+    number parameters by position); list() must not hide it first."""
+    params = {torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(4))}
+    with pytest.raises(TypeError, match="ordered collections"):
+        torch.optim.AdamW([{"params": params}])
+    with pytest.raises(TypeError, match="params must be an ordered collection .* not a set"):
+        ChunkedAdamW([{"params": params}])
 
 
 def test_channels_last_parameters_match_torch(adam_device):

@@ -887,8 +887,14 @@ class ChunkedAdam(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         name = type(self).__name__
         params = param_group["params"]
+        if isinstance(params, set):
+            # checked before list() below turns it into a list, as torch checks
+            raise TypeError(f"{name}: a param group's params must be an ordered collection (a list or tuple), not "
+                            "a set: the order of tensors in a set changes between runs, and state dicts number "
+                            "parameters by position")
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        for p in params:
+        # named parameters, [("name", p), ...] (torch 2.x), get the same checks
+        for p in (item[1] if isinstance(item, tuple) else item for item in params):
             if isinstance(p, torch.Tensor):
                 if p.is_complex():
                     raise TypeError(f"{name} does not support complex parameters (got {p.dtype}); "
