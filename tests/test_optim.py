@@ -609,6 +609,20 @@ def test_complex_and_non_dense_parameters_are_rejected(named):
     assert ("param_names" in optimizer.param_groups[0]) is named
 
 
+def test_a_parameter_listed_twice_is_a_clear_error():
+    """torch.optim warns (deprecated) and steps one shared state twice per
+    step; ChunkedAdam raises the error torch announces, naming both places."""
+    p, q = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3))
+    with pytest.warns(UserWarning, match="duplicate parameters"):
+        torch.optim.AdamW([p, q, p])
+    with pytest.raises(ValueError, match="parameter 2 of param group 0 is the same tensor as parameter 0"):
+        ChunkedAdamW([p, q, p])
+    optimizer = ChunkedAdamW([p])
+    with pytest.raises(ValueError, match="parameter 1 of param group 1 is the same tensor as parameter 0"):
+        optimizer.add_param_group({"params": [("a", q), ("b", q)]})
+    assert len(optimizer.param_groups) == 1
+
+
 def test_a_set_of_parameters_in_a_group_is_rejected_like_torch():
     """torch rejects a set (its order changes between runs, and state dicts
     number parameters by position); list() must not hide it first."""

@@ -823,7 +823,9 @@ class ChunkedAdam(Optimizer):
     and the overflow flag to the kernel), LR schedulers,
     ``zero_grad(set_to_none=True)`` and parameters without a gradient in a
     step. Not supported, with an error: sparse gradients, complex parameters,
-    parameters that are not dense (strided views), ``differentiable=True``.
+    parameters that are not dense (strided views), a parameter listed twice
+    (torch.optim warns that this is deprecated and updates it twice per
+    step), ``differentiable=True``.
     """
 
     _default_decoupled = False
@@ -905,6 +907,8 @@ class ChunkedAdam(Optimizer):
                     raise ValueError(f"{name}: parameters must be dense, contiguous or a permutation of it like "
                                      f"channels_last (got strides {p.stride()} for shape {tuple(p.shape)}); "
                                      "call .contiguous() on the parameter's data")
+        _check_listed_once(name, [item[1] if isinstance(item, tuple) else item for item in params],
+                           f"param group {len(self.param_groups)}")
         group = dict(param_group, params=params)  # a generator is consumed by the checks above
         _check_hyperparameters(name, group.get("lr", self.defaults["lr"]), group.get("betas", self.defaults["betas"]),
                                group.get("eps", self.defaults["eps"]),
@@ -1428,6 +1432,18 @@ class ChunkedAdamW(ChunkedAdam):
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, **kwargs: Any) -> None:
         kwargs.setdefault("decoupled_weight_decay", True)
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
+
+
+def _check_listed_once(name: str, params: list, where: str) -> None:
+    """A parameter listed twice would get two updates per step. torch.optim
+    warns (deprecated, to become an error: pytorch issue 40967) and steps
+    one shared state twice; here it is the error torch plans."""
+    first: dict[int, int] = {}
+    for position, p in enumerate(params):
+        seen = first.setdefault(id(p), position)
+        if seen != position:
+            raise ValueError(f"{name}: parameter {position} of {where} is the same tensor as parameter {seen} "
+                             "(a parameter listed twice would be updated twice per step); list each parameter once")
 
 
 def _check_hyperparameters(name: str, lr, betas, eps, weight_decay) -> None:
