@@ -258,6 +258,99 @@ def test_param_groups_and_scheduler_match_torch(adam_device):
     _assert_same_params(actual, expected, **(TRITON_TOL if backend == "triton" else FP32_TOL))
 
 
+def _edit_groups(optimizer, params, edit):
+    groups = optimizer.param_groups
+    if edit == "remove-a-param":
+        groups[0]["params"].pop(0)
+    elif edit == "move-a-param-to-another-lr":
+        groups[1]["params"].append(groups[0]["params"].pop(1))
+    elif edit == "pop-a-group":
+        groups.pop(0)
+    elif edit == "replace-a-param-in-place":
+        groups[1]["params"][0] = params[0]
+        groups[0]["params"].pop(0)
+    elif edit == "add-a-group":
+        optimizer.add_param_group({"params": [params[4]], "lr": 0.05})
+
+
+@pytest.mark.parametrize("edit", ["remove-a-param", "move-a-param-to-another-lr", "pop-a-group",
+                                  "replace-a-param-in-place", "add-a-group", "remove-then-rejoin"])
+def test_param_group_edits_after_steps_match_torch(edit):
+    """Editing param_groups between steps (a parameter removed from its
+    group's list, moved to another group, a group popped): torch keeps state
+    by parameter and steps whatever the groups hold now; a parameter in no
+    group is not updated and keeps its state."""
+    results = []
+    for cls in (torch.optim.AdamW, ChunkedAdamW):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(shape)) for shape in [(3, 5), (7,), (4, 2, 3), (300,), (6,)]]
+        optimizer = cls([{"params": params[:2]}, {"params": params[2:4], "lr": 0.1}], lr=0.01)
+        generator = torch.Generator().manual_seed(1)
+        for step in range(7):
+            if step == 3:
+                _edit_groups(optimizer, params, "remove-a-param" if edit == "remove-then-rejoin" else edit)
+            if step == 5 and edit == "remove-then-rejoin":
+                optimizer.param_groups[1]["params"].append(params[0])
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=generator)
+            optimizer.step()
+        results.append((params, {i: {key: value.clone() for key, value in optimizer.state[p].items()}
+                                 for i, p in enumerate(params) if p in optimizer.state}))
+    (expected, expected_state), (actual, actual_state) = results
+    for p, q in zip(actual, expected):
+        torch.testing.assert_close(p, q, **FP32_TOL)
+    assert actual_state.keys() == expected_state.keys()
+    for index, entry in expected_state.items():
+        for key, value in entry.items():
+            torch.testing.assert_close(actual_state[index][key], value, **FP32_TOL)
+
+
+def test_param_group_edits_keep_8bit_states_of_removed_params_exactly():
+    """8-bit states of a parameter taken out of every group are kept (in
+    torch's layout) and re-encoded when it rejoins: the same codes as a run
+    in which the parameter just got no gradient meanwhile."""
+    runs = []
+    for removed in (True, False):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(shape)) for shape in [(3, 5), (7,), (300,)]]
+        optimizer = ChunkedAdamW(params, lr=0.01, state_dtype="8bit")
+        generator = torch.Generator().manual_seed(1)
+        for step in range(6):
+            if removed and step == 2:
+                optimizer.param_groups[0]["params"].pop(1)
+            if removed and step == 4:
+                optimizer.param_groups[0]["params"].insert(1, params[1])
+            for index, p in enumerate(params):
+                p.grad = torch.randn(p.shape, generator=generator)
+                if not removed and index == 1 and step in (2, 3):
+                    p.grad = None
+            optimizer.step()
+        runs.append((params, optimizer.state_dict()["state"]))
+    (params, saved), (twins, expected) = runs
+    for p, q in zip(params, twins):
+        assert torch.equal(p, q)
+    for index, entry in expected.items():
+        for key, value in entry.items():
+            assert torch.equal(saved[index][key], value), (index, key)
+
+
+def test_param_group_edits_that_list_a_param_twice_are_a_clear_error():
+    params = [torch.nn.Parameter(torch.randn(3)) for _ in range(2)]
+    optimizer = ChunkedAdamW([{"params": [params[0]]}, {"params": [params[1]]}])
+    for p in params:
+        p.grad = torch.randn(3)
+    optimizer.step()
+    optimizer.param_groups[1]["params"].append(params[0])
+    with pytest.raises(ValueError, match="parameter 1 of param group 1 is the same tensor as parameter 0 of param "
+                                         "group 0"):
+        optimizer.step()
+    optimizer.param_groups[1]["params"].pop()
+    optimizer.param_groups[0]["params"].pop()
+    optimizer.step()  # params[0] in no group: kept, but state_dict cannot number it (as in torch)
+    with pytest.raises(KeyError, match="in no param group"):
+        optimizer.state_dict()
+
+
 def test_bf16_states_track_fp32_within_documented_tolerance():
     expected, actual = _net(), _net()
     _train(expected, torch.optim.AdamW(expected.parameters(), lr=1e-2), 100)

@@ -82,6 +82,13 @@ two consistent with what torch's optimizers would see:
   parameter (a conversion), and takes the new value elsewhere (new
   values assigned with ``p.data = t``). A dtype the optimizer does not
   support (complex) is a TypeError naming the parameter.
+* ``param_groups`` edited after steps (a parameter removed from its
+  group's list or moved to another group, a group popped or added): each
+  step compares the groups' parameter ids with the last step's. When a
+  parameter with a chunk is now in another group or in none, every state
+  moves into chunks of the current groups (``_check_groups``); a parameter
+  in no group keeps its entry (torch's layout) and is not updated, as in
+  torch, until it rejoins a group.
 
 8-bit states
 ------------
@@ -877,6 +884,8 @@ class ChunkedAdam(Optimizer):
         self._location: dict[int, tuple[_Chunk, int]] = {}
         # group index -> (ids of its params, its params without a chunk yet)
         self._unlocated: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
+        # ids of each group's params at the last step (edits are compared with it)
+        self._members: Optional[list[list[int]]] = None
         # Exercise the offload staging on CPU parameters (tests); on CUDA it
         # is on whenever offload="cpu".
         self._force_staging = False
@@ -1036,11 +1045,16 @@ class ChunkedAdam(Optimizer):
 
     def _rechunk(self) -> None:
         """Some parameter changed dtype or device since its chunk was made
-        (``model.to(torch.bfloat16)``): move every state into chunks keyed by
-        the parameters' current dtype and device (for a moment both copies
-        exist). New fp32 masters are seeded from the parameters; masters of
-        parameters that stay fp16/bf16 are kept."""
+        (``model.to(torch.bfloat16)``), or the param groups were edited: move
+        every state into chunks keyed by the parameters' current group, dtype
+        and device (for a moment both copies exist). New fp32 masters are
+        seeded from the parameters; masters of parameters that stay
+        fp16/bf16 are kept. A parameter that is in no group any more keeps
+        its entry, as torch does, as a copy in torch's layout (8-bit states
+        decoded), so the old chunks can be freed; it is imported again if the
+        parameter rejoins a group."""
         name = type(self).__name__
+        grouped = {id(p) for group in self.param_groups for p in group["params"]}
         for group_index, group in enumerate(self.param_groups):
             for position, p in enumerate(group["params"]):
                 if id(p) in self._location and (p.is_complex() or p.dtype not in _PARAM_DTYPES):
@@ -1056,6 +1070,8 @@ class ChunkedAdam(Optimizer):
                     exported = chunk.torch_entry(index)
                     if chunk.master_is_fp32:
                         exported["master_param"] = chunk.export_master(index)
+                    if id(p) not in grouped:
+                        exported = {key: value.clone() for key, value in exported.items()}
                     entry = dict.get(state, p)
                     if isinstance(entry, _ParamState) and entry.owner is state and entry.param is p:
                         entry.reinstall(exported, None)  # the user's handle stays live
@@ -1066,6 +1082,47 @@ class ChunkedAdam(Optimizer):
         self._location.clear()
         self._unlocated.clear()
         self._sync_state()
+
+    def _check_groups(self) -> list[list[int]]:
+        """The ids of each group's parameters. Compared with the snapshot
+        taken at the last step (the list compare the step needs anyway to
+        find parameters without a chunk), so edits of ``param_groups`` after
+        steps are seen: a parameter removed from its group's list, moved to
+        another group, a group popped, new parameters or groups. When a
+        parameter with a chunk is no longer in the group its chunk was made
+        for (or in none), the states are re-chunked by the current groups,
+        each parameter keeping its state as torch keeps state by parameter;
+        a parameter that rejoins a group gets its kept entry back."""
+        members = [list(map(id, group["params"])) for group in self.param_groups]
+        if members == self._members:
+            return self._members
+        name = type(self).__name__
+        group_of: dict[int, int] = {}
+        where: dict[int, tuple[int, int]] = {}
+        for group_index, ids in enumerate(members):
+            for position, key in enumerate(ids):
+                if key in where:
+                    raise ValueError(f"{name}: parameter {position} of param group {group_index} is the same tensor "
+                                     f"as parameter {where[key][1]} of param group {where[key][0]} (param_groups "
+                                     "were edited; a parameter listed twice would be updated twice per step); "
+                                     "list each parameter once")
+                where[key] = (group_index, position)
+                group_of[key] = group_index
+        self._unlocated.clear()
+        if any(group_of.get(id(p)) != group_index
+               for (group_index, _, _), chunks in self._chunks.items() for chunk in chunks for p in chunk.params):
+            self._rechunk()
+        # parameters without a chunk that hold an entry (back in a group
+        # after a removal, or given one while in no group): import it
+        state = self.state
+        for group in self.param_groups:
+            for p in group["params"]:
+                if id(p) not in self._location and dict.get(state, p):
+                    state.mark(p)
+        if state.pending:
+            self._sync_state()
+        self._members = members
+        return members
 
     # -- chunk bookkeeping ---------------------------------------------
     def _state_device(self, device: torch.device) -> torch.device:
@@ -1107,15 +1164,15 @@ class ChunkedAdam(Optimizer):
                 filled += span
             close()
 
-    def _locate_new(self, group_index: int, group: dict[str, Any]) -> None:
+    def _locate_new(self, group_index: int, group: dict[str, Any], ids: list[int]) -> None:
         """Chunks for parameters that get their first gradient now. The
         parameters still without a chunk are cached per group (keyed by the
-        ids of the group's parameters), so a step does not look every
-        parameter up once all have chunks."""
-        params = group["params"]
-        ids = list(map(id, params))
+        list of ids of the group's parameters that :meth:`_check_groups`
+        returns, the same object while the groups are unchanged), so a step
+        does not look every parameter up once all have chunks."""
         cached = self._unlocated.get(group_index)
-        if cached is None or cached[0] != ids:
+        if cached is None or cached[0] is not ids:
+            params = group["params"]
             cached = self._unlocated[group_index] = (ids, [p for p in params if id(p) not in self._location])
         fresh = []
         for p in cached[1]:
@@ -1170,8 +1227,9 @@ class ChunkedAdam(Optimizer):
         for every chunk, checked before any kernel runs: when a parameter
         changed dtype or device, the states are moved first (_rechunk)."""
         for _ in range(2):
+            members = self._check_groups()
             for group_index, group in enumerate(self.param_groups):
-                self._locate_new(group_index, group)
+                self._locate_new(group_index, group, members[group_index])
             collected, moved = [], False
             for (group_index, device, _), chunks in self._chunks.items():
                 work = [(chunk, self._grads(chunk)) for chunk in chunks]
@@ -1389,6 +1447,7 @@ class ChunkedAdam(Optimizer):
         self._chunks = defaultdict(list)
         self._location = {}
         self._unlocated = {}
+        self._members = None
         self._transfers = {}
         self._step_supports_amp_scaling = True
         self.state = entries
