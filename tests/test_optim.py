@@ -486,19 +486,25 @@ def test_state_dict_round_trip_across_chunk_sizes_and_bf16_dtype_kept():
         assert torch.equal(entry["exp_avg"], theirs[index]["exp_avg"].to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("optimizer_class,kwargs", [(torch.optim.AdamW, {}), (ChunkedAdamW, {}),
-                                                    (ChunkedAdamW, dict(state_dtype="8bit"))],
-                         ids=["torch", "chunked", "chunked-8bit"])
-def test_load_state_dict_runs_the_load_hooks_like_torch(optimizer_class, kwargs):
-    """register_load_state_dict_pre_hook / _post_hook: the pre hook gets a
-    shallow copy before anything is read and may return the state dict to
-    load; the post hook runs after loading (torch.optim.Optimizer's order)."""
+HOOK_CASES = [(torch.optim.AdamW, {}), (ChunkedAdamW, {}), (ChunkedAdamW, dict(state_dtype="8bit"))]
+
+
+def _stepped_once(optimizer_class, kwargs):
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
     optimizer = optimizer_class(params, lr=0.01, **kwargs)
     for p in params:
         p.grad = torch.randn_like(p)
     optimizer.step()
+    return params, optimizer
+
+
+@pytest.mark.parametrize("optimizer_class,kwargs", HOOK_CASES, ids=["torch", "chunked", "chunked-8bit"])
+def test_load_state_dict_runs_the_load_hooks_like_torch(optimizer_class, kwargs):
+    """register_load_state_dict_pre_hook / _post_hook: the pre hook gets a
+    shallow copy before anything is read and may return the state dict to
+    load; the post hook runs after loading (torch.optim.Optimizer's order)."""
+    params, optimizer = _stepped_once(optimizer_class, kwargs)
     saved = optimizer.state_dict()
     calls = []
 
@@ -519,20 +525,13 @@ def test_load_state_dict_runs_the_load_hooks_like_torch(optimizer_class, kwargs)
     assert saved["param_groups"][0]["lr"] == 0.01 and float(optimizer.state[params[0]]["step"]) == 1.0
 
 
-@pytest.mark.parametrize("optimizer_class,kwargs", [(torch.optim.AdamW, {}), (ChunkedAdamW, {}),
-                                                    (ChunkedAdamW, dict(state_dtype="8bit"))],
-                         ids=["torch", "chunked", "chunked-8bit"])
+@pytest.mark.parametrize("optimizer_class,kwargs", HOOK_CASES, ids=["torch", "chunked", "chunked-8bit"])
 def test_state_dict_hooks_see_and_edit_torch_layout(optimizer_class, kwargs):
     """register_state_dict_pre_hook runs before the state is read (its
     writes are exported); a post hook sees torch's layout (8-bit states
     decoded) and its edits, or the dict it returns, are what state_dict()
     returns."""
-    torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
-    optimizer = optimizer_class(params, lr=0.01, **kwargs)
-    for p in params:
-        p.grad = torch.randn_like(p)
-    optimizer.step()
+    params, optimizer = _stepped_once(optimizer_class, kwargs)
     seen = {}
 
     def pre_hook(opt):
