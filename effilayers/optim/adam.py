@@ -33,9 +33,10 @@ two consistent with what torch's optimizers would see:
   (or ``state_dict()``) those entries are copied into the chunks: a new or
   deleted entry resets the parameter's state (step 0, zero moments, master
   from the parameter, as torch starts from an empty entry) and then imports
-  what the entry holds (torch's layout, or this class's 8-bit payload; an
-  entry holding views of the chunks themselves, such as ``dict(state[q])``,
-  is copied first). ``state.copy()`` is a plain ``defaultdict(dict)`` of
+  what the entry holds (torch's layout, or this class's 8-bit payload;
+  values that are views of the chunks themselves, such as
+  ``dict(state[q])`` or one key swapped between two entries, are copied
+  first). ``state.copy()`` is a plain ``defaultdict(dict)`` of
   the same entries.
 * Entries hold views, so values edited in place take effect at the next
   step: ``state[p]["exp_avg"].mul_(0)``, ``exp_avg_sq``,
@@ -64,18 +65,30 @@ two consistent with what torch's optimizers would see:
   update starts from the user's value as in torch. A master element whose
   rounding still equals the parameter keeps its extra bits. ``p.data = t``
   bypasses the version counter but moves the parameter's storage address,
-  which each step compares for parameters with a gradient: the copy is
-  re-seeded then. In-place writes through ``p.data`` (``p.data.fill_()``)
-  are not seen.
+  which each step compares for parameters with a gradient and every sync
+  or export compares for all: the copy is re-seeded then (a ``t`` of
+  another dtype, device or memory order re-chunks the states first, see
+  below). In-place writes through ``p.data`` (``p.data.fill_()``) are not
+  seen.
 * A parameter whose dtype, device or memory order changed since its chunk
   was made (``model.to(torch.bfloat16)``, ``model.cuda()``,
   ``model.to(memory_format=torch.channels_last)``, all or some parameters;
   seen by its new storage address when it next has a gradient) makes that
-  step move every state into chunks keyed by the new dtype and device,
-  laid out in the parameters' new memory order (both copies exist for a
-  moment); new fp32 masters are seeded from the parameters. A dtype the
-  optimizer does not support (complex) is a TypeError naming the
-  parameter.
+  step (or a sync or export before it) move every state into chunks keyed
+  by the new dtype and device, laid out in the parameters' new memory order
+  (both copies exist for a moment); new fp32 masters are seeded from the
+  parameters. A fp32 master carried over keeps its extra bits where the
+  new parameter, rounded to the old parameter dtype, equals the old
+  parameter (a conversion), and takes the new value elsewhere (new
+  values assigned with ``p.data = t``). A dtype the optimizer does not
+  support (complex) is a TypeError naming the parameter.
+* ``param_groups`` edited after steps (a parameter removed from its
+  group's list or moved to another group, a group popped or added): each
+  step compares the groups' parameter ids with the last step's. When a
+  parameter with a chunk is now in another group or in none, every state
+  moves into chunks of the current groups (``_check_groups``); a parameter
+  in no group keeps its entry (torch's layout) and is not updated, as in
+  torch, until it rejoins a group.
 
 8-bit states
 ------------
@@ -339,12 +352,18 @@ class _Chunk:
             self.versions = [p._version for p in self.params]
 
     def repointed(self, param: torch.Tensor) -> bool:
-        """``param`` (one of the chunk's) has a new storage address. True
-        when it kept its dtype, device and strides (``p.data = t``): the
-        chunk still fits, and its copy of the parameter is re-seeded at the
-        next :meth:`reseed_changed`. False when the chunk no longer fits
-        (new dtype, device or memory order)."""
-        index = next(i for i, member in enumerate(self.params) if member is param)
+        """``param`` (one of the chunk's) has a new storage address: see
+        :meth:`repoint`."""
+        return self.repoint(next(i for i, member in enumerate(self.params) if member is param))
+
+    def repoint(self, index: int) -> bool:
+        """Parameter ``index`` has a new storage address. True when it kept
+        its dtype, device and strides (``p.data = t``): the chunk still fits,
+        and its copy of the parameter is re-seeded at the next
+        :meth:`reseed_changed`. False when the chunk no longer fits (new
+        dtype, device or memory order); the old address stays recorded, so
+        that :meth:`export_master` can tell the parameter was re-pointed."""
+        param = self.params[index]
         if (param.dtype is not self.param_dtype or param.get_device() != self.device_index
                 or param.stride() != self.strides[index]):
             return False
@@ -353,21 +372,46 @@ class _Chunk:
             self.versions[index] = None  # differs from any counter
         return True
 
-    def reseed_changed(self) -> None:
+    def reseed_changed(self, pointers: bool = False) -> bool:
         """Parameters written by the user since the optimizer last wrote them
         (``p.clamp_()``, ``model.load_state_dict()``: their version counter
         moved) are copied into the chunk's own copy, so the next update starts
         from the user's value, as with torch's optimizers. A master element
-        whose rounding still equals the parameter keeps its extra bits."""
+        whose rounding still equals the parameter keeps its extra bits.
+        ``pointers``: also compare storage addresses, which ``p.data = t``
+        moves without touching the version counter (the step compares them
+        in ``_grads`` for parameters with a gradient; exports and syncs ask
+        here). Returns False when a parameter was re-pointed at a tensor the
+        chunk no longer fits: the states must move (``_rechunk``)."""
         if self.versions is None:
-            return
+            return True
+        fits = True
+        if pointers:
+            for index, (p, pointer) in enumerate(zip(self.params, self.pointers)):
+                if p.data_ptr() != pointer and not self.repoint(index):
+                    fits = False
         now = [p._version for p in self.params]
-        if now == self.versions:
-            return
-        for index, (old, new) in enumerate(zip(self.versions, now)):
-            if old != new:
-                self.seed_copy(index)
-        self.versions = now
+        if now != self.versions:
+            for index, (old, new) in enumerate(zip(self.versions, now)):
+                if old != new:
+                    self.seed_copy(index)
+            self.versions = now
+        return fits
+
+    def export_master(self, index: int) -> torch.Tensor:
+        """The fp32 master of parameter ``index`` as a re-chunk carries it
+        over: the view itself, or, when the parameter was re-pointed at a
+        tensor of another dtype, device or memory order (``p.data = t``,
+        ``model.to(...)``), the master where the new value, rounded to the
+        chunk's parameter dtype, equals the rounded master (a conversion of
+        the old parameter keeps the master's bits), else the new value."""
+        master = self.view(self.master, index)
+        param = self.params[index]
+        if param.data_ptr() == self.pointers[index]:
+            return master
+        value = param.detach().to(master.device)
+        unchanged = value.to(self.param_dtype) == master.to(self.param_dtype)
+        return torch.where(unchanged, master, value.to(torch.float32))
 
     def seed_copy(self, index: int) -> None:
         """The chunk's copy of parameter ``index`` from the parameter."""
@@ -786,7 +830,9 @@ class ChunkedAdam(Optimizer):
     and the overflow flag to the kernel), LR schedulers,
     ``zero_grad(set_to_none=True)`` and parameters without a gradient in a
     step. Not supported, with an error: sparse gradients, complex parameters,
-    parameters that are not dense (strided views), ``differentiable=True``.
+    parameters that are not dense (strided views), a parameter listed twice
+    (torch.optim warns that this is deprecated and updates it twice per
+    step), ``differentiable=True``.
     """
 
     _default_decoupled = False
@@ -838,6 +884,8 @@ class ChunkedAdam(Optimizer):
         self._location: dict[int, tuple[_Chunk, int]] = {}
         # group index -> (ids of its params, its params without a chunk yet)
         self._unlocated: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
+        # ids of each group's params at the last step (edits are compared with it)
+        self._members: Optional[list[list[int]]] = None
         # Exercise the offload staging on CPU parameters (tests); on CUDA it
         # is on whenever offload="cpu".
         self._force_staging = False
@@ -850,8 +898,14 @@ class ChunkedAdam(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         name = type(self).__name__
         params = param_group["params"]
+        if isinstance(params, set):
+            # checked before list() below turns it into a list, as torch checks
+            raise TypeError(f"{name}: a param group's params must be an ordered collection (a list or tuple), not "
+                            "a set: the order of tensors in a set changes between runs, and state dicts number "
+                            "parameters by position")
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        for p in params:
+        # named parameters, [("name", p), ...] (torch 2.x), get the same checks
+        for p in (item[1] if isinstance(item, tuple) else item for item in params):
             if isinstance(p, torch.Tensor):
                 if p.is_complex():
                     raise TypeError(f"{name} does not support complex parameters (got {p.dtype}); "
@@ -862,6 +916,8 @@ class ChunkedAdam(Optimizer):
                     raise ValueError(f"{name}: parameters must be dense, contiguous or a permutation of it like "
                                      f"channels_last (got strides {p.stride()} for shape {tuple(p.shape)}); "
                                      "call .contiguous() on the parameter's data")
+        _check_listed_once(name, [item[1] if isinstance(item, tuple) else item for item in params],
+                           f"param group {len(self.param_groups)}")
         group = dict(param_group, params=params)  # a generator is consumed by the checks above
         _check_hyperparameters(name, group.get("lr", self.defaults["lr"]), group.get("betas", self.defaults["betas"]),
                                group.get("eps", self.defaults["eps"]),
@@ -916,19 +972,20 @@ class ChunkedAdam(Optimizer):
                     located.append((p, True, dict(entry or {})))
                 elif entry:
                     fresh[group_index].append((p, True, dict(entry)))
-        # An entry may hold views of the chunks themselves (`state[p] =
-        # dict(state[p])`, entries swapped between parameters): copy those
-        # values before a reset zeroes what they show.
-        replaced = [values for items in (located, *fresh.values()) for _, reset, values in items if reset]
-        if replaced:
+        # A value may be a view of the chunks themselves (`state[p] =
+        # dict(state[p])`, entries or single keys swapped between
+        # parameters): copy those before a reset zeroes, or an earlier
+        # import overwrites, what they show.
+        imported = [values for items in (located, *fresh.values()) for _, _, values in items if values]
+        if imported:
             owned = {address for chunks in self._chunks.values() for chunk in chunks for address in chunk.storages()}
-            for values in replaced:
+            for values in imported:
                 for key, value in values.items():
                     if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in owned:
                         values[key] = value.clone()
         # the user's writes to parameters reach the chunks' copies before
         # anything is imported over them (and before versions are recorded)
-        self._reseed_copies()
+        fits = self._reseed_copies()
         for group_index, items in fresh.items():
             self._assign(group_index, [p for p, _, _ in items])
             located.extend(items)
@@ -944,16 +1001,34 @@ class ChunkedAdam(Optimizer):
         for chunk in touched.values():
             chunk.reclassify_from_steps()
             self._refresh_state(chunk)
+        if not fits:
+            self._rechunk()
 
-    def _reseed_copies(self) -> None:
+    def _reseed_copies(self) -> bool:
         """Parameters written by the user since the optimizer last wrote them
-        are copied into the chunks' own copies (fp32 masters, offload). Every
+        (version counter moved, or storage address moved: ``p.data = t``) are
+        copied into the chunks' own copies (fp32 masters, offload). Every
         path that exports those copies or records the parameters' versions
-        calls this first, so no pending write is lost or marked as seen."""
+        calls this first, so no pending write is lost or marked as seen.
+        False when a parameter was re-pointed at a tensor its chunk no
+        longer fits (new dtype, device or memory order): the caller
+        re-chunks."""
+        fits = True
         with torch.no_grad():
             for chunks in self._chunks.values():
                 for chunk in chunks:
-                    chunk.reseed_changed()
+                    fits = chunk.reseed_changed(pointers=True) and fits
+        return fits
+
+    def _settle(self) -> None:
+        """Before the state is exported (state_dict, deepcopy, pickle): the
+        entries written from outside are imported, the parameters' writes
+        reach the chunks' copies, and parameters re-pointed at a tensor of
+        another dtype, device or memory order move the states."""
+        if self.state.pending:
+            self._sync_state()  # reseeds too, and re-chunks when needed
+        elif not self._reseed_copies():
+            self._rechunk()
 
     def _refresh_state(self, chunk: _Chunk) -> None:
         """Install the chunk's views as its parameters' entries, refilling
@@ -970,11 +1045,16 @@ class ChunkedAdam(Optimizer):
 
     def _rechunk(self) -> None:
         """Some parameter changed dtype or device since its chunk was made
-        (``model.to(torch.bfloat16)``): move every state into chunks keyed by
-        the parameters' current dtype and device (for a moment both copies
-        exist). New fp32 masters are seeded from the parameters; masters of
-        parameters that stay fp16/bf16 are kept."""
+        (``model.to(torch.bfloat16)``), or the param groups were edited: move
+        every state into chunks keyed by the parameters' current group, dtype
+        and device (for a moment both copies exist). New fp32 masters are
+        seeded from the parameters; masters of parameters that stay
+        fp16/bf16 are kept. A parameter that is in no group any more keeps
+        its entry, as torch does, as a copy in torch's layout (8-bit states
+        decoded), so the old chunks can be freed; it is imported again if the
+        parameter rejoins a group."""
         name = type(self).__name__
+        grouped = {id(p) for group in self.param_groups for p in group["params"]}
         for group_index, group in enumerate(self.param_groups):
             for position, p in enumerate(group["params"]):
                 if id(p) in self._location and (p.is_complex() or p.dtype not in _PARAM_DTYPES):
@@ -988,6 +1068,10 @@ class ChunkedAdam(Optimizer):
                 for index, p in enumerate(chunk.params):
                     # views of the old chunk in its layout, until imported
                     exported = chunk.torch_entry(index)
+                    if chunk.master_is_fp32:
+                        exported["master_param"] = chunk.export_master(index)
+                    if id(p) not in grouped:
+                        exported = {key: value.clone() for key, value in exported.items()}
                     entry = dict.get(state, p)
                     if isinstance(entry, _ParamState) and entry.owner is state and entry.param is p:
                         entry.reinstall(exported, None)  # the user's handle stays live
@@ -998,6 +1082,47 @@ class ChunkedAdam(Optimizer):
         self._location.clear()
         self._unlocated.clear()
         self._sync_state()
+
+    def _check_groups(self) -> list[list[int]]:
+        """The ids of each group's parameters. Compared with the snapshot
+        taken at the last step (the list compare the step needs anyway to
+        find parameters without a chunk), so edits of ``param_groups`` after
+        steps are seen: a parameter removed from its group's list, moved to
+        another group, a group popped, new parameters or groups. When a
+        parameter with a chunk is no longer in the group its chunk was made
+        for (or in none), the states are re-chunked by the current groups,
+        each parameter keeping its state as torch keeps state by parameter;
+        a parameter that rejoins a group gets its kept entry back."""
+        members = [list(map(id, group["params"])) for group in self.param_groups]
+        if members == self._members:
+            return self._members
+        name = type(self).__name__
+        group_of: dict[int, int] = {}
+        where: dict[int, tuple[int, int]] = {}
+        for group_index, ids in enumerate(members):
+            for position, key in enumerate(ids):
+                if key in where:
+                    raise ValueError(f"{name}: parameter {position} of param group {group_index} is the same tensor "
+                                     f"as parameter {where[key][1]} of param group {where[key][0]} (param_groups "
+                                     "were edited; a parameter listed twice would be updated twice per step); "
+                                     "list each parameter once")
+                where[key] = (group_index, position)
+                group_of[key] = group_index
+        self._unlocated.clear()
+        if any(group_of.get(id(p)) != group_index
+               for (group_index, _, _), chunks in self._chunks.items() for chunk in chunks for p in chunk.params):
+            self._rechunk()
+        # parameters without a chunk that hold an entry (back in a group
+        # after a removal, or given one while in no group): import it
+        state = self.state
+        for group in self.param_groups:
+            for p in group["params"]:
+                if id(p) not in self._location and dict.get(state, p):
+                    state.mark(p)
+        if state.pending:
+            self._sync_state()
+        self._members = members
+        return members
 
     # -- chunk bookkeeping ---------------------------------------------
     def _state_device(self, device: torch.device) -> torch.device:
@@ -1039,15 +1164,15 @@ class ChunkedAdam(Optimizer):
                 filled += span
             close()
 
-    def _locate_new(self, group_index: int, group: dict[str, Any]) -> None:
+    def _locate_new(self, group_index: int, group: dict[str, Any], ids: list[int]) -> None:
         """Chunks for parameters that get their first gradient now. The
         parameters still without a chunk are cached per group (keyed by the
-        ids of the group's parameters), so a step does not look every
-        parameter up once all have chunks."""
-        params = group["params"]
-        ids = list(map(id, params))
+        list of ids of the group's parameters that :meth:`_check_groups`
+        returns, the same object while the groups are unchanged), so a step
+        does not look every parameter up once all have chunks."""
         cached = self._unlocated.get(group_index)
-        if cached is None or cached[0] != ids:
+        if cached is None or cached[0] is not ids:
+            params = group["params"]
             cached = self._unlocated[group_index] = (ids, [p for p in params if id(p) not in self._location])
         fresh = []
         for p in cached[1]:
@@ -1102,8 +1227,9 @@ class ChunkedAdam(Optimizer):
         for every chunk, checked before any kernel runs: when a parameter
         changed dtype or device, the states are moved first (_rechunk)."""
         for _ in range(2):
+            members = self._check_groups()
             for group_index, group in enumerate(self.param_groups):
-                self._locate_new(group_index, group)
+                self._locate_new(group_index, group, members[group_index])
             collected, moved = [], False
             for (group_index, device, _), chunks in self._chunks.items():
                 work = [(chunk, self._grads(chunk)) for chunk in chunks]
@@ -1197,25 +1323,50 @@ class ChunkedAdam(Optimizer):
             chunk.steps_version = chunk.steps._version
 
     # -- state dict, copies, pickles ----------------------------------------
+    @torch._disable_dynamo
     def state_dict(self) -> dict[str, Any]:
         """torch.optim.Adam's layout. Parameters with 8-bit states export them
         decoded to float32 (new tensors, not views), so the checkpoint loads
-        into torch.optim.Adam/AdamW; loading it back re-encodes them."""
-        if self.state.pending:
-            self._sync_state()
-        self._reseed_copies()
-        state_dict = super().state_dict()
-        index = 0
+        into torch.optim.Adam/AdamW; loading it back re-encodes them. Hooks
+        run as in torch: ``register_state_dict_pre_hook`` hooks before the
+        state is read, ``register_state_dict_post_hook`` hooks on the
+        finished state dict (decoded states included; a returned dict
+        replaces it)."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        self._settle()
+        # torch's packing: parameters numbered by position across the
+        # groups (a repeated parameter keeps its first number)
+        numbers: dict[int, int] = {}
+        groups, start = [], 0
         for group in self.param_groups:
-            for p in group["params"]:
-                entry = state_dict["state"].get(index)
-                if entry is not None:
-                    located = self._location.get(id(p))
-                    if located is not None and located[0].quantized:
-                        state_dict["state"][index] = located[0].export_state(located[1])
-                    elif isinstance(entry, dict):
-                        state_dict["state"][index] = dict(entry)  # a plain dict, not our tracked entry
-                index += 1
+            packed = {key: value for key, value in group.items() if key != "params"}
+            for number, p in enumerate(group["params"], start):
+                numbers.setdefault(id(p), number)
+            packed["params"] = [numbers[id(p)] for p in group["params"]]
+            start += len(group["params"])
+            groups.append(packed)
+        packed_state = {}
+        for p, entry in self.state.items():
+            if not isinstance(p, torch.Tensor):
+                packed_state[p] = entry
+                continue
+            if id(p) not in numbers:
+                # torch.optim raises a bare KeyError here
+                raise KeyError(f"{type(self).__name__}.state_dict: optimizer.state holds an entry for a parameter "
+                               f"of shape {tuple(p.shape)} that is in no param group; put it back into a group or "
+                               "delete its entry (del optimizer.state[p])")
+            located = self._location.get(id(p))
+            if located is not None and located[0].quantized:
+                entry = located[0].export_state(located[1])
+            elif isinstance(entry, dict):
+                entry = dict(entry)  # a plain dict, not our tracked entry
+            packed_state[numbers[id(p)]] = entry
+        state_dict = {"state": packed_state, "param_groups": groups}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            returned = post_hook(self, state_dict)
+            if returned is not None:
+                state_dict = returned
         return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -1224,8 +1375,17 @@ class ChunkedAdam(Optimizer):
         ``state_dtype`` (an fp32 torch checkpoint loaded with
         ``state_dtype=torch.bfloat16`` is rounded to bf16; a bf16 checkpoint
         loaded with bf16 states stays bit-identical). Master weights come from
-        ``master_param`` when present, else from the parameters."""
+        ``master_param`` when present, else from the parameters. Hooks
+        registered with ``register_load_state_dict_pre_hook`` /
+        ``_post_hook`` run as in torch: pre hooks on a shallow copy of
+        ``state_dict`` before anything is read (one may return a new state
+        dict), post hooks after the state is loaded."""
         name = type(self).__name__
+        state_dict = state_dict.copy()  # shallow, as torch's: a pre hook may edit it
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            returned = pre_hook(self, state_dict)
+            if returned is not None:
+                state_dict = returned
         groups = self.param_groups
         saved_groups = state_dict["param_groups"]
         if len(groups) != len(saved_groups):
@@ -1247,6 +1407,8 @@ class ChunkedAdam(Optimizer):
         self.state = {p: saved_state[i] for group, saved in zip(groups, saved_groups)
                       for p, i in zip(group["params"], saved["params"]) if i in saved_state}
         self._sync_state()
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def __getstate__(self) -> dict[str, Any]:
         """torch's Optimizer pickles only defaults, state and param_groups; the
@@ -1265,7 +1427,7 @@ class ChunkedAdam(Optimizer):
         return twin
 
     def _exported(self, compact: bool) -> dict[str, Any]:
-        self._reseed_copies()
+        self._settle()
         state = super().__getstate__()
         entries = []
         for p, entry in self.state.items():
@@ -1285,6 +1447,7 @@ class ChunkedAdam(Optimizer):
         self._chunks = defaultdict(list)
         self._location = {}
         self._unlocated = {}
+        self._members = None
         self._transfers = {}
         self._step_supports_amp_scaling = True
         self.state = entries
@@ -1328,6 +1491,18 @@ class ChunkedAdamW(ChunkedAdam):
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, **kwargs: Any) -> None:
         kwargs.setdefault("decoupled_weight_decay", True)
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
+
+
+def _check_listed_once(name: str, params: list, where: str) -> None:
+    """A parameter listed twice would get two updates per step. torch.optim
+    warns (deprecated, to become an error: pytorch issue 40967) and steps
+    one shared state twice; here it is the error torch plans."""
+    first: dict[int, int] = {}
+    for position, p in enumerate(params):
+        seen = first.setdefault(id(p), position)
+        if seen != position:
+            raise ValueError(f"{name}: parameter {position} of {where} is the same tensor as parameter {seen} "
+                             "(a parameter listed twice would be updated twice per step); list each parameter once")
 
 
 def _check_hyperparameters(name: str, lr, betas, eps, weight_decay) -> None:
