@@ -11,7 +11,8 @@ data and checks the losses: each variant is compared with a float64 run of
 plain PyTorch modules computing the same function, and must stay within
 ``LOSS_NOISE_FACTOR`` times plain PyTorch's own float32-to-float64 distance
 (its rounding noise at these settings), and never closer than
-``LOSS_TOLERANCE_FLOOR`` demands.
+``LOSS_TOLERANCE_FLOOR`` demands. Every curve reseeds the random number
+generator at each step, so dropout draws the same masks in all of them.
 """
 
 from __future__ import annotations
@@ -576,6 +577,11 @@ def _train_curve(model: nn.Module, setup: Setup, num_classes: int, tick: Callabl
     losses = []
     for step in range(setup.train_steps):
         images, labels = setup.data(setup.batch, num_classes, seed=SEED + 1 + step)
+        # Every curve (each variant's and the float64 reference's) draws the
+        # same dropout masks at a step: without this the reference's masks
+        # differ, and the check measures the masks, not the arithmetic. On
+        # CPU the masks of one seed do not depend on the dtype.
+        torch.manual_seed(SEED + 1 + step)
         losses.append(float(_train_step(model, optimizer, setup, images, labels)))
         tick()
     return losses
@@ -957,7 +963,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--channels-last", action="store_true", help="channels_last model and images")
     parser.add_argument("--compile", action="store_true",
                         help="run every variant under torch.compile (the first step, which compiles, is not timed; "
-                             "activation bytes are counted on the eager module)")
+                             "activation bytes are counted on the eager module; with --train, random ops such as "
+                             "dropout run eager's kernels, torch._inductor.config.fallback_random, so the compiled "
+                             "variants draw the float64 reference's masks)")
     parser.add_argument("--steps", type=int, help="timed training steps per variant (default: 10 on CUDA, 3 on CPU)")
     parser.add_argument("--train", type=int, default=0, metavar="N",
                         help="also train N steps per variant from the same weights and data, and check the losses "
@@ -1033,6 +1041,18 @@ def _load_pyplot(path: str) -> Any:
     return pyplot
 
 
+def _compiled_random_like_eager(setup: Setup) -> ContextManager:
+    """With --compile --train: inductor calls eager's random kernels instead
+    of generating its own numbers, so a compiled variant's dropout draws the
+    masks of its eager float64 reference (otherwise they differ whatever the
+    seed, and so would the losses)."""
+    if not (setup.compile and setup.train_steps):
+        return nullcontext()
+    import torch._inductor.config
+
+    return torch._inductor.config.patch(fallback_random=True)
+
+
 def _run(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     setup = _setup(args)
@@ -1058,8 +1078,9 @@ def _run(argv: list[str]) -> int:
     bar = _progress(sum(_ticks(variants, setup, max_batch_limit) for variants in variants_per_model))
     results: list[Result] = []
     try:
-        for variants in variants_per_model:
-            results += _run_model(variants, setup, max_batch_limit, bar)
+        with _compiled_random_like_eager(setup):
+            for variants in variants_per_model:
+                results += _run_model(variants, setup, max_batch_limit, bar)
     finally:
         bar.close()
 

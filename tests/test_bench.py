@@ -34,6 +34,13 @@ def tiny_convertible_model() -> nn.Module:
     )
 
 
+def tiny_convertible_model_with_dropout() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(0.5), nn.Linear(8, 5),
+    )
+
+
 def tiny_model_without_norm() -> nn.Module:
     return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))
 
@@ -155,6 +162,34 @@ def test_compile_times_compiled_modules_and_counts_eager_activations(tmp_path, c
         assert result["activation_bytes"] == by_variant(eager)[variant]["activation_bytes"]
         assert result["step_time_s"] > 0
     torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_compiled_dropout_draws_the_eager_reference_masks(tmp_path):
+    """With --compile --train, inductor must not draw its own dropout masks:
+    the compiled curves are checked against eager float64 runs."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    report = run_bench(tmp_path, "--model", "tests.test_bench:tiny_convertible_model_with_dropout", "--size", "32",
+                       "--batch", "4", "--steps", "1", "--train", "2", "--compile", "--check-train")
+    results = by_variant(report)
+    assert results["as given"]["loss_noise_floor"] < 1e-5
+    assert results["effilayers convert(inplace)"]["losses_agree"] is True
+    torch._dynamo.reset()
+
+
+def test_train_check_draws_the_same_dropout_masks_in_every_curve(tmp_path):
+    """Every curve, the float64 reference's included, draws one set of
+    dropout masks: plain PyTorch's noise floor stays float32 rounding (it was
+    the masks' difference, ~1e-1, and the tolerance 10x that)."""
+    report = run_bench(tmp_path, "--model", "tests.test_bench:tiny_convertible_model_with_dropout", "--size", "32",
+                       "--batch", "4", "--steps", "1", "--train", "3", "--check-train")
+    results = by_variant(report)
+    assert list(results) == ["as given", "effilayers convert(inplace)"]
+    assert results["as given"]["loss_noise_floor"] < 1e-5
+    assert results["effilayers convert(inplace)"]["loss_tolerance"] == pytest.approx(1e-5)
+    assert results["effilayers convert(inplace)"]["losses_agree"] is True
 
 
 def test_model_that_does_not_convert_has_one_variant(tmp_path):
