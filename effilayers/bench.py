@@ -721,7 +721,15 @@ def _run_model(variants: list[Variant], setup: Setup, max_batch_limit: Optional[
         runner = model
         if setup.compile:
             # Modules under torch.compile: effilayers' ops are custom ops
-            # with fake implementations, so they stay in the graph.
+            # with fake implementations, so they stay in the graph. Variants
+            # share code (ResNet.forward, the blocks'): without a reset each
+            # one recompiles the frames of those before it, against dynamo's
+            # recompile_limit (past it a frame silently runs eager while the
+            # row says compiled), and shapes or floats that differed between
+            # variants would be compiled as dynamic.
+            import torch._dynamo as dynamo
+
+            dynamo.reset()
             runner = torch.compile(model)
         measured = _measure(runner, setup, num_classes, bar.update, eager=model)
         losses = None
