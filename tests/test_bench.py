@@ -152,7 +152,11 @@ def test_compile_times_compiled_modules_and_counts_eager_activations(tmp_path, c
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     args = ("--model", "tests.test_bench:tiny_convertible_model", "--size", "32", "--batch", "2", "--steps", "1")
-    compiled = run_bench(tmp_path, *args, "--compile")
+    # Both variants run nn.Sequential.forward: each must compile afresh, not
+    # as a recompile of the other's frame (past the limit dynamo would run
+    # it eager, silently, in a row that says compiled).
+    with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
+        compiled = run_bench(tmp_path, *args, "--compile")
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2  # one per variant at least
     assert compiled["settings"]["compile"] is True
     assert "torch.compile" in capsys.readouterr().out
