@@ -475,14 +475,19 @@ def _prepare(model: nn.Module, setup: Setup) -> nn.Module:
 
 def _num_classes(model: nn.Module, setup: Setup) -> int:
     # Eval mode and no grad: the probe must not move BatchNorm running stats.
+    # Two images (never more than --batch): a norm without running statistics
+    # normalises with the batch's in eval too, and one image can leave it one
+    # value per channel.
     was_training = model.training
     model.eval()
+    shape = (min(setup.batch, 2), 3, setup.size, setup.size)
     try:
         with torch.no_grad():
-            logits = model(torch.zeros(1, 3, setup.size, setup.size))
+            logits = model(torch.zeros(shape))
     except Exception as error:  # the user's model may raise anything on a wrong input shape
-        raise BenchError(f"the model failed on a (1, 3, {setup.size}, {setup.size}) image batch: "
-                         f"{type(error).__name__}: {error}") from error
+        advice = "; use a larger --batch or --size" if _too_small_for_batch_norm(error) else ""
+        raise BenchError(f"the model failed on a {shape} image batch: {type(error).__name__}: {error}"
+                         f"{advice}") from error
     model.train(was_training)
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         raise BenchError(f"the model returned {getattr(logits, 'shape', type(logits).__name__)}; "

@@ -49,6 +49,12 @@ def not_a_module() -> int:
     return 3
 
 
+def tiny_model_with_batch_statistics_in_eval() -> nn.Module:
+    # No running statistics: BatchNorm1d normalises with the batch's in eval too.
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.BatchNorm1d(4, track_running_stats=False), nn.ReLU(), nn.Linear(4, 3))
+
+
 @pytest.fixture(autouse=True)
 def on_cpu_without_peers(monkeypatch):
     # The bench picks CUDA when it can; these tests pin down the CPU
@@ -680,6 +686,18 @@ def test_plot_has_a_panel_per_measurement_with_ratio_labels(tmp_path):
 def test_bad_model_exits_2_with_a_message(model, message, capsys):
     assert bench.main(["--model", model, "--size", "32", "--steps", "1"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_model_normalising_with_batch_statistics_in_eval_is_probed_with_two_images(tmp_path, capsys):
+    """The class-count probe (eval mode) used one image, which such a norm
+    refuses whatever --batch was."""
+    model = "tests.test_bench:tiny_model_with_batch_statistics_in_eval"
+    report = run_bench(tmp_path, "--model", model, "--size", "32", "--batch", "4", "--steps", "1")
+    assert report["results"][0]["variant"] == "as given"
+    assert all(r["activation_bytes"] > 0 for r in report["results"])
+    assert bench.main(["--model", model, "--size", "32", "--batch", "1", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "the model failed on a (1, 3, 32, 32) image batch" in err and "use a larger --batch" in err
 
 
 @pytest.mark.parametrize("argv, message", [
