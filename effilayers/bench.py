@@ -469,6 +469,13 @@ def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
 def _prepare(model: nn.Module, setup: Setup) -> nn.Module:
     model = model.to(setup.device)
     if setup.channels_last:
+        # Module.to(memory_format=channels_last) raises on 5-D tensors.
+        five_d = [name for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers())
+                  if tensor.dim() == 5]
+        if five_d:
+            raise BenchError(f"--channels-last: the model has 5-D weights ({', '.join(five_d[:3])}"
+                             f"{', ...' if len(five_d) > 3 else ''}), which have no channels_last layout "
+                             "(torch.channels_last is for 4-D tensors); run without --channels-last")
         model = model.to(memory_format=torch.channels_last)
     return model.train()
 

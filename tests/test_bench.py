@@ -49,6 +49,11 @@ def not_a_module() -> int:
     return 3
 
 
+def tiny_model_with_a_conv3d() -> nn.Module:
+    return nn.Sequential(nn.Unflatten(1, (3, 1)), nn.Conv3d(3, 4, 1), nn.AdaptiveAvgPool3d(1), nn.Flatten(),
+                         nn.Linear(4, 3))
+
+
 def tiny_model_with_batch_statistics_in_eval() -> nn.Module:
     # No running statistics: BatchNorm1d normalises with the batch's in eval too.
     return nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
@@ -698,6 +703,14 @@ def test_a_model_normalising_with_batch_statistics_in_eval_is_probed_with_two_im
     assert bench.main(["--model", model, "--size", "32", "--batch", "1", "--steps", "1"]) == 2
     err = capsys.readouterr().err
     assert "the model failed on a (1, 3, 32, 32) image batch" in err and "use a larger --batch" in err
+
+
+def test_channels_last_with_5d_weights_exits_2_with_a_message(capsys):
+    argv = ["--model", "tests.test_bench:tiny_model_with_a_conv3d", "--size", "32", "--steps", "1"]
+    assert bench.main([*argv, "--channels-last"]) == 2
+    err = capsys.readouterr().err
+    assert "effilayers-bench: error: --channels-last: the model has 5-D weights (1.weight)" in err
+    assert "Traceback" not in err
 
 
 @pytest.mark.parametrize("argv, message", [
