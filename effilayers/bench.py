@@ -9,8 +9,9 @@ available, otherwise on CPU at a small size.
 ``--train N`` also trains every variant N steps from the same weights and
 data and checks the losses: each variant is compared with a float64 run of
 plain PyTorch modules computing the same function, and must stay within
-``LOSS_NOISE_FACTOR`` times plain PyTorch's own float32-to-float64 distance
-(its rounding noise at these settings), and never closer than
+``LOSS_NOISE_FACTOR`` times the distance between plain PyTorch's own losses
+at the benchmark's precision (float32, or bfloat16/float16 autocast) and its
+float64 run (its rounding noise at these settings), and never closer than
 ``LOSS_TOLERANCE_FLOOR`` demands. Every curve reseeds the random number
 generator at each step, so dropout draws the same masks in all of them.
 """
@@ -653,7 +654,7 @@ class Result:
     out_of_memory: bool = False
     ratios: dict[str, Optional[float]] = field(default_factory=dict)
     losses: Optional[list[float]] = None
-    # Against plain PyTorch's float32 losses (what a user would compare).
+    # Against plain PyTorch's losses at the same --dtype (what a user would compare).
     final_loss_rel_diff: Optional[float] = None
     max_loss_rel_diff: Optional[float] = None
     # The --train check: against the float64 reference of the same function.
@@ -882,7 +883,14 @@ def format_table(results: list[Result]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-def format_losses(results: list[Result]) -> str:
+def precision_name(dtype: torch.dtype) -> str:
+    """How the losses of a run at ``dtype`` were computed, in words."""
+    name = str(dtype).removeprefix("torch.")
+    return name if dtype == torch.float32 else f"{name} autocast"
+
+
+def format_losses(results: list[Result], dtype: torch.dtype = torch.float32) -> str:
+    precision = precision_name(dtype)
     lines = [f"training check: each variant's loss against a float64 run of plain PyTorch computing the same "
              f"function; tolerance at step t = max({LOSS_NOISE_FACTOR:g} x plain PyTorch's largest relative "
              f"distance to its float64 run up to t, floor)"]
@@ -893,14 +901,15 @@ def format_losses(results: list[Result]) -> str:
         if r.loss_rel_errors is not None:
             line += f"  max rel err {max(r.loss_rel_errors):.1e}  {agreement(vars(r))}"
         if r.max_loss_rel_diff is not None and r.variant not in (PLAIN, AS_GIVEN):
-            line += f"  (vs plain float32: max rel diff {r.max_loss_rel_diff:.1e})"
+            line += f"  (vs plain {precision}: max rel diff {r.max_loss_rel_diff:.1e})"
         lines.append(line)
     return "\n".join(lines)
 
 
-def loss_warnings(results: list[Result]) -> list[str]:
+def loss_warnings(results: list[Result], dtype: torch.dtype = torch.float32) -> list[str]:
     """One line per variant whose losses left the tolerance, and per model
-    whose noise floor makes the check weak."""
+    whose noise floor makes the check weak (``dtype``: the runs' --dtype)."""
+    precision = precision_name(dtype)
     lines = []
     for r in results:
         if r.losses_agree is False:
@@ -909,10 +918,10 @@ def loss_warnings(results: list[Result]) -> list[str]:
                          f"step {step + 1}, relative error {r.loss_rel_errors[step]:.2e} > "
                          f"{r.loss_tolerances[step]:.2e}")
         if r.losses_agree is None and r.loss_noise_floor is not None and r.loss_noise_floor > ILL_CONDITIONED:
-            lines.append(f"{r.model}: plain PyTorch's own float32 losses are up to {r.loss_noise_floor:.1e} (relative) "
+            lines.append(f"{r.model}: plain PyTorch's own {precision} losses are up to {r.loss_noise_floor:.1e} (relative) "
                          f"from float64 here, so the check only holds the variants to "
                          f"{r.loss_tolerance:.1e}; BatchNorm over few values per channel (small --batch/--size) "
-                         "and deep residual networks at initialisation are ill-conditioned in float32")
+                         f"and deep residual networks at initialisation are ill-conditioned in {precision}")
     return lines
 
 
@@ -991,8 +1000,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="also train N steps per variant from the same weights and data, and check the losses "
                              "against a float64 run of plain PyTorch computing the same function: at step t the "
                              f"relative difference must be <= max({LOSS_NOISE_FACTOR:g} x plain PyTorch's own largest "
-                             "float32-to-float64 relative difference up to t, 1e-5 float32 / 1e-3 float16 / 1e-2 "
-                             "bfloat16); a variant outside it gets a warning")
+                             "relative difference up to t between its --dtype run and float64, 1e-5 float32 / 1e-3 "
+                             "float16 / 1e-2 bfloat16); a variant outside it gets a warning")
     parser.add_argument("--check-train", action="store_true",
                         help="with --train: exit with status 1 when a variant's losses leave the tolerance")
     parser.add_argument("--max-batch", action="store_true",
@@ -1113,11 +1122,11 @@ def _run(argv: list[str]) -> int:
               "keeps for backward (2 bytes per parameter), the same for every variant.")
     if setup.train_steps:
         print()
-        print(format_losses(results))
+        print(format_losses(results, setup.dtype))
     for r in results:
         for note in r.notes:
             print(f"note: {r.model} / {r.variant}: {note}")
-    warnings = loss_warnings(results)
+    warnings = loss_warnings(results, setup.dtype)
     for line in warnings:
         print(f"{PROG}: warning: {line}", file=sys.stderr)
     if args.json:

@@ -274,6 +274,22 @@ def test_train_check_catches_a_wrong_gradient(tmp_path, monkeypatch, capsys):
     assert "--check-train: 1 variant(s) left the loss tolerance: resnet18 / broken ABN" in err
 
 
+def test_train_check_under_autocast_names_the_autocast_dtype(tmp_path, capsys):
+    """Under --dtype bfloat16 the losses are bfloat16 autocast ones: the
+    check's lines and warnings must not call them float32."""
+    run_bench(tmp_path, "--model", "tests.test_bench:tiny_convertible_model", "--size", "32", "--batch", "2",
+              "--steps", "1", "--train", "2", "--dtype", "bfloat16")
+    captured = capsys.readouterr()
+    check = captured.out[captured.out.index("training check"):]
+    assert "vs plain bfloat16 autocast: max rel diff" in check
+    assert "float32" not in check + captured.err
+    ill_conditioned = bench.Result("m", bench.PLAIN, True, 1, None, [1.0], 1.0, 1.0, losses=[1.0],
+                                   loss_noise_floor=2e-2, loss_tolerance=2e-1)
+    (line,) = bench.loss_warnings([ill_conditioned], torch.bfloat16)
+    assert "plain PyTorch's own bfloat16 autocast losses are up to 2.0e-02" in line
+    assert "ill-conditioned in bfloat16 autocast" in line and "float32" not in line
+
+
 def test_check_train_needs_train(capsys):
     assert bench.main(["--check-train"]) == 2
     assert "--check-train needs --train" in capsys.readouterr().err
