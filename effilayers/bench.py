@@ -67,6 +67,7 @@ ILL_CONDITIONED = 1e-3
 # Where --max-batch may run: elsewhere nothing runs out of memory cleanly
 # (tests widen it to search on CPU against a simulated limit).
 MAX_BATCH_DEVICES = ("cuda",)
+DEFAULT_MAX_BATCH_LIMIT = 4096
 LEAKY = "leaky_relu(0.01)"
 
 
@@ -375,7 +376,10 @@ def _custom_variants(spec: str) -> tuple[list[Variant], list[str]]:
     factory = _import_callable(spec)
 
     def build_given() -> nn.Module:
-        model = factory()
+        try:
+            model = factory()
+        except Exception as error:  # the user's builder may raise anything; say so in one line, as for imports
+            raise BenchError(f"--model {spec!r}: building the model raised {type(error).__name__}: {error}") from error
         if not isinstance(model, nn.Module):
             raise BenchError(f"--model {spec!r}: returned {type(model).__name__}, expected an nn.Module")
         return model
@@ -986,7 +990,8 @@ def _parser() -> argparse.ArgumentParser:
                         help=f"{names}, or module:callable returning an nn.Module that maps (N, 3, H, W) images "
                              "to logits; repeatable (default: resnet50 and densenet121)")
     parser.add_argument("--batch", type=int, help="batch size (default: 32 on CUDA, 2 on CPU)")
-    parser.add_argument("--size", type=int, help="image height and width (default: 224 on CUDA, 64 on CPU)")
+    parser.add_argument("--size", type=int,
+                        help="image height and width, >= 32 (default: 224 on CUDA, 64 on CPU)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                         help="float32, or autocast to bfloat16/float16 (float16 needs CUDA)")
     parser.add_argument("--channels-last", action="store_true", help="channels_last model and images")
@@ -1006,13 +1011,20 @@ def _parser() -> argparse.ArgumentParser:
                         help="with --train: exit with status 1 when a variant's losses leave the tolerance")
     parser.add_argument("--max-batch", action="store_true",
                         help="find the largest batch that trains one step, per variant (CUDA only)")
-    parser.add_argument("--max-batch-limit", type=int, default=4096, metavar="N",
-                        help="largest batch --max-batch tries (default: 4096)")
+    parser.add_argument("--max-batch-limit", type=int, metavar="N",
+                        help=f"with --max-batch: the largest batch it tries (default: {DEFAULT_MAX_BATCH_LIMIT})")
     parser.add_argument("--json", metavar="FILE", help="write all results, the environment and the command here")
     parser.add_argument("--plot", metavar="FILE.png",
                         help="bar charts with ratios (and loss curves with --train); needs matplotlib")
     parser.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available")
     return parser
+
+
+def _max_batch_limit(args: argparse.Namespace) -> Optional[int]:
+    """The --max-batch search's limit, None without --max-batch."""
+    if not args.max_batch:
+        return None
+    return DEFAULT_MAX_BATCH_LIMIT if args.max_batch_limit is None else args.max_batch_limit
 
 
 def _setup(args: argparse.Namespace) -> Setup:
@@ -1025,6 +1037,8 @@ def _setup(args: argparse.Namespace) -> Setup:
                          "no CUDA device in use here")
     if args.check_train and not args.train:
         raise BenchError("--check-train needs --train N (N >= 1)")
+    if args.max_batch_limit is not None and not args.max_batch:
+        raise BenchError("--max-batch-limit needs --max-batch")
     dtype = DTYPES[args.dtype]
     if dtype == torch.float16 and not on_cuda:
         raise BenchError("--dtype float16 needs CUDA; on CPU use float32 or bfloat16")
@@ -1034,8 +1048,9 @@ def _setup(args: argparse.Namespace) -> Setup:
                   dtype=dtype, channels_last=args.channels_last,
                   steps=args.steps if args.steps is not None else (10 if on_cuda else 3), train_steps=args.train,
                   compile=args.compile)
+    limit = DEFAULT_MAX_BATCH_LIMIT if args.max_batch_limit is None else args.max_batch_limit
     for name, value, minimum in (("--batch", setup.batch, 1), ("--size", setup.size, 32), ("--steps", setup.steps, 1),
-                                 ("--train", setup.train_steps, 0), ("--max-batch-limit", args.max_batch_limit, 1)):
+                                 ("--train", setup.train_steps, 0), ("--max-batch-limit", limit, 1)):
         if value < minimum:
             raise BenchError(f"{name} must be >= {minimum}, got {value}")
     return setup
@@ -1103,7 +1118,7 @@ def _run(argv: list[str]) -> int:
           f"1 warm-up + {setup.steps} timed steps per variant", flush=True)
     for line in skipped:
         print(line, flush=True)
-    max_batch_limit = args.max_batch_limit if args.max_batch else None
+    max_batch_limit = _max_batch_limit(args)
     bar = _progress(sum(_ticks(variants, setup, max_batch_limit) for variants in variants_per_model))
     results: list[Result] = []
     try:

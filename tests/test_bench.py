@@ -49,6 +49,10 @@ def not_a_module() -> int:
     return 3
 
 
+def raises_while_building() -> nn.Module:
+    raise RuntimeError("boom at build")
+
+
 def tiny_model_with_a_conv3d() -> nn.Module:
     return nn.Sequential(nn.Unflatten(1, (3, 1)), nn.Conv3d(3, 4, 1), nn.AdaptiveAvgPool3d(1), nn.Flatten(),
                          nn.Linear(4, 3))
@@ -703,6 +707,8 @@ def test_plot_has_a_panel_per_measurement_with_ratio_labels(tmp_path):
     ("no_such_module_xyz:build", "cannot import 'no_such_module_xyz'"),
     ("tests.test_bench:no_such_function", "has no attribute 'no_such_function'"),
     ("tests.test_bench:not_a_module", "expected an nn.Module"),
+    ("tests.test_bench:raises_while_building",
+     "--model 'tests.test_bench:raises_while_building': building the model raised RuntimeError: boom at build"),
 ])
 def test_bad_model_exits_2_with_a_message(model, message, capsys):
     assert bench.main(["--model", model, "--size", "32", "--steps", "1"]) == 2
@@ -732,10 +738,16 @@ def test_channels_last_with_5d_weights_exits_2_with_a_message(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--dtype", "float16"], "float16 needs CUDA"),
     (["--batch", "0"], "--batch must be >= 1"),
+    (["--size", "16"], "--size must be >= 32, got 16"),
+    (["--max-batch-limit", "64"], "--max-batch-limit needs --max-batch"),
 ])
 def test_bad_settings_exit_2(argv, message, capsys):
     assert bench.main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_help_states_the_size_minimum():
+    assert "height and width, >= 32" in " ".join(bench._parser().format_help().split())
 
 
 def output_path_cases():
