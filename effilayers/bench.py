@@ -9,9 +9,11 @@ available, otherwise on CPU at a small size.
 ``--train N`` also trains every variant N steps from the same weights and
 data and checks the losses: each variant is compared with a float64 run of
 plain PyTorch modules computing the same function, and must stay within
-``LOSS_NOISE_FACTOR`` times plain PyTorch's own float32-to-float64 distance
-(its rounding noise at these settings), and never closer than
-``LOSS_TOLERANCE_FLOOR`` demands.
+``LOSS_NOISE_FACTOR`` times the distance between plain PyTorch's own losses
+at the benchmark's precision (float32, or bfloat16/float16 autocast) and its
+float64 run (its rounding noise at these settings), and never closer than
+``LOSS_TOLERANCE_FLOOR`` demands. Every curve reseeds the random number
+generator at each step, so dropout draws the same masks in all of them.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ ILL_CONDITIONED = 1e-3
 # Where --max-batch may run: elsewhere nothing runs out of memory cleanly
 # (tests widen it to search on CPU against a simulated limit).
 MAX_BATCH_DEVICES = ("cuda",)
+DEFAULT_MAX_BATCH_LIMIT = 4096
 LEAKY = "leaky_relu(0.01)"
 
 
@@ -376,7 +379,10 @@ def _custom_variants(spec: str) -> tuple[list[Variant], list[str]]:
     factory = _import_callable(spec)
 
     def build_given() -> nn.Module:
-        model = factory()
+        try:
+            model = factory()
+        except Exception as error:  # the user's builder may raise anything; say so in one line, as for imports
+            raise BenchError(f"--model {spec!r}: building the model raised {type(error).__name__}: {error}") from error
         if not isinstance(model, nn.Module):
             raise BenchError(f"--model {spec!r}: returned {type(model).__name__}, expected an nn.Module")
         return model
@@ -471,20 +477,32 @@ def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
 def _prepare(model: nn.Module, setup: Setup) -> nn.Module:
     model = model.to(setup.device)
     if setup.channels_last:
+        # Module.to(memory_format=channels_last) raises on 5-D tensors.
+        five_d = [name for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers())
+                  if tensor.dim() == 5]
+        if five_d:
+            raise BenchError(f"--channels-last: the model has 5-D weights ({', '.join(five_d[:3])}"
+                             f"{', ...' if len(five_d) > 3 else ''}), which have no channels_last layout "
+                             "(torch.channels_last is for 4-D tensors); run without --channels-last")
         model = model.to(memory_format=torch.channels_last)
     return model.train()
 
 
 def _num_classes(model: nn.Module, setup: Setup) -> int:
     # Eval mode and no grad: the probe must not move BatchNorm running stats.
+    # Two images (never more than --batch): a norm without running statistics
+    # normalises with the batch's in eval too, and one image can leave it one
+    # value per channel.
     was_training = model.training
     model.eval()
+    shape = (min(setup.batch, 2), 3, setup.size, setup.size)
     try:
         with torch.no_grad():
-            logits = model(torch.zeros(1, 3, setup.size, setup.size))
+            logits = model(torch.zeros(shape))
     except Exception as error:  # the user's model may raise anything on a wrong input shape
-        raise BenchError(f"the model failed on a (1, 3, {setup.size}, {setup.size}) image batch: "
-                         f"{type(error).__name__}: {error}") from error
+        advice = "; use a larger --batch or --size" if _too_small_for_batch_norm(error) else ""
+        raise BenchError(f"the model failed on a {shape} image batch: {type(error).__name__}: {error}"
+                         f"{advice}") from error
     model.train(was_training)
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         raise BenchError(f"the model returned {getattr(logits, 'shape', type(logits).__name__)}; "
@@ -579,6 +597,11 @@ def _train_curve(model: nn.Module, setup: Setup, num_classes: int, tick: Callabl
     losses = []
     for step in range(setup.train_steps):
         images, labels = setup.data(setup.batch, num_classes, seed=SEED + 1 + step)
+        # Every curve (each variant's and the float64 reference's) draws the
+        # same dropout masks at a step: without this the reference's masks
+        # differ, and the check measures the masks, not the arithmetic. On
+        # CPU the masks of one seed do not depend on the dtype.
+        torch.manual_seed(SEED + 1 + step)
         losses.append(float(_train_step(model, optimizer, setup, images, labels)))
         tick()
     return losses
@@ -638,7 +661,7 @@ class Result:
     out_of_memory: bool = False
     ratios: dict[str, Optional[float]] = field(default_factory=dict)
     losses: Optional[list[float]] = None
-    # Against plain PyTorch's float32 losses (what a user would compare).
+    # Against plain PyTorch's losses at the same --dtype (what a user would compare).
     final_loss_rel_diff: Optional[float] = None
     max_loss_rel_diff: Optional[float] = None
     # The --train check: against the float64 reference of the same function.
@@ -718,7 +741,15 @@ def _run_model(variants: list[Variant], setup: Setup, max_batch_limit: Optional[
         runner = model
         if setup.compile:
             # Modules under torch.compile: effilayers' ops are custom ops
-            # with fake implementations, so they stay in the graph.
+            # with fake implementations, so they stay in the graph. Variants
+            # share code (ResNet.forward, the blocks'): without a reset each
+            # one recompiles the frames of those before it, against dynamo's
+            # recompile_limit (past it a frame silently runs eager while the
+            # row says compiled), and shapes or floats that differed between
+            # variants would be compiled as dynamic.
+            import torch._dynamo as dynamo
+
+            dynamo.reset()
             runner = torch.compile(model)
         measured = _measure(runner, setup, num_classes, bar.update, eager=model)
         losses = None
@@ -859,7 +890,14 @@ def format_table(results: list[Result]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-def format_losses(results: list[Result]) -> str:
+def precision_name(dtype: torch.dtype) -> str:
+    """How the losses of a run at ``dtype`` were computed, in words."""
+    name = str(dtype).removeprefix("torch.")
+    return name if dtype == torch.float32 else f"{name} autocast"
+
+
+def format_losses(results: list[Result], dtype: torch.dtype = torch.float32) -> str:
+    precision = precision_name(dtype)
     lines = [f"training check: each variant's loss against a float64 run of plain PyTorch computing the same "
              f"function; tolerance at step t = max({LOSS_NOISE_FACTOR:g} x plain PyTorch's largest relative "
              f"distance to its float64 run up to t, floor)"]
@@ -870,14 +908,15 @@ def format_losses(results: list[Result]) -> str:
         if r.loss_rel_errors is not None:
             line += f"  max rel err {max(r.loss_rel_errors):.1e}  {agreement(vars(r))}"
         if r.max_loss_rel_diff is not None and r.variant not in (PLAIN, AS_GIVEN):
-            line += f"  (vs plain float32: max rel diff {r.max_loss_rel_diff:.1e})"
+            line += f"  (vs plain {precision}: max rel diff {r.max_loss_rel_diff:.1e})"
         lines.append(line)
     return "\n".join(lines)
 
 
-def loss_warnings(results: list[Result]) -> list[str]:
+def loss_warnings(results: list[Result], dtype: torch.dtype = torch.float32) -> list[str]:
     """One line per variant whose losses left the tolerance, and per model
-    whose noise floor makes the check weak."""
+    whose noise floor makes the check weak (``dtype``: the runs' --dtype)."""
+    precision = precision_name(dtype)
     lines = []
     for r in results:
         if r.losses_agree is False:
@@ -886,10 +925,10 @@ def loss_warnings(results: list[Result]) -> list[str]:
                          f"step {step + 1}, relative error {r.loss_rel_errors[step]:.2e} > "
                          f"{r.loss_tolerances[step]:.2e}")
         if r.losses_agree is None and r.loss_noise_floor is not None and r.loss_noise_floor > ILL_CONDITIONED:
-            lines.append(f"{r.model}: plain PyTorch's own float32 losses are up to {r.loss_noise_floor:.1e} (relative) "
+            lines.append(f"{r.model}: plain PyTorch's own {precision} losses are up to {r.loss_noise_floor:.1e} (relative) "
                          f"from float64 here, so the check only holds the variants to "
                          f"{r.loss_tolerance:.1e}; BatchNorm over few values per channel (small --batch/--size) "
-                         "and deep residual networks at initialisation are ill-conditioned in float32")
+                         f"and deep residual networks at initialisation are ill-conditioned in {precision}")
     return lines
 
 
@@ -954,31 +993,41 @@ def _parser() -> argparse.ArgumentParser:
                         help=f"{names}, or module:callable returning an nn.Module that maps (N, 3, H, W) images "
                              "to logits; repeatable (default: resnet50 and densenet121)")
     parser.add_argument("--batch", type=int, help="batch size (default: 32 on CUDA, 2 on CPU)")
-    parser.add_argument("--size", type=int, help="image height and width (default: 224 on CUDA, 64 on CPU)")
+    parser.add_argument("--size", type=int,
+                        help="image height and width, >= 32 (default: 224 on CUDA, 64 on CPU)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                         help="float32, or autocast to bfloat16/float16 (float16 needs CUDA)")
     parser.add_argument("--channels-last", action="store_true", help="channels_last model and images")
     parser.add_argument("--compile", action="store_true",
                         help="run every variant under torch.compile (the first step, which compiles, is not timed; "
-                             "activation bytes are counted on the eager module)")
+                             "activation bytes are counted on the eager module; with --train, random ops such as "
+                             "dropout run eager's kernels, torch._inductor.config.fallback_random, so the compiled "
+                             "variants draw the float64 reference's masks)")
     parser.add_argument("--steps", type=int, help="timed training steps per variant (default: 10 on CUDA, 3 on CPU)")
     parser.add_argument("--train", type=int, default=0, metavar="N",
                         help="also train N steps per variant from the same weights and data, and check the losses "
                              "against a float64 run of plain PyTorch computing the same function: at step t the "
                              f"relative difference must be <= max({LOSS_NOISE_FACTOR:g} x plain PyTorch's own largest "
-                             "float32-to-float64 relative difference up to t, 1e-5 float32 / 1e-3 float16 / 1e-2 "
-                             "bfloat16); a variant outside it gets a warning")
+                             "relative difference up to t between its --dtype run and float64, 1e-5 float32 / 1e-3 "
+                             "float16 / 1e-2 bfloat16); a variant outside it gets a warning")
     parser.add_argument("--check-train", action="store_true",
                         help="with --train: exit with status 1 when a variant's losses leave the tolerance")
     parser.add_argument("--max-batch", action="store_true",
                         help="find the largest batch that trains one step, per variant (CUDA only)")
-    parser.add_argument("--max-batch-limit", type=int, default=4096, metavar="N",
-                        help="largest batch --max-batch tries (default: 4096)")
+    parser.add_argument("--max-batch-limit", type=int, metavar="N",
+                        help=f"with --max-batch: the largest batch it tries (default: {DEFAULT_MAX_BATCH_LIMIT})")
     parser.add_argument("--json", metavar="FILE", help="write all results, the environment and the command here")
     parser.add_argument("--plot", metavar="FILE.png",
                         help="bar charts with ratios (and loss curves with --train); needs matplotlib")
     parser.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available")
     return parser
+
+
+def _max_batch_limit(args: argparse.Namespace) -> Optional[int]:
+    """The --max-batch search's limit, None without --max-batch."""
+    if not args.max_batch:
+        return None
+    return DEFAULT_MAX_BATCH_LIMIT if args.max_batch_limit is None else args.max_batch_limit
 
 
 def _setup(args: argparse.Namespace) -> Setup:
@@ -991,6 +1040,8 @@ def _setup(args: argparse.Namespace) -> Setup:
                          "no CUDA device in use here")
     if args.check_train and not args.train:
         raise BenchError("--check-train needs --train N (N >= 1)")
+    if args.max_batch_limit is not None and not args.max_batch:
+        raise BenchError("--max-batch-limit needs --max-batch")
     dtype = DTYPES[args.dtype]
     if dtype == torch.float16 and not on_cuda:
         raise BenchError("--dtype float16 needs CUDA; on CPU use float32 or bfloat16")
@@ -1000,8 +1051,9 @@ def _setup(args: argparse.Namespace) -> Setup:
                   dtype=dtype, channels_last=args.channels_last,
                   steps=args.steps if args.steps is not None else (10 if on_cuda else 3), train_steps=args.train,
                   compile=args.compile)
+    limit = DEFAULT_MAX_BATCH_LIMIT if args.max_batch_limit is None else args.max_batch_limit
     for name, value, minimum in (("--batch", setup.batch, 1), ("--size", setup.size, 32), ("--steps", setup.steps, 1),
-                                 ("--train", setup.train_steps, 0), ("--max-batch-limit", args.max_batch_limit, 1)):
+                                 ("--train", setup.train_steps, 0), ("--max-batch-limit", limit, 1)):
         if value < minimum:
             raise BenchError(f"{name} must be >= {minimum}, got {value}")
     return setup
@@ -1036,6 +1088,18 @@ def _load_pyplot(path: str) -> Any:
     return pyplot
 
 
+def _compiled_random_like_eager(setup: Setup) -> ContextManager:
+    """With --compile --train: inductor calls eager's random kernels instead
+    of generating its own numbers, so a compiled variant's dropout draws the
+    masks of its eager float64 reference (otherwise they differ whatever the
+    seed, and so would the losses)."""
+    if not (setup.compile and setup.train_steps):
+        return nullcontext()
+    import torch._inductor.config
+
+    return torch._inductor.config.patch(fallback_random=True)
+
+
 def _run(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     setup = _setup(args)
@@ -1057,12 +1121,13 @@ def _run(argv: list[str]) -> int:
           f"1 warm-up + {setup.steps} timed steps per variant", flush=True)
     for line in skipped:
         print(line, flush=True)
-    max_batch_limit = args.max_batch_limit if args.max_batch else None
+    max_batch_limit = _max_batch_limit(args)
     bar = _progress(sum(_ticks(variants, setup, max_batch_limit) for variants in variants_per_model))
     results: list[Result] = []
     try:
-        for variants in variants_per_model:
-            results += _run_model(variants, setup, max_batch_limit, bar)
+        with _compiled_random_like_eager(setup):
+            for variants in variants_per_model:
+                results += _run_model(variants, setup, max_batch_limit, bar)
     finally:
         bar.close()
 
@@ -1075,11 +1140,11 @@ def _run(argv: list[str]) -> int:
               "keeps for backward (2 bytes per parameter), the same for every variant.")
     if setup.train_steps:
         print()
-        print(format_losses(results))
+        print(format_losses(results, setup.dtype))
     for r in results:
         for note in r.notes:
             print(f"note: {r.model} / {r.variant}: {note}")
-    warnings = loss_warnings(results)
+    warnings = loss_warnings(results, setup.dtype)
     for line in warnings:
         print(f"{PROG}: warning: {line}", file=sys.stderr)
     if args.json:

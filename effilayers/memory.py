@@ -98,13 +98,17 @@ class ActivationMeter:
     Only tensors that are still saved when you read ``bytes`` count: the
     meter keeps weak references, so a graph you drop inside the block stops
     counting, and the meter itself never keeps memory alive. Parameters
-    (``nn.Parameter``) never count; pass modules or tensors in ``exclude`` to
-    leave out their storages as well (a module: its parameters and buffers).
+    (``nn.Parameter``) never count, nor do views of them (the ``weight.t()``
+    a Linear saves) or anything else saved on a storage of a parameter
+    saved in the block; pass modules or tensors in ``exclude`` to leave out
+    their storages as well (a module: its parameters and buffers).
     """
 
     def __init__(self, exclude: Excludable = None) -> None:
         self._exclude = exclude
         self._excluded: set[tuple[str, int]] = set()
+        # Storages of the parameters seen saved, themselves or through a view.
+        self._parameter_storages: set[tuple[str, int]] = set()
         self._saved: list[weakref.ref] = []
         self._hooks: Optional[torch.autograd.graph.saved_tensors_hooks] = None
 
@@ -115,7 +119,9 @@ class ActivationMeter:
         # the graph would never be freed. The weak reference then lives
         # exactly as long as autograd keeps the saved tensor.
         saved = _Saved(tensor.detach(), tensor._version)
-        if not isinstance(tensor, nn.Parameter):
+        if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter):
+            self._parameter_storages.add(_storage_key(tensor))
+        else:
             self._saved.append(weakref.ref(saved))
         return saved
 
@@ -155,7 +161,7 @@ class ActivationMeter:
             if storage.nbytes() == 0:
                 continue
             key = _storage_key(tensor)
-            if key in self._excluded:
+            if key in self._excluded or key in self._parameter_storages:
                 continue
             if key in found:
                 found[key][4] += 1

@@ -34,12 +34,34 @@ def tiny_convertible_model() -> nn.Module:
     )
 
 
+def tiny_convertible_model_with_dropout() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(0.5), nn.Linear(8, 5),
+    )
+
+
 def tiny_model_without_norm() -> nn.Module:
     return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))
 
 
 def not_a_module() -> int:
     return 3
+
+
+def raises_while_building() -> nn.Module:
+    raise RuntimeError("boom at build")
+
+
+def tiny_model_with_a_conv3d() -> nn.Module:
+    return nn.Sequential(nn.Unflatten(1, (3, 1)), nn.Conv3d(3, 4, 1), nn.AdaptiveAvgPool3d(1), nn.Flatten(),
+                         nn.Linear(4, 3))
+
+
+def tiny_model_with_batch_statistics_in_eval() -> nn.Module:
+    # No running statistics: BatchNorm1d normalises with the batch's in eval too.
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.BatchNorm1d(4, track_running_stats=False), nn.ReLU(), nn.Linear(4, 3))
 
 
 @pytest.fixture(autouse=True)
@@ -145,7 +167,11 @@ def test_compile_times_compiled_modules_and_counts_eager_activations(tmp_path, c
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     args = ("--model", "tests.test_bench:tiny_convertible_model", "--size", "32", "--batch", "2", "--steps", "1")
-    compiled = run_bench(tmp_path, *args, "--compile")
+    # Both variants run nn.Sequential.forward: each must compile afresh, not
+    # as a recompile of the other's frame (past the limit dynamo would run
+    # it eager, silently, in a row that says compiled).
+    with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
+        compiled = run_bench(tmp_path, *args, "--compile")
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2  # one per variant at least
     assert compiled["settings"]["compile"] is True
     assert "torch.compile" in capsys.readouterr().out
@@ -155,6 +181,34 @@ def test_compile_times_compiled_modules_and_counts_eager_activations(tmp_path, c
         assert result["activation_bytes"] == by_variant(eager)[variant]["activation_bytes"]
         assert result["step_time_s"] > 0
     torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_compiled_dropout_draws_the_eager_reference_masks(tmp_path):
+    """With --compile --train, inductor must not draw its own dropout masks:
+    the compiled curves are checked against eager float64 runs."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    report = run_bench(tmp_path, "--model", "tests.test_bench:tiny_convertible_model_with_dropout", "--size", "32",
+                       "--batch", "4", "--steps", "1", "--train", "2", "--compile", "--check-train")
+    results = by_variant(report)
+    assert results["as given"]["loss_noise_floor"] < 1e-5
+    assert results["effilayers convert(inplace)"]["losses_agree"] is True
+    torch._dynamo.reset()
+
+
+def test_train_check_draws_the_same_dropout_masks_in_every_curve(tmp_path):
+    """Every curve, the float64 reference's included, draws one set of
+    dropout masks: plain PyTorch's noise floor stays float32 rounding (it was
+    the masks' difference, ~1e-1, and the tolerance 10x that)."""
+    report = run_bench(tmp_path, "--model", "tests.test_bench:tiny_convertible_model_with_dropout", "--size", "32",
+                       "--batch", "4", "--steps", "1", "--train", "3", "--check-train")
+    results = by_variant(report)
+    assert list(results) == ["as given", "effilayers convert(inplace)"]
+    assert results["as given"]["loss_noise_floor"] < 1e-5
+    assert results["effilayers convert(inplace)"]["loss_tolerance"] == pytest.approx(1e-5)
+    assert results["effilayers convert(inplace)"]["losses_agree"] is True
 
 
 def test_model_that_does_not_convert_has_one_variant(tmp_path):
@@ -222,6 +276,22 @@ def test_train_check_catches_a_wrong_gradient(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "effilayers-bench: warning: resnet18 / broken ABN: losses differ" in err and "step 2" in err
     assert "--check-train: 1 variant(s) left the loss tolerance: resnet18 / broken ABN" in err
+
+
+def test_train_check_under_autocast_names_the_autocast_dtype(tmp_path, capsys):
+    """Under --dtype bfloat16 the losses are bfloat16 autocast ones: the
+    check's lines and warnings must not call them float32."""
+    run_bench(tmp_path, "--model", "tests.test_bench:tiny_convertible_model", "--size", "32", "--batch", "2",
+              "--steps", "1", "--train", "2", "--dtype", "bfloat16")
+    captured = capsys.readouterr()
+    check = captured.out[captured.out.index("training check"):]
+    assert "vs plain bfloat16 autocast: max rel diff" in check
+    assert "float32" not in check + captured.err
+    ill_conditioned = bench.Result("m", bench.PLAIN, True, 1, None, [1.0], 1.0, 1.0, losses=[1.0],
+                                   loss_noise_floor=2e-2, loss_tolerance=2e-1)
+    (line,) = bench.loss_warnings([ill_conditioned], torch.bfloat16)
+    assert "plain PyTorch's own bfloat16 autocast losses are up to 2.0e-02" in line
+    assert "ill-conditioned in bfloat16 autocast" in line and "float32" not in line
 
 
 def test_check_train_needs_train(capsys):
@@ -673,19 +743,47 @@ def test_plot_has_a_panel_per_measurement_with_ratio_labels(tmp_path):
     ("no_such_module_xyz:build", "cannot import 'no_such_module_xyz'"),
     ("tests.test_bench:no_such_function", "has no attribute 'no_such_function'"),
     ("tests.test_bench:not_a_module", "expected an nn.Module"),
+    ("tests.test_bench:raises_while_building",
+     "--model 'tests.test_bench:raises_while_building': building the model raised RuntimeError: boom at build"),
 ])
 def test_bad_model_exits_2_with_a_message(model, message, capsys):
     assert bench.main(["--model", model, "--size", "32", "--steps", "1"]) == 2
     assert message in capsys.readouterr().err
 
 
+def test_a_model_normalising_with_batch_statistics_in_eval_is_probed_with_two_images(tmp_path, capsys):
+    """The class-count probe (eval mode) used one image, which such a norm
+    refuses whatever --batch was."""
+    model = "tests.test_bench:tiny_model_with_batch_statistics_in_eval"
+    report = run_bench(tmp_path, "--model", model, "--size", "32", "--batch", "4", "--steps", "1")
+    assert report["results"][0]["variant"] == "as given"
+    assert all(r["activation_bytes"] > 0 for r in report["results"])
+    assert bench.main(["--model", model, "--size", "32", "--batch", "1", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "the model failed on a (1, 3, 32, 32) image batch" in err and "use a larger --batch" in err
+
+
+def test_channels_last_with_5d_weights_exits_2_with_a_message(capsys):
+    argv = ["--model", "tests.test_bench:tiny_model_with_a_conv3d", "--size", "32", "--steps", "1"]
+    assert bench.main([*argv, "--channels-last"]) == 2
+    err = capsys.readouterr().err
+    assert "effilayers-bench: error: --channels-last: the model has 5-D weights (1.weight)" in err
+    assert "Traceback" not in err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--dtype", "float16"], "float16 needs CUDA"),
     (["--batch", "0"], "--batch must be >= 1"),
+    (["--size", "16"], "--size must be >= 32, got 16"),
+    (["--max-batch-limit", "64"], "--max-batch-limit needs --max-batch"),
 ])
 def test_bad_settings_exit_2(argv, message, capsys):
     assert bench.main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_help_states_the_size_minimum():
+    assert "height and width, >= 32" in " ".join(bench._parser().format_help().split())
 
 
 def output_path_cases():

@@ -36,6 +36,30 @@ def test_parameters_are_not_counted_even_without_a_module():
     assert memory.activation_bytes(lambda t: t * weight, x) == nbytes(x)
 
 
+def test_views_of_parameters_are_not_counted_without_a_module():
+    # Needing grad w.r.t. x makes the Linear save weight.t(): a view of the
+    # parameter, not an nn.Parameter, with the parameter's 4 MiB storage.
+    linear = nn.Linear(1024, 1024, bias=False)
+    x = torch.randn(2, 1024, requires_grad=True)
+    with memory.track_activations() as meter:
+        out = linear(x)
+    assert meter.bytes == nbytes(x)
+    assert [s.nbytes for s in meter.storages()] == [nbytes(x)]
+    del out
+
+
+def test_a_detached_alias_of_a_saved_parameter_is_not_counted():
+    weight = nn.Parameter(torch.randn(8, 16))
+    x = torch.randn(8, 16, requires_grad=True)
+    with memory.track_activations() as meter:
+        # Each mul saves both operands: x and the parameter, then the product
+        # and an alias of the parameter that is not a view (same storage).
+        product = x * weight
+        out = product * weight.detach().requires_grad_()
+    assert meter.bytes == nbytes(x) + nbytes(product)
+    del out, product
+
+
 def test_inplace_op_shares_storage_and_counts_once():
     w1 = nn.Parameter(torch.randn(16, 32))
     w2 = nn.Parameter(torch.randn(32, 4))

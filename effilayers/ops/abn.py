@@ -224,7 +224,12 @@ def _(x, mean, invstd, weight, bias, residual, activation, activation_param, wei
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("effilayers::abn_forward_", mutates_args=("x",))
+# flexible_layout: every kernel takes x with any strides (copying those it
+# cannot walk), so inductor need not restride it. Under the default (exact
+# strides) inductor restrides a mutated (N, C, 1, 1) conv output and then
+# fails scheduling the copy back (KeyError in Scheduler.compute_ancestors,
+# pytorch/pytorch#189271): ResNets at 32x32 reach 1x1 maps in layer4.
+@torch.library.custom_op("effilayers::abn_forward_", mutates_args=("x",), tags=(torch.Tag.flexible_layout,))
 def _abn_forward_inplace_op(
     x: torch.Tensor,
     mean: torch.Tensor,
@@ -320,7 +325,10 @@ def _global_batch_stats(x: torch.Tensor, group):
     with a process group, over every rank's."""
     mean, var, count = batch_stats(x, 0)
     if not _distributed(group):
-        return mean, var, int(count)
+        # The count from the shape, not int(count): reading the tensor is a
+        # host sync per norm and step on CUDA, and a data-dependent value
+        # that torch.compile cannot trace (it is a symbolic int here).
+        return mean, var, x.shape[0] * math.prod(x.shape[2:])
     # float64 keeps counts exact far beyond 2**24 values per channel.
     packed = torch.cat([mean.double(), var.double(), count.double().view(1)])
     gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size(group))]
@@ -506,6 +514,16 @@ def abn(x, weight=None, bias=None, running_mean=None, running_var=None, training
                               momentum, float(eps), activation, float(activation_param), group)
 
 
+def _share_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if torch.compiler.is_compiling():
+        # Dynamo cannot read storage addresses: it breaks the graph there and
+        # guards the resumed frame on the address, which recompiles whenever
+        # the allocator moves the tensor. Views made by view ops carry their
+        # base, which it can trace (sharing by other means goes unseen here).
+        return (a if a._base is None else a._base) is (b if b._base is None else b._base)
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 def inplace_abn(x, weight=None, bias=None, running_mean=None, running_var=None, training=True, momentum=0.1,
                 eps=1e-5, activation="leaky_relu", activation_param=0.01, residual=None, num_batches_tracked=None,
                 group=None, weight_eps=DEFAULT_WEIGHT_EPS):
@@ -523,7 +541,7 @@ def inplace_abn(x, weight=None, bias=None, running_mean=None, running_var=None, 
         raise ValueError("inplace_abn: momentum=None (cumulative average) needs num_batches_tracked")
     if not (isinstance(weight_eps, (int, float)) and weight_eps > 0):
         raise ValueError(f"inplace_abn: weight_eps must be a positive float, got {weight_eps!r}")
-    if residual is not None and residual.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+    if residual is not None and _share_memory(residual, x):
         raise ValueError(
             "inplace_abn: residual shares memory with the input, which is overwritten; backward needs the "
             "residual as it was. Pass a residual that is not a view of the input (or use abn)."
