@@ -193,6 +193,9 @@ def build_and_load(kind: str) -> str:
                     built.unlink()
             _check_toolchain(kind)
             _seed_from_previous_build(kind, build_dir)
+            # A first call that seems to hang for a minute needs a reason.
+            print(f"effilayers: compiling the {kind} kernels into {build_dir} (once per source and torch version; "
+                  "about a minute on 2 cores)", file=sys.stderr, flush=True)
             _jit_build(kind, files, build_dir)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)

@@ -159,6 +159,9 @@ def test_two_processes_building_at_once(tmp_path):
     assert all(line[0] == "cpp" for line in lines)
     origins = sorted(line[1].split(" ")[1].strip("(") for line in lines)
     assert origins == ["built", "cached"], origins  # one compiled, the other waited and loaded
+    # the one that compiled said so on stderr (a first call can take a minute); the other did not
+    notices = sorted("effilayers: compiling the cpu kernels" in err for _, err in outputs)
+    assert notices == [False, True], [err for _, err in outputs]
     assert lines[0][2] == lines[1][2]
     expected = effilayers.ops.batch_stats_reference(torch.arange(24, dtype=torch.float32).view(4, 3, 2), 1)
     assert lines[0][2] == f"{expected[0].tolist()} {expected[1].tolist()} 8"
