@@ -536,13 +536,7 @@ def _measure(model: nn.Module, setup: Setup, num_classes: int, tick: Callable[[]
     batch that the memory-efficient variants train is the point of the
     comparison. A batch BatchNorm cannot train (one value per channel) is the
     user's setting to change, reported as a BenchError."""
-    ticks = 0
-
-    def counted_tick() -> None:
-        nonlocal ticks
-        ticks += 1
-        tick()
-
+    counted_tick = _CountedTick(tick)
     try:
         return _measure_fitting(model, setup, num_classes, counted_tick, eager)
     except ValueError as error:
@@ -555,10 +549,26 @@ def _measure(model: nn.Module, setup: Setup, num_classes: int, tick: Callable[[]
             raise
     # Out of the except block: the frames holding the failed step's tensors are gone.
     _release(model, setup.device)
-    for _ in range(1 + setup.steps - ticks):
-        tick()
+    counted_tick.finish(1 + setup.steps)
     return {"activation_bytes": None, "cuda_peak_bytes": None, "step_times_s": [], "step_time_s": None,
             "images_per_s": None, "out_of_memory": True}
+
+
+class _CountedTick:
+    """A progress tick that counts its calls, so that work stopped early (out
+    of memory, a failed reference) can still move the bar by the steps it
+    did not take."""
+
+    def __init__(self, tick: Callable[[], None]) -> None:
+        self.tick, self.count = tick, 0
+
+    def __call__(self) -> None:
+        self.count += 1
+        self.tick()
+
+    def finish(self, total: int) -> None:
+        for _ in range(total - self.count):
+            self.tick()
 
 
 def _release(model: nn.Module, device: torch.device) -> None:
@@ -614,13 +624,7 @@ def _float64_curve(variant: Variant, pristine: nn.Module, setup: Setup, num_clas
     notes: list[str] = []
     what = "float64 plain PyTorch" + (f" computing {variant.function}" if variant.function else "")
     exact = dataclasses.replace(setup, dtype=torch.float64, compile=False)
-    ticks = 0
-
-    def counted_tick() -> None:
-        nonlocal ticks
-        ticks += 1
-        tick()
-
+    counted_tick = _CountedTick(tick)
     try:
         model = pristine
         if variant.plain_equivalent is not None:
@@ -628,8 +632,7 @@ def _float64_curve(variant: Variant, pristine: nn.Module, setup: Setup, num_clas
         model = _prepare(model.to(torch.float64), exact)
         return _train_curve(model, exact, num_classes, counted_tick), what, notes
     except (RuntimeError, TypeError, ValueError, NotImplementedError) as error:
-        for _ in range(setup.train_steps - ticks):
-            tick()
+        counted_tick.finish(setup.train_steps)
         return None, f"{what} failed: {type(error).__name__}: {error}", notes
 
 
