@@ -611,6 +611,12 @@ class _Chunk:
         self.uniform = len(ids) <= 1
         self.steps_version = self.steps._version
 
+    def updated(self) -> None:
+        """After the optimizer's own update: the parameters' and the
+        counters' versions now are its writes, not the user's."""
+        self.record_versions()
+        self.steps_version = self.steps._version
+
     def check_steps(self) -> None:
         """Recompute the step classes if a counter was written in place from
         outside since the optimizer's last write (a host-side int compare)."""
@@ -1265,20 +1271,25 @@ class ChunkedAdam(Optimizer):
             grads.append(g)
         return grads, complete
 
-    def _step_chunk(self, chunk: _Chunk, grads, complete: bool, grad_scale, found_inf, amsgrad: bool,
-                    hyper: dict) -> None:
+    def _before_update(self, chunk: _Chunk, amsgrad: bool) -> None:
+        """What a chunk needs before its update: the user's writes to the
+        parameters in its copy, amsgrad's buffer if just switched on, step
+        classes redone after an outside write to the counters."""
         chunk.reseed_changed()
         if amsgrad and chunk.max_exp_avg_sq is None:
             chunk.ensure_amsgrad()
             self._refresh_state(chunk)
         chunk.check_steps()
+
+    def _step_chunk(self, chunk: _Chunk, grads, complete: bool, grad_scale, found_inf, amsgrad: bool,
+                    hyper: dict) -> None:
+        self._before_update(chunk, amsgrad)
         for start, stop in chunk.runs(grads, complete):
             lo, hi = chunk.offsets[start], chunk.offsets[stop]
             _update(chunk, chunk.params[start:stop], grads[start:stop], lo, hi,
                     chunk.master[lo:hi] if chunk.master is not None else None, chunk.steps[start:stop],
                     grad_scale, found_inf, amsgrad, hyper)
-        chunk.record_versions()
-        chunk.steps_version = chunk.steps._version
+        chunk.updated()
 
     def _step_staged(self, chunks: list, device: torch.device, grad_scale, found_inf, amsgrad: bool,
                      hyper: dict) -> None:
@@ -1289,11 +1300,7 @@ class ChunkedAdam(Optimizer):
             transfers = self._transfers[device] = _Transfers(device)
         work = []
         for chunk, grads, complete in chunks:
-            chunk.reseed_changed()
-            if amsgrad and chunk.max_exp_avg_sq is None:
-                chunk.ensure_amsgrad()
-                self._refresh_state(chunk)
-            chunk.check_steps()
+            self._before_update(chunk, amsgrad)
             for start, stop in chunk.runs(grads, complete):
                 work.append((chunk, start, stop, grads[start:stop]))
         if not work:
@@ -1319,8 +1326,7 @@ class ChunkedAdam(Optimizer):
             transfers.copy_up(chunk, start, stop)
         transfers.finish()
         for chunk, _, _ in chunks:
-            chunk.record_versions()
-            chunk.steps_version = chunk.steps._version
+            chunk.updated()
 
     # -- state dict, copies, pickles ----------------------------------------
     @torch._disable_dynamo
