@@ -1285,10 +1285,9 @@ def test_memory_format_change_after_steps_matches_torch(dtype):
     torch.testing.assert_close(actual.detach(), twin.weight.detach(), **FP32_TOL)
 
 
-def test_in_place_write_to_a_step_counter_takes_effect():
-    """`state[p]["step"].zero_()` writes the chunk's counter through the view
-    without telling the optimizer: the bias correction must still use the
-    new count (the counters' version counter shows the write)."""
+def _alongside_torch_adamw():
+    """Three fp32 parameters under ChunkedAdamW and their copies under
+    torch.optim.AdamW, and ``train(steps)`` feeding both the same gradients."""
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s)) for s in [(7, 5), (13,), (4, 3, 2)]]
     twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
@@ -1304,6 +1303,14 @@ def test_in_place_write_to_a_step_counter_takes_effect():
             optimizer.step()
             reference.step()
 
+    return params, twins, optimizer, reference, train
+
+
+def test_in_place_write_to_a_step_counter_takes_effect():
+    """`state[p]["step"].zero_()` writes the chunk's counter through the view
+    without telling the optimizer: the bias correction must still use the
+    new count (the counters' version counter shows the write)."""
+    params, twins, optimizer, reference, train = _alongside_torch_adamw()
     train(3)
     optimizer.state[params[1]]["step"].zero_()
     reference.state[twins[1]]["step"].zero_()
@@ -1316,21 +1323,7 @@ def test_in_place_write_to_a_step_counter_takes_effect():
 def test_entry_fetched_before_a_sync_stays_live():
     """`entry = optimizer.state[p0]`, then a sync caused by another entry:
     writes through `entry` still reach the optimizer, as with torch."""
-    torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s)) for s in [(7, 5), (13,), (4, 3, 2)]]
-    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    optimizer = ChunkedAdamW(params, lr=0.1)
-    reference = torch.optim.AdamW(twins, lr=0.1)
-    generator = torch.Generator().manual_seed(1)
-
-    def train(steps):
-        for _ in range(steps):
-            for p, q in zip(params, twins):
-                p.grad = torch.randn(p.shape, generator=generator)
-                q.grad = p.grad.clone()
-            optimizer.step()
-            reference.step()
-
+    params, twins, optimizer, reference, train = _alongside_torch_adamw()
     train(3)
     ours, theirs = optimizer.state[params[0]], reference.state[twins[0]]
     optimizer.state[params[1]] = {}
