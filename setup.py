@@ -1,7 +1,7 @@
 """Packaging glue for the optional ahead-of-time build of csrc/.
 
 A plain ``pip install .`` builds nothing: the kernels compile on first use
-(see effilayers/_build.py). ``EFFILAYERS_BUILD_EXT=1 pip install
+(see effilayers/_core/build.py). ``EFFILAYERS_BUILD_EXT=1 pip install
 --no-build-isolation .`` compiles them now, against the torch already
 installed, into libraries that effilayers loads instead. The build uses the
 same sources and flags as the first-use build, so it targets the CPU of the
@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parent
 
 
 def _build_config():
-    # Load effilayers/_build.py by path: importing the package would import torch.
-    spec = importlib.util.spec_from_file_location("_effilayers_build", ROOT / "effilayers" / "_build.py")
+    # Load effilayers/_core/build.py by path: importing the package would import torch.
+    spec = importlib.util.spec_from_file_location("_effilayers_build", ROOT / "effilayers" / "_core" / "build.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

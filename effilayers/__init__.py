@@ -3,8 +3,9 @@
 Start with ``python -m effilayers.info`` to see which kernels run here.
 """
 
-from . import backends, functional, memory, nn, ops, optim
-from .backends import use_backend
+from ._core import registry as backends
+from . import functional, memory, nn, ops, optim
+from ._core.registry import use_backend
 from ._info import info
 from .ops import batch_stats, combine_batch_stats
 # After nn: the converter and the models are built from its modules. The

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import _build, backends
+from ._core import build, registry
 
 
 def _triton_version() -> str:
@@ -43,9 +43,9 @@ def collect() -> dict[str, Any]:
     if torch.cuda.is_available():
         devices.append("cuda")
     table = []
-    for op in backends.registered_ops():
+    for op in registry.registered_ops():
         for device in devices:
-            chosen = backends.choice(op, device)
+            chosen = registry.choice(op, device)
             table.append({"op": op, "device": device, "backend": chosen.backend, "reason": chosen.reason})
     return {
         "python": platform.python_version(),
@@ -55,9 +55,9 @@ def collect() -> dict[str, Any]:
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({_cpu_name()})",
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
-        "backend_preference": ",".join(backends.current_preference() or ()) or "automatic",
-        "extension_cache": str(_build.cache_root()),
-        "libraries": backends.library_report(),
+        "backend_preference": ",".join(registry.current_preference() or ()) or "automatic",
+        "extension_cache": str(build.cache_root()),
+        "libraries": registry.library_report(),
         "ops": table,
     }
 

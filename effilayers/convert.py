@@ -90,6 +90,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.utils import parametrize
 
 from .nn import ABN, InPlaceABN, InPlaceABNSync, MaxPool2d
+from .nn.fused import PLAIN_TYPE_ATTR, FusedActivation, fused_norm
 from .ops.abn import DEFAULT_WEIGHT_EPS
 
 __all__ = [
@@ -110,8 +111,6 @@ MODES = ("abn", "inplace")
 _STATE_PARAMETERS = ("weight", "bias")
 _STATE_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 _PLAIN_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
-# Where a fused module remembers the BatchNorm class it replaced, for revert.
-_PLAIN_TYPE_ATTR = "_effilayers_plain_type"
 
 _BASIC_BLOCK_CHILDREN = ("conv1", "bn1", "relu", "conv2", "bn2")
 _BOTTLENECK_CHILDREN = ("conv1", "bn1", "conv2", "bn2", "conv3", "bn3", "relu")
@@ -119,20 +118,6 @@ _RESNET_CHILDREN = ("conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "laye
 
 
 # ---- modules left behind by convert / revert ------------------------------------------------
-
-
-class FusedActivation(nn.Identity):
-    """Pass-through standing where an activation module was, now that the
-    norm ``fused_into`` (a sibling's name) applies it. :func:`revert` puts an
-    activation module back here; ``inplace`` is the original's flag."""
-
-    def __init__(self, fused_into: str, inplace: bool = True) -> None:
-        super().__init__()
-        self.fused_into = fused_into
-        self.inplace = inplace
-
-    def extra_repr(self) -> str:
-        return f"fused_into={self.fused_into!r}"
 
 
 class BatchNormAct(_BatchNorm):
@@ -320,25 +305,6 @@ def _move_state(source: nn.Module, target: nn.Module) -> None:
     target.train(source.training)
 
 
-def fused_norm(num_features: int, *, activation: str, activation_param: float, in_place: bool, eps: float = 1e-5,
-               momentum: Optional[float] = 0.1, affine: bool = True, track_running_stats: bool = True,
-               plain_type: type = nn.BatchNorm2d, process_group=None, sync: bool = False, device=None,
-               dtype=None) -> ABN:
-    """An ABN / InPlaceABN / InPlaceABNSync that remembers ``plain_type``,
-    the BatchNorm class :func:`revert` turns it back into."""
-    if sync:
-        module = InPlaceABNSync(num_features, eps, momentum, affine, track_running_stats, activation,
-                                activation_param, process_group=process_group, device=device, dtype=dtype)
-    elif in_place:
-        module = InPlaceABN(num_features, eps, momentum, affine, track_running_stats, activation, activation_param,
-                            device=device, dtype=dtype)
-    else:
-        module = ABN(num_features, eps, momentum, affine, track_running_stats, activation, activation_param,
-                     device=device, dtype=dtype)
-    setattr(module, _PLAIN_TYPE_ATTR, plain_type)
-    return module
-
-
 def _fuse(norm: _BatchNorm, activation: _Activation, in_place: bool) -> ABN:
     sync = isinstance(norm, nn.SyncBatchNorm)
     plain_type = next((kind for kind in _PLAIN_NORMS if isinstance(norm, kind)), BatchNormAct)
@@ -359,7 +325,7 @@ def _unfuse(fused: ABN, plain_type: Optional[type] = None, act: Optional[nn.Modu
     if act is not None:
         plain = BatchNormAct(*arguments, act=act, device="meta")
     else:
-        kind = plain_type or getattr(fused, _PLAIN_TYPE_ATTR, None) or BatchNormAct
+        kind = plain_type or getattr(fused, PLAIN_TYPE_ATTR, None) or BatchNormAct
         if kind is nn.SyncBatchNorm:
             plain = nn.SyncBatchNorm(*arguments, process_group=getattr(fused, "process_group", None), device="meta")
         else:
@@ -765,7 +731,7 @@ class _Converter:
             self.leave(module, path, f"{type(module).__name__}: {problem}")
             return
         fused, details = outcome
-        setattr(fused, _PLAIN_TYPE_ATTR, BatchNormAct)  # its activation lives inside, as it did
+        setattr(fused, PLAIN_TYPE_ATTR, BatchNormAct)  # its activation lives inside, as it did
         parent._modules[name] = fused
         self.record(path, None, "norm_act", details)
 
@@ -894,7 +860,7 @@ class _Reverter:
             self.report.restored.append(RestoredPair(path, _join(prefix, placeholder_name),
                                                      _plain_description(plain, act), note))
             return
-        if activation.name == "identity" and getattr(fused, _PLAIN_TYPE_ATTR, None) is not None:
+        if activation.name == "identity" and getattr(fused, PLAIN_TYPE_ATTR, None) is not None:
             # A norm with nothing after it (a shortcut's): its own class again.
             plain = _unfuse(fused)
             parent._modules[name] = plain

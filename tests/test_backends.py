@@ -217,7 +217,7 @@ def test_new_build_directory_starts_from_the_newest_finished_build(tmp_path):
     """A changed source rebuilds only what changed: the new cache directory
     gets the newest finished build's objects and ninja state, timestamps kept,
     and no object written there after its library was linked."""
-    from effilayers import _build
+    from effilayers._core import build as _build
 
     name = _build.library_name("cpu")
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from effilayers.ops._layout import ThreeGroups, merge_dims, normalize_dims, three_groups
+from effilayers._core.layout import ThreeGroups, merge_dims, normalize_dims, three_groups
 
 
 def gather(x, groups: ThreeGroups):

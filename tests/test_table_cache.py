@@ -1,4 +1,4 @@
-"""The device-table cache of the Triton wrappers (effilayers/kernels/_cache.py)."""
+"""The device-table cache of the Triton wrappers (effilayers/_core/cache.py)."""
 
 import threading
 import time
@@ -6,7 +6,7 @@ from collections import OrderedDict
 
 import pytest
 
-from effilayers.kernels._cache import TableCache
+from effilayers._core.cache import TableCache
 
 
 def test_least_recently_used_entry_goes_first():

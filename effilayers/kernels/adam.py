@@ -97,7 +97,7 @@ import triton
 import triton.language as tl
 
 from ..ops.adam import QUANT_BLOCK, check_adam_8bit_arguments, check_adam_arguments, memory_flat, padded_numel
-from ._cache import TableCache
+from .._core.cache import TableCache
 
 # 1024 elements x (p, g, m, v) per program: enough bytes in flight per SM for
 # a memory-bound update; 4 warps keep 8 elements per thread.

@@ -63,7 +63,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._cache import TableCache
+from .._core.cache import TableCache
 
 TABLE_COLUMNS = 6
 BLOCK_M = 64

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops._layout import three_groups
+from .._core.layout import three_groups
 from ..ops.softmax import (_check_backward_arguments, _check_dim, _check_dtype, _check_masked_arguments,
                            _check_tensor, accumulation_dtype, output_like, readable)
 

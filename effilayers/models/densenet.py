@@ -77,8 +77,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..convert import FusedActivation, fused_norm
-from ..nn import ABN, MaxPool2d
+from ..nn import ABN, FusedActivation, MaxPool2d, fused_norm
 from ..ops.densenet import bottleneck, layout_of
 from .resnet import INPLACE_SLOPE, drop_weight_arguments
 from ..ops.stats import batch_stats

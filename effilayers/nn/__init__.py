@@ -1,6 +1,6 @@
 """``nn.Module`` drop-ins."""
 
-from .abn import ABN, InPlaceABN, InPlaceABNSync
+from .fused import ABN, FusedActivation, InPlaceABN, InPlaceABNSync, fused_norm
 from .pooling import MaxPool2d
 from .loss import CrossEntropyLoss
 from .softmax import LogSoftmax, Softmax

@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .. import backends
+from .._core import registry
 from .stats import batch_stats, combine_batch_stats, stats_dtype
 
 __all__ = [
@@ -201,7 +201,7 @@ def _reference_backward_elemt(grad, saved, mean, invstd, weight, bias, residual,
 
 
 def _kernel(name, tensor):
-    return backends.kernel(name, tensor.device)
+    return registry.kernel(name, tensor.device)
 
 
 @torch.library.custom_op("effilayers::abn_forward", mutates_args=())
@@ -310,7 +310,7 @@ for _name, _reference in (
     ("abn_backward_reduce", _reference_backward_reduce),
     ("abn_backward_elemt", _reference_backward_elemt),
 ):
-    backends.register(backends.OpKernels(name=_name, reference=_reference, cpp=_name, cuda=_name))
+    registry.register(registry.OpKernels(name=_name, reference=_reference, cpp=_name, cuda=_name))
 
 
 # ---- statistics, running averages, distributed -----------------------------------------

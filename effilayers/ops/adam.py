@@ -89,7 +89,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .. import backends
+from .._core import registry
 
 __all__ = ["adam_step_", "adam_step_reference", "adam_step_8bit_", "adam_step_8bit_reference", "PARAM_DTYPES",
            "STATE_DTYPES", "QUANT_BLOCK", "padded_numel", "quantize_exp_avg", "quantize_exp_avg_sq",
@@ -263,7 +263,7 @@ def _adam_step_op(
     decoupled_weight_decay: bool,
     maximize: bool,
 ) -> None:
-    backends.kernel("adam_step", exp_avg.device)(
+    registry.kernel("adam_step", exp_avg.device)(
         params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, master, step, grad_scale, found_inf,
         lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay, maximize,
     )
@@ -281,8 +281,8 @@ def _triton_kernel(*args):
     return adam_step_triton(*args)
 
 
-backends.register(
-    backends.OpKernels(name="adam_step", reference=adam_step_reference, cpp="adam_step_", triton=_triton_kernel)
+registry.register(
+    registry.OpKernels(name="adam_step", reference=adam_step_reference, cpp="adam_step_", triton=_triton_kernel)
 )
 
 
@@ -513,7 +513,7 @@ def _adam_step_8bit_op(
     decoupled_weight_decay: bool,
     maximize: bool,
 ) -> None:
-    backends.kernel("adam_step_8bit", exp_avg.device)(
+    registry.kernel("adam_step_8bit", exp_avg.device)(
         params, grads, exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax, max_exp_avg_sq,
         max_exp_avg_sq_absmax, master, step, grad_scale, found_inf,
         lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay, maximize,
@@ -532,8 +532,8 @@ def _triton_kernel_8bit(*args):
     return adam_step_8bit_triton(*args)
 
 
-backends.register(
-    backends.OpKernels(name="adam_step_8bit", reference=adam_step_8bit_reference, cpp="adam_step_8bit_",
+registry.register(
+    registry.OpKernels(name="adam_step_8bit", reference=adam_step_8bit_reference, cpp="adam_step_8bit_",
                        triton=_triton_kernel_8bit)
 )
 

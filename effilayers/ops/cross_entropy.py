@@ -120,8 +120,8 @@ import torch
 from torch.nn import _reduction as _Reduction
 from torch._subclasses.fake_tensor import is_fake
 
-from .. import backends
-from ._layout import autocast_to_float32, refuse_forward_ad, three_groups
+from .._core import registry
+from .._core.layout import autocast_to_float32, refuse_forward_ad, three_groups
 
 __all__ = [
     "cross_entropy",
@@ -237,8 +237,8 @@ def _triton_rows(*args):
     return cross_entropy_rows_triton(*args)
 
 
-backends.register(
-    backends.OpKernels(
+registry.register(
+    registry.OpKernels(
         name="cross_entropy", reference=cross_entropy_rows_reference, cpp="cross_entropy_rows", triton=_triton_rows
     )
 )
@@ -337,7 +337,7 @@ def _run(logits, target, weight, ignore_index, label_smoothing, reduction, grad,
         if grad is not None and grad3 is None:
             copied_grad = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
             grad3 = _as_rows(copied_grad)
-        loss_rows = backends.kernel("cross_entropy", logits.device)(
+        loss_rows = registry.kernel("cross_entropy", logits.device)(
             rows3, target_rows, weight, grad3, grad_scale, ignore_index, float(label_smoothing)
         )
         if copied_grad is not None:

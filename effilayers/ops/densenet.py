@@ -61,7 +61,7 @@ from typing import Optional, Sequence
 import torch
 from torch._prims_common import suggest_memory_format
 
-from .. import backends
+from .._core import registry
 from .stats import batch_stats, stats_dtype, values_per_channel
 
 __all__ = ["bottleneck"]
@@ -269,9 +269,9 @@ def _backward_triton(grad_out, features, mean, invstd, weight, bias, conv_weight
     return grad_input, grad_bias, grad_weight, grad_conv
 
 
-backends.register(backends.OpKernels(name="dense_bottleneck_forward", reference=_forward_reference,
+registry.register(registry.OpKernels(name="dense_bottleneck_forward", reference=_forward_reference,
                                      cpp=_forward_cpp, triton=_forward_triton))
-backends.register(backends.OpKernels(name="dense_bottleneck_backward", reference=_backward_reference,
+registry.register(registry.OpKernels(name="dense_bottleneck_backward", reference=_backward_reference,
                                      cpp=_backward_cpp, triton=_backward_triton))
 
 
@@ -280,7 +280,7 @@ def _forward_op(features: list[torch.Tensor], mean: torch.Tensor, invstd: torch.
                 bias: torch.Tensor, conv_weight: torch.Tensor, padding: int) -> torch.Tensor:
     """conv(relu(batch_norm(cat(features))), padding) with given statistics
     (stride 1); no autograd of its own (the Function below differentiates it)."""
-    out = backends.kernel("dense_bottleneck_forward", features[0].device)(
+    out = registry.kernel("dense_bottleneck_forward", features[0].device)(
         features, mean, invstd, weight, bias, conv_weight, padding)
     return _in_layout(out, features[0])
 
@@ -303,7 +303,7 @@ def _backward_op(grad_out: torch.Tensor, features: list[torch.Tensor], mean: tor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad of the concatenation, grad_bias, grad_weight, grad_conv) of the
     forward op; entries not asked for are empty."""
-    grad_input, grad_bias, grad_weight, grad_conv = backends.kernel("dense_bottleneck_backward", grad_out.device)(
+    grad_input, grad_bias, grad_weight, grad_conv = registry.kernel("dense_bottleneck_backward", grad_out.device)(
         grad_out, features, mean, invstd, weight, bias, conv_weight, batch_stats, need_input, need_conv, padding)
     return _in_layout(grad_input, features[0]), grad_bias, grad_weight, _in_layout(grad_conv, conv_weight)
 

@@ -99,8 +99,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .. import backends
-from ._layout import autocast_to_float32, normalize_dims, refuse_forward_ad, three_groups
+from .._core import registry
+from .._core.layout import autocast_to_float32, normalize_dims, refuse_forward_ad, three_groups
 
 __all__ = ["sum", "mean", "var", "std", "norm", "reduce_reference", "reduce_three_reference", "KINDS"]
 
@@ -221,7 +221,7 @@ def _reduce_op(x: torch.Tensor, dims: list[int], kind: str, correction: float, k
                dtype: Optional[torch.dtype]) -> torch.Tensor:
     if kind not in KINDS:
         raise ValueError(f"reduce: kind must be one of {', '.join(KINDS)}, got {kind!r}")
-    return _run(backends.kernel("reduce", x.device), x, dims, kind, correction, keepdim, dtype)
+    return _run(registry.kernel("reduce", x.device), x, dims, kind, correction, keepdim, dtype)
 
 
 @_reduce_op.register_fake
@@ -284,8 +284,8 @@ def _triton_kernel(x, out, kind, correction):
 
 # Every backend's kernel has the signature of reduce_three_reference:
 # (x viewed as (outer, reduced, inner), out (outer, inner), kind, correction).
-backends.register(
-    backends.OpKernels(name="reduce", reference=reduce_three_reference, cpp="reduce_", triton=_triton_kernel)
+registry.register(
+    registry.OpKernels(name="reduce", reference=reduce_three_reference, cpp="reduce_", triton=_triton_kernel)
 )
 
 

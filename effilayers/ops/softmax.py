@@ -71,8 +71,8 @@ from typing import Optional
 
 import torch
 
-from .. import backends
-from ._layout import refuse_forward_ad, three_groups
+from .._core import registry
+from .._core.layout import refuse_forward_ad, three_groups
 
 __all__ = [
     "softmax",
@@ -286,7 +286,7 @@ def scaled_masked_softmax_forward_reference(x: torch.Tensor, mask: Optional[torc
 
 @torch.library.custom_op("effilayers::softmax_forward", mutates_args=())
 def _softmax_forward_op(x: torch.Tensor, dim: int, log: bool, dtype: Optional[torch.dtype]) -> torch.Tensor:
-    return backends.kernel("softmax_forward", x.device)(x, dim, log, dtype)
+    return registry.kernel("softmax_forward", x.device)(x, dim, log, dtype)
 
 
 @_softmax_forward_op.register_fake
@@ -297,7 +297,7 @@ def _(x, dim, log, dtype):
 @torch.library.custom_op("effilayers::softmax_backward", mutates_args=())
 def _softmax_backward_op(grad: torch.Tensor, output: torch.Tensor, dim: int, log: bool, scale: float,
                          input_dtype: torch.dtype) -> torch.Tensor:
-    return backends.kernel("softmax_backward", output.device)(grad, output, dim, log, scale, input_dtype)
+    return registry.kernel("softmax_backward", output.device)(grad, output, dim, log, scale, input_dtype)
 
 
 @_softmax_backward_op.register_fake
@@ -308,7 +308,7 @@ def _(grad, output, dim, log, scale, input_dtype):
 @torch.library.custom_op("effilayers::scaled_masked_softmax_forward", mutates_args=())
 def _scaled_masked_softmax_op(x: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
                               causal: bool) -> torch.Tensor:
-    return backends.kernel("scaled_masked_softmax_forward", x.device)(x, mask, scale, causal)
+    return registry.kernel("scaled_masked_softmax_forward", x.device)(x, mask, scale, causal)
 
 
 @_scaled_masked_softmax_op.register_fake
@@ -382,11 +382,11 @@ def _triton(name):
     return run
 
 
-backends.register(backends.OpKernels(name="softmax_forward", reference=softmax_forward_reference,
+registry.register(registry.OpKernels(name="softmax_forward", reference=softmax_forward_reference,
                                      cpp="softmax_forward", triton=_triton("softmax_forward")))
-backends.register(backends.OpKernels(name="softmax_backward", reference=softmax_backward_reference,
+registry.register(registry.OpKernels(name="softmax_backward", reference=softmax_backward_reference,
                                      cpp="softmax_backward", triton=_triton("softmax_backward")))
-backends.register(backends.OpKernels(name="scaled_masked_softmax_forward",
+registry.register(registry.OpKernels(name="scaled_masked_softmax_forward",
                                      reference=scaled_masked_softmax_forward_reference,
                                      cpp="scaled_masked_softmax_forward",
                                      triton=_triton("scaled_masked_softmax_forward")))

@@ -32,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-from .. import backends
+from .._core import registry
 
 __all__ = ["batch_stats", "batch_stats_reference", "combine_batch_stats"]
 
@@ -88,7 +88,7 @@ def batch_stats_reference(input: torch.Tensor, correction: int = 0):
 
 @torch.library.custom_op("effilayers::batch_stats", mutates_args=())
 def _batch_stats_op(input: torch.Tensor, correction: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return backends.kernel("batch_stats", input.device)(input, correction)
+    return registry.kernel("batch_stats", input.device)(input, correction)
 
 
 @_batch_stats_op.register_fake
@@ -131,8 +131,8 @@ def _backward(ctx, grad_mean, grad_var, _grad_count):
 
 _batch_stats_op.register_autograd(_backward, setup_context=_setup_context)
 
-backends.register(
-    backends.OpKernels(name="batch_stats", reference=batch_stats_reference, cpp="batch_stats", cuda="batch_stats")
+registry.register(
+    registry.OpKernels(name="batch_stats", reference=batch_stats_reference, cpp="batch_stats", cuda="batch_stats")
 )
 
 

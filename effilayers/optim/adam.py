@@ -168,7 +168,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch.optim import Optimizer
 
-from .. import backends
+from .._core import registry
 from ..ops.adam import _adam_step_8bit_op as adam_step_8bit_op
 from ..ops.adam import _adam_step_op as adam_step_op
 from ..ops.adam import (QUANT_BLOCK, check_adam_8bit_arguments, check_adam_arguments, dequantize_exp_avg,
@@ -1463,7 +1463,7 @@ def _update(chunk: _Chunk, params, grads, lo: int, hi: int, master, steps, grad_
             hyper: dict) -> None:
     """One kernel call for the run [lo, hi) of a chunk, on its state format.
 
-    Eager steps call the kernel the op would run (``backends.kernel``)
+    Eager steps call the kernel the op would run (``registry.kernel``)
     directly and bump the version counters of what it wrote in one call, as
     the op's ADInplaceOrView step does: the custom op's Python-level dispatch
     (a version bump per tensor, alias checks) cost ~1.3 us per parameter,
@@ -1480,7 +1480,7 @@ def _update(chunk: _Chunk, params, grads, lo: int, hi: int, master, steps, grad_
     if torch.compiler.is_compiling():
         (adam_step_8bit_op if chunk.quantized else adam_step_op)(*args)
         return
-    backends.kernel("adam_step_8bit" if chunk.quantized else "adam_step", device)(*args)
+    registry.kernel("adam_step_8bit" if chunk.quantized else "adam_step", device)(*args)
     written = [*params, *(t for t in states if t is not None)]
     if master is not None:
         written.append(master)

@@ -32,7 +32,8 @@ import shutil
 import sys
 from pathlib import Path
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+# The package directory (this file sits in effilayers/_core/).
+PACKAGE_DIR = Path(__file__).resolve().parent.parent
 KINDS = ("cpu", "cuda")
 
 

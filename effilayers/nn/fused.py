@@ -22,7 +22,10 @@ from torch import nn
 
 from ..ops.abn import DEFAULT_WEIGHT_EPS, abn, check_activation, inplace_abn
 
-__all__ = ["ABN", "InPlaceABN", "InPlaceABNSync"]
+__all__ = ["ABN", "InPlaceABN", "InPlaceABNSync", "FusedActivation", "fused_norm", "PLAIN_TYPE_ATTR"]
+
+# Where a fused module remembers the BatchNorm class it replaced, for revert.
+PLAIN_TYPE_ATTR = "_effilayers_plain_type"
 
 
 class ABN(nn.Module):
@@ -194,3 +197,36 @@ class InPlaceABNSync(InPlaceABN):
         if not self.training or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             return None
         return self.process_group if self.process_group is not None else torch.distributed.group.WORLD
+
+
+class FusedActivation(nn.Identity):
+    """Pass-through standing where an activation module was, now that the
+    norm ``fused_into`` (a sibling's name) applies it. :func:`effilayers.revert` puts an
+    activation module back here; ``inplace`` is the original's flag."""
+
+    def __init__(self, fused_into: str, inplace: bool = True) -> None:
+        super().__init__()
+        self.fused_into = fused_into
+        self.inplace = inplace
+
+    def extra_repr(self) -> str:
+        return f"fused_into={self.fused_into!r}"
+
+
+def fused_norm(num_features: int, *, activation: str, activation_param: float, in_place: bool, eps: float = 1e-5,
+               momentum: Optional[float] = 0.1, affine: bool = True, track_running_stats: bool = True,
+               plain_type: type = nn.BatchNorm2d, process_group=None, sync: bool = False, device=None,
+               dtype=None) -> ABN:
+    """An ABN / InPlaceABN / InPlaceABNSync that remembers ``plain_type``,
+    the BatchNorm class :func:`effilayers.revert` turns it back into."""
+    if sync:
+        module = InPlaceABNSync(num_features, eps, momentum, affine, track_running_stats, activation,
+                                activation_param, process_group=process_group, device=device, dtype=dtype)
+    elif in_place:
+        module = InPlaceABN(num_features, eps, momentum, affine, track_running_stats, activation, activation_param,
+                            device=device, dtype=dtype)
+    else:
+        module = ABN(num_features, eps, momentum, affine, track_running_stats, activation, activation_param,
+                     device=device, dtype=dtype)
+    setattr(module, PLAIN_TYPE_ATTR, plain_type)
+    return module

@@ -27,6 +27,7 @@ something else.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import threading
 import warnings
@@ -35,7 +36,7 @@ from typing import Callable, Iterator, Optional, Union
 
 import torch
 
-from . import _build
+from . import build
 
 BACKENDS = ("reference", "cpp", "cuda", "triton")
 _DEFAULT_ORDER = {"cpu": ("cpp", "reference"), "cuda": ("cuda", "triton", "reference")}
@@ -62,14 +63,16 @@ class OpKernels:
     """What one op provides. Compiled kernels are named by their op in the
     ``effilayers_cpu`` / ``effilayers_cuda`` namespaces, or given as a Python
     callable that composes compiled kernels of that library (it is available
-    exactly when the library is); Triton kernels are Python callables taking
-    the same arguments as the reference."""
+    exactly when the library is). Triton kernels take the same arguments as
+    the reference and are named ``"module:function"``: the module imports
+    triton, so it is imported only when that backend is first chosen, and
+    it never imports the op that names it."""
 
     name: str
     reference: Callable
     cpp: Optional[Union[str, Callable]] = None
     cuda: Optional[Union[str, Callable]] = None
-    triton: Optional[Callable] = None
+    triton: Optional[Union[str, Callable]] = None
 
     def provides(self, backend: str) -> bool:
         return backend == "reference" or getattr(self, backend) is not None
@@ -129,9 +132,9 @@ def _library_status(kind: str) -> Optional[str]:
     with _state.lock:
         if kind not in _state.libraries:
             try:
-                _state.library_origin[kind] = _build.build_and_load(kind)
+                _state.library_origin[kind] = build.build_and_load(kind)
                 _state.libraries[kind] = None
-            except _build.ExtensionUnavailable as error:
+            except build.ExtensionUnavailable as error:
                 _state.libraries[kind] = str(error)
             except Exception as error:  # noqa: BLE001 - an unwritable cache, a stale .so: fall back, say why
                 _state.libraries[kind] = f"{type(error).__name__}: {error}"
@@ -162,6 +165,13 @@ def _compiled_kernel(op: OpKernels, backend: str) -> Callable:
     return getattr(getattr(torch.ops, namespace), getattr(op, backend)).default
 
 
+def _triton_kernel(spec: Union[str, Callable]) -> Callable:
+    if callable(spec):
+        return spec
+    module_name, _, function = spec.partition(":")
+    return getattr(importlib.import_module(module_name), function)
+
+
 def _accelerated_kernels(op: OpKernels, device_type: str) -> list[str]:
     """The non-reference backends ``op`` provides for ``device_type``."""
     return [b for b in _DEFAULT_ORDER.get(device_type, ()) if b != "reference" and op.provides(b)]
@@ -179,7 +189,7 @@ def _resolve(op: OpKernels, device_type: str) -> Choice:
         if backend == "reference":
             kernel = op.reference
         elif backend == "triton":
-            kernel = op.triton
+            kernel = _triton_kernel(op.triton)
         else:
             kernel = _compiled_kernel(op, backend)
         if forced is not None:
@@ -246,6 +256,22 @@ def kernel(op_name: str, device: torch.device) -> Callable:
     return resolved.kernel
 
 
+def dispatch(op_name: str, like: torch.Tensor) -> Callable:
+    """What an autograd Function calls to run ``op_name`` on ``like``'s device.
+
+    In eager mode, on plain tensors, that is the chosen kernel itself (a
+    compiled op is one dispatcher hop), not the ``effilayers::`` custom op
+    whose Python body would look up the same kernel: the custom-op wrapper
+    is most of a small layer's host time. While torch.compile or
+    torch.export trace, and for tensor subclasses (fake, functional, DTensor),
+    it is the custom op, so graphs hold ``effilayers::<op>`` with its fake
+    kernel and subclasses dispatch as they expect.
+    """
+    if type(like) is torch.Tensor and not torch.compiler.is_compiling():
+        return kernel(op_name, like.device)
+    return getattr(torch.ops.effilayers, op_name).default
+
+
 def current_preference() -> Optional[tuple[str, ...]]:
     return _state.preference
 
@@ -276,7 +302,7 @@ def use_backend(preference: Optional[str]) -> Iterator[None]:
 def library_report() -> dict[str, str]:
     """Where each compiled library came from, or why it is missing."""
     report = {}
-    for kind in _build.KINDS:
+    for kind in build.KINDS:
         if kind not in _state.libraries:
             if kind == "cuda" and torch.version.cuda is None:
                 report[kind] = f"not applicable: torch {torch.__version__} has no CUDA"

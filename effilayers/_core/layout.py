@@ -33,7 +33,8 @@ from typing import Optional, Sequence
 import torch
 from torch.autograd import forward_ad
 
-__all__ = ["ThreeGroups", "merge_dims", "three_groups", "normalize_dims", "autocast_to_float32", "refuse_forward_ad"]
+__all__ = ["ThreeGroups", "merge_dims", "three_groups", "normalize_dims", "autocast_to_float32", "refuse_forward_ad",
+           "is_dense", "same_layout", "memory_flat"]
 
 
 @dataclass(frozen=True)
@@ -145,3 +146,29 @@ def refuse_forward_ad(op: str, *tensors: Optional[torch.Tensor]) -> None:
                 "supported: the effilayers op has no forward derivative and torch would return a zero tangent; "
                 "use reverse mode (backward, torch.autograd.grad) or the torch op"
             )
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """``t`` fills one block of memory without gaps or overlaps (contiguous,
+    channels_last or any other permutation of contiguous): then
+    ``empty_like`` keeps its strides and its elements can be walked flat."""
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda pair: pair[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same strides wherever a dimension has more than one element."""
+    return all(size == 1 or sa == sb for size, sa, sb in zip(a.shape, a.stride(), b.stride()))
+
+
+def memory_flat(t: torch.Tensor) -> torch.Tensor:
+    """A dense tensor's elements in memory order, as a 1-D view."""
+    if t.is_contiguous():
+        return t.view(-1)
+    return t.as_strided((t.numel(),), (1,), t.storage_offset())
