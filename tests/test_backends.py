@@ -273,7 +273,7 @@ def test_an_op_whose_cpu_path_is_pytorch_does_not_warn():
 def test_a_cpp_kernel_may_be_a_composition_of_compiled_kernels():
     """The DenseNet bottleneck's CPU kernel is a Python function over ABN's C++
     kernels: it is chosen, as a compiled kernel, exactly when the library is."""
-    from effilayers.ops import densenet
+    from effilayers.ops.densenet import cpu
 
     with effilayers.use_backend(None):
         backends._state.choices.pop(("dense_bottleneck_forward", "cpu"), None)
@@ -283,5 +283,5 @@ def test_a_cpp_kernel_may_be_a_composition_of_compiled_kernels():
 
         assert not REQUIRE_COMPILED, chosen.reason
         pytest.skip(f"the C++ library is unavailable here: {chosen.reason}")
-    assert chosen.backend == "cpp" and chosen.kernel is densenet._forward_cpp
+    assert chosen.backend == "cpp" and chosen.kernel is cpu.forward
     assert chosen.reason == "compiled kernel"

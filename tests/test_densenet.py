@@ -809,7 +809,7 @@ def test_statistics_are_computed_once_per_feature_map(monkeypatch):
     """In training, each channel of a block is reduced once when its map
     appears (plus each layer's norm2 input), not once per later layer."""
     from effilayers.models import densenet as densenet_module
-    from effilayers.ops import densenet as ops_module
+    from effilayers.ops import _batchnorm as ops_module
 
     reduced = []
 
@@ -820,7 +820,7 @@ def test_statistics_are_computed_once_per_feature_map(monkeypatch):
         return wrapper
 
     monkeypatch.setattr(densenet_module, "batch_stats", counting(densenet_module.batch_stats))
-    monkeypatch.setattr(ops_module, "batch_stats", counting(ops_module.batch_stats))
+    monkeypatch.setattr(ops_module, "channel_stats", counting(ops_module.channel_stats))
     growth, layers, start, bn_size = 4, 5, 6, 2
     block = densenet_module.DenseBlock(layers, start, bn_size, growth, 0.0, memory_efficient=True)
     block(torch.randn(2, start, 5, 5, requires_grad=True)).sum().backward()
@@ -876,7 +876,7 @@ def op_device(request):
 def poisoned_outputs(monkeypatch):
     """Triton's output buffers start as NaN, so an element no kernel writes fails."""
     try:
-        from effilayers.kernels import densenet as kernels
+        from effilayers.ops.densenet import triton as kernels
     except ImportError:
         return
     original = kernels._output_like
@@ -1004,7 +1004,7 @@ def test_triton_tables_merge_a_block_buffer_and_are_cached(triton_device):
     table row, full K tiles (growth rate 12: 3 tiles for 36 channels, not
     one per map), the same results as separate maps, and a second call with
     the same maps reuses the device tables (no host-to-device copy)."""
-    from effilayers.kernels import densenet as kernels
+    from effilayers.ops.densenet import triton as kernels
 
     features, vectors, conv_weight = _op_case(triton_device, torch.float32, "channels_last", channels=(12, 12, 12),
                                               c_out=8)
@@ -1030,7 +1030,7 @@ def test_tf32_follows_cudnn_convolution_flags():
     """The Triton GEMMs may use TF32 exactly when PyTorch's cuDNN convolutions
     may, whichever API set it (the legacy flag raised on a read once conv and
     rnn had different new-API settings)."""
-    kernels = pytest.importorskip("effilayers.kernels.densenet")
+    kernels = pytest.importorskip("effilayers.ops.densenet.triton")
     torch.backends.cudnn.allow_tf32 = True
     assert kernels._allow_tf32(torch.float32) and not kernels._allow_tf32(torch.float16)
     assert not kernels._allow_tf32(torch.bfloat16)
@@ -1085,7 +1085,7 @@ def test_triton_precision_follows_the_flag(triton_device, monkeypatch, tf32):
     branches compute in full float32 (it ignores input_precision), so there
     this checks the decision and that the ieee branch runs; on a GPU the TF32
     branch is held to TF32's bound and the ieee one to float32's."""
-    from effilayers.kernels import densenet as kernels
+    from effilayers.ops.densenet import triton as kernels
 
     seen = []
     for name in ("_forward", "_grad_input", "_grad_weight"):

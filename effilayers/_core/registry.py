@@ -265,11 +265,30 @@ def dispatch(op_name: str, like: torch.Tensor) -> Callable:
     is most of a small layer's host time. While torch.compile or
     torch.export trace, and for tensor subclasses (fake, functional, DTensor),
     it is the custom op, so graphs hold ``effilayers::<op>`` with its fake
-    kernel and subclasses dispatch as they expect.
+    kernel and subclasses dispatch as they expect. It is the custom op too
+    while autograd records (a backward run with ``create_graph=True``): the
+    op's autograd node then refuses a double backward, where the plain
+    kernel would be differentiated silently, or not at all.
     """
-    if type(like) is torch.Tensor and not torch.compiler.is_compiling():
+    if type(like) is torch.Tensor and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
         return kernel(op_name, like.device)
     return getattr(torch.ops.effilayers, op_name).default
+
+
+def define(name: str, schema: str, fake: Callable, *, device_arg: int = 0, mutates_args=(), tags=()):
+    """Declare the custom op ``effilayers::<name>`` from its schema: its body
+    runs the kernel this registry picks for the device of argument
+    ``device_arg`` (the first tensor of it when that argument is a list),
+    and ``fake`` is its shape function for torch.compile and torch.export.
+    Returns the op, callable like a function."""
+
+    def body(*args):
+        on = args[device_arg]
+        return kernel(name, (on[0] if isinstance(on, (list, tuple)) else on).device)(*args)
+
+    op = torch.library.custom_op(f"effilayers::{name}", body, mutates_args=mutates_args, schema=schema, tags=tags)
+    op.register_fake(fake)
+    return op
 
 
 def current_preference() -> Optional[tuple[str, ...]]:

@@ -20,7 +20,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..ops.abn import DEFAULT_WEIGHT_EPS, abn, check_activation, inplace_abn
+from ..ops.abn.contract import (DEFAULT_WEIGHT_EPS, check_activation, check_eps, check_in_place, check_input,
+                                check_momentum, check_weight_eps)
+from ..ops.abn.op import activated_batch_norm
 
 __all__ = ["ABN", "InPlaceABN", "InPlaceABNSync", "FusedActivation", "fused_norm", "PLAIN_TYPE_ATTR"]
 
@@ -49,10 +51,8 @@ class ABN(nn.Module):
         name = type(self).__name__
         if isinstance(num_features, bool) or not isinstance(num_features, int) or num_features <= 0:
             raise ValueError(f"{name}: num_features must be a positive int, got {num_features!r}")
-        if not (isinstance(eps, (int, float)) and eps > 0):
-            raise ValueError(f"{name}: eps must be a positive float, got {eps!r}")
-        if momentum is not None and not (isinstance(momentum, (int, float)) and 0 <= momentum <= 1):
-            raise ValueError(f"{name}: momentum must be None or a float in [0, 1], got {momentum!r}")
+        check_eps(eps, name)
+        check_momentum(momentum, name)
         check_activation(activation, activation_param, inplace=self._inplace, where=name)
         factory = {"device": device, "dtype": dtype}
         self.num_features = num_features
@@ -96,36 +96,28 @@ class ABN(nn.Module):
             state_dict[key] = torch.tensor(0, dtype=torch.long)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    def _statistics_args(self) -> dict:
-        # BatchNorm's rules: batch statistics while training or when there
-        # are no running statistics; running statistics read in eval, and
-        # updated in training only while track_running_stats is on.
-        has_running = self.running_mean is not None or self.running_var is not None
-        use_running = has_running and (not self.training or self.track_running_stats)
-        return {
-            "training": self.training or not has_running,
-            "running_mean": self.running_mean if use_running else None,
-            "running_var": self.running_var if use_running else None,
-            "num_batches_tracked": self.num_batches_tracked if self.training and self.track_running_stats else None,
-        }
-
-    def _check_input(self, x: torch.Tensor) -> None:
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{type(self).__name__}: input must be a torch.Tensor, got {type(x).__name__}")
-        if not 2 <= x.dim() <= 5:
-            raise ValueError(f"{type(self).__name__}: expected 2D to 5D input (N, C, ...), got {x.dim()}D input")
-        if x.shape[1] != self.num_features:
-            raise ValueError(f"{type(self).__name__}: expected {self.num_features} channels (dim 1), "
-                             f"got input of shape {tuple(x.shape)}")
-
     def _group(self):
         return None
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        self._check_input(x)
-        return abn(x, self.weight, self.bias, momentum=self.momentum, eps=self.eps, activation=self.activation,
-                   activation_param=self.activation_param, residual=residual, group=self._group(),
-                   **self._statistics_args())
+        where = type(self).__name__
+        check_input(x, residual, where, self.num_features)
+        if self._inplace:
+            check_in_place(x, residual, where)
+        # BatchNorm's rules: batch statistics while training or when there
+        # are no running statistics; running statistics read in eval, and
+        # updated in training only while track_running_stats is on.
+        running_mean, running_var = self.running_mean, self.running_var
+        has_running = running_mean is not None or running_var is not None
+        if has_running and self.training and not self.track_running_stats:
+            running_mean = running_var = None
+        tracked = self.num_batches_tracked if self.training and self.track_running_stats else None
+        return activated_batch_norm(x, self.weight, self.bias, residual, running_mean, running_var, tracked,
+                                    self.training or not has_running, self.momentum, self.eps, self.activation,
+                                    self.activation_param, self._weight_eps(), self._group(), self._inplace)
+
+    def _weight_eps(self) -> float:
+        return 0.0
 
     def extra_repr(self) -> str:
         return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
@@ -162,15 +154,11 @@ class InPlaceABN(ABN):
                  weight_eps: float = DEFAULT_WEIGHT_EPS, device=None, dtype=None) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats, activation, activation_param,
                          device=device, dtype=dtype)
-        if not (isinstance(weight_eps, (int, float)) and weight_eps > 0):
-            raise ValueError(f"{type(self).__name__}: weight_eps must be a positive float, got {weight_eps!r}")
+        check_weight_eps(weight_eps, type(self).__name__)
         self.weight_eps = float(weight_eps)
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        self._check_input(x)
-        return inplace_abn(x, self.weight, self.bias, momentum=self.momentum, eps=self.eps,
-                           activation=self.activation, activation_param=self.activation_param, residual=residual,
-                           group=self._group(), weight_eps=self.weight_eps, **self._statistics_args())
+    def _weight_eps(self) -> float:
+        return self.weight_eps
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", weight_eps={self.weight_eps}"

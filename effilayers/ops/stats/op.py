@@ -27,64 +27,16 @@ any other strides are copied to contiguous first.
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import torch
 
-from .._core import registry
+from ..._core import registry
+from ..._core.dtypes import accumulation_dtype
+from .contract import check_correction, check_input, check_parts, values_per_channel
+from .reference import batch_stats_reference
 
-__all__ = ["batch_stats", "batch_stats_reference", "combine_batch_stats"]
-
-_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def _check_input(input: torch.Tensor, correction: int) -> None:
-    if not isinstance(input, torch.Tensor):
-        raise TypeError(f"batch_stats: input must be a torch.Tensor, got {type(input).__name__}")
-    if input.dim() < 2:
-        raise ValueError(
-            f"batch_stats: input must have at least 2 dimensions (N, C, ...), got shape {tuple(input.shape)}"
-        )
-    if input.dtype not in _SUPPORTED_DTYPES:
-        raise TypeError(
-            f"batch_stats: input dtype must be float16, bfloat16, float32 or float64, got {input.dtype}"
-        )
-    if isinstance(correction, bool) or not isinstance(correction, int) or correction < 0:
-        raise ValueError(f"batch_stats: correction must be a non-negative int, got {correction!r}")
-
-
-def values_per_channel(input: torch.Tensor) -> int:
-    """N times the product of the spatial sizes (defined even when C is 0)."""
-    return math.prod(input.shape[:1] + input.shape[2:])
-
-
-def stats_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The accumulation and output dtype of the statistics for input ``dtype``."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def batch_stats_reference(input: torch.Tensor, correction: int = 0):
-    """Pure-PyTorch implementation: the fallback kernel and the test oracle
-    (run it on float64 input for ground truth)."""
-    _check_input(input, correction)
-    channels = input.shape[1]
-    count = values_per_channel(input)
-    acc = stats_dtype(input.dtype)
-    count_tensor = torch.tensor(count, dtype=torch.int64, device=input.device)
-    if count == 0 or channels == 0:
-        zeros = torch.zeros(channels, dtype=acc, device=input.device)
-        return zeros, zeros.clone(), count_tensor
-    # Upcast copy: the reference trades memory for simplicity. torch's
-    # var_mean is Welford-based, so large means keep their variance.
-    values = input.to(acc).transpose(0, 1).reshape(channels, count)
-    var, mean = torch.var_mean(values, dim=1, correction=0)
-    if count - correction > 0:
-        var = var * (count / (count - correction))
-    else:
-        var = torch.full_like(var, float("nan"))
-    return mean, var, count_tensor
-
+__all__ = ["batch_stats", "combine_batch_stats"]
 
 @torch.library.custom_op("effilayers::batch_stats", mutates_args=())
 def _batch_stats_op(input: torch.Tensor, correction: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -93,7 +45,7 @@ def _batch_stats_op(input: torch.Tensor, correction: int) -> tuple[torch.Tensor,
 
 @_batch_stats_op.register_fake
 def _(input, correction):
-    acc = stats_dtype(input.dtype)
+    acc = accumulation_dtype(input.dtype)
     channels = input.shape[1]
     return (
         input.new_empty((channels,), dtype=acc),
@@ -143,7 +95,7 @@ def batch_stats(input: torch.Tensor, correction: int = 0):
     in ``input`` through ``mean`` and ``var``; works under
     ``torch.compile(fullgraph=True)``.
     """
-    _check_input(input, correction)
+    check_input(input, correction)
     return _batch_stats_op(input, correction)
 
 
@@ -162,20 +114,11 @@ def combine_batch_stats(
     ``(mean, var, count)`` like :func:`batch_stats` with ``correction``.
     Everything stays on the tensors' device: no host synchronisation.
     """
-    if isinstance(correction, bool) or not isinstance(correction, int) or correction < 0:
-        raise ValueError(f"combine_batch_stats: correction must be a non-negative int, got {correction!r}")
+    check_correction(correction, "combine_batch_stats")
     means = means if isinstance(means, torch.Tensor) else torch.stack(list(means))
     variances = variances if isinstance(variances, torch.Tensor) else torch.stack(list(variances))
     counts = counts if isinstance(counts, torch.Tensor) else torch.stack([torch.as_tensor(c) for c in counts])
-    if means.dim() != 2 or variances.shape != means.shape:
-        raise ValueError(
-            "combine_batch_stats: means and variances must both be (parts, channels), "
-            f"got {tuple(means.shape)} and {tuple(variances.shape)}"
-        )
-    if counts.shape != means.shape[:1]:
-        raise ValueError(
-            f"combine_batch_stats: counts must be (parts,) = ({means.shape[0]},), got {tuple(counts.shape)}"
-        )
+    check_parts(means, variances, counts)
     part_counts = counts.to(device=means.device, dtype=means.dtype).unsqueeze(1)
     # A part with no samples carries no information, whatever its numbers say.
     means = torch.where(part_counts > 0, means, torch.zeros_like(means))

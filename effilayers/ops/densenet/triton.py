@@ -63,7 +63,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .._core.cache import TableCache
+from ..._core.cache import TableCache
+from . import reference
+from .contract import in_layout, is_pointwise, layout_of
 
 TABLE_COLUMNS = 6
 BLOCK_M = 64
@@ -351,10 +353,8 @@ def _allow_tf32(dtype: torch.dtype) -> bool:
 
 def _output_like(first: torch.Tensor, channels: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """An (N, channels, H, W) output in the layout every backend and the fake
-    kernels give (``effilayers.ops.densenet.layout_of``); the maps' dtype
-    unless ``dtype`` is given."""
-    from ..ops.densenet import layout_of
-
+    kernels give (``contract.layout_of``); the maps' dtype unless ``dtype``
+    is given."""
     n, _, h, w = first.shape
     return torch.empty((n, channels, h, w), device=first.device, dtype=dtype or first.dtype,
                        memory_format=layout_of(first))
@@ -451,3 +451,26 @@ def bottleneck_backward(grad_out: torch.Tensor, features: Sequence[torch.Tensor]
             grad_weight = torch.zeros((c_out, k), device=first.device, dtype=torch.float32)
         grad_conv = grad_weight.to(conv_weight.dtype).view_as(conv_weight)
     return grad_input, sum_dz, sum_dz_xhat, grad_conv
+
+
+def forward(features, mean, invstd, weight, bias, conv_weight, padding):
+    """The registered Triton kernel of ``effilayers::dense_bottleneck_forward``."""
+    if features[0].dtype == torch.float64 or not is_pointwise(conv_weight, padding):
+        # tl.dot has no float64 here, and the virtual-concatenation GEMM is a
+        # 1x1 convolution: PyTorch ops serve double precision and the 3x3.
+        return reference.forward(features, mean, invstd, weight, bias, conv_weight, padding)
+    return bottleneck_forward(features, mean, invstd, weight, bias, conv_weight)
+
+
+def backward(grad_out, features, mean, invstd, weight, bias, conv_weight, batch_stats, need_input, need_conv,
+             padding):
+    """The registered Triton kernel of ``effilayers::dense_bottleneck_backward``."""
+    if features[0].dtype == torch.float64 or not is_pointwise(conv_weight, padding):
+        return reference.backward(grad_out, features, mean, invstd, weight, bias, conv_weight, batch_stats,
+                                  need_input, need_conv, padding)
+    grad_input, grad_bias, grad_weight, grad_conv = bottleneck_backward(
+        grad_out, features, mean, invstd, weight, bias, conv_weight, batch_stats, need_input, need_conv)
+    grad_conv = in_layout(grad_conv, conv_weight) if need_conv else reference.nothing(mean)
+    if not need_input:
+        return reference.nothing(mean), reference.nothing(mean), reference.nothing(mean), grad_conv
+    return grad_input, grad_bias, grad_weight, grad_conv

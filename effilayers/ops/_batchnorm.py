@@ -1,0 +1,139 @@
+"""BatchNorm's core, shared by activated BatchNorm and the DenseNet bottleneck.
+
+Both normalise with per-channel batch statistics (or the running ones in
+eval), update the running statistics once per forward exactly as
+``torch.nn.BatchNorm2d`` does, and run BatchNorm's backward as two passes:
+per-channel sums ``(sum dy, sum dy * x_hat)``, then an element-wise pass that
+needs their means over the whole (possibly distributed) batch. What differs
+between them is only which kernels compute the passes.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .._core import registry
+from .._core.dtypes import accumulation_dtype
+from .stats import combine_batch_stats, values_per_channel
+
+__all__ = ["distributed", "channel_stats", "batch_statistics", "normalizing_statistics", "update_running_stats", "backward_passes"]
+
+
+def distributed(group) -> bool:
+    return group is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def channel_stats(x: torch.Tensor):
+    """``batch_stats(x)`` without its checks (the callers checked ``x``)."""
+    return registry.dispatch("batch_stats", x)(x, 0)
+
+
+def batch_statistics(parts: Sequence[torch.Tensor], group=None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(mean, biased var, values per channel) of the channel concatenation of
+    ``parts``, over this rank's batch or, with a process group, every rank's.
+
+    The statistics of a concatenation are those of its parts, so nothing is
+    concatenated to reduce it. The count comes from the shape, not from the
+    kernel's count tensor: reading that is a host sync per norm and step on
+    CUDA, and a data-dependent value torch.compile cannot trace.
+    """
+    if len(parts) == 1:
+        mean, var, count = channel_stats(parts[0])
+    else:
+        stats = [channel_stats(part) for part in parts]
+        mean, var, count = torch.cat([s[0] for s in stats]), torch.cat([s[1] for s in stats]), stats[0][2]
+    if not distributed(group):
+        return mean, var, values_per_channel(parts[0])
+    # float64 keeps counts exact far beyond 2**24 values per channel.
+    packed = torch.cat([mean.double(), var.double(), count.double().view(1)])
+    gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, packed, group=group)
+    stacked = torch.stack(gathered)
+    channels = mean.numel()
+    counts = stacked[:, 2 * channels].round().to(torch.int64)
+    mean, var, total = combine_batch_stats(stacked[:, :channels], stacked[:, channels:2 * channels], counts)
+    acc = accumulation_dtype(parts[0].dtype)
+    return mean.to(acc), var.to(acc), int(total)
+
+
+@torch.no_grad()
+def update_running_stats(running_mean, running_var, num_batches_tracked, mean, var, count: int, momentum) -> None:
+    """BatchNorm's update: ``running = (1 - f) running + f batch`` with the
+    unbiased variance, ``f = momentum`` or ``1 / num_batches_tracked``."""
+    if num_batches_tracked is not None:
+        num_batches_tracked.add_(1)
+    pairs = [(running, batch) for running, batch in ((running_mean, mean), (running_var, var)) if running is not None]
+    if not pairs:
+        return
+    factor = (1.0 / float(num_batches_tracked)) if momentum is None else momentum
+    running = [running for running, _ in pairs]
+    # running_var gets the unbiased variance.
+    batch = [(b if r is not running_var else b * (count / (count - 1))).to(r.dtype) for r, b in pairs]
+    # BatchNorm's arithmetic, (1 - f) * running + f * batch, one call each for both buffers.
+    torch._foreach_mul_(running, 1 - factor)
+    torch._foreach_add_(running, batch, alpha=factor)
+
+
+def normalizing_statistics(parts: Sequence[torch.Tensor], running_mean, running_var, num_batches_tracked,
+                           use_batch_stats: bool, momentum, eps: float, where: str, group=None,
+                           shared: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
+    """``(mean, invstd, count)`` to normalise the concatenation of ``parts``
+    with; with batch statistics the running ones (when given) are updated,
+    once. ``shared``: the batch ``(mean, var)`` when the caller has them.
+    ``count`` is 0 with running statistics (they are constants in backward)."""
+    if not use_batch_stats:
+        acc = accumulation_dtype(parts[0].dtype)
+        # Copies: a later training step updates the buffers in place before this backward runs.
+        mean = running_mean.detach().to(acc, copy=True)
+        return mean, torch.rsqrt(running_var.detach().to(acc) + eps), 0
+    if shared is not None:
+        mean, var, count = shared[0].detach(), shared[1].detach(), values_per_channel(parts[0])
+    else:
+        mean, var, count = batch_statistics(parts, group)
+    if count == 0:  # an empty batch, as BatchNorm: nothing to normalise, statistics untouched
+        if num_batches_tracked is not None:
+            num_batches_tracked.add_(1)
+    elif count == 1:
+        first = parts[0]
+        size = (first.shape[0], sum(p.shape[1] for p in parts), *first.shape[2:])
+        # torch's wording, which effilayers-bench recognises.
+        raise ValueError(f"{where}: expected more than 1 value per channel when training, got input size {size}"
+                         + (" across all ranks" if distributed(group) else ""))
+    else:
+        update_running_stats(running_mean, running_var, num_batches_tracked, mean, var, count, momentum)
+    return mean, torch.rsqrt(var + eps), count
+
+
+def backward_passes(reduce: Callable, elemt: Callable, grad: torch.Tensor, saved: torch.Tensor, args: tuple,
+                    count: int, *, need_sums: bool, need_elemt: bool, want_residual_grad: bool = False, group=None):
+    """BatchNorm's backward as its two kernel passes.
+
+    ``reduce(grad, saved, *args) -> (sum dy, sum dy x_hat)`` and
+    ``elemt(grad, saved, *args, mean_dy, mean_dy_xhat, want_residual_grad)
+    -> (grad_input, grad_residual)``. ``count`` is the values per channel of
+    the normalised batch (0: running statistics, constants with no mean
+    terms). Returns ``(grad_input, grad_residual, sum_dy, sum_dy_xhat)``,
+    the sums being this rank's (its weight and bias gradients: DDP averages
+    those as it does every other parameter's) and the input gradient using
+    the sums over the whole synchronised batch.
+    """
+    local_dy = local_dy_xhat = None
+    mean = args[0]
+    if need_sums:
+        local_dy, local_dy_xhat = reduce(grad, saved, *args)
+    grad_input = grad_residual = None
+    if need_elemt:
+        if count:
+            sum_dy, sum_dy_xhat = local_dy, local_dy_xhat
+            if distributed(group):
+                packed = torch.cat([local_dy, local_dy_xhat])
+                dist.all_reduce(packed, group=group)
+                sum_dy, sum_dy_xhat = packed.split(mean.numel())
+            mean_dy, mean_dy_xhat = sum_dy / count, sum_dy_xhat / count
+        else:
+            mean_dy = mean_dy_xhat = torch.zeros_like(mean)
+        grad_input, grad_residual = elemt(grad, saved, *args, mean_dy, mean_dy_xhat, want_residual_grad)
+    return grad_input, grad_residual, local_dy, local_dy_xhat
