@@ -121,10 +121,9 @@ def _setup(args: argparse.Namespace) -> Setup:
                   dtype=dtype, channels_last=args.channels_last,
                   steps=args.steps if args.steps is not None else (10 if on_cuda else 3), train_steps=args.train,
                   compile=args.compile)
-    limit = DEFAULT_MAX_BATCH_LIMIT if args.max_batch_limit is None else args.max_batch_limit
     for name, value, minimum in (("--batch", setup.batch, 1), ("--size", setup.size, 32), ("--steps", setup.steps, 1),
-                                 ("--train", setup.train_steps, 0), ("--max-batch-limit", limit, 1)):
-        if value < minimum:
+                                 ("--train", setup.train_steps, 0), ("--max-batch-limit", args.max_batch_limit, 1)):
+        if value is not None and value < minimum:
             raise BenchError(f"{name} must be >= {minimum}, got {value}")
     return setup
 

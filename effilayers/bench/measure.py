@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import memory
+from .._core.dtypes import accumulation_dtype
 from .variants import BenchError, Variant
 
 __all__ = ["find_max_batch", "max_tries", "search_max_batch", "is_out_of_memory", "Setup", "Result", "time_call",
@@ -151,6 +152,12 @@ def _empty_cache(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def _collect(device: torch.device) -> None:
+    """Free what the tensors no longer referenced held, on the device too."""
+    gc.collect()
+    _empty_cache(device)
+
+
 # ---- one training step ---------------------------------------------------------------------
 
 
@@ -180,7 +187,7 @@ class Setup:
         generator = torch.Generator().manual_seed(seed)
         images = torch.randn(batch, 3, self.size, self.size, generator=generator)
         labels = torch.randint(0, num_classes, (batch,), generator=generator)
-        images = images.to(self.device, torch.float64 if self.dtype == torch.float64 else torch.float32)
+        images = images.to(self.device, accumulation_dtype(self.dtype))
         if self.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
         return images, labels.to(self.device)
@@ -191,7 +198,7 @@ def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, setup: Setup
     with setup.autocast():
         logits = model(images)
         # float32 at least (autocast may give bf16 logits); float64 stays.
-        loss = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels)
+        loss = F.cross_entropy(logits.to(accumulation_dtype(logits.dtype)), labels)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -304,8 +311,7 @@ class _CountedTick:
 def _release(model: nn.Module, device: torch.device) -> None:
     # An out-of-memory error in backward leaves some gradients behind.
     model.zero_grad(set_to_none=True)
-    gc.collect()
-    _empty_cache(device)
+    _collect(device)
 
 
 def _measure_fitting(model: nn.Module, setup: Setup, num_classes: int, tick: Callable[[], None],
@@ -482,20 +488,13 @@ def run_model(variants: list[Variant], setup: Setup, max_batch_limit: Optional[i
                 del pristine
         max_batch = None
         if max_batch_limit is not None:
-            tries = 0
-
-            def tick() -> None:
-                nonlocal tries
-                tries += 1
-                bar.update()
-
-            max_batch = _max_batch(runner, setup, num_classes, max_batch_limit, tick)
-            bar.update(max_tries(setup.batch, max_batch_limit) - tries)
+            counted_tick = _CountedTick(bar.update)
+            max_batch = _max_batch(runner, setup, num_classes, max_batch_limit, counted_tick)
+            counted_tick.finish(max_tries(setup.batch, max_batch_limit))
         results.append(Result(variant.model, variant.name, same_weights, losses=losses, max_batch=max_batch,
                               notes=notes, **measured))
         del model, runner, initial_state
-        gc.collect()
-        _empty_cache(setup.device)
+        _collect(setup.device)
     # float64 references no variant ran (each variant computing it did not fit)
     bar.update(setup.train_steps * len({v.function for v in variants} - set(float64_losses)))
     plain = results[0]

@@ -21,8 +21,12 @@ __all__ = ["measured_cells", "agreement", "format_table", "precision_name", "for
 ILL_CONDITIONED = 1e-3
 
 
+def _in_mib(value: Optional[int]) -> Optional[float]:
+    return None if value is None else value / 2**20
+
+
 def _mib(value: Optional[int]) -> str:
-    return "n/a" if value is None else f"{value / 2**20:,.1f}"
+    return "n/a" if value is None else f"{_in_mib(value):,.1f}"
 
 
 def measured_cells(result: dict[str, Any]) -> list[str]:
@@ -125,13 +129,11 @@ def plot(results: list[Result], path: str, pyplot: Any) -> Any:
     for r in results:
         plain_of.setdefault(r.model, r)
     panels: list[tuple[str, Callable[[Result], Optional[float]], str]] = [
-        ("activation MiB (one forward)",
-         lambda r: None if r.activation_bytes is None else r.activation_bytes / 2**20, "activation_bytes"),
+        ("activation MiB (one forward)", lambda r: _in_mib(r.activation_bytes), "activation_bytes"),
         ("median step time, ms", lambda r: None if r.step_time_s is None else r.step_time_s * 1e3, "step_time"),
     ]
     if any(r.cuda_peak_bytes is not None for r in results):
-        panels.append(("CUDA peak MiB (one step)",
-                       lambda r: None if r.cuda_peak_bytes is None else r.cuda_peak_bytes / 2**20, "cuda_peak_bytes"))
+        panels.append(("CUDA peak MiB (one step)", lambda r: _in_mib(r.cuda_peak_bytes), "cuda_peak_bytes"))
     if any(r.max_batch is not None for r in results):
         panels.append(("largest batch that trains", lambda r: r.max_batch, "max_batch"))
     trained = [r for r in results if r.losses]
