@@ -254,7 +254,7 @@ def test_train_check_on_resnet18_agrees_within_the_measured_tolerance(tmp_path, 
 def test_train_check_catches_a_wrong_gradient(tmp_path, monkeypatch, capsys):
     """A variant with a right forward and a 1.5x gradient: the first loss
     agrees, the second (after one update) must not."""
-    real_variants = bench._resnet_variants
+    real_variants = bench.variants._resnet_variants
 
     def with_a_broken_variant(name):
         variants, skipped = real_variants(name)
@@ -267,7 +267,7 @@ def test_train_check_catches_a_wrong_gradient(tmp_path, monkeypatch, capsys):
 
         return [variants[0], bench.Variant(name, "broken ABN", broken)], skipped
 
-    monkeypatch.setattr(bench, "_resnet_variants", with_a_broken_variant)
+    monkeypatch.setattr(bench.variants, "_resnet_variants", with_a_broken_variant)
     report = run_bench(tmp_path, *TRAIN_ARGS, "--check-train", status=1)
     broken = by_variant(report)["broken ABN"]
     assert broken["losses_agree"] is False
@@ -561,7 +561,7 @@ def test_max_batch_end_to_end_against_a_simulated_memory_limit(tmp_path, monkeyp
     runs out of memory (both ways CUDA reports it) above a per-variant
     limit, after its backward has left gradients behind."""
     limits = {"as given": 12, "effilayers convert(inplace)": 30}
-    real_step = bench._train_step
+    real_step = bench.measure._train_step
     state = {"raised": None, "tries": 0, "empty_cache": 0}
     # Fresh exceptions: a raised one holds the frames of its traceback.
     kinds = itertools.cycle([lambda: torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB"),
@@ -587,10 +587,10 @@ def test_max_batch_end_to_end_against_a_simulated_memory_limit(tmp_path, monkeyp
         state["empty_cache"] += 1
 
     bars = []
-    monkeypatch.setattr(bench, "MAX_BATCH_DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(bench, "_train_step", step_with_a_memory_limit)
-    monkeypatch.setattr(bench, "_empty_cache", count_empty_cache)
-    monkeypatch.setattr(bench, "_progress", lambda total: bars.append(RecordingBar(total)) or bars[-1])
+    monkeypatch.setattr(bench.cli, "MAX_BATCH_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(bench.measure, "_train_step", step_with_a_memory_limit)
+    monkeypatch.setattr(bench.measure, "_empty_cache", count_empty_cache)
+    monkeypatch.setattr(bench.cli, "_progress", lambda total: bars.append(RecordingBar(total)) or bars[-1])
     report = run_bench(tmp_path, "--model", "tests.test_bench:tiny_convertible_model", "--size", "32",
                        "--batch", "2", "--steps", "1", "--max-batch", "--max-batch-limit", "64")
     results = by_variant(report)
@@ -607,7 +607,7 @@ def test_a_variant_out_of_memory_at_the_batch_is_reported_and_the_others_measure
     """Plain PyTorch running out of memory at a batch the memory-efficient
     variant trains is a result (the comparison users run the bench for),
     not a crash; --max-batch then still searches for its largest batch."""
-    real_step = bench._train_step
+    real_step = bench.measure._train_step
 
     def plain_runs_out_of_memory(model, optimizer, setup, images, labels):
         converted = any(isinstance(m, effilayers.nn.ABN) for m in model.modules())
@@ -617,9 +617,9 @@ def test_a_variant_out_of_memory_at_the_batch_is_reported_and_the_others_measure
         return real_step(model, optimizer, setup, images, labels)
 
     bars = []
-    monkeypatch.setattr(bench, "MAX_BATCH_DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(bench, "_train_step", plain_runs_out_of_memory)
-    monkeypatch.setattr(bench, "_progress", lambda total: bars.append(RecordingBar(total)) or bars[-1])
+    monkeypatch.setattr(bench.cli, "MAX_BATCH_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(bench.measure, "_train_step", plain_runs_out_of_memory)
+    monkeypatch.setattr(bench.cli, "_progress", lambda total: bars.append(RecordingBar(total)) or bars[-1])
     report = run_bench(tmp_path, "--model", "tests.test_bench:tiny_convertible_model", "--size", "32",
                        "--batch", "4", "--steps", "1", "--train", "2", "--max-batch", "--max-batch-limit", "16",
                        plot=HAVE_MATPLOTLIB)
@@ -783,7 +783,7 @@ def test_bad_settings_exit_2(argv, message, capsys):
 
 
 def test_help_states_the_size_minimum():
-    assert "height and width, >= 32" in " ".join(bench._parser().format_help().split())
+    assert "height and width, >= 32" in " ".join(bench.cli._parser().format_help().split())
 
 
 def output_path_cases():
@@ -839,7 +839,7 @@ def test_gpu_session_script_commands_are_valid():
     import shlex
     import subprocess
 
-    from effilayers.bench import _parser
+    from effilayers.bench.cli import _parser
 
     root = Path(__file__).resolve().parents[1]
     listing = subprocess.run(["bash", str(root / "benchmarks" / "gpu_session.sh"), "--list"],

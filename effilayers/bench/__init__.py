@@ -1,0 +1,22 @@
+"""``python -m effilayers.bench`` / ``effilayers-bench``: what effilayers
+saves on a model (see :mod:`effilayers.bench.cli`).
+
+Modules, each importing only those after it: ``cli`` (arguments, the run,
+exit status), ``report`` (table, ``--json``, ``--plot``), ``measure``
+(timing, activation and CUDA peak bytes, ``--max-batch``, the ``--train``
+loss check), ``variants`` (what is measured per model). This package
+re-exports their public names; patch a name in the module that uses it.
+"""
+
+from .cli import main
+from .measure import (LOSS_NOISE_FACTOR, LOSS_TOLERANCE_FLOOR, SEED, Result, Setup, find_max_batch,
+                      is_out_of_memory, max_tries, search_max_batch, time_call)
+from .report import agreement, format_losses, format_table, loss_warnings, measured_cells, plot, precision_name
+from .variants import (AS_GIVEN, LEAKY, PLAIN, BenchError, CheckpointedDenseLayer, Variant, builtin_models,
+                       checkpointed_densenet, peer_inplace_abn_resnet, torchvision_densenet, variants_for)
+
+__all__ = ["find_max_batch", "search_max_batch", "is_out_of_memory", "builtin_models", "plot", "main",
+           "max_tries", "time_call", "Setup", "Result", "SEED", "LOSS_NOISE_FACTOR", "LOSS_TOLERANCE_FLOOR",
+           "measured_cells", "agreement", "format_table", "format_losses", "loss_warnings", "precision_name",
+           "BenchError", "Variant", "PLAIN", "AS_GIVEN", "LEAKY", "variants_for", "peer_inplace_abn_resnet",
+           "CheckpointedDenseLayer", "checkpointed_densenet", "torchvision_densenet"]

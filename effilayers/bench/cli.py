@@ -1,0 +1,221 @@
+"""``python -m effilayers.bench`` / ``effilayers-bench``: what effilayers saves on a model.
+
+Trains ResNet-50 and DenseNet-121 (or your model) on synthetic data, as plain
+PyTorch, with effilayers layers and with peer libraries when they are
+installed, and prints activation bytes, CUDA peak bytes, step time and
+images/s, each next to its ratio to plain PyTorch. Runs on CUDA when
+available, otherwise on CPU at a small size. ``--train N`` also checks every
+variant's losses against float64 (see :mod:`effilayers.bench.measure`).
+
+This module parses the command line, runs the measurements and prints them;
+exit status 0, 1 when ``--check-train`` finds a variant outside the loss
+tolerance, 2 for a request it cannot run (:class:`BenchError`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from contextlib import nullcontext
+from typing import Any, ContextManager, Optional
+
+import torch
+
+from .measure import LOSS_NOISE_FACTOR, Result, Setup, count_ticks, run_model
+from .report import format_losses, format_table, load_pyplot, loss_warnings, plot, write_json
+from .variants import BenchError, builtin_models, variants_for
+
+__all__ = ["main"]
+
+PROG = "effilayers-bench"
+DEFAULT_MODELS = ("resnet50", "densenet121")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Where --max-batch may run: elsewhere nothing runs out of memory cleanly
+# (tests widen it to search on CPU against a simulated limit).
+MAX_BATCH_DEVICES = ("cuda",)
+DEFAULT_MAX_BATCH_LIMIT = 4096
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_description(self, text: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int) -> Any:
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, leave=False, unit="step")
+
+
+def _parser() -> argparse.ArgumentParser:
+    names = ", ".join(builtin_models())
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    parser.add_argument("--model", action="append", metavar="NAME",
+                        help=f"{names}, or module:callable returning an nn.Module that maps (N, 3, H, W) images "
+                             "to logits; repeatable (default: resnet50 and densenet121)")
+    parser.add_argument("--batch", type=int, help="batch size (default: 32 on CUDA, 2 on CPU)")
+    parser.add_argument("--size", type=int,
+                        help="image height and width, >= 32 (default: 224 on CUDA, 64 on CPU)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                        help="float32, or autocast to bfloat16/float16 (float16 needs CUDA)")
+    parser.add_argument("--channels-last", action="store_true", help="channels_last model and images")
+    parser.add_argument("--compile", action="store_true",
+                        help="run every variant under torch.compile (the first step, which compiles, is not timed; "
+                             "activation bytes are counted on the eager module; with --train, random ops such as "
+                             "dropout run eager's kernels, torch._inductor.config.fallback_random, so the compiled "
+                             "variants draw the float64 reference's masks)")
+    parser.add_argument("--steps", type=int, help="timed training steps per variant (default: 10 on CUDA, 3 on CPU)")
+    parser.add_argument("--train", type=int, default=0, metavar="N",
+                        help="also train N steps per variant from the same weights and data, and check the losses "
+                             "against a float64 run of plain PyTorch computing the same function: at step t the "
+                             f"relative difference must be <= max({LOSS_NOISE_FACTOR:g} x plain PyTorch's own largest "
+                             "relative difference up to t between its --dtype run and float64, 1e-5 float32 / 1e-3 "
+                             "float16 / 1e-2 bfloat16); a variant outside it gets a warning")
+    parser.add_argument("--check-train", action="store_true",
+                        help="with --train: exit with status 1 when a variant's losses leave the tolerance")
+    parser.add_argument("--max-batch", action="store_true",
+                        help="find the largest batch that trains one step, per variant (CUDA only)")
+    parser.add_argument("--max-batch-limit", type=int, metavar="N",
+                        help=f"with --max-batch: the largest batch it tries (default: {DEFAULT_MAX_BATCH_LIMIT})")
+    parser.add_argument("--json", metavar="FILE", help="write all results, the environment and the command here")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="bar charts with ratios (and loss curves with --train); needs matplotlib")
+    parser.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available")
+    return parser
+
+
+def _max_batch_limit(args: argparse.Namespace) -> Optional[int]:
+    """The --max-batch search's limit, None without --max-batch."""
+    if not args.max_batch:
+        return None
+    return DEFAULT_MAX_BATCH_LIMIT if args.max_batch_limit is None else args.max_batch_limit
+
+
+def _setup(args: argparse.Namespace) -> Setup:
+    device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise BenchError("--device cuda: no CUDA device is available")
+    on_cuda = device_type == "cuda"
+    if args.max_batch and device_type not in MAX_BATCH_DEVICES:
+        raise BenchError("--max-batch needs CUDA (it searches for the batch that runs out of GPU memory); "
+                         "no CUDA device in use here")
+    if args.check_train and not args.train:
+        raise BenchError("--check-train needs --train N (N >= 1)")
+    if args.max_batch_limit is not None and not args.max_batch:
+        raise BenchError("--max-batch-limit needs --max-batch")
+    dtype = DTYPES[args.dtype]
+    if dtype == torch.float16 and not on_cuda:
+        raise BenchError("--dtype float16 needs CUDA; on CPU use float32 or bfloat16")
+    setup = Setup(device=torch.device(device_type),
+                  batch=args.batch if args.batch is not None else (32 if on_cuda else 2),
+                  size=args.size if args.size is not None else (224 if on_cuda else 64),
+                  dtype=dtype, channels_last=args.channels_last,
+                  steps=args.steps if args.steps is not None else (10 if on_cuda else 3), train_steps=args.train,
+                  compile=args.compile)
+    for name, value, minimum in (("--batch", setup.batch, 1), ("--size", setup.size, 32), ("--steps", setup.steps, 1),
+                                 ("--train", setup.train_steps, 0), ("--max-batch-limit", args.max_batch_limit, 1)):
+        if value is not None and value < minimum:
+            raise BenchError(f"{name} must be >= {minimum}, got {value}")
+    return setup
+
+
+def _check_output_path(option: str, path: str) -> None:
+    """Fail before the benchmark, not after it, on a file that cannot be written."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise BenchError(f"{option} {path!r} is a directory; give a file name")
+    if not os.path.isdir(directory):
+        raise BenchError(f"{option} {path!r}: directory {directory!r} does not exist")
+    if not os.access(directory, os.W_OK):
+        raise BenchError(f"{option} {path!r}: directory {directory!r} is not writable")
+
+
+def _compiled_random_like_eager(setup: Setup) -> ContextManager:
+    """With --compile --train: inductor calls eager's random kernels instead
+    of generating its own numbers, so a compiled variant's dropout draws the
+    masks of its eager float64 reference (otherwise they differ whatever the
+    seed, and so would the losses)."""
+    if not (setup.compile and setup.train_steps):
+        return nullcontext()
+    import torch._inductor.config
+
+    return torch._inductor.config.patch(fallback_random=True)
+
+
+def _run(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    setup = _setup(args)
+    for option in ("json", "plot"):
+        if getattr(args, option):
+            _check_output_path(f"--{option}", getattr(args, option))
+    pyplot = load_pyplot(args.plot) if args.plot else None
+    variants_per_model = []
+    skipped: list[str] = []
+    for spec in args.model or DEFAULT_MODELS:
+        variants, skipped_here = variants_for(spec)
+        variants_per_model.append(variants)
+        skipped += skipped_here
+
+    print(f"effilayers bench: {setup.device.type}, batch {setup.batch}, {setup.size}x{setup.size}, "
+          f"{args.dtype}{', channels_last' if setup.channels_last else ''}"
+          f"{', torch.compile' if setup.compile else ''}, "
+          f"1 warm-up + {setup.steps} timed steps per variant", flush=True)
+    for line in skipped:
+        print(line, flush=True)
+    max_batch_limit = _max_batch_limit(args)
+    bar = _progress(sum(count_ticks(variants, setup, max_batch_limit) for variants in variants_per_model))
+    results: list[Result] = []
+    try:
+        with _compiled_random_like_eager(setup):
+            for variants in variants_per_model:
+                results += run_model(variants, setup, max_batch_limit, bar)
+    finally:
+        bar.close()
+
+    print(format_table(results))
+    if setup.device.type == "cpu":
+        print("CUDA peak bytes: n/a on CPU. Activation bytes count the tensors autograd keeps, which these "
+              "layers choose the same way on every device; a GPU run adds the peak bytes.")
+    if setup.dtype != torch.float32:
+        print(f"Under autocast, activation bytes include the {args.dtype} copies of the weights that autocast "
+              "keeps for backward (2 bytes per parameter), the same for every variant.")
+    if setup.train_steps:
+        print()
+        print(format_losses(results, setup.dtype))
+    for r in results:
+        for note in r.notes:
+            print(f"note: {r.model} / {r.variant}: {note}")
+    warnings = loss_warnings(results, setup.dtype)
+    for line in warnings:
+        print(f"{PROG}: warning: {line}", file=sys.stderr)
+    if args.json:
+        write_json(args.json, argv, setup, args.dtype, max_batch_limit, skipped, results)
+        print(f"wrote {args.json}")
+    if pyplot is not None:
+        pyplot.close(plot(results, args.plot, pyplot))
+        print(f"wrote {args.plot}")
+    disagreeing = [r for r in results if r.losses_agree is False]
+    if args.check_train and disagreeing:
+        print(f"{PROG}: --check-train: {len(disagreeing)} variant(s) left the loss tolerance: "
+              + ", ".join(f"{r.model} / {r.variant}" for r in disagreeing), file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _run(argv)
+    except BenchError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 2
+

@@ -1,0 +1,554 @@
+"""What ``effilayers-bench`` measures per variant: activation bytes, CUDA
+peak bytes and step time at the batch, the largest batch that trains
+(``--max-batch``), and the ``--train`` loss check.
+
+``--train N`` trains every variant N steps from the same weights and data
+and checks the losses: each variant is compared with a float64 run of plain
+PyTorch modules computing the same function, and must stay within
+``LOSS_NOISE_FACTOR`` times the distance between plain PyTorch's own losses
+at the benchmark's precision (float32, or bfloat16/float16 autocast) and its
+float64 run (its rounding noise at these settings), and never closer than
+``LOSS_TOLERANCE_FLOOR`` demands. Every curve reseeds the random number
+generator at each step, so dropout draws the same masks in all of them.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import gc
+import itertools
+import math
+import statistics
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import memory
+from .._core.dtypes import accumulation_dtype
+from .variants import BenchError, Variant
+
+__all__ = ["find_max_batch", "max_tries", "search_max_batch", "is_out_of_memory", "Setup", "Result", "time_call",
+           "SEED", "LOSS_NOISE_FACTOR", "LOSS_TOLERANCE_FLOOR", "count_ticks", "run_model"]
+
+SEED = 0
+# --train: a variant's loss at step t may differ from its float64 reference by
+# this factor times the largest relative distance between plain PyTorch's own
+# losses and their float64 reference up to step t (the rounding noise of the
+# setting: at batch 2 or at initialisation, BatchNorm backward can lose
+# percents in float32), and by at least the per-dtype floor.
+LOSS_NOISE_FACTOR = 10.0
+LOSS_TOLERANCE_FLOOR = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+
+
+# ---- the max-batch search ------------------------------------------------------------------
+
+
+def find_max_batch(try_step: Callable[[int], bool], start: int, limit: int) -> int:
+    """Largest batch in ``[1, limit]`` for which ``try_step(batch)`` succeeds.
+
+    Doubles from ``start`` until a failure (or ``limit``), then bisects
+    between the last success and the first failure. Assumes success is
+    monotone in the batch size, as memory use is. Never calls ``try_step``
+    above ``limit``. Returns 0 when even batch 1 fails.
+    """
+    if start < 1 or limit < 1:
+        raise ValueError(f"find_max_batch: start and limit must be >= 1, got start={start}, limit={limit}")
+    start = min(start, limit)
+    if try_step(start):
+        fits, fails = start, None
+        while fits < limit:
+            candidate = min(2 * fits, limit)
+            if try_step(candidate):
+                fits = candidate
+            else:
+                fails = candidate
+                break
+        if fails is None:
+            return fits
+    else:
+        fits, fails = 0, start
+    while fails - fits > 1:
+        middle = (fits + fails) // 2
+        if try_step(middle):
+            fits = middle
+        else:
+            fails = middle
+    return fits
+
+
+def max_tries(start: int, limit: int) -> int:
+    """An upper bound on the calls :func:`find_max_batch` makes (for the progress bar)."""
+    start = min(start, limit)
+    return 1 + math.ceil(math.log2(limit / start)) + math.ceil(math.log2(limit))
+
+
+# Allocation failures that do not raise torch.OutOfMemoryError: cuBLAS and
+# cuDNN report a failed workspace allocation as a plain RuntimeError.
+_OUT_OF_MEMORY_TEXT = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")
+# cuDNN also finds no algorithm ("not supported") for a batch too large for
+# its workspace or indexing: "does not fit" once a smaller batch has trained,
+# a configuration error when nothing has.
+_TOO_LARGE_TEXT = "CUDNN_STATUS_NOT_SUPPORTED"
+_OUT_OF_MEMORY_ERROR = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+# BatchNorm in training refuses a batch with one value per channel: batch 1
+# does not train such a model, whatever the memory. torch says "Expected
+# more than 1 value per channel when training, ..."; effilayers' ABN and
+# DenseNet bottleneck say the same after their own name ("bottleneck:
+# expected ...").
+_ONE_VALUE_PER_CHANNEL = "expected more than 1 value per channel when training"
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` means "this batch does not fit", not a bug."""
+    if isinstance(error, _OUT_OF_MEMORY_ERROR):
+        return True
+    return isinstance(error, RuntimeError) and any(text in str(error) for text in _OUT_OF_MEMORY_TEXT)
+
+
+def _too_small_for_batch_norm(error: BaseException) -> bool:
+    return isinstance(error, ValueError) and _ONE_VALUE_PER_CHANNEL in str(error).lower()
+
+
+def search_max_batch(step: Callable[[int], None], release: Callable[[], None], start: int, limit: int,
+                     tick: Callable[[], None] = lambda: None) -> int:
+    """:func:`find_max_batch` over ``step(batch)``, which trains one step and
+    may run out of memory (:func:`is_out_of_memory`; cuDNN's "not supported"
+    too once a smaller batch has trained; a batch BatchNorm refuses because it
+    leaves one value per channel does not train either; other errors
+    propagate). ``release()`` runs after every try, fitting or not, to free
+    what it left behind before the next one; ``tick()`` once per try."""
+    trained = False
+
+    def try_step(batch: int) -> bool:
+        nonlocal trained
+        tick()
+        try:
+            step(batch)
+            fits = trained = True
+        except RuntimeError as error:
+            if not (is_out_of_memory(error) or (trained and _TOO_LARGE_TEXT in str(error))):
+                raise
+            fits = False
+        except ValueError as error:
+            if not _too_small_for_batch_norm(error):
+                raise
+            fits = False
+        # The except block is over: the traceback, and with it the frames
+        # holding this try's tensors, are gone; release() can free them.
+        release()
+        return fits
+
+    return find_max_batch(try_step, start, limit)
+
+
+def _empty_cache(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _collect(device: torch.device) -> None:
+    """Free what the tensors no longer referenced held, on the device too."""
+    gc.collect()
+    _empty_cache(device)
+
+
+# ---- one training step ---------------------------------------------------------------------
+
+
+@dataclass
+class Setup:
+    device: torch.device
+    batch: int
+    size: int
+    dtype: torch.dtype
+    channels_last: bool
+    steps: int
+    train_steps: int
+    compile: bool = False
+
+    def autocast(self) -> ContextManager:
+        if self.dtype not in (torch.bfloat16, torch.float16):
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def data(self, batch: int, num_classes: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # Generated on CPU from a fixed seed so every variant sees the same
+        # numbers whatever the device's random number generator does.
+        generator = torch.Generator().manual_seed(seed)
+        images = torch.randn(batch, 3, self.size, self.size, generator=generator)
+        labels = torch.randint(0, num_classes, (batch,), generator=generator)
+        images = images.to(self.device, accumulation_dtype(self.dtype))
+        if self.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        return images, labels.to(self.device)
+
+
+def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, setup: Setup,
+                images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    with setup.autocast():
+        logits = model(images)
+        # float32 at least (autocast may give bf16 logits); float64 stays.
+        loss = F.cross_entropy(logits.to(accumulation_dtype(logits.dtype)), labels)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    # A small rate: at benchmark batch sizes BatchNorm is noisy, and the loss
+    # curves should compare the variants, not show a divergence.
+    return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+
+def _prepare(model: nn.Module, setup: Setup) -> nn.Module:
+    model = model.to(setup.device)
+    if setup.channels_last:
+        # Module.to(memory_format=channels_last) raises on 5-D tensors.
+        five_d = [name for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers())
+                  if tensor.dim() == 5]
+        if five_d:
+            raise BenchError(f"--channels-last: the model has 5-D weights ({', '.join(five_d[:3])}"
+                             f"{', ...' if len(five_d) > 3 else ''}), which have no channels_last layout "
+                             "(torch.channels_last is for 4-D tensors); run without --channels-last")
+        model = model.to(memory_format=torch.channels_last)
+    return model.train()
+
+
+def _num_classes(model: nn.Module, setup: Setup) -> int:
+    # Eval mode and no grad: the probe must not move BatchNorm running stats.
+    # Two images (never more than --batch): a norm without running statistics
+    # normalises with the batch's in eval too, and one image can leave it one
+    # value per channel.
+    was_training = model.training
+    model.eval()
+    shape = (min(setup.batch, 2), 3, setup.size, setup.size)
+    try:
+        with torch.no_grad():
+            logits = model(torch.zeros(shape))
+    except Exception as error:  # the user's model may raise anything on a wrong input shape
+        advice = "; use a larger --batch or --size" if _too_small_for_batch_norm(error) else ""
+        raise BenchError(f"the model failed on a {shape} image batch: {type(error).__name__}: {error}"
+                         f"{advice}") from error
+    model.train(was_training)
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        raise BenchError(f"the model returned {getattr(logits, 'shape', type(logits).__name__)}; "
+                         "expected logits of shape (N, classes)")
+    return logits.shape[1]
+
+
+def time_call(call: Callable[[], Any], device: torch.device) -> float:
+    """Seconds ``call()`` takes: between two CUDA events on CUDA (what the
+    GPU's stream spends, launch gaps included), else the host clock."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    started = time.perf_counter()
+    call()
+    return time.perf_counter() - started
+
+
+def _measure(model: nn.Module, setup: Setup, num_classes: int, tick: Callable[[], None],
+             eager: Optional[nn.Module] = None) -> dict[str, Any]:
+    """``model`` is what is timed (compiled with --compile); activation bytes
+    are counted on ``eager`` (the same module uncompiled, the same function):
+    saved-tensor hooks see what eager autograd keeps, not a compiled graph.
+
+    A variant that runs out of memory at ``setup.batch`` is measured as such
+    (``out_of_memory``, no numbers): on a GPU, plain PyTorch failing at a
+    batch that the memory-efficient variants train is the point of the
+    comparison. A batch BatchNorm cannot train (one value per channel) is the
+    user's setting to change, reported as a BenchError."""
+    counted_tick = _CountedTick(tick)
+    try:
+        return _measure_fitting(model, setup, num_classes, counted_tick, eager)
+    except ValueError as error:
+        if not _too_small_for_batch_norm(error):
+            raise
+        raise BenchError(f"batch {setup.batch} at {setup.size}x{setup.size} leaves BatchNorm one value per channel "
+                         f"in training ({error}); use a larger --batch or --size") from None
+    except RuntimeError as error:
+        if not is_out_of_memory(error):
+            raise
+    # Out of the except block: the frames holding the failed step's tensors are gone.
+    _release(model, setup.device)
+    counted_tick.finish(1 + setup.steps)
+    return {"activation_bytes": None, "cuda_peak_bytes": None, "step_times_s": [], "step_time_s": None,
+            "images_per_s": None, "out_of_memory": True}
+
+
+class _CountedTick:
+    """A progress tick that counts its calls, so that work stopped early (out
+    of memory, a failed reference) can still move the bar by the steps it
+    did not take."""
+
+    def __init__(self, tick: Callable[[], None]) -> None:
+        self.tick, self.count = tick, 0
+
+    def __call__(self) -> None:
+        self.count += 1
+        self.tick()
+
+    def finish(self, total: int) -> None:
+        for _ in range(total - self.count):
+            self.tick()
+
+
+def _release(model: nn.Module, device: torch.device) -> None:
+    # An out-of-memory error in backward leaves some gradients behind.
+    model.zero_grad(set_to_none=True)
+    _collect(device)
+
+
+def _measure_fitting(model: nn.Module, setup: Setup, num_classes: int, tick: Callable[[], None],
+                     eager: Optional[nn.Module]) -> dict[str, Any]:
+    optimizer = _optimizer(model)
+    images, labels = setup.data(setup.batch, num_classes, seed=SEED)
+    with setup.autocast():
+        activation = memory.activation_bytes(eager if eager is not None else model, images)
+    # Warm-up: first-call allocations, kernel builds and, with --compile, compilation.
+    _train_step(model, optimizer, setup, images, labels)
+    tick()
+    peak = None
+    if setup.device.type == "cuda":
+        with memory.track_cuda_peak(setup.device) as meter:
+            _train_step(model, optimizer, setup, images, labels)
+        peak = meter.peak_bytes
+    times = []
+    for _ in range(setup.steps):
+        setup.synchronize()
+        times.append(time_call(lambda: _train_step(model, optimizer, setup, images, labels), setup.device))
+        tick()
+    median = statistics.median(times)
+    return {"activation_bytes": activation, "cuda_peak_bytes": peak, "step_times_s": times,
+            "step_time_s": median, "images_per_s": setup.batch / median}
+
+
+def _train_curve(model: nn.Module, setup: Setup, num_classes: int, tick: Callable[[], None]) -> list[float]:
+    optimizer = _optimizer(model)
+    losses = []
+    for step in range(setup.train_steps):
+        images, labels = setup.data(setup.batch, num_classes, seed=SEED + 1 + step)
+        # Every curve (each variant's and the float64 reference's) draws the
+        # same dropout masks at a step: without this the reference's masks
+        # differ, and the check measures the masks, not the arithmetic. On
+        # CPU the masks of one seed do not depend on the dtype.
+        torch.manual_seed(SEED + 1 + step)
+        losses.append(float(_train_step(model, optimizer, setup, images, labels)))
+        tick()
+    return losses
+
+
+def _float64_curve(variant: Variant, pristine: nn.Module, setup: Setup, num_classes: int,
+                   tick: Callable[[], None]) -> tuple[Optional[list[float]], str, list[str]]:
+    """The --train reference: (float64 losses or None, what it is or why it
+    is missing, notes)."""
+    notes: list[str] = []
+    what = "float64 plain PyTorch" + (f" computing {variant.function}" if variant.function else "")
+    exact = dataclasses.replace(setup, dtype=torch.float64, compile=False)
+    counted_tick = _CountedTick(tick)
+    try:
+        model = pristine
+        if variant.plain_equivalent is not None:
+            model, notes = variant.plain_equivalent(model)
+        model = _prepare(model.to(torch.float64), exact)
+        return _train_curve(model, exact, num_classes, counted_tick), what, notes
+    except (RuntimeError, TypeError, ValueError, NotImplementedError) as error:
+        counted_tick.finish(setup.train_steps)
+        return None, f"{what} failed: {type(error).__name__}: {error}", notes
+
+
+def _max_batch(model: nn.Module, setup: Setup, num_classes: int, limit: int, tick: Callable[[], None]) -> int:
+    optimizer = _optimizer(model)
+
+    def step(batch: int) -> None:
+        images, labels = setup.data(batch, num_classes, seed=SEED)
+        _train_step(model, optimizer, setup, images, labels)
+        setup.synchronize()
+
+    return search_max_batch(step, lambda: _release(model, setup.device), setup.batch, limit, tick)
+
+
+# ---- driver --------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    model: str
+    variant: str
+    same_weights: bool
+    # None (with out_of_memory) when the variant did not fit at the batch
+    activation_bytes: Optional[int]
+    cuda_peak_bytes: Optional[int]
+    step_times_s: list[float]
+    step_time_s: Optional[float]
+    images_per_s: Optional[float]
+    out_of_memory: bool = False
+    ratios: dict[str, Optional[float]] = field(default_factory=dict)
+    losses: Optional[list[float]] = None
+    # Against plain PyTorch's losses at the same --dtype (what a user would compare).
+    final_loss_rel_diff: Optional[float] = None
+    max_loss_rel_diff: Optional[float] = None
+    # The --train check: against the float64 reference of the same function.
+    loss_reference: Optional[str] = None
+    reference_losses: Optional[list[float]] = None
+    loss_rel_errors: Optional[list[float]] = None
+    loss_noise_floor: Optional[float] = None
+    loss_tolerances: Optional[list[float]] = None
+    loss_tolerance: Optional[float] = None
+    losses_agree: Optional[bool] = None
+    max_batch: Optional[int] = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _ratio(value: Optional[float], reference: Optional[float]) -> Optional[float]:
+    if value is None or not reference:
+        return None
+    return value / reference
+
+
+def _relative_errors(values: list[float], reference: list[float]) -> list[float]:
+    return [abs(a - b) / max(abs(b), 1e-30) for a, b in zip(values, reference)]
+
+
+def count_ticks(variants: list[Variant], setup: Setup, max_batch_limit: Optional[int]) -> int:
+    """How many times :func:`run_model` ticks the progress bar for ``variants`` (its total)."""
+    per_variant = 1 + setup.steps + setup.train_steps
+    if max_batch_limit is not None:
+        per_variant += max_tries(setup.batch, max_batch_limit)
+    references = len({variant.function for variant in variants}) * setup.train_steps
+    return len(variants) * per_variant + references
+
+
+def run_model(variants: list[Variant], setup: Setup, max_batch_limit: Optional[int], bar: Any) -> list[Result]:
+    """Measure every variant of one model, from the same weights and data;
+    the first is the baseline of the ratios and of the --train check."""
+    torch.manual_seed(SEED)
+    reference = variants[0].build()
+    reference_state = copy.deepcopy(reference.state_dict())
+    num_classes = _num_classes(reference, setup)
+    del reference
+    results = []
+    float64_losses: dict[Optional[str], tuple[Optional[list[float]], str, list[str]]] = {}
+    for variant in variants:
+        bar.set_description(f"{variant.model} / {variant.name}")
+        notes = [variant.note] if variant.note else []
+        torch.manual_seed(SEED)
+        model = variant.build()
+        same_weights = True
+        if variant.load_reference and variant is not variants[0]:
+            try:
+                model.load_state_dict(reference_state)
+            except RuntimeError:
+                same_weights = False
+                notes.append("state dict incompatible with plain PyTorch's: own initialisation from the same seed")
+        initial_state = copy.deepcopy(model.state_dict())
+        pristine = None
+        if setup.train_steps and variant.function not in float64_losses:
+            pristine = copy.deepcopy(model)
+        model = _prepare(model, setup)
+        runner = model
+        if setup.compile:
+            # Modules under torch.compile: effilayers' ops are custom ops
+            # with fake implementations, so they stay in the graph. Variants
+            # share code (ResNet.forward, the blocks'): without a reset each
+            # one recompiles the frames of those before it, against dynamo's
+            # recompile_limit (past it a frame silently runs eager while the
+            # row says compiled), and shapes or floats that differed between
+            # variants would be compiled as dynamic.
+            import torch._dynamo as dynamo
+
+            dynamo.reset()
+            runner = torch.compile(model)
+        measured = _measure(runner, setup, num_classes, bar.update, eager=model)
+        losses = None
+        if measured.get("out_of_memory"):
+            notes.append(f"out of memory at batch {setup.batch}: no time, activation bytes or losses")
+            bar.update(setup.train_steps)
+            pristine = None  # a later variant computing the same function runs the float64 reference
+        elif setup.train_steps:
+            model.load_state_dict(initial_state)
+            losses = _train_curve(runner, setup, num_classes, bar.update)
+            if pristine is not None:
+                float64_losses[variant.function] = _float64_curve(variant, pristine, setup, num_classes, bar.update)
+                del pristine
+        max_batch = None
+        if max_batch_limit is not None:
+            counted_tick = _CountedTick(bar.update)
+            max_batch = _max_batch(runner, setup, num_classes, max_batch_limit, counted_tick)
+            counted_tick.finish(max_tries(setup.batch, max_batch_limit))
+        results.append(Result(variant.model, variant.name, same_weights, losses=losses, max_batch=max_batch,
+                              notes=notes, **measured))
+        del model, runner, initial_state
+        _collect(setup.device)
+    # float64 references no variant ran (each variant computing it did not fit)
+    bar.update(setup.train_steps * len({v.function for v in variants} - set(float64_losses)))
+    plain = results[0]
+    for result in results:
+        result.ratios = {
+            "activation_bytes": _ratio(result.activation_bytes, plain.activation_bytes),
+            "cuda_peak_bytes": _ratio(result.cuda_peak_bytes, plain.cuda_peak_bytes),
+            "step_time": _ratio(result.step_time_s, plain.step_time_s),
+            "images_per_s": _ratio(result.images_per_s, plain.images_per_s),
+            "max_batch": _ratio(result.max_batch, plain.max_batch),
+        }
+        if result.losses and plain.losses:  # both trained
+            differences = _relative_errors(result.losses, plain.losses)
+            result.final_loss_rel_diff = differences[-1]
+            result.max_loss_rel_diff = max(differences)
+    if setup.train_steps:
+        _check_losses(results, variants, float64_losses, setup.dtype)
+    return results
+
+
+def _check_losses(results: list[Result], variants: list[Variant],
+                  float64_losses: dict[Optional[str], tuple[Optional[list[float]], str, list[str]]],
+                  dtype: torch.dtype) -> None:
+    """Fill in the --train check of every result (see LOSS_NOISE_FACTOR)."""
+    plain = results[0]
+    if plain.losses is None:
+        for result in results:
+            result.notes.append("losses not checked: plain PyTorch did not train at this batch (no noise floor)")
+        return
+    plain_reference, why_not, _ = float64_losses[None]
+    if plain_reference is None:
+        for result in results:
+            result.notes.append(f"losses not checked: no noise floor ({why_not})")
+        return
+    noise = _relative_errors(plain.losses, plain_reference)
+    tolerances = [max(LOSS_NOISE_FACTOR * largest, LOSS_TOLERANCE_FLOOR[dtype])
+                  for largest in itertools.accumulate(noise, max)]
+    for result, variant in zip(results, variants):
+        if result.losses is None:
+            continue
+        reference, what, notes = float64_losses[variant.function]
+        result.loss_reference = what
+        result.notes += [f"float64 reference: {note}" for note in notes]
+        if reference is None:
+            result.notes.append(f"losses not checked: {what}")
+            continue
+        result.reference_losses = reference
+        result.loss_rel_errors = _relative_errors(result.losses, reference)
+        result.loss_noise_floor = max(noise)
+        result.loss_tolerances = tolerances
+        result.loss_tolerance = max(tolerances)
+        # Plain PyTorch defines the noise floor: it agrees by construction.
+        if result is not plain:
+            result.losses_agree = all(error <= tolerance
+                                      for error, tolerance in zip(result.loss_rel_errors, tolerances))
+
+
