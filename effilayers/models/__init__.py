@@ -20,21 +20,5 @@ from .resnet import (
     wide_resnet50_2,
 )
 
-__all__ = [
-    "resnet",
-    "ResNet",
-    "resnet18",
-    "resnet34",
-    "resnet50",
-    "resnet101",
-    "resnet152",
-    "resnext50_32x4d",
-    "wide_resnet50_2",
-    "densenet",
-    "DenseNet",
-    "densenet121",
-    "densenet161",
-    "densenet169",
-    "densenet201",
-    "densenet264",
-]
+# Exactly the names imported above.
+__all__ = sorted(name for name in globals() if not name.startswith("_"))

@@ -77,10 +77,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..nn import ABN, FusedActivation, MaxPool2d, fused_norm
+from ..nn import ABN
 from ..ops.densenet import bottleneck, layout_of
-from .resnet import INPLACE_SLOPE, drop_weight_arguments
 from ..ops.stats import batch_stats
+from ._common import (activated_norm, activation_slot, check_bool, check_norm_act, drop_weight_arguments,
+                      fix_arguments, imagenet_stem, positive_int)
 
 __all__ = [
     "DenseNet",
@@ -101,32 +102,12 @@ _LEGACY_KEY = re.compile(
 )
 
 
-def _positive_int(value: Any, name: str, owner: str = "DenseNet") -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{owner}: {name} must be an int, got {type(value).__name__}")
-    if value <= 0:
-        raise ValueError(f"{owner}: {name} must be positive, got {value}")
-    return value
-
-
-def _check_bool(value: Any, name: str, owner: str = "DenseNet") -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{owner}: {name} must be a bool, got {type(value).__name__}")
-    return value
-
-
+# ResNet's "abn" (BatchNorm + ReLU fused, not in place) would keep what the
+# recomputing path already avoids keeping.
 NORM_ACTS = ("plain", "inplace")
 
 
-def _check_norm_act(norm_act: Any, owner: str = "DenseNet") -> str:
-    if not isinstance(norm_act, str) or norm_act not in NORM_ACTS:
-        # ResNet's "abn" (BatchNorm + ReLU fused, not in place) would keep
-        # what the recomputing path already avoids keeping.
-        raise ValueError(f"{owner}: norm_act must be one of {', '.join(map(repr, NORM_ACTS))}, got {norm_act!r}")
-    return norm_act
-
-
-def _check_drop_rate(value: Any, owner: str = "DenseNet") -> float:
+def _check_drop_rate(value: Any, owner: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{owner}: drop_rate must be a float, got {type(value).__name__}")
     if not 0.0 <= value < 1.0:
@@ -137,11 +118,11 @@ def _check_drop_rate(value: Any, owner: str = "DenseNet") -> float:
 def _check_layer_arguments(owner: str, num_input_features: Any, growth_rate: Any, bn_size: Any, drop_rate: Any,
                            memory_efficient: Any, norm_act: Any) -> float:
     """The checks a dense layer and a dense block share; returns drop_rate as a float."""
-    _positive_int(num_input_features, "num_input_features", owner)
-    _positive_int(growth_rate, "growth_rate", owner)
-    _positive_int(bn_size, "bn_size", owner)
-    _check_bool(memory_efficient, "memory_efficient", owner)
-    _check_norm_act(norm_act, owner)
+    positive_int(num_input_features, "num_input_features", owner)
+    positive_int(growth_rate, "growth_rate", owner)
+    positive_int(bn_size, "bn_size", owner)
+    check_bool(memory_efficient, "memory_efficient", owner)
+    check_norm_act(norm_act, NORM_ACTS, owner)
     return _check_drop_rate(drop_rate, owner)
 
 
@@ -288,12 +269,8 @@ class DenseLayer(nn.Module):
         self.norm1 = nn.BatchNorm2d(num_input_features)
         self.relu1 = nn.ReLU(inplace=True)
         self.conv1 = nn.Conv2d(num_input_features, inner, kernel_size=1, stride=1, bias=False)
-        if norm_act == "inplace":
-            self.norm2 = fused_norm(inner, activation="leaky_relu", activation_param=INPLACE_SLOPE, in_place=True)
-            self.relu2 = FusedActivation("norm2")
-        else:
-            self.norm2 = nn.BatchNorm2d(inner)
-            self.relu2 = nn.ReLU(inplace=True)
+        self.norm2 = activated_norm(inner, norm_act)
+        self.relu2 = activation_slot(norm_act, "norm2")
         self.conv2 = nn.Conv2d(inner, growth_rate, kernel_size=3, stride=1, padding=1, bias=False)
         self.drop_rate = float(drop_rate)
         self.memory_efficient = memory_efficient
@@ -417,7 +394,7 @@ class DenseBlock(nn.ModuleDict):
     def __init__(self, num_layers: int, num_input_features: int, bn_size: int, growth_rate: int,
                  drop_rate: float, memory_efficient: bool = True, norm_act: str = "plain") -> None:
         super().__init__()
-        _positive_int(num_layers, "num_layers", "DenseBlock")
+        positive_int(num_layers, "num_layers", "DenseBlock")
         drop_rate = _check_layer_arguments("DenseBlock", num_input_features, growth_rate, bn_size, drop_rate,
                                            memory_efficient, norm_act)
         for i in range(num_layers):
@@ -473,9 +450,9 @@ class Transition(nn.Sequential):
 
     def __init__(self, num_input_features: int, num_output_features: int, memory_efficient: bool = False) -> None:
         super().__init__()
-        _positive_int(num_input_features, "num_input_features", "Transition")
-        _positive_int(num_output_features, "num_output_features", "Transition")
-        _check_bool(memory_efficient, "memory_efficient", "Transition")
+        positive_int(num_input_features, "num_input_features", "Transition")
+        positive_int(num_output_features, "num_output_features", "Transition")
+        check_bool(memory_efficient, "memory_efficient", "Transition")
         self.norm = nn.BatchNorm2d(num_input_features)
         self.relu = nn.ReLU(inplace=True)
         self.conv = nn.Conv2d(num_input_features, num_output_features, kernel_size=1, stride=1, bias=False)
@@ -516,42 +493,29 @@ class DenseNet(nn.Module):
                  num_init_features: int = 64, bn_size: int = 4, drop_rate: float = 0.0, num_classes: int = 1000,
                  memory_efficient: bool = True, small_inputs: bool = False, norm_act: str = "plain") -> None:
         super().__init__()
-        _positive_int(growth_rate, "growth_rate")
-        _positive_int(num_init_features, "num_init_features")
-        _positive_int(bn_size, "bn_size")
-        _positive_int(num_classes, "num_classes")
-        drop_rate = _check_drop_rate(drop_rate)
-        _check_bool(memory_efficient, "memory_efficient")
-        _check_bool(small_inputs, "small_inputs")
-        _check_norm_act(norm_act)
+        positive_int(growth_rate, "growth_rate", "DenseNet")
+        positive_int(num_init_features, "num_init_features", "DenseNet")
+        positive_int(bn_size, "bn_size", "DenseNet")
+        positive_int(num_classes, "num_classes", "DenseNet")
+        drop_rate = _check_drop_rate(drop_rate, "DenseNet")
+        check_bool(memory_efficient, "memory_efficient", "DenseNet")
+        check_bool(small_inputs, "small_inputs", "DenseNet")
+        check_norm_act(norm_act, NORM_ACTS, "DenseNet")
         if isinstance(block_config, (str, bytes)) or not isinstance(block_config, Sequence):
             raise TypeError(f"DenseNet: block_config must be a sequence of ints, got {type(block_config).__name__}")
         block_config = tuple(block_config)
         if not block_config:
             raise ValueError("DenseNet: block_config must name at least one dense block")
         for i, n in enumerate(block_config):
-            _positive_int(n, f"block_config[{i}]")
+            positive_int(n, f"block_config[{i}]", "DenseNet")
         self.memory_efficient = memory_efficient
         self.small_inputs = small_inputs
         self.norm_act = norm_act
 
         if small_inputs:
             stem = [("conv0", nn.Conv2d(3, num_init_features, kernel_size=3, stride=1, padding=1, bias=False))]
-        elif norm_act == "inplace":
-            stem = [
-                ("conv0", nn.Conv2d(3, num_init_features, kernel_size=7, stride=2, padding=3, bias=False)),
-                ("norm0", fused_norm(num_init_features, activation="leaky_relu", activation_param=INPLACE_SLOPE,
-                                     in_place=True)),
-                ("relu0", FusedActivation("norm0")),
-                ("pool0", MaxPool2d(kernel_size=3, stride=2, padding=1)),
-            ]
         else:
-            stem = [
-                ("conv0", nn.Conv2d(3, num_init_features, kernel_size=7, stride=2, padding=3, bias=False)),
-                ("norm0", nn.BatchNorm2d(num_init_features)),
-                ("relu0", nn.ReLU(inplace=True)),
-                ("pool0", nn.MaxPool2d(kernel_size=3, stride=2, padding=1)),
-            ]
+            stem = list(zip(("conv0", "norm0", "relu0", "pool0"), imagenet_stem(num_init_features, norm_act, "norm0")))
         self.features = nn.Sequential(OrderedDict(stem))
         channels = num_init_features
         for i, num_layers in enumerate(block_config):
@@ -597,14 +561,9 @@ def _rename_legacy_keys(module, state_dict, prefix, local_metadata, strict, miss
 
 
 def _densenet(growth_rate: int, block_config: Sequence[int], num_init_features: int, kwargs: dict) -> DenseNet:
-    kwargs = drop_weight_arguments(kwargs, "DenseNets")
-    fixed = dict(growth_rate=growth_rate, block_config=tuple(block_config), num_init_features=num_init_features)
-    for name, value in fixed.items():
-        given = kwargs.get(name, value)
-        if (tuple(given) if name == "block_config" and isinstance(given, Sequence) else given) != value:
-            raise ValueError(f"this model fixes {name}={value}, got {name}={given!r}; "
-                             "use DenseNet(...) directly for other values")
-    return DenseNet(**dict(kwargs, **fixed))
+    kwargs = fix_arguments(drop_weight_arguments(kwargs, "DenseNets"), "DenseNet", growth_rate=growth_rate,
+                           block_config=tuple(block_config), num_init_features=num_init_features)
+    return DenseNet(**kwargs)
 
 
 def densenet121(**kwargs: Any) -> DenseNet:

@@ -62,7 +62,9 @@ from typing import Any, Optional, Sequence, Type, Union
 import torch
 from torch import nn
 
-from ..nn import ABN, FusedActivation, MaxPool2d, fused_norm
+from ..nn import ABN, fused_norm
+from ._common import activated_norm, check_norm_act, drop_weight_arguments, fix_arguments, imagenet_stem
+from ._common import INPLACE_SLOPE as INPLACE_SLOPE  # noqa: F401 -- effilayers.bench reads it here
 
 __all__ = [
     "NORM_ACTS",
@@ -79,22 +81,6 @@ __all__ = [
 ]
 
 NORM_ACTS = ("plain", "abn", "inplace")
-INPLACE_SLOPE = 0.01
-
-
-def _check_norm_act(norm_act: Any) -> str:
-    if not isinstance(norm_act, str) or norm_act not in NORM_ACTS:
-        raise ValueError(f"norm_act must be one of {', '.join(map(repr, NORM_ACTS))}, got {norm_act!r}")
-    return norm_act
-
-
-def _norm(channels: int, norm_act: str) -> nn.Module:
-    """The norm after a convolution that is followed by the block's activation."""
-    if norm_act == "plain":
-        return nn.BatchNorm2d(channels)
-    if norm_act == "abn":
-        return fused_norm(channels, activation="relu", activation_param=0.0, in_place=False)
-    return fused_norm(channels, activation="leaky_relu", activation_param=INPLACE_SLOPE, in_place=True)
 
 
 def _shortcut_norm(channels: int, norm_act: str) -> nn.Module:
@@ -193,7 +179,7 @@ class BasicBlock(_ResidualBlock):
     def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: Optional[nn.Module] = None,
                  groups: int = 1, base_width: int = 64, dilation: int = 1, norm_act: str = "plain") -> None:
         super().__init__()
-        _check_norm_act(norm_act)
+        check_norm_act(norm_act, NORM_ACTS)
         if groups != 1 or base_width != 64:
             raise ValueError("BasicBlock only supports groups=1 and base_width=64 (use Bottleneck for ResNeXt / "
                              f"Wide ResNet), got groups={groups}, base_width={base_width}")
@@ -201,11 +187,11 @@ class BasicBlock(_ResidualBlock):
             raise NotImplementedError("BasicBlock does not support dilation > 1 (replace_stride_with_dilation "
                                       "needs Bottleneck blocks)")
         self.conv1 = _conv3x3(inplanes, planes, stride)
-        self.bn1 = _norm(planes, norm_act)
+        self.bn1 = activated_norm(planes, norm_act)
         if norm_act == "plain":
             self.relu = nn.ReLU(inplace=True)
         self.conv2 = _conv3x3(planes, planes)
-        self.bn2 = _norm(planes, norm_act)
+        self.bn2 = activated_norm(planes, norm_act)
         self.downsample = downsample
         self.stride = stride
 
@@ -225,14 +211,14 @@ class Bottleneck(_ResidualBlock):
     def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: Optional[nn.Module] = None,
                  groups: int = 1, base_width: int = 64, dilation: int = 1, norm_act: str = "plain") -> None:
         super().__init__()
-        _check_norm_act(norm_act)
+        check_norm_act(norm_act, NORM_ACTS)
         width = int(planes * (base_width / 64.0)) * groups
         self.conv1 = _conv1x1(inplanes, width)
-        self.bn1 = _norm(width, norm_act)
+        self.bn1 = activated_norm(width, norm_act)
         self.conv2 = _conv3x3(width, width, stride, groups, dilation)
-        self.bn2 = _norm(width, norm_act)
+        self.bn2 = activated_norm(width, norm_act)
         self.conv3 = _conv1x1(width, planes * self.expansion)
-        self.bn3 = _norm(planes * self.expansion, norm_act)
+        self.bn3 = activated_norm(planes * self.expansion, norm_act)
         if norm_act == "plain":
             self.relu = nn.ReLU(inplace=True)
         self.downsample = downsample
@@ -270,7 +256,7 @@ class ResNet(nn.Module):
                  zero_init_residual: bool = False, groups: int = 1, width_per_group: int = 64,
                  replace_stride_with_dilation: Optional[Sequence[bool]] = None, norm_act: str = "plain") -> None:
         super().__init__()
-        _check_norm_act(norm_act)
+        check_norm_act(norm_act, NORM_ACTS)
         if block not in (BasicBlock, Bottleneck):
             raise TypeError(f"block must be effilayers.models.resnet.BasicBlock or Bottleneck, got {block!r}")
         if len(layers) != 4 or not all(isinstance(n, int) and n > 0 for n in layers):
@@ -285,15 +271,7 @@ class ResNet(nn.Module):
         self.groups = groups
         self.base_width = width_per_group
 
-        self.conv1 = nn.Conv2d(3, self.inplanes, kernel_size=7, stride=2, padding=3, bias=False)
-        self.bn1 = _norm(self.inplanes, norm_act)
-        # A fused stem keeps a pass-through `relu` so the forward is the same
-        # in every mode and effilayers.revert knows where the activation goes.
-        self.relu = nn.ReLU(inplace=True) if norm_act == "plain" else FusedActivation("bn1")
-        # In place mode the stem pool recomputes its argmax in backward
-        # instead of keeping int64 indices (twice the fp32 map they index).
-        pool = MaxPool2d if norm_act == "inplace" else nn.MaxPool2d
-        self.maxpool = pool(kernel_size=3, stride=2, padding=1)
+        self.conv1, self.bn1, self.relu, self.maxpool = imagenet_stem(self.inplanes, norm_act, "bn1")
         self.layer1 = self._make_layer(block, 64, layers[0], 1, False, norm_act)
         self.layer2 = self._make_layer(block, 128, layers[1], 2, replace_stride_with_dilation[0], norm_act)
         self.layer3 = self._make_layer(block, 256, layers[2], 2, replace_stride_with_dilation[1], norm_act)
@@ -346,25 +324,6 @@ class ResNet(nn.Module):
         return self.fc(torch.flatten(x, 1))
 
 
-def drop_weight_arguments(kwargs: dict, family: str) -> dict:
-    """``kwargs`` without torchvision's weight arguments. The no-weights call
-    generic code makes (``weights=None``, ``pretrained=False``, any
-    ``progress``, which only concerns a download) is accepted and ignored:
-    nothing is downloaded. Asking for weights raises, with how to load them."""
-    kwargs = dict(kwargs)
-    kwargs.pop("progress", None)
-    for name, no_weights in (("weights", None), ("pretrained", False)):
-        if name in kwargs:
-            value = kwargs.pop(name)
-            if value is not no_weights:
-                raise TypeError(
-                    f"effilayers {family} ship no weights: {name} must be {no_weights}, got {value!r}. Build the "
-                    "torchvision model with its weights and load them: "
-                    "model.load_state_dict(torchvision_model.state_dict())"
-                )
-    return kwargs
-
-
 def _resnet(block: Block, layers: Sequence[int], kwargs: dict) -> ResNet:
     return ResNet(block, layers, **drop_weight_arguments(kwargs, "ResNets"))
 
@@ -395,21 +354,14 @@ def resnet152(*, norm_act: str = "plain", **kwargs: Any) -> ResNet:
     return _resnet(Bottleneck, [3, 8, 36, 3], dict(kwargs, norm_act=norm_act))
 
 
-def _fixed(kwargs: dict, **fixed: Any) -> dict:
-    # The named variants define these; a different value would build another network under the same name.
-    for name, value in fixed.items():
-        if name in kwargs and kwargs[name] != value:
-            raise ValueError(f"this model fixes {name}={value}, got {name}={kwargs[name]!r}; "
-                             "use ResNet(...) directly for other values")
-    return dict(kwargs, **fixed)
-
-
 def resnext50_32x4d(*, norm_act: str = "plain", **kwargs: Any) -> ResNet:
     """ResNeXt-50 32x4d: ResNet-50 with 32 groups of width 4 in each 3x3; see :func:`resnet18`."""
-    return _resnet(Bottleneck, [3, 4, 6, 3], _fixed(dict(kwargs, norm_act=norm_act), groups=32, width_per_group=4))
+    kwargs = fix_arguments(dict(kwargs, norm_act=norm_act), "ResNet", groups=32, width_per_group=4)
+    return _resnet(Bottleneck, [3, 4, 6, 3], kwargs)
 
 
 def wide_resnet50_2(*, norm_act: str = "plain", **kwargs: Any) -> ResNet:
     """Wide ResNet-50-2: ResNet-50 with bottlenecks twice as wide (the 1x1
     expansion output is unchanged); see :func:`resnet18`."""
-    return _resnet(Bottleneck, [3, 4, 6, 3], _fixed(dict(kwargs, norm_act=norm_act), width_per_group=64 * 2))
+    kwargs = fix_arguments(dict(kwargs, norm_act=norm_act), "ResNet", width_per_group=64 * 2)
+    return _resnet(Bottleneck, [3, 4, 6, 3], kwargs)

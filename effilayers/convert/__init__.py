@@ -79,19 +79,38 @@ class.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Optional
 
-import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.modules.conv import _ConvNd
-from torch.nn.modules.lazy import LazyModuleMixin
-from torch.nn.utils import parametrize
 
-from .nn import ABN, InPlaceABN, InPlaceABNSync, MaxPool2d
-from .nn.fused import PLAIN_TYPE_ATTR, FusedActivation, fused_norm
-from .ops.abn import DEFAULT_WEIGHT_EPS
+from ..models import resnet
+from ..nn import ABN, InPlaceABN, MaxPool2d
+from ..nn.fused import PLAIN_TYPE_ATTR, FusedActivation
+from .patterns import (
+    Activation,
+    BatchNormAct,
+    Slots,
+    activation_blocker,
+    activation_module,
+    activation_of,
+    activation_of_fused,
+    clamp_note,
+    clamped_channels,
+    fresh_output,
+    fuse_norm,
+    has_hooks,
+    in_module_order,
+    in_place_activation,
+    is_batchnorm,
+    is_plain_sequential,
+    is_resnet,
+    is_resnet_block,
+    is_timm_norm_act,
+    join_path,
+    replace_blocker,
+    swap_pool,
+    unfuse_norm,
+)
+from .report import ConversionReport, FusedPair, LeftAlone, RestoredPair, RevertReport
 
 __all__ = [
     "MODES",
@@ -108,357 +127,6 @@ __all__ = [
 
 MODES = ("abn", "inplace")
 
-_STATE_PARAMETERS = ("weight", "bias")
-_STATE_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
-_PLAIN_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
-
-_BASIC_BLOCK_CHILDREN = ("conv1", "bn1", "relu", "conv2", "bn2")
-_BOTTLENECK_CHILDREN = ("conv1", "bn1", "conv2", "bn2", "conv3", "bn3", "relu")
-_RESNET_CHILDREN = ("conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "layer3", "layer4", "avgpool", "fc")
-
-
-# ---- modules left behind by convert / revert ------------------------------------------------
-
-
-class BatchNormAct(_BatchNorm):
-    """Plain BatchNorm (inputs of rank 2 to 5) followed by the module ``act``,
-    built only from standard ops. What :func:`revert` leaves where a fused
-    module had no separate activation slot to give back; its state dict is a
-    BatchNorm's."""
-
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1, affine: bool = True,
-                 track_running_stats: bool = True, act: Optional[nn.Module] = None, device=None, dtype=None) -> None:
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
-        self.act = act if act is not None else nn.Identity()
-
-    def _check_input_dim(self, input: torch.Tensor) -> None:
-        if not 2 <= input.dim() <= 5:
-            raise ValueError(f"BatchNormAct: expected 2D to 5D input (N, C, ...), got {input.dim()}D input")
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return self.act(super().forward(input))
-
-
-# ---- reports -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class FusedPair:
-    """One norm + activation pair that :func:`convert` fused."""
-
-    norm: str  # path of the norm, now the fused module
-    activation: Optional[str]  # path of the activation made a pass-through (None: it was inside the norm module)
-    pattern: str  # "sequential", "resnet_block", "resnet_stem", "resnet_shortcut" or "norm_act"
-    module: str  # "ABN", "InPlaceABN" or "InPlaceABNSync"
-    before: str  # the original function, e.g. "BatchNorm2d -> relu"
-    after: str  # the fused function, e.g. "InPlaceABN(leaky_relu(0.01), + residual)"
-    residual: bool  # the shortcut sum of a ResNet block is inside the fused call
-    function_changed: bool  # the activation differs from the original (relu -> leaky_relu)
-    note: str = ""
-
-
-@dataclass(frozen=True)
-class RestoredPair:
-    """One fused module that :func:`revert` turned back into plain modules."""
-
-    norm: str
-    activation: Optional[str]  # path of the activation module put back (None: inside a BatchNormAct)
-    module: str  # e.g. "BatchNorm2d + ReLU", "BatchNormAct(LeakyReLU)"
-    note: str = ""
-
-
-@dataclass(frozen=True)
-class LeftAlone:
-    """A module left as it was, and why. ``path`` is "" for the root module."""
-
-    path: str
-    reason: str
-
-
-def _format_entries(title: str, lines: list[str]) -> list[str]:
-    return [f"{title} ({len(lines)}):"] + [f"  {line}" for line in lines] if lines else [f"{title}: none"]
-
-
-@dataclass
-class ConversionReport:
-    """What :func:`convert` did: ``fused`` pairs, ``left_alone`` norms (with
-    the reason), ``replaced_blocks`` (paths of ResNet blocks swapped for
-    effilayers blocks, and of a stem max pool swapped for
-    :class:`effilayers.nn.MaxPool2d`)."""
-
-    mode: str
-    activation_param: float
-    fused: list[FusedPair] = field(default_factory=list)
-    left_alone: list[LeftAlone] = field(default_factory=list)
-    replaced_blocks: list[str] = field(default_factory=list)
-
-    @property
-    def fused_paths(self) -> list[str]:
-        return [pair.norm for pair in self.fused]
-
-    @property
-    def left_alone_paths(self) -> list[str]:
-        return [entry.path for entry in self.left_alone]
-
-    @property
-    def function_changed(self) -> bool:
-        """True when some activation was changed (relu -> leaky_relu in place)."""
-        return any(pair.function_changed for pair in self.fused)
-
-    def reason(self, path: str) -> Optional[str]:
-        """Why the norm at ``path`` was left alone, or None if it was not."""
-        return next((entry.reason for entry in self.left_alone if entry.path == path), None)
-
-    def __str__(self) -> str:
-        lines = [f"effilayers.convert(mode={self.mode!r}, activation_param={self.activation_param}): "
-                 f"{len(self.fused)} fused, {len(self.left_alone)} left alone"
-                 + (" -- activations changed, see function_changed" if self.function_changed else "")]
-        lines += _format_entries("fused", [
-            f"{pair.norm}: {pair.before} => {pair.after} [{pair.pattern}]"
-            + (" (function changed)" if pair.function_changed else "") + (f" -- {pair.note}" if pair.note else "")
-            for pair in self.fused])
-        lines += _format_entries("left alone", [f"{entry.path or '(root)'}: {entry.reason}"
-                                                for entry in self.left_alone])
-        if self.replaced_blocks:
-            lines += _format_entries("ResNet blocks replaced", self.replaced_blocks)
-        return "\n".join(lines)
-
-
-@dataclass
-class RevertReport:
-    """What :func:`revert` did: ``restored`` fused modules, ``left_alone`` ones (with the reason)."""
-
-    restored: list[RestoredPair] = field(default_factory=list)
-    left_alone: list[LeftAlone] = field(default_factory=list)
-
-    @property
-    def restored_paths(self) -> list[str]:
-        return [pair.norm for pair in self.restored]
-
-    @property
-    def left_alone_paths(self) -> list[str]:
-        return [entry.path for entry in self.left_alone]
-
-    def __str__(self) -> str:
-        lines = [f"effilayers.revert: {len(self.restored)} restored, {len(self.left_alone)} left alone"]
-        lines += _format_entries("restored", [
-            f"{pair.norm}: {pair.module}" + (f" (activation at {pair.activation})" if pair.activation else "")
-            + (f" -- {pair.note}" if pair.note else "") for pair in self.restored])
-        lines += _format_entries("left alone", [f"{entry.path or '(root)'}: {entry.reason}"
-                                                for entry in self.left_alone])
-        return "\n".join(lines)
-
-
-# ---- activations ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Activation:
-    name: str  # as ABN spells it
-    param: float
-
-    def describe(self) -> str:
-        return self.name if self.name in ("relu", "identity") else f"{self.name}({self.param:g})"
-
-
-def _activation_of(module: nn.Module) -> Optional[_Activation]:
-    """The ABN activation equal to ``module``, or None. Exact types only: a
-    subclass may compute something else."""
-    kind = type(module)
-    if kind is nn.ReLU:
-        return _Activation("relu", 0.0)
-    if kind is nn.LeakyReLU and module.negative_slope >= 0:
-        return _Activation("leaky_relu", float(module.negative_slope))
-    if kind is nn.ELU and module.alpha > 0:
-        return _Activation("elu", float(module.alpha))
-    return None
-
-
-def _activation_module(activation: _Activation, inplace: bool) -> nn.Module:
-    if activation.name == "relu":
-        return nn.ReLU(inplace=inplace)
-    if activation.name == "leaky_relu":
-        return nn.LeakyReLU(activation.param, inplace=inplace)
-    if activation.name == "elu":
-        return nn.ELU(activation.param, inplace=inplace)
-    return nn.Identity()
-
-
-def _in_place_activation(activation: _Activation, slope: float) -> _Activation:
-    """The invertible activation an in-place fused module uses instead."""
-    if activation.name == "relu" or (activation.name == "leaky_relu" and activation.param == 0):
-        return _Activation("leaky_relu", slope)
-    return activation
-
-
-# ---- moving state between norms -------------------------------------------------------------
-
-
-def _move_state(source: nn.Module, target: nn.Module) -> None:
-    # The same tensor objects: nothing is copied, parameters keep their
-    # identity (optimizers, tied weights) and the state dict is unchanged.
-    # Assigning into the existing dict slots keeps the registration order.
-    for name in _STATE_PARAMETERS:
-        target._parameters[name] = source._parameters.get(name)
-    for name in _STATE_BUFFERS:
-        target._buffers[name] = source._buffers.get(name)
-    target.train(source.training)
-
-
-def _fuse(norm: _BatchNorm, activation: _Activation, in_place: bool) -> ABN:
-    sync = isinstance(norm, nn.SyncBatchNorm)
-    plain_type = next((kind for kind in _PLAIN_NORMS if isinstance(norm, kind)), BatchNormAct)
-    # Built on the meta device, then handed the norm's own tensors: no
-    # allocation, and device and dtype are the originals'.
-    fused = fused_norm(norm.num_features, activation=activation.name, activation_param=activation.param,
-                       in_place=in_place, eps=norm.eps, momentum=norm.momentum, affine=norm.affine,
-                       track_running_stats=norm.track_running_stats, plain_type=plain_type,
-                       process_group=getattr(norm, "process_group", None), sync=sync, device="meta")
-    _move_state(norm, fused)
-    return fused
-
-
-def _unfuse(fused: ABN, plain_type: Optional[type] = None, act: Optional[nn.Module] = None) -> nn.Module:
-    """A plain norm (of ``plain_type``, or the one recorded at conversion)
-    holding ``fused``'s tensors; a BatchNormAct around ``act`` when ``act`` is given."""
-    arguments = (fused.num_features, fused.eps, fused.momentum, fused.affine, fused.track_running_stats)
-    if act is not None:
-        plain = BatchNormAct(*arguments, act=act, device="meta")
-    else:
-        kind = plain_type or getattr(fused, PLAIN_TYPE_ATTR, None) or BatchNormAct
-        if kind is nn.SyncBatchNorm:
-            plain = nn.SyncBatchNorm(*arguments, process_group=getattr(fused, "process_group", None), device="meta")
-        else:
-            plain = kind(*arguments, device="meta")
-    _move_state(fused, plain)
-    return plain
-
-
-def _clamped_channels(norm: nn.Module) -> int:
-    weight = getattr(norm, "weight", None)
-    if weight is None or weight.is_meta:
-        return 0
-    return int((weight.detach().abs() < DEFAULT_WEIGHT_EPS).sum())
-
-
-# ---- what may be replaced -------------------------------------------------------------------
-
-
-_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-               "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
-               "_load_state_dict_post_hooks")
-
-
-def _swap_pool(pool: nn.MaxPool2d, kind: type) -> nn.MaxPool2d:
-    swapped = kind(pool.kernel_size, pool.stride, pool.padding, pool.dilation, pool.return_indices, pool.ceil_mode)
-    swapped.train(pool.training)
-    return swapped
-
-
-def _has_hooks(module: nn.Module) -> bool:
-    return any(getattr(module, name, None) for name in _HOOK_DICTS)
-
-
-def _is_batchnorm(module: Optional[nn.Module]) -> bool:
-    """A BatchNorm computing exactly BatchNorm: a subclass that overrides
-    forward (timm's BatchNormAct2d, ...) is something else."""
-    if not isinstance(module, _BatchNorm) or isinstance(module, BatchNormAct):
-        return False
-    return type(module).forward in (_BatchNorm.forward, nn.SyncBatchNorm.forward)
-
-
-def _is_timm_norm_act(module: Optional[nn.Module]) -> bool:
-    return (isinstance(module, nn.BatchNorm2d) and type(module).__name__ == "BatchNormAct2d"
-            and set(module._modules) == {"drop", "act"} and type(module._modules["drop"]) is nn.Identity)
-
-
-def _is_plain_sequential(module: nn.Module) -> bool:
-    # A subclass with its own forward may route data any way it likes.
-    return isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward
-
-
-def _is_resnet_block(module: nn.Module) -> Optional[str]:
-    """"basic" / "bottleneck" for a torchvision-style block, else None."""
-    name = type(module).__name__
-    children = set(module._modules) - {"downsample"}
-    if name == "BasicBlock" and children == set(_BASIC_BLOCK_CHILDREN):
-        kind = "basic"
-    elif name == "Bottleneck" and children == set(_BOTTLENECK_CHILDREN):
-        kind = "bottleneck"
-    else:
-        return None
-    if any(not isinstance(module._modules[child], nn.Conv2d) for child in children if child.startswith("conv")):
-        return None
-    if module._modules.get("downsample") is None and getattr(module, "downsample", None) is not None:
-        return None  # a shortcut that is not a module: unknown forward
-    return kind
-
-
-def _is_resnet(module: nn.Module) -> bool:
-    return type(module).__name__ == "ResNet" and set(_RESNET_CHILDREN) <= set(module._modules)
-
-
-def _fresh_output(module: Optional[nn.Module]) -> bool:
-    """Whether ``module`` returns a new tensor that only its caller sees, so
-    the next module may overwrite it."""
-    if module is None or _has_hooks(module):  # a forward hook may keep the output
-        return False
-    if _is_plain_sequential(module):
-        children = [child for child in module._modules.values() if child is not None]
-        return bool(children) and _fresh_output(children[-1])
-    return isinstance(module, (_ConvNd, nn.Linear))
-
-
-class _Slots:
-    """Every (parent, name) slot holding each module: a module in two slots
-    is shared, and replacing it in one would untie it from the other."""
-
-    def __init__(self, root: nn.Module) -> None:
-        self.paths: dict[int, list[str]] = {}
-        self._walk(root, "", set())
-
-    def _walk(self, module: nn.Module, prefix: str, seen: set[int]) -> None:
-        if id(module) in seen:
-            return
-        seen.add(id(module))
-        for name, child in module._modules.items():
-            if child is None:
-                continue
-            path = f"{prefix}.{name}" if prefix else name
-            self.paths.setdefault(id(child), []).append(path)
-            self._walk(child, path, seen)
-
-    def shared(self, module: nn.Module) -> Optional[str]:
-        paths = self.paths.get(id(module), [])
-        if len(paths) > 1:
-            return f"the same module is registered at {len(paths)} places ({', '.join(paths)})"
-        return None
-
-
-def _blocker(module: nn.Module, slots: _Slots, what: str) -> Optional[str]:
-    """Why ``module`` must not be replaced, or None."""
-    shared = slots.shared(module)
-    if shared:
-        return f"{what}: {shared}; replacing it in one place would untie it from the others"
-    if isinstance(module, LazyModuleMixin):  # before hooks: it has its own
-        return f"{what} is an uninitialised lazy module (run one forward first)"
-    if _has_hooks(module):
-        return f"{what} has hooks, which a replacement would lose"
-    if parametrize.is_parametrized(module):
-        return f"{what} is parametrized"
-    return None
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def _in_module_order(model: nn.Module, entries: list, path_of) -> list:
-    """``entries`` sorted as ``model.named_modules()`` lists their paths (the
-    walk fuses a Sequential's pairs before it visits nested children)."""
-    order = {name: index for index, (name, _) in enumerate(model.named_modules(remove_duplicate=False))}
-    return sorted(entries, key=lambda entry: order.get(path_of(entry), len(order)))
-
 
 # ---- convert --------------------------------------------------------------------------------
 
@@ -468,17 +136,14 @@ class _Converter:
         self.root = root
         self.mode = mode
         self.slope = activation_param
-        self.slots = _Slots(root)
+        self.slots = Slots(root)
         self.report = ConversionReport(mode, activation_param)
         self.visited: set[int] = set()
         self.reported: set[int] = set()
-        from .models import resnet  # here: effilayers.models imports this module
-
-        self.resnet = resnet
 
     # -- decisions shared by every pattern
 
-    def plan(self, norm: nn.Module, activation: _Activation, input_fresh: bool, why_not_fresh: str):
+    def plan(self, norm: nn.Module, activation: Activation, input_fresh: bool, why_not_fresh: str):
         """(fused activation, in place?, note) or a str: why not to fuse."""
         if self.mode == "abn":
             if isinstance(norm, nn.SyncBatchNorm):
@@ -486,7 +151,7 @@ class _Converter:
                         "(InPlaceABNSync)")
             return activation, False, ""
         if input_fresh:
-            return _in_place_activation(activation, self.slope), True, ""
+            return in_place_activation(activation, self.slope), True, ""
         if isinstance(norm, nn.SyncBatchNorm):
             return (f"SyncBatchNorm whose input cannot be overwritten ({why_not_fresh}), and there is no "
                     "synchronised non-in-place ABN")
@@ -499,13 +164,10 @@ class _Converter:
             return decision
         fused_activation, in_place, note = decision
         try:
-            fused = _fuse(norm, fused_activation, in_place)
+            fused = fuse_norm(norm, fused_activation, in_place)
         except (ValueError, TypeError) as error:  # e.g. a momentum ABN does not accept
             return f"cannot be represented as an ABN: {error}"
-        clamped = _clamped_channels(fused) if in_place else 0
-        if clamped:
-            note = (note + "; " if note else "") + (
-                f"{clamped} channel(s) with |weight| < {DEFAULT_WEIGHT_EPS:g} use ±{DEFAULT_WEIGHT_EPS:g}")
+        note = "; ".join(part for part in (note, clamp_note(fused) if in_place else "") if part)
         after = f"{type(fused).__name__}({fused_activation.describe()}" + (", + residual)" if residual else ")")
         details = {
             "module": type(fused).__name__,
@@ -528,16 +190,16 @@ class _Converter:
         root = self.root
         cannot = ("cannot be replaced in place, being the root module; wrap it, e.g. "
                   "convert(nn.Sequential(model))")
-        if _is_batchnorm(root) or _is_timm_norm_act(root):
+        if is_batchnorm(root) or is_timm_norm_act(root):
             self.leave(root, "", f"the norm {cannot}")
-        elif _is_resnet_block(root):
+        elif is_resnet_block(root):
             for name, child in root._modules.items():
-                if _is_batchnorm(child):
+                if is_batchnorm(child):
                     self.leave(child, name, f"in a ResNet block that {cannot}")
         self.visit(root, "")
         report = self.report
-        report.fused = _in_module_order(root, report.fused, lambda pair: pair.norm)
-        report.left_alone = _in_module_order(root, report.left_alone, lambda entry: entry.path)
+        report.fused = in_module_order(root, report.fused, lambda pair: pair.norm)
+        report.left_alone = in_module_order(root, report.left_alone, lambda entry: entry.path)
         return report
 
     def visit(self, parent: nn.Module, prefix: str) -> None:
@@ -545,20 +207,20 @@ class _Converter:
             return
         self.visited.add(id(parent))
         reasons: dict[str, str] = {}
-        if _is_plain_sequential(parent):
+        if is_plain_sequential(parent):
             reasons = self.sequential(parent, prefix)
-        elif _is_resnet(parent):
+        elif is_resnet(parent):
             reasons = self.resnet_stem(parent, prefix)
         for name, child in list(parent._modules.items()):
             if child is None:
                 continue
-            path = _join(prefix, name)
-            if _is_resnet_block(child):
+            path = join_path(prefix, name)
+            if is_resnet_block(child):
                 child = self.resnet_block(parent, name, child, path)
-            elif _is_timm_norm_act(child):
+            elif is_timm_norm_act(child):
                 self.norm_act(parent, name, child, path)
                 continue
-            elif _is_batchnorm(child):
+            elif is_batchnorm(child):
                 self.leave(child, path, reasons.get(name) or (
                     f"inside {type(parent).__name__}, whose forward decides what follows it: only nn.Sequential "
                     "chains and recognised ResNet blocks / stems are converted"))
@@ -572,19 +234,19 @@ class _Converter:
         items = [(name, module) for name, module in sequential._modules.items() if module is not None]
         reasons = {}
         for index, (name, norm) in enumerate(items):
-            if not _is_batchnorm(norm):
+            if not is_batchnorm(norm):
                 continue
             if index + 1 == len(items):
                 reasons[name] = ("last module of its nn.Sequential: what follows it is decided outside, "
                                  "so it is not known to be an activation")
                 continue
             act_name, act_module = items[index + 1]
-            activation = _activation_of(act_module)
+            activation = activation_of(act_module)
             if activation is None:
                 reasons[name] = (f"followed by {type(act_module).__name__}, not a supported activation "
                                  "(ReLU, LeakyReLU with slope >= 0, ELU)")
                 continue
-            blocker = _blocker(norm, self.slots, "the norm") or _blocker_activation(act_module)
+            blocker = replace_blocker(norm, self.slots, "the norm") or activation_blocker(act_module)
             if blocker:
                 reasons[name] = blocker
                 continue
@@ -592,68 +254,68 @@ class _Converter:
             why_not = ("first module of its nn.Sequential, so its input comes from outside and may be used "
                        "again" if previous is None else
                        f"its input comes from {type(previous).__name__}, not known to be a fresh tensor")
-            outcome = self.fuse(norm, activation, _fresh_output(previous), why_not)
+            outcome = self.fuse(norm, activation, fresh_output(previous), why_not)
             if isinstance(outcome, str):
                 reasons[name] = outcome
                 continue
             fused, details = outcome
             sequential._modules[name] = fused
             sequential._modules[act_name] = FusedActivation(name, getattr(act_module, "inplace", True))
-            self.record(_join(prefix, name), _join(prefix, act_name), "sequential", details)
+            self.record(join_path(prefix, name), join_path(prefix, act_name), "sequential", details)
         return reasons
 
     def resnet_stem(self, model: nn.Module, prefix: str) -> dict[str, str]:
         norm, act_module = model._modules["bn1"], model._modules["relu"]
-        if not _is_batchnorm(norm):
+        if not is_batchnorm(norm):
             return {}
-        activation = _activation_of(act_module)
+        activation = activation_of(act_module)
         if activation is None:
             return {"bn1": f"the stem activation is {type(act_module).__name__}, not ReLU, LeakyReLU or ELU"}
-        blocker = _blocker(norm, self.slots, "the norm") or _blocker_activation(act_module)
+        blocker = replace_blocker(norm, self.slots, "the norm") or activation_blocker(act_module)
         if blocker:
             return {"bn1": blocker}
-        outcome = self.fuse(norm, activation, _fresh_output(model._modules["conv1"]),
+        outcome = self.fuse(norm, activation, fresh_output(model._modules["conv1"]),
                             "conv1 has hooks that may keep its output")
         if isinstance(outcome, str):
             return {"bn1": outcome}
         fused, details = outcome
         model._modules["bn1"] = fused
         model._modules["relu"] = FusedActivation("bn1", getattr(act_module, "inplace", True))
-        self.record(_join(prefix, "bn1"), _join(prefix, "relu"), "resnet_stem", details)
+        self.record(join_path(prefix, "bn1"), join_path(prefix, "relu"), "resnet_stem", details)
         pool = model._modules["maxpool"]
-        if type(fused) is not ABN and type(pool) is nn.MaxPool2d and not pool.return_indices and not _has_hooks(pool):
+        if type(fused) is not ABN and type(pool) is nn.MaxPool2d and not pool.return_indices and not has_hooks(pool):
             # The stem output is kept by the fused norm already; a pool that
             # recomputes its argmax keeps nothing more (no int64 indices).
-            model._modules["maxpool"] = _swap_pool(pool, MaxPool2d)
-            self.report.replaced_blocks.append(_join(prefix, "maxpool"))
+            model._modules["maxpool"] = swap_pool(pool, MaxPool2d)
+            self.report.replaced_blocks.append(join_path(prefix, "maxpool"))
         return {}
 
     def resnet_block(self, parent: nn.Module, name: str, block: nn.Module, path: str) -> nn.Module:
         """Replaces ``block`` in ``parent`` with a fused effilayers block;
         returns what is in the slot afterwards."""
-        kind = _is_resnet_block(block)
+        kind = is_resnet_block(block)
         norm_names = ("bn1", "bn2") if kind == "basic" else ("bn1", "bn2", "bn3")
         act_module = block._modules["relu"]
-        activation = _activation_of(act_module)
-        problem = _blocker(block, self.slots, "the block")
+        activation = activation_of(act_module)
+        problem = replace_blocker(block, self.slots, "the block")
         if activation is None:
             problem = f"the block's activation is {type(act_module).__name__}, not ReLU, LeakyReLU or ELU"
-        problem = problem or _blocker_activation(act_module)
+        problem = problem or activation_blocker(act_module)
         for norm_name in norm_names:
             norm = block._modules[norm_name]
             if problem:
                 break
-            if not _is_batchnorm(norm):
+            if not is_batchnorm(norm):
                 problem = f"{norm_name} is {type(norm).__name__}, not a BatchNorm"
             else:
-                problem = _blocker(norm, self.slots, norm_name)
+                problem = replace_blocker(norm, self.slots, norm_name)
         planned = {}
         for norm_name in norm_names:
             if problem:
                 break
             conv = block._modules["conv" + norm_name[-1]]
             residual = norm_name == norm_names[-1]
-            outcome = self.fuse(block._modules[norm_name], activation, _fresh_output(conv),
+            outcome = self.fuse(block._modules[norm_name], activation, fresh_output(conv),
                                 f"conv{norm_name[-1]} has hooks that may keep its output", residual=residual)
             if isinstance(outcome, str):
                 problem = f"{norm_name}: {outcome}"
@@ -661,22 +323,22 @@ class _Converter:
                 planned[norm_name] = outcome
         if problem:
             for norm_name in norm_names:
-                if _is_batchnorm(block._modules[norm_name]):
-                    self.leave(block._modules[norm_name], _join(path, norm_name),
+                if is_batchnorm(block._modules[norm_name]):
+                    self.leave(block._modules[norm_name], join_path(path, norm_name),
                                f"in a {type(block).__name__} left alone: {problem}")
             return block
         modules = dict(block._modules)
         modules.pop("relu")
         modules.update({norm_name: fused for norm_name, (fused, _) in planned.items()})
-        block_type = self.resnet.BasicBlock if kind == "basic" else self.resnet.Bottleneck
+        block_type = resnet.BasicBlock if kind == "basic" else resnet.Bottleneck
         replacement = block_type._from_modules(modules, stride=getattr(block, "stride", 1), training=block.training)
         parent._modules[name] = replacement
         self.report.replaced_blocks.append(path)
         for norm_name, (_, details) in planned.items():
-            self.record(_join(path, norm_name), _join(path, "relu"), "resnet_block", details)
+            self.record(join_path(path, norm_name), join_path(path, "relu"), "resnet_block", details)
         shortcut = modules.get("downsample")
-        if shortcut is not None and _is_plain_sequential(shortcut) and len(shortcut):
-            self.shortcut_norm(shortcut, _join(path, "downsample"),
+        if shortcut is not None and is_plain_sequential(shortcut) and len(shortcut):
+            self.shortcut_norm(shortcut, join_path(path, "downsample"),
                                in_place=all(type(fused) is not ABN for fused, _ in planned.values()))
         return replacement
 
@@ -687,39 +349,36 @@ class _Converter:
         keeping that output a second time (as BatchNorm's input)."""
         names = list(shortcut._modules)
         last_name, last = names[-1], shortcut._modules[names[-1]]
-        if not _is_batchnorm(last):
+        if not is_batchnorm(last):
             return
-        norm_path = _join(path, last_name)
+        norm_path = join_path(path, last_name)
         previous = shortcut._modules[names[-2]] if len(names) > 1 else None
         problem = None
         if not in_place:
             problem = ("norm of the block's shortcut, with no activation after it: plain BatchNorm computes it "
                        "exactly (mode='abn' or a block fused out of place)")
-        elif not _fresh_output(previous):
+        elif not fresh_output(previous):
             problem = "norm of the block's shortcut whose input may be kept elsewhere: left a plain BatchNorm"
         else:
-            problem = _blocker(last, self.slots, "the norm")
+            problem = replace_blocker(last, self.slots, "the norm")
         if problem:
             self.leave(last, norm_path, problem)
             return
-        identity = _Activation("identity", 0.0)
+        identity = Activation("identity", 0.0)
         try:
-            fused = _fuse(last, identity, in_place=True)
+            fused = fuse_norm(last, identity, in_place=True)
         except (ValueError, TypeError) as error:
             self.leave(last, norm_path, f"cannot be represented as an ABN: {error}")
             return
         shortcut._modules[last_name] = fused
-        clamped = _clamped_channels(fused)
-        note = (f"{clamped} channel(s) with |weight| < {DEFAULT_WEIGHT_EPS:g} use ±{DEFAULT_WEIGHT_EPS:g}"
-                if clamped else "")
         self.record(norm_path, None, "resnet_shortcut", {
             "module": type(fused).__name__, "before": f"{type(last).__name__}", "after": "InPlaceABN(identity)",
-            "residual": False, "function_changed": False, "note": note})
+            "residual": False, "function_changed": False, "note": clamp_note(fused)})
 
     def norm_act(self, parent: nn.Module, name: str, module: nn.Module, path: str) -> None:
         act_module = module._modules["act"]
-        activation = _activation_of(act_module)
-        problem = _blocker(module, self.slots, "the module")
+        activation = activation_of(act_module)
+        problem = replace_blocker(module, self.slots, "the module")
         if activation is None:  # Identity included: nothing to fuse
             problem = f"its act is {type(act_module).__name__}, not ReLU, LeakyReLU or ELU"
         if not problem:
@@ -734,14 +393,6 @@ class _Converter:
         setattr(fused, PLAIN_TYPE_ATTR, BatchNormAct)  # its activation lives inside, as it did
         parent._modules[name] = fused
         self.record(path, None, "norm_act", details)
-
-
-def _blocker_activation(module: nn.Module) -> Optional[str]:
-    # A stateless activation may be shared freely (its other uses keep it);
-    # only hooks on it would be lost.
-    if _has_hooks(module):
-        return "the activation has hooks, which fusing it would bypass"
-    return None
 
 
 def _check_arguments(model, mode, activation_param) -> None:
@@ -780,17 +431,13 @@ def convert(model: nn.Module, mode: str = "inplace", *, activation_param: float 
 # ---- revert ---------------------------------------------------------------------------------
 
 
-def _activation_of_fused(module: ABN) -> _Activation:
-    return _Activation(module.activation, module.activation_param)
-
-
 def _plain_description(norm: nn.Module, act: nn.Module) -> str:
     return f"{type(norm).__name__} + {type(act).__name__}" if not isinstance(norm, BatchNormAct) else (
         f"BatchNormAct({type(norm.act).__name__})")
 
 
 def _revert_note(fused: ABN) -> str:
-    clamped = _clamped_channels(fused) if isinstance(fused, InPlaceABN) else 0
+    clamped = clamped_channels(fused) if isinstance(fused, InPlaceABN) else 0
     if clamped:
         return (f"{clamped} channel(s) with |weight| < {fused.weight_eps:g}: InPlaceABN used ±{fused.weight_eps:g}, "
                 "the plain norm uses the weight itself")
@@ -800,12 +447,9 @@ def _revert_note(fused: ABN) -> str:
 class _Reverter:
     def __init__(self, root: nn.Module) -> None:
         self.root = root
-        self.slots = _Slots(root)
+        self.slots = Slots(root)
         self.report = RevertReport()
         self.visited: set[int] = set()
-        from .models import resnet
-
-        self.resnet = resnet
 
     def run(self) -> RevertReport:
         if isinstance(self.root, ABN):
@@ -814,12 +458,12 @@ class _Reverter:
             return self.report
         self.visit(self.root, "")
         report = self.report
-        report.restored = _in_module_order(self.root, report.restored, lambda pair: pair.norm)
-        report.left_alone = _in_module_order(self.root, report.left_alone, lambda entry: entry.path)
+        report.restored = in_module_order(self.root, report.restored, lambda pair: pair.norm)
+        report.left_alone = in_module_order(self.root, report.left_alone, lambda entry: entry.path)
         return report
 
     def blocked(self, module: nn.Module, path: str) -> bool:
-        problem = _blocker(module, self.slots, "the module")
+        problem = replace_blocker(module, self.slots, "the module")
         if problem:
             self.report.left_alone.append(LeftAlone(path, problem))
         return bool(problem)
@@ -829,16 +473,16 @@ class _Reverter:
             return
         self.visited.add(id(parent))
         kept: set[str] = set()
-        if isinstance(parent, self.resnet._ResidualBlock):
+        if isinstance(parent, resnet._ResidualBlock):
             kept = self.resnet_block(parent, prefix)
         placeholders = {module.fused_into: name for name, module in parent._modules.items()
                         if isinstance(module, FusedActivation)}
         for name, child in list(parent._modules.items()):
             if child is None:
                 continue
-            path = _join(prefix, name)
+            path = join_path(prefix, name)
             if type(child) is MaxPool2d:  # same function; torch's pool exports everywhere
-                parent._modules[name] = _swap_pool(child, nn.MaxPool2d)
+                parent._modules[name] = swap_pool(child, nn.MaxPool2d)
                 continue
             if isinstance(child, ABN):
                 if name not in kept and not self.blocked(child, path):
@@ -847,26 +491,26 @@ class _Reverter:
             self.visit(child, path)
 
     def restore(self, parent, name, fused, path, placeholder_name, prefix) -> None:
-        activation = _activation_of_fused(fused)
+        activation = activation_of_fused(fused)
         note = _revert_note(fused)
         if placeholder_name is not None:
             placeholder = parent._modules[placeholder_name]
             # An unknown original class gives a BatchNormAct with an Identity
             # act: a rank-agnostic plain norm.
-            plain = _unfuse(fused)
-            act = _activation_module(activation, placeholder.inplace)
+            plain = unfuse_norm(fused)
+            act = activation_module(activation, placeholder.inplace)
             parent._modules[name] = plain
             parent._modules[placeholder_name] = act
-            self.report.restored.append(RestoredPair(path, _join(prefix, placeholder_name),
+            self.report.restored.append(RestoredPair(path, join_path(prefix, placeholder_name),
                                                      _plain_description(plain, act), note))
             return
         if activation.name == "identity" and getattr(fused, PLAIN_TYPE_ATTR, None) is not None:
             # A norm with nothing after it (a shortcut's): its own class again.
-            plain = _unfuse(fused)
+            plain = unfuse_norm(fused)
             parent._modules[name] = plain
             self.report.restored.append(RestoredPair(path, None, type(plain).__name__, note))
             return
-        plain = _unfuse(fused, act=_activation_module(activation, inplace=True))
+        plain = unfuse_norm(fused, act=activation_module(activation, inplace=True))
         parent._modules[name] = plain
         self.report.restored.append(RestoredPair(path, None, _plain_description(plain, plain.act), note))
 
@@ -876,26 +520,26 @@ class _Reverter:
         norms = {name: block._modules.get(name) for name in block._CHILDREN if name.startswith("bn")}
         if not any(isinstance(norm, ABN) for norm in norms.values()):
             return set()
-        activations = {_activation_of_fused(norm) for norm in norms.values() if isinstance(norm, ABN)}
+        activations = {activation_of_fused(norm) for norm in norms.values() if isinstance(norm, ABN)}
         problem = None
         if not all(isinstance(norm, ABN) for norm in norms.values()):
             problem = "only some of its norms are fused"
         elif len(activations) != 1:
             problem = "its norms use different activations, and the plain block has one relu module"
         else:
-            problem = next((_blocker(norm, self.slots, name) for name, norm in norms.items()
-                            if _blocker(norm, self.slots, name)), None)
+            problem = next((replace_blocker(norm, self.slots, name) for name, norm in norms.items()
+                            if replace_blocker(norm, self.slots, name)), None)
         if problem:
             for name, norm in norms.items():
                 if isinstance(norm, ABN):
-                    self.report.left_alone.append(LeftAlone(_join(path, name), f"in a block left alone: {problem}"))
+                    self.report.left_alone.append(LeftAlone(join_path(path, name), f"in a block left alone: {problem}"))
             return set(norms)
         (activation,) = activations
-        relu = _activation_module(activation, inplace=True)  # torchvision's blocks use an in-place ReLU
+        relu = activation_module(activation, inplace=True)  # torchvision's blocks use an in-place ReLU
         modules = dict(block._modules)
         for name, norm in norms.items():
-            modules[name] = _unfuse(norm, plain_type=nn.BatchNorm2d)
-            self.report.restored.append(RestoredPair(_join(path, name), _join(path, "relu"),
+            modules[name] = unfuse_norm(norm, plain_type=nn.BatchNorm2d)
+            self.report.restored.append(RestoredPair(join_path(path, name), join_path(path, "relu"),
                                                      f"BatchNorm2d + {type(relu).__name__}", _revert_note(norm)))
         modules["relu"] = relu
         block._set_children(modules)
