@@ -10,6 +10,12 @@ namespace schema {
 constexpr const char* kBatchStats =
     "batch_stats(Tensor input, int correction) -> (Tensor mean, Tensor var, Tensor count)";
 
+// Batch statistics, BatchNorm's running update and invstd in one call
+// (effilayers/ops/_batchnorm.py; common/batch_norm.h).
+constexpr const char* kNormalizingStatistics =
+    "normalizing_statistics(Tensor input, Tensor(a!)? running_mean, Tensor(b!)? running_var, "
+    "Tensor(c!)? num_batches_tracked, float momentum, bool cumulative, float eps) -> (Tensor mean, Tensor invstd)";
+
 constexpr const char* kAbnForward =
     "abn_forward(Tensor x, Tensor mean, Tensor invstd, Tensor? weight, Tensor? bias, Tensor? residual, "
     "str activation, float activation_param, float weight_eps) -> Tensor";

@@ -270,9 +270,17 @@ def dispatch(op_name: str, like: torch.Tensor) -> Callable:
     op's autograd node then refuses a double backward, where the plain
     kernel would be differentiated silently, or not at all.
     """
+    return eager(op_name, like) or getattr(torch.ops.effilayers, op_name).default
+
+
+def eager(op_name: str, like: torch.Tensor) -> Optional[Callable]:
+    """The kernel :func:`dispatch` would call directly, or None where it
+    would call the custom op (tracing, tensor subclasses, autograd
+    recording): for kernels that have no custom op, used only in eager mode."""
     if type(like) is torch.Tensor and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        return kernel(op_name, like.device)
-    return getattr(torch.ops.effilayers, op_name).default
+        resolved = _state.choices.get((op_name, like.device.type))
+        return resolved.kernel if resolved is not None and resolved.kernel is not None else kernel(op_name, like.device)
+    return None
 
 
 def define(name: str, schema: str, fake: Callable, *, device_arg: int = 0, mutates_args=(), tags=()):

@@ -59,22 +59,67 @@ def batch_statistics(parts: Sequence[torch.Tensor], group=None) -> tuple[torch.T
     return mean.to(acc), var.to(acc), int(total)
 
 
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # A no-op .to() still costs a call into torch per tensor, on the hot path.
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 @torch.no_grad()
 def update_running_stats(running_mean, running_var, num_batches_tracked, mean, var, count: int, momentum) -> None:
-    """BatchNorm's update: ``running = (1 - f) running + f batch`` with the
-    unbiased variance, ``f = momentum`` or ``1 / num_batches_tracked``."""
+    """BatchNorm's update, with its arithmetic: ``running = (1 - f) running +
+    f batch`` with the unbiased variance, ``f = momentum`` or
+    ``1 / num_batches_tracked``."""
     if num_batches_tracked is not None:
         num_batches_tracked.add_(1)
-    pairs = [(running, batch) for running, batch in ((running_mean, mean), (running_var, var)) if running is not None]
-    if not pairs:
+    if running_mean is None and running_var is None:
         return
     factor = (1.0 / float(num_batches_tracked)) if momentum is None else momentum
-    running = [running for running, _ in pairs]
-    # running_var gets the unbiased variance.
-    batch = [(b if r is not running_var else b * (count / (count - 1))).to(r.dtype) for r, b in pairs]
-    # BatchNorm's arithmetic, (1 - f) * running + f * batch, one call each for both buffers.
-    torch._foreach_mul_(running, 1 - factor)
-    torch._foreach_add_(running, batch, alpha=factor)
+    if running_mean is not None:
+        running_mean.mul_(1 - factor).add_(_as(mean, running_mean.dtype), alpha=factor)
+    if running_var is not None:
+        running_var.mul_(1 - factor).add_(_as(var * (count / (count - 1)), running_var.dtype), alpha=factor)
+
+
+def _too_few_values(parts: Sequence[torch.Tensor], where: str, group) -> ValueError:
+    first = parts[0]
+    size = (first.shape[0], sum(p.shape[1] for p in parts), *first.shape[2:])
+    # torch's wording, which effilayers-bench recognises.
+    return ValueError(f"{where}: expected more than 1 value per channel when training, got input size {size}"
+                      + (" across all ranks" if distributed(group) else ""))
+
+
+def _finish(mean, var, count: int, running_mean, running_var, num_batches_tracked, momentum, eps: float):
+    """The running update (none for an empty batch, as BatchNorm: only the
+    counter moves) and ``(mean, invstd)``."""
+    if count == 0:
+        if num_batches_tracked is not None:
+            num_batches_tracked.add_(1)
+    else:
+        update_running_stats(running_mean, running_var, num_batches_tracked, mean, var, count, momentum)
+    return mean, torch.rsqrt(var + eps)
+
+
+def _normalizing_statistics_reference(x, running_mean, running_var, num_batches_tracked, momentum: float,
+                                      cumulative: bool, eps: float):
+    mean, var, _ = channel_stats(x)
+    return _finish(mean, var, values_per_channel(x), running_mean, running_var, num_batches_tracked,
+                   None if cumulative else momentum, eps)
+
+
+# One compiled call for the common case, one tensor on one rank
+# (csrc/common/batch_norm.h); eager only, so it needs no custom op.
+registry.register(registry.OpKernels(name="normalizing_statistics", reference=_normalizing_statistics_reference,
+                                     cpp="normalizing_statistics", cuda="normalizing_statistics"))
+
+
+def fused_statistics(x, running_mean, running_var, num_batches_tracked, momentum, eps: float):
+    """``(mean, invstd)`` of ``x`` with the running update, in one compiled
+    call; None where only the composed path runs (tracing)."""
+    fused = registry.eager("normalizing_statistics", x)
+    if fused is None:
+        return None
+    return fused(x, running_mean, running_var, num_batches_tracked, 0.0 if momentum is None else momentum,
+                 momentum is None, eps)
 
 
 def normalizing_statistics(parts: Sequence[torch.Tensor], running_mean, running_var, num_batches_tracked,
@@ -89,22 +134,21 @@ def normalizing_statistics(parts: Sequence[torch.Tensor], running_mean, running_
         # Copies: a later training step updates the buffers in place before this backward runs.
         mean = running_mean.detach().to(acc, copy=True)
         return mean, torch.rsqrt(running_var.detach().to(acc) + eps), 0
+    if len(parts) == 1 and shared is None and not distributed(group):
+        count = values_per_channel(parts[0])
+        if count == 1:
+            raise _too_few_values(parts, where, group)
+        fused = fused_statistics(parts[0], running_mean, running_var, num_batches_tracked, momentum, eps)
+        if fused is not None:
+            return (*fused, count)
     if shared is not None:
         mean, var, count = shared[0].detach(), shared[1].detach(), values_per_channel(parts[0])
     else:
         mean, var, count = batch_statistics(parts, group)
-    if count == 0:  # an empty batch, as BatchNorm: nothing to normalise, statistics untouched
-        if num_batches_tracked is not None:
-            num_batches_tracked.add_(1)
-    elif count == 1:
-        first = parts[0]
-        size = (first.shape[0], sum(p.shape[1] for p in parts), *first.shape[2:])
-        # torch's wording, which effilayers-bench recognises.
-        raise ValueError(f"{where}: expected more than 1 value per channel when training, got input size {size}"
-                         + (" across all ranks" if distributed(group) else ""))
-    else:
-        update_running_stats(running_mean, running_var, num_batches_tracked, mean, var, count, momentum)
-    return mean, torch.rsqrt(var + eps), count
+    if count == 1:
+        raise _too_few_values(parts, where, group)
+    mean, invstd = _finish(mean, var, count, running_mean, running_var, num_batches_tracked, momentum, eps)
+    return mean, invstd, count
 
 
 def backward_passes(reduce: Callable, elemt: Callable, grad: torch.Tensor, saved: torch.Tensor, args: tuple,

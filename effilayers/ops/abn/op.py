@@ -82,8 +82,10 @@ class _ActivatedBatchNorm(torch.autograd.Function):
     output is what backward keeps, else ``x`` is."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, residual, running_mean, running_var, num_batches_tracked, use_batch_stats,
-                momentum, eps, activation, activation_param, weight_eps, group, inplace):
+    def forward(ctx, x, weight, bias, residual, running_mean, running_var, num_batches_tracked, settings):
+        # settings: (use_batch_stats, momentum, eps, activation, activation_param, weight_eps, group, inplace),
+        # one argument rather than eight (each argument costs apply() time).
+        use_batch_stats, momentum, eps, activation, activation_param, weight_eps, group, inplace = settings
         mean, invstd, count = _batchnorm.normalizing_statistics(
             (x,), running_mean, running_var, num_batches_tracked, use_batch_stats, momentum, eps,
             "inplace_abn" if inplace else "abn", group)
@@ -97,8 +99,7 @@ class _ActivatedBatchNorm(torch.autograd.Function):
         # Per-channel statistics go through save_for_backward too, so the
         # memory meter sees everything this layer keeps.
         ctx.save_for_backward(x, residual, weight, bias, mean, invstd)
-        ctx.count, ctx.use_batch_stats, ctx.group, ctx.inplace = count, use_batch_stats, group, inplace
-        ctx.activation, ctx.activation_param, ctx.weight_eps = activation, activation_param, weight_eps
+        ctx.count, ctx.settings = count, settings
         return output
 
     @staticmethod
@@ -110,20 +111,20 @@ class _ActivatedBatchNorm(torch.autograd.Function):
             grad_output = torch.empty_like(saved).copy_(grad_output)
         need_input, need_weight, need_bias, need_residual = ctx.needs_input_grad[:4]
         want_residual_grad = residual is not None and need_residual
-        args = (mean, invstd, weight, bias, residual, ctx.activation, ctx.activation_param, ctx.weight_eps,
-                ctx.inplace)
+        use_batch_stats, _, _, activation, activation_param, weight_eps, group, inplace = ctx.settings
+        args = (mean, invstd, weight, bias, residual, activation, activation_param, weight_eps, inplace)
         grad_input, grad_residual, sum_dy, sum_dy_xhat = _batchnorm.backward_passes(
             registry.dispatch("abn_backward_reduce", saved), registry.dispatch("abn_backward_elemt", saved),
-            grad_output, saved, args, ctx.count, need_sums=ctx.use_batch_stats or need_weight or need_bias,
-            need_elemt=need_input or want_residual_grad, want_residual_grad=want_residual_grad, group=ctx.group)
+            grad_output, saved, args, ctx.count, need_sums=use_batch_stats or need_weight or need_bias,
+            need_elemt=need_input or want_residual_grad, want_residual_grad=want_residual_grad, group=group)
         # Straight through the weight clamp: where |weight| < weight_eps the
         # clamp is flat, and its true derivative (zero) would freeze a weight
         # that starts or decays there (zero_init_residual) for good.
         return (grad_input if need_input else None,
-                sum_dy_xhat.to(weight.dtype) if need_weight else None,
-                sum_dy.to(bias.dtype) if need_bias else None,
+                _batchnorm._as(sum_dy_xhat, weight.dtype) if need_weight else None,
+                _batchnorm._as(sum_dy, bias.dtype) if need_bias else None,
                 grad_residual if want_residual_grad else None,
-                *([None] * 11))
+                None, None, None, None)
 
 
 def activated_batch_norm(x, weight, bias, residual, running_mean, running_var, num_batches_tracked,
@@ -132,8 +133,8 @@ def activated_batch_norm(x, weight, bias, residual, running_mean, running_var, n
     """The unchecked entry the modules call (they check their configuration
     once, when built, and the input on each call)."""
     return _ActivatedBatchNorm.apply(x, weight, bias, residual, running_mean, running_var, num_batches_tracked,
-                                     use_batch_stats, momentum, eps, activation, activation_param, weight_eps,
-                                     group, inplace)
+                                     (use_batch_stats, momentum, eps, activation, activation_param, weight_eps,
+                                      group, inplace))
 
 
 def abn(x, weight=None, bias=None, running_mean=None, running_var=None, training=True, momentum=0.1, eps=1e-5,

@@ -1,0 +1,59 @@
+// BatchNorm's normalising statistics in one call, for the bindings of both
+// libraries (torch headers: never included by a .cu file).
+//
+// One host round trip instead of a chain of small ops: a layer on a small
+// tensor spends its time on the host, and this is most of a BatchNorm
+// forward's host work. It matches effilayers/ops/_batchnorm.py's
+// normalizing_statistics for one tensor on one rank (the Python path serves
+// the rest, and torch.compile): the library's batch_stats kernel, then
+// BatchNorm's running update with its arithmetic, running = (1 - f) running +
+// f batch with the unbiased variance, then invstd = rsqrt(var + eps).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <optional>
+#include <tuple>
+
+namespace effilayers {
+
+inline void update_running_stats(const std::optional<at::Tensor>& running_mean,
+                                 const std::optional<at::Tensor>& running_var,
+                                 const std::optional<at::Tensor>& num_batches_tracked, const at::Tensor& mean,
+                                 const at::Tensor& var, int64_t count, double momentum, bool cumulative) {
+  if (num_batches_tracked) num_batches_tracked->add_(1);
+  if (!running_mean && !running_var) return;
+  // momentum=None: a cumulative average, needing the counter's value (a host
+  // read, as in torch's BatchNorm).
+  const double factor = cumulative ? 1.0 / num_batches_tracked->item<double>() : momentum;
+  if (running_mean) running_mean->mul_(1 - factor).add_(mean.to(running_mean->scalar_type()), factor);
+  if (running_var) {
+    const at::Tensor unbiased = var.mul(static_cast<double>(count) / static_cast<double>(count - 1));
+    running_var->mul_(1 - factor).add_(unbiased.to(running_var->scalar_type()), factor);
+  }
+}
+
+// `batch_stats(input) -> (mean, biased var, count)` is the calling library's kernel.
+template <typename BatchStats>
+std::tuple<at::Tensor, at::Tensor> normalizing_statistics(BatchStats&& batch_stats, const at::Tensor& input,
+                                                          const std::optional<at::Tensor>& running_mean,
+                                                          const std::optional<at::Tensor>& running_var,
+                                                          const std::optional<at::Tensor>& num_batches_tracked,
+                                                          double momentum, bool cumulative, double eps) {
+  TORCH_CHECK_VALUE(!cumulative || num_batches_tracked.has_value() || (!running_mean && !running_var),
+                    "normalizing_statistics: a cumulative average of running statistics needs num_batches_tracked");
+  auto [mean, var, count_tensor] = batch_stats(input);
+  const int64_t count = input.numel() / std::max<int64_t>(input.size(1), 1);
+  TORCH_CHECK_VALUE(count != 1, "expected more than 1 value per channel when training, got input size ",
+                    input.sizes());
+  if (count == 0) {  // an empty batch, as BatchNorm: nothing to normalise, statistics untouched
+    if (num_batches_tracked) num_batches_tracked->add_(1);
+  } else {
+    update_running_stats(running_mean, running_var, num_batches_tracked, mean, var, count, momentum, cumulative);
+  }
+  return {mean, var.add(eps).rsqrt_()};
+}
+
+}  // namespace effilayers
