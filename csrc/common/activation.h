@@ -23,33 +23,30 @@ namespace effilayers {
 enum class Activation : int { Identity = 0, LeakyRelu = 1, Elu = 2, Relu = 3 };
 
 // What the activations need of a lane type: a constant in every lane, and
-// the transcendental functions lane by lane. Explicit float and double
-// functions (expf, exp, ...), so a float lane is never computed as a double
-// or the other way round.
+// the transcendental functions lane by lane. This primary template is the
+// scalar float / double one; it calls the float functions (expf, ...) for
+// float, so a float lane is never computed in double or the other way round.
 template <typename T>
-struct Lane;
-
-template <>
-struct Lane<float> {
-  using Scalar = float;
+struct Lane {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>, "a float or double lane");
+  static constexpr bool kFloat = std::is_same_v<T, float>;
+  using Scalar = T;
   static constexpr int kWidth = 1;
-  static EFFILAYERS_HOST_DEVICE float splat(float v) { return v; }
-  static EFFILAYERS_HOST_DEVICE float exp(float v) { return ::expf(v); }
-  static EFFILAYERS_HOST_DEVICE float expm1(float v) { return ::expm1f(v); }
-  static EFFILAYERS_HOST_DEVICE float log1p(float v) { return ::log1pf(v); }
-  // torch.finfo(float32).eps (std::numeric_limits is host-only in CUDA).
-  static EFFILAYERS_HOST_DEVICE float epsilon() { return FLT_EPSILON; }
-};
-
-template <>
-struct Lane<double> {
-  using Scalar = double;
-  static constexpr int kWidth = 1;
-  static EFFILAYERS_HOST_DEVICE double splat(double v) { return v; }
-  static EFFILAYERS_HOST_DEVICE double exp(double v) { return ::exp(v); }
-  static EFFILAYERS_HOST_DEVICE double expm1(double v) { return ::expm1(v); }
-  static EFFILAYERS_HOST_DEVICE double log1p(double v) { return ::log1p(v); }
-  static EFFILAYERS_HOST_DEVICE double epsilon() { return DBL_EPSILON; }
+  static EFFILAYERS_HOST_DEVICE T splat(T v) { return v; }
+  static EFFILAYERS_HOST_DEVICE T exp(T v) {
+    if constexpr (kFloat) return ::expf(v);
+    else return ::exp(v);
+  }
+  static EFFILAYERS_HOST_DEVICE T expm1(T v) {
+    if constexpr (kFloat) return ::expm1f(v);
+    else return ::expm1(v);
+  }
+  static EFFILAYERS_HOST_DEVICE T log1p(T v) {
+    if constexpr (kFloat) return ::log1pf(v);
+    else return ::log1p(v);
+  }
+  // torch.finfo(T).eps (std::numeric_limits is host-only in CUDA).
+  static EFFILAYERS_HOST_DEVICE T epsilon() { return kFloat ? FLT_EPSILON : DBL_EPSILON; }
 };
 
 // act(y) (_activate).

@@ -120,18 +120,21 @@ cudaError_t fold(const StatsPlan& plan, const AbnChannels& ch, acc_t* folded, cu
   return cudaGetLastError();
 }
 
-// dy and x_hat of one element, from the saved output z or the saved input x
-// (_dy_and_xhat). r is the residual, 0 without one: subtracting or adding a
-// zero changes no comparison the activations make.
-template <Activation A, bool kFromOutput, typename acc_t>
-__device__ __forceinline__ void dy_and_xhat(acc_t g, acc_t saved, acc_t r, const ChannelValues<acc_t>& v,
-                                            acc_t param, acc_t& dy, acc_t& x_hat) {
+// dy and x_hat of element i, from the saved output z or the saved input x
+// (_dy_and_xhat). Without a residual r is 0: subtracting or adding a zero
+// changes no comparison the activations make.
+template <Activation A, bool kFromOutput, typename scalar_t, typename acc_t>
+__device__ __forceinline__ void dy_and_xhat(const scalar_t* grad, const scalar_t* saved, const scalar_t* residual,
+                                            int64_t i, const ChannelValues<acc_t>& v, acc_t param, acc_t& dy,
+                                            acc_t& x_hat) {
+  const acc_t g = load<scalar_t, acc_t>(grad + i), value = load<scalar_t, acc_t>(saved + i);
+  const acc_t r = residual != nullptr ? load<scalar_t, acc_t>(residual + i) : acc_t(0);
   if constexpr (kFromOutput) {
-    const acc_t y = invert<A>(saved, param);
+    const acc_t y = invert<A>(value, param);
     x_hat = (y - r - v.shift) * v.inv_scale;
-    dy = g * derivative_from_output<A>(saved, param);
+    dy = g * derivative_from_output<A>(value, param);
   } else {
-    x_hat = (saved - v.mean) * v.invstd;
+    x_hat = (value - v.mean) * v.invstd;
     const acc_t y = x_hat * v.scale + v.shift + r;
     dy = g * derivative<A>(y, param);
   }
@@ -199,10 +202,8 @@ __global__ void __launch_bounds__(kThreads)
   for (; i < w.numel; i += w.step, cursor.advance(w)) {
     const int64_t c = cursor.c;
     const ChannelValues<acc_t> v = load_channel<kFromOutput>(p, c);
-    const acc_t r = residual != nullptr ? load<scalar_t, acc_t>(residual + i) : acc_t(0);
     acc_t dy, x_hat;
-    dy_and_xhat<A, kFromOutput>(load<scalar_t, acc_t>(grad + i), load<scalar_t, acc_t>(saved + i), r, v, p.param,
-                                dy, x_hat);
+    dy_and_xhat<A, kFromOutput>(grad, saved, residual, i, v, p.param, dy, x_hat);
     grad_input[i] =
         to_scalar<scalar_t, acc_t>(__ldg(p.gain + c) * (dy - __ldg(mean_dy + c) - x_hat * __ldg(mean_dy_xhat + c)));
     if (grad_residual != nullptr) grad_residual[i] = to_scalar<scalar_t, acc_t>(dy);
@@ -245,10 +246,8 @@ __global__ void __launch_bounds__(kChunkThreads)
                                   const scalar_t* __restrict__ residual, StatsPlan plan, ChannelPtrs<acc_t> p,
                                   acc_t* __restrict__ part_dy, acc_t* __restrict__ part_dy_xhat) {
   const int64_t C = plan.channels, S = plan.spatial, plane_stride = C * S;
-  const int64_t task = blockIdx.x;
-  const int64_t c = task / plan.chunks, j = task % plan.chunks;
-  const PlaneChunk chunk = plane_chunk(plan, j);
-  const int64_t width = chunk.width;
+  const PlaneChunk chunk = plane_chunk(plan);
+  const int64_t c = chunk.c, width = chunk.width;
   const ChannelValues<acc_t> v = load_channel<kFromOutput>(p, c);
   Pair<acc_t> sum{};
   if (width > 0) {
@@ -260,10 +259,8 @@ __global__ void __launch_bounds__(kChunkThreads)
     int64_t offset = (chunk.plane0 * C + c) * S + chunk.s0 + plane * plane_stride + pos;
     const int64_t len = chunk.planes * width;
     for (int64_t e = threadIdx.x; e < len; e += kChunkThreads) {
-      const acc_t r = residual != nullptr ? load<scalar_t, acc_t>(residual + offset) : acc_t(0);
       acc_t dy, x_hat;
-      dy_and_xhat<A, kFromOutput>(load<scalar_t, acc_t>(grad + offset), load<scalar_t, acc_t>(saved + offset), r,
-                                  v, p.param, dy, x_hat);
+      dy_and_xhat<A, kFromOutput>(grad, saved, residual, offset, v, p.param, dy, x_hat);
       sum.dy += dy;
       sum.dy_xhat += dy * x_hat;
       pos += pos_step;
@@ -276,8 +273,8 @@ __global__ void __launch_bounds__(kChunkThreads)
   }
   sum = block_reduce<kChunkThreads>(sum, Add{});
   if (threadIdx.x == 0) {
-    part_dy[j * C + c] = sum.dy;
-    part_dy_xhat[j * C + c] = sum.dy_xhat;
+    part_dy[chunk.j * C + c] = sum.dy;
+    part_dy_xhat[chunk.j * C + c] = sum.dy_xhat;
   }
 }
 
@@ -287,26 +284,23 @@ __global__ void __launch_bounds__(kTileChannels* kTileRows)
                                  const scalar_t* __restrict__ residual, StatsPlan plan, ChannelPtrs<acc_t> p,
                                  acc_t* __restrict__ part_dy, acc_t* __restrict__ part_dy_xhat) {
   const int64_t C = plan.channels;
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * kTileChannels + threadIdx.x;
-  const int64_t j = blockIdx.y;
-  const RowChunk rows = row_chunk(plan, j);
+  const RowChunk rows = row_chunk(plan);
+  const int64_t c = rows.c;
   Pair<acc_t> sum{};
   if (c < C) {
     const ChannelValues<acc_t> v = load_channel<kFromOutput>(p, c);
     for (int64_t row = rows.first + threadIdx.y; row < rows.last; row += kTileRows) {
       const int64_t offset = row * C + c;
-      const acc_t r = residual != nullptr ? load<scalar_t, acc_t>(residual + offset) : acc_t(0);
       acc_t dy, x_hat;
-      dy_and_xhat<A, kFromOutput>(load<scalar_t, acc_t>(grad + offset), load<scalar_t, acc_t>(saved + offset), r,
-                                  v, p.param, dy, x_hat);
+      dy_and_xhat<A, kFromOutput>(grad, saved, residual, offset, v, p.param, dy, x_hat);
       sum.dy += dy;
       sum.dy_xhat += dy * x_hat;
     }
   }
   sum = column_reduce<kTileChannels, kTileRows>(sum, Add{});
   if (threadIdx.y == 0 && c < C) {
-    part_dy[j * C + c] = sum.dy;
-    part_dy_xhat[j * C + c] = sum.dy_xhat;
+    part_dy[rows.j * C + c] = sum.dy;
+    part_dy_xhat[rows.j * C + c] = sum.dy_xhat;
   }
 }
 

@@ -84,45 +84,44 @@ at::Tensor workspace_for(const cuda::StatsPlan& plan, const at::Tensor& x, bool 
                    x.options().dtype(accumulation_type(x.scalar_type())));
 }
 
-// x is readable in place (contiguous or dense channels-last); out has its
-// strides and may be x itself.
-void forward_into(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& invstd,
-                  const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
-                  const std::optional<at::Tensor>& residual_arg, const std::string& activation,
-                  double activation_param, double weight_eps, const at::Tensor& out, const char* op) {
-  const cuda::Activation act = parse_activation(activation, op);
-  const auto residual = matching(residual_arg, x, op, "residual");
-  const Channels ch = channels_for(x, mean, invstd, weight, bias, act, activation_param, weight_eps, op);
-  if (x.numel() == 0) return;
-  const cuda::StatsPlan plan = plan_for(x);
-  at::Tensor workspace = workspace_for(plan, x, /*reduce=*/false);
-  C10_CUDA_CHECK(cuda::abn_forward(x.const_data_ptr(), maybe_ptr(residual), out.mutable_data_ptr(), plan, ch.view,
-                                   workspace.mutable_data_ptr(), c10::cuda::getCurrentCUDAStream()));
-}
-
-at::Tensor abn_forward_cuda(const at::Tensor& x_arg, const at::Tensor& mean, const at::Tensor& invstd,
-                            const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
-                            const std::optional<at::Tensor>& residual, std::string activation,
-                            double activation_param, double weight_eps) {
-  const char* op = "abn_forward";
+// The forward of abn_forward (into a new tensor) and abn_forward_ (into
+// x_arg itself); returns the output. x_arg's strides no kernel walks
+// (neither contiguous nor dense channels-last) are computed on a copy.
+at::Tensor forward(const at::Tensor& x_arg, const at::Tensor& mean, const at::Tensor& invstd,
+                   const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                   const std::optional<at::Tensor>& residual_arg, const std::string& activation,
+                   double activation_param, double weight_eps, bool inplace, const char* op) {
   check_cuda_input(x_arg, op, "x");
   const c10::cuda::CUDAGuard guard(x_arg.device());
   const at::Tensor x = readable_batch(x_arg);
-  at::Tensor out = at::empty_like(x);
-  forward_into(x, mean, invstd, weight, bias, residual, activation, activation_param, weight_eps, out, op);
+  const at::Tensor out = inplace ? x : at::empty_like(x);
+  const cuda::Activation act = parse_activation(activation, op);
+  const auto residual = matching(residual_arg, x, op, "residual");
+  const Channels ch = channels_for(x, mean, invstd, weight, bias, act, activation_param, weight_eps, op);
+  if (x.numel() > 0) {
+    const cuda::StatsPlan plan = plan_for(x);
+    at::Tensor workspace = workspace_for(plan, x, /*reduce=*/false);
+    C10_CUDA_CHECK(cuda::abn_forward(x.const_data_ptr(), maybe_ptr(residual), out.mutable_data_ptr(), plan, ch.view,
+                                     workspace.mutable_data_ptr(), c10::cuda::getCurrentCUDAStream()));
+  }
+  if (inplace && !x.is_same(x_arg)) x_arg.copy_(x);
   return out;
+}
+
+at::Tensor abn_forward_cuda(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& invstd,
+                            const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                            const std::optional<at::Tensor>& residual, std::string activation,
+                            double activation_param, double weight_eps) {
+  return forward(x, mean, invstd, weight, bias, residual, activation, activation_param, weight_eps,
+                 /*inplace=*/false, "abn_forward");
 }
 
 void abn_forward_inplace_cuda(at::Tensor& x, const at::Tensor& mean, const at::Tensor& invstd,
                               const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                               const std::optional<at::Tensor>& residual, std::string activation,
                               double activation_param, double weight_eps) {
-  const char* op = "abn_forward_";
-  check_cuda_input(x, op, "x");
-  const c10::cuda::CUDAGuard guard(x.device());
-  const at::Tensor target = readable_batch(x);
-  forward_into(target, mean, invstd, weight, bias, residual, activation, activation_param, weight_eps, target, op);
-  if (!target.is_same(x)) x.copy_(target);  // strides no kernel walks: computed on a copy
+  forward(x, mean, invstd, weight, bias, residual, activation, activation_param, weight_eps, /*inplace=*/true,
+          "abn_forward_");
 }
 
 // What both backward ops start from, under the device guard of saved: the

@@ -122,29 +122,35 @@ __device__ V column_reduce(V v, Combine combine) {
 
 // ---- the chunks of a StatsPlan -----------------------------------------------------
 
-// What channels_first chunk j of a channel covers: `planes` planes from
-// plane0, and in each the `width` positions from s0.
+// What the block of a channels_first partial launch (one block per chunk
+// and channel) reduces: chunk j of channel c, which covers `planes` planes
+// from plane0, and in each the `width` positions from s0.
 struct PlaneChunk {
-  int64_t plane0, planes, s0, width;
+  int64_t c, j, plane0, planes, s0, width;
 };
 
-__device__ __forceinline__ PlaneChunk plane_chunk(const StatsPlan& plan, int64_t j) {
+__device__ __forceinline__ PlaneChunk plane_chunk(const StatsPlan& plan) {
+  const int64_t task = blockIdx.x;
+  const int64_t c = task / plan.chunks, j = task % plan.chunks;
   if (plan.pieces_per_plane > 0) {  // a plane holds several chunks
     const int64_t s0 = (j % plan.pieces_per_plane) * plan.piece_len;
-    return {j / plan.pieces_per_plane, 1, s0, min(plan.piece_len, plan.spatial - s0)};
+    return {c, j, j / plan.pieces_per_plane, 1, s0, min(plan.piece_len, plan.spatial - s0)};
   }
   const int64_t plane0 = j * plan.planes_per_chunk;  // a chunk holds several planes
-  return {plane0, min(plan.planes_per_chunk, plan.batch - plane0), 0, plan.spatial};
+  return {c, j, plane0, min(plan.planes_per_chunk, plan.batch - plane0), 0, plan.spatial};
 }
 
-// The rows [first, last) channels_last chunk j covers.
+// What the thread of a channels_last partial launch (grid: channel tiles x
+// chunks) reduces: channel c (possibly past the last one) over the rows
+// [first, last) of chunk j.
 struct RowChunk {
-  int64_t first, last;
+  int64_t c, j, first, last;
 };
 
-__device__ __forceinline__ RowChunk row_chunk(const StatsPlan& plan, int64_t j) {
-  const int64_t first = j * plan.rows_per_chunk;
-  return {first, min(first + plan.rows_per_chunk, plan.batch * plan.spatial)};
+__device__ __forceinline__ RowChunk row_chunk(const StatsPlan& plan) {
+  const int64_t j = blockIdx.y, first = j * plan.rows_per_chunk;
+  return {static_cast<int64_t>(blockIdx.x) * kTileChannels + threadIdx.x, j, first,
+          min(first + plan.rows_per_chunk, plan.batch * plan.spatial)};
 }
 
 // A merge block (kChunkThreads threads) combines load(j) over the chunks j

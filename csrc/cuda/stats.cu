@@ -34,9 +34,8 @@ __global__ void __launch_bounds__(kChunkThreads)
     partial_channels_first(const scalar_t* __restrict__ x, StatsPlan plan, acc_t* __restrict__ part_mean,
                            acc_t* __restrict__ part_m2, acc_t* __restrict__ part_count) {
   const int64_t C = plan.channels, S = plan.spatial;
-  const int64_t task = blockIdx.x;
-  const int64_t c = task / plan.chunks, j = task % plan.chunks;
-  const PlaneChunk chunk = plane_chunk(plan, j);
+  const PlaneChunk chunk = plane_chunk(plan);
+  const int64_t c = chunk.c, j = chunk.j;
   const scalar_t* base = x + (chunk.plane0 * C + c) * S + chunk.s0;
   // len <= kChunkElements fits 32 bits, so the index split is a 32-bit divide.
   const uint32_t len = static_cast<uint32_t>(chunk.planes * chunk.width), w = static_cast<uint32_t>(chunk.width);
@@ -58,9 +57,8 @@ __global__ void __launch_bounds__(kTileChannels* kTileRows)
     partial_channels_last(const scalar_t* __restrict__ x, StatsPlan plan, acc_t* __restrict__ part_mean,
                           acc_t* __restrict__ part_m2, acc_t* __restrict__ part_count) {
   const int64_t C = plan.channels;
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * kTileChannels + threadIdx.x;
-  const int64_t j = blockIdx.y;
-  const RowChunk rows = row_chunk(plan, j);
+  const RowChunk rows = row_chunk(plan);
+  const int64_t c = rows.c, j = rows.j;
   Moments<acc_t> m{};
   if (c < C) {
     for (int64_t r = rows.first + threadIdx.y; r < rows.last; r += kTileRows) {
