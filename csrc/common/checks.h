@@ -11,10 +11,20 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <type_traits>
 
 #include "common/activation.h"
 
 namespace effilayers {
+
+// The accumulation type of a kernel reading scalar_t (effilayers/_core/
+// dtypes.py's rule for one dtype): double for double, float otherwise.
+template <typename scalar_t>
+using accumulation_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+
+inline at::ScalarType accumulation_type(at::ScalarType dtype) {
+  return dtype == at::kDouble ? at::kDouble : at::kFloat;
+}
 
 inline void check_floating_input(const at::Tensor& input, const char* op) {
   const auto dtype = input.scalar_type();

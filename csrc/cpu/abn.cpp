@@ -24,136 +24,82 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <tuple>
 #include <type_traits>
 #include <vector>
 
+#include "common/activation.h"
 #include "common/checks.h"
 #include "common/schemas.h"
 #include "cpu/vec.h"
 
 namespace effilayers {
+
+// The element math (common/activation.h and the loops below) is written once
+// for a lane type T: the accumulation scalar (float/double) or its GCC vector
+// (Vec<acc_t>::type). Comparisons and `?:` work on both (element-wise
+// selects for vectors), so every loop below runs the same formulas whole
+// vectors at a time and finishes the tail one scalar at a time, without
+// depending on the auto-vectoriser (which leaves these selects and
+// reductions scalar). ELU's exp/log1p have no vector form here and run lane
+// by lane.
+template <typename acc_t>
+struct VecLane {
+  using V = typename Vec<acc_t>::type;
+  using Scalar = acc_t;
+  static constexpr int kWidth = Vec<acc_t>::kWidth;
+  static V splat(acc_t v) { return V{} + v; }
+  template <typename F>
+  static V per_lane(V v, F f) {
+    V out;
+    for (int l = 0; l < kWidth; ++l) out[l] = f(v[l]);
+    return out;
+  }
+  static V exp(V v) { return per_lane(v, [](acc_t x) { return Lane<acc_t>::exp(x); }); }
+  static V expm1(V v) { return per_lane(v, [](acc_t x) { return Lane<acc_t>::expm1(x); }); }
+  static V log1p(V v) { return per_lane(v, [](acc_t x) { return Lane<acc_t>::log1p(x); }); }
+  static acc_t epsilon() { return Lane<acc_t>::epsilon(); }
+};
+template <>
+struct Lane<Vec<float>::type> : VecLane<float> {};
+template <>
+struct Lane<Vec<double>::type> : VecLane<double> {};
+
 namespace {
 
 using Act = Activation;
 
-// The element math is written once for a lane type T: the accumulation
-// scalar (float/double) or its GCC vector (Vec<acc_t>::type). Comparisons
-// and `?:` work on both (element-wise selects for vectors), so every loop
-// below runs the same formulas whole vectors at a time and finishes the tail
-// one scalar at a time, without depending on the auto-vectoriser (which
-// leaves these selects and reductions scalar). ELU's exp/log1p have no
-// vector form here and run lane by lane.
-
 template <typename T>
-struct LaneOf {
-  using type = T;
-  static constexpr int kWidth = 1;
-};
-template <>
-struct LaneOf<Vec<float>::type> {
-  using type = float;
-  static constexpr int kWidth = Vec<float>::kWidth;
-};
-template <>
-struct LaneOf<Vec<double>::type> {
-  using type = double;
-  static constexpr int kWidth = Vec<double>::kWidth;
-};
-
-template <typename T>
-inline T splat(typename LaneOf<T>::type value) {
-  if constexpr (LaneOf<T>::kWidth == 1) {
-    return value;
-  } else {
-    return T{} + value;
-  }
-}
-
-// Per-lane application of a scalar function (for ELU's transcendental parts).
-template <typename T, typename F>
-inline T per_lane(T v, F f) {
-  if constexpr (LaneOf<T>::kWidth == 1) {
-    return f(v);
-  } else {
-    T out;
-    for (int l = 0; l < LaneOf<T>::kWidth; ++l) out[l] = f(v[l]);
-    return out;
-  }
-}
-
-template <Act A, typename T>
-inline T activate(T y, T param) {
-  const T zero = splat<T>(0);
-  if constexpr (A == Act::LeakyRelu) return y > zero ? y : y * param;
-  if constexpr (A == Act::Elu) {
-    const T negative = per_lane(y, [](auto v) { return std::expm1(v); }) * param;
-    return y > zero ? y : negative;
-  }
-  if constexpr (A == Act::Relu) return y > zero ? y : zero;
-  return y;
-}
-
-// d act / d y at pre-activation y.
-template <Act A, typename T>
-inline T derivative(T y, T param) {
-  const T zero = splat<T>(0), one = splat<T>(1);
-  if constexpr (A == Act::LeakyRelu) return y > zero ? one : param;
-  if constexpr (A == Act::Elu) {
-    const T negative = per_lane(y, [](auto v) { return std::exp(std::min(v, decltype(v)(0))); }) * param;
-    return y > zero ? one : negative;
-  }
-  if constexpr (A == Act::Relu) return y > zero ? one : zero;
-  return one;
-}
-
-// d act / d y written in terms of the output z.
-template <Act A, typename T>
-inline T derivative_from_output(T z, T param) {
-  if constexpr (A == Act::Elu) return z > splat<T>(0) ? splat<T>(1) : z + param;
-  return derivative<A, T>(z, param);  // depends only on the sign, shared by y and z
-}
-
-template <Act A, typename T>
-inline T invert(T z, T param) {
-  const T zero = splat<T>(0);
-  if constexpr (A == Act::LeakyRelu) return z > zero ? z : z / param;
-  if constexpr (A == Act::Elu) {
-    // Saturated outputs carry no information about y; keep x_hat finite.
-    using S = typename LaneOf<T>::type;
-    const T ratio = z / param;
-    const T negative = per_lane(ratio, [](S v) { return std::log1p(std::max(v, S(-1) + std::numeric_limits<S>::epsilon())); });
-    return z > zero ? z : negative;
-  }
-  return z;  // identity (relu is never inverted: the Python layer refuses it)
+inline T splat(typename Lane<T>::Scalar value) {
+  return Lane<T>::splat(value);
 }
 
 // Loads and stores between the tensor dtype and a lane of the accumulation type.
 template <typename T, typename scalar_t>
 inline T load_lane(const scalar_t* p) {
-  using S = typename LaneOf<T>::type;
-  if constexpr (LaneOf<T>::kWidth == 1) {
+  using S = typename Lane<T>::Scalar;
+  if constexpr (Lane<T>::kWidth == 1) {
     return static_cast<S>(*p);
   } else if constexpr (std::is_same_v<S, scalar_t>) {
     return Vec<S>::load(p);
   } else {
     T v;
-    for (int l = 0; l < LaneOf<T>::kWidth; ++l) v[l] = static_cast<S>(p[l]);
+    for (int l = 0; l < Lane<T>::kWidth; ++l) v[l] = static_cast<S>(p[l]);
     return v;
   }
 }
 
 template <typename T, typename scalar_t>
 inline void store_lane(scalar_t* p, T v) {
-  if constexpr (LaneOf<T>::kWidth == 1) {
+  if constexpr (Lane<T>::kWidth == 1) {
     *p = static_cast<scalar_t>(v);
-  } else if constexpr (std::is_same_v<typename LaneOf<T>::type, scalar_t>) {
+  } else if constexpr (std::is_same_v<typename Lane<T>::Scalar, scalar_t>) {
     std::memcpy(p, &v, sizeof(v));
   } else {
-    for (int l = 0; l < LaneOf<T>::kWidth; ++l) p[l] = static_cast<scalar_t>(v[l]);
+    for (int l = 0; l < Lane<T>::kWidth; ++l) p[l] = static_cast<scalar_t>(v[l]);
   }
 }
 
@@ -204,7 +150,7 @@ template <typename acc_t>
 Channel<acc_t> fold_channels(int64_t C, const at::Tensor& mean, const at::Tensor& invstd,
                              const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                              double weight_eps) {
-  const auto acc_type = std::is_same_v<acc_t, double> ? at::kDouble : at::kFloat;
+  const auto acc_type = c10::CppTypeToScalarType<acc_t>::value;
   const at::Tensor mean_acc = mean.to(acc_type).contiguous();
   const at::Tensor invstd_acc = invstd.to(acc_type).contiguous();
   Channel<acc_t> ch;
@@ -421,20 +367,6 @@ void elemt_kernel(const scalar_t* grad, const scalar_t* saved, const scalar_t* r
 
 // ---- dispatch helpers ----------------------------------------------------------
 
-template <typename F>
-void with_activation(Act act, F&& f) {
-  switch (act) {
-    case Act::Identity:
-      return f(std::integral_constant<Act, Act::Identity>{});
-    case Act::LeakyRelu:
-      return f(std::integral_constant<Act, Act::LeakyRelu>{});
-    case Act::Elu:
-      return f(std::integral_constant<Act, Act::Elu>{});
-    case Act::Relu:
-      return f(std::integral_constant<Act, Act::Relu>{});
-  }
-}
-
 // The activation and the source of x_hat are template parameters (they
 // change the arithmetic); whether a residual is read or its gradient written
 // is a runtime test per vector, uniform and predicted, which keeps the number
@@ -479,45 +411,48 @@ const scalar_t* maybe_ptr(const std::optional<at::Tensor>& t) {
 
 // ---- ops ----------------------------------------------------------------------------
 
-void forward_into(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& invstd,
-                  const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
-                  const std::optional<at::Tensor>& residual_arg, Act act, double param, double weight_eps,
-                  at::Tensor& out) {
-  const auto residual = matching(residual_arg, x, "abn_forward", "residual");
+// The forward of abn_forward (into a new tensor) and abn_forward_ (into
+// x_arg itself); returns the output. x_arg's strides no kernel walks
+// (neither contiguous nor dense channels-last) are computed on a copy.
+at::Tensor forward(const at::Tensor& x_arg, const at::Tensor& mean, const at::Tensor& invstd,
+                   const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                   const std::optional<at::Tensor>& residual_arg, const std::string& activation, double param,
+                   double weight_eps, bool inplace, const char* op) {
+  check_common(x_arg, mean, invstd, weight, bias, op);
+  const Act act = parse_activation(activation, op);
+  const at::Tensor x = readable_batch(x_arg);
+  const at::Tensor out = inplace ? x : at::empty_like(x);
+  const auto residual = matching(residual_arg, x, op, "residual");
   const Walk walk(batch_geometry(x));
-  if (x.numel() == 0) return;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "abn_forward_cpu", [&] {
-    using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-    const auto ch = fold_channels<acc_t>(walk.g.channels, mean, invstd, weight, bias, weight_eps);
-    with_activation(act, [&](auto a) {
-      forward_kernel<decltype(a)::value, scalar_t, acc_t>(x.const_data_ptr<scalar_t>(), maybe_ptr<scalar_t>(residual),
-                                                         out.mutable_data_ptr<scalar_t>(), walk, ch,
-                                                         static_cast<acc_t>(param));
+  if (x.numel() > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "abn_forward_cpu", [&] {
+      using acc_t = accumulation_t<scalar_t>;
+      const auto ch = fold_channels<acc_t>(walk.g.channels, mean, invstd, weight, bias, weight_eps);
+      with_activation(act, [&](auto a) {
+        forward_kernel<decltype(a)::value, scalar_t, acc_t>(x.const_data_ptr<scalar_t>(),
+                                                           maybe_ptr<scalar_t>(residual),
+                                                           out.mutable_data_ptr<scalar_t>(), walk, ch,
+                                                           static_cast<acc_t>(param));
+      });
     });
-  });
+  }
+  if (inplace && !x.is_same(x_arg)) x_arg.copy_(x);
+  return out;
 }
 
-at::Tensor abn_forward_cpu(const at::Tensor& x_arg, const at::Tensor& mean, const at::Tensor& invstd,
+at::Tensor abn_forward_cpu(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& invstd,
                            const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                            const std::optional<at::Tensor>& residual, std::string activation, double param,
                            double weight_eps) {
-  check_common(x_arg, mean, invstd, weight, bias, "abn_forward");
-  const Act act = parse_activation(activation, "abn_forward");
-  const at::Tensor x = readable_batch(x_arg);
-  at::Tensor out = at::empty_like(x);
-  forward_into(x, mean, invstd, weight, bias, residual, act, param, weight_eps, out);
-  return out;
+  return forward(x, mean, invstd, weight, bias, residual, activation, param, weight_eps, /*inplace=*/false,
+                 "abn_forward");
 }
 
 void abn_forward_inplace_cpu(at::Tensor& x, const at::Tensor& mean, const at::Tensor& invstd,
                              const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                              const std::optional<at::Tensor>& residual, std::string activation, double param,
                              double weight_eps) {
-  check_common(x, mean, invstd, weight, bias, "abn_forward_");
-  const Act act = parse_activation(activation, "abn_forward_");
-  at::Tensor readable = readable_batch(x);
-  forward_into(readable, mean, invstd, weight, bias, residual, act, param, weight_eps, readable);
-  if (!readable.is_same(x)) x.copy_(readable);  // strides no kernel walks: computed on a copy
+  forward(x, mean, invstd, weight, bias, residual, activation, param, weight_eps, /*inplace=*/true, "abn_forward_");
 }
 
 // What both backward kernels start from: checked arguments, the saved
@@ -551,11 +486,11 @@ std::tuple<at::Tensor, at::Tensor> abn_backward_reduce_cpu(
   const Walk& walk = in.walk;
   const Act act = in.act;
   const int64_t C = walk.g.channels;
-  const auto acc_type = saved.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const auto acc_type = accumulation_type(saved.scalar_type());
   std::vector<double> sum_dy(C, 0.0), sum_dy_xhat(C, 0.0);
   if (saved.numel() > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, saved.scalar_type(), "abn_backward_reduce_cpu", [&] {
-      using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+      using acc_t = accumulation_t<scalar_t>;
       const auto ch = fold_channels<acc_t>(C, mean, invstd, weight, bias, weight_eps);
       with_backward_variant(act, saved_is_output, [&](auto a, auto from_output) {
         reduce_kernel<decltype(a)::value, decltype(from_output)::value, scalar_t, acc_t>(
@@ -589,8 +524,8 @@ std::tuple<at::Tensor, at::Tensor> abn_backward_elemt_cpu(
   at::Tensor grad_residual = want_residual_grad ? at::empty_like(saved) : at::empty({0}, saved.options());
   if (saved.numel() > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, saved.scalar_type(), "abn_backward_elemt_cpu", [&] {
-      using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-      const auto acc_type = std::is_same_v<acc_t, double> ? at::kDouble : at::kFloat;
+      using acc_t = accumulation_t<scalar_t>;
+      const auto acc_type = accumulation_type(saved.scalar_type());
       const auto ch = fold_channels<acc_t>(C, mean, invstd, weight, bias, weight_eps);
       const at::Tensor mdy = mean_dy.to(acc_type).contiguous();
       const at::Tensor mdyx = mean_dy_xhat.to(acc_type).contiguous();

@@ -197,6 +197,57 @@ float read_scalar(const at::Tensor& t, const char* name) {
   return t.to(at::kFloat).item<float>();
 }
 
+// Checks the params and grads of a step (op names the op in the messages);
+// returns how many state elements they take, each parameter padded to a
+// multiple of `block`.
+int64_t check_params(at::TensorList params, at::TensorList grads, const char* op, bool allow_double, int64_t block) {
+  TORCH_CHECK_VALUE(!params.empty(), op, ": params must not be empty");
+  TORCH_CHECK_VALUE(params.size() == grads.size(), op, ": ", params.size(), " params but ", grads.size(), " grads");
+  const auto param_type = params[0].scalar_type();
+  TORCH_CHECK_TYPE(param_type == at::kHalf || param_type == at::kBFloat16 || param_type == at::kFloat ||
+                       (allow_double && param_type == at::kDouble),
+                   op, ": params must be ",
+                   allow_double ? "float16, bfloat16, float32 or float64" : "float16, bfloat16 or float32", ", got ",
+                   param_type);
+  int64_t total = 0;
+  for (size_t t = 0; t < params.size(); ++t) {
+    TORCH_CHECK_TYPE(params[t].scalar_type() == param_type && grads[t].scalar_type() == param_type, op, ": params[",
+                     t, "] / grads[", t, "] must all have dtype ", param_type);
+    TORCH_CHECK_VALUE(params[t].sizes() == grads[t].sizes(), op, ": grads[", t, "] has shape ", grads[t].sizes(),
+                      ", param ", params[t].sizes());
+    TORCH_CHECK_VALUE(params[t].is_non_overlapping_and_dense() && same_layout(params[t], grads[t]), op, ": params[",
+                      t, "] must be dense (contiguous or a permutation of it, like channels_last) and grads[", t,
+                      "] must have its strides");
+    TORCH_CHECK_VALUE(params[t].device().is_cpu() && grads[t].device().is_cpu(), op, ": params[", t, "] and grads[",
+                      t, "] must be on the CPU");
+    total += (params[t].numel() + block - 1) / block * block;
+  }
+  return total;
+}
+
+// The scalars of one step, formed in double and rounded once, as torch does
+// with its Python-float hyperparameters.
+template <typename acc_t>
+AdamFactors<acc_t> adam_factors(double lr, double beta1, double beta2, double eps, double weight_decay,
+                                bool decoupled_weight_decay, bool maximize, double step,
+                                const std::optional<at::Tensor>& grad_scale) {
+  AdamFactors<acc_t> f;
+  f.one_minus_beta1 = static_cast<acc_t>(1.0 - beta1);
+  f.beta2 = static_cast<acc_t>(beta2);
+  f.one_minus_beta2 = static_cast<acc_t>(1.0 - beta2);
+  f.eps = static_cast<acc_t>(eps);
+  f.weight_decay = static_cast<acc_t>(weight_decay);
+  f.decay_factor = static_cast<acc_t>(1.0 - lr * weight_decay);
+  f.step_size = static_cast<acc_t>(lr / (1.0 - std::pow(beta1, step)));
+  f.bias_correction2_sqrt = static_cast<acc_t>(std::sqrt(1.0 - std::pow(beta2, step)));
+  f.scaled = grad_scale.has_value();
+  f.grad_scale = f.scaled ? static_cast<acc_t>(read_scalar(*grad_scale, "grad_scale")) : acc_t(1);
+  f.maximize = maximize;
+  f.decoupled = decoupled_weight_decay;
+  f.has_weight_decay = weight_decay != 0.0;
+  return f;
+}
+
 template <typename param_t, typename state_t, typename acc_t>
 void adam_step_typed(at::TensorList params, at::TensorList grads, const at::Tensor& exp_avg,
                      const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& max_exp_avg_sq,
@@ -235,26 +286,8 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, const at::Tensor
                    const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf, double lr,
                    double beta1, double beta2, double eps, double weight_decay, bool decoupled_weight_decay,
                    bool maximize) {
-  TORCH_CHECK_VALUE(!params.empty(), "adam_step_: params must not be empty");
-  TORCH_CHECK_VALUE(params.size() == grads.size(), "adam_step_: ", params.size(), " params but ", grads.size(),
-                    " grads");
+  const int64_t total = check_params(params, grads, "adam_step_", /*allow_double=*/true, /*block=*/1);
   const auto param_type = params[0].scalar_type();
-  TORCH_CHECK_TYPE(param_type == at::kHalf || param_type == at::kBFloat16 || param_type == at::kFloat ||
-                       param_type == at::kDouble,
-                   "adam_step_: params must be float16, bfloat16, float32 or float64, got ", param_type);
-  int64_t total = 0;
-  for (size_t t = 0; t < params.size(); ++t) {
-    TORCH_CHECK_TYPE(params[t].scalar_type() == param_type && grads[t].scalar_type() == param_type,
-                     "adam_step_: params[", t, "] / grads[", t, "] must all have dtype ", param_type);
-    TORCH_CHECK_VALUE(params[t].sizes() == grads[t].sizes(), "adam_step_: grads[", t, "] has shape ",
-                      grads[t].sizes(), ", param ", params[t].sizes());
-    TORCH_CHECK_VALUE(params[t].is_non_overlapping_and_dense() && same_layout(params[t], grads[t]),
-                      "adam_step_: params[", t, "] must be dense (contiguous or a permutation of it, like "
-                      "channels_last) and grads[", t, "] must have its strides");
-    TORCH_CHECK_VALUE(params[t].device().is_cpu() && grads[t].device().is_cpu(), "adam_step_: params[", t,
-                      "] and grads[", t, "] must be on the CPU");
-    total += params[t].numel();
-  }
   const auto state_type = exp_avg.scalar_type();
   for (const at::Tensor* state : {&exp_avg, &exp_avg_sq, max_exp_avg_sq.has_value() ? &*max_exp_avg_sq : nullptr}) {
     if (state == nullptr) continue;
@@ -278,29 +311,12 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, const at::Tensor
   if (found_inf.has_value() && read_scalar(*found_inf, "found_inf") != 0.0f) return;
 
   const double step_value = read_scalar(step, "step");
-  const double bias_correction1 = 1.0 - std::pow(beta1, step_value);
-  const double bias_correction2 = 1.0 - std::pow(beta2, step_value);
-
   auto run = [&](auto acc_zero, auto param_zero, auto state_zero) {
     using acc_t = decltype(acc_zero);
     using param_t = decltype(param_zero);
     using state_t = decltype(state_zero);
-    AdamFactors<acc_t> f;
-    // Scalars are formed in double and rounded once, as torch does with its
-    // Python-float hyperparameters.
-    f.one_minus_beta1 = static_cast<acc_t>(1.0 - beta1);
-    f.beta2 = static_cast<acc_t>(beta2);
-    f.one_minus_beta2 = static_cast<acc_t>(1.0 - beta2);
-    f.eps = static_cast<acc_t>(eps);
-    f.weight_decay = static_cast<acc_t>(weight_decay);
-    f.decay_factor = static_cast<acc_t>(1.0 - lr * weight_decay);
-    f.step_size = static_cast<acc_t>(lr / bias_correction1);
-    f.bias_correction2_sqrt = static_cast<acc_t>(std::sqrt(bias_correction2));
-    f.scaled = grad_scale.has_value();
-    f.grad_scale = f.scaled ? static_cast<acc_t>(read_scalar(*grad_scale, "grad_scale")) : acc_t(1);
-    f.maximize = maximize;
-    f.decoupled = decoupled_weight_decay;
-    f.has_weight_decay = weight_decay != 0.0;
+    const auto f = adam_factors<acc_t>(lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay, maximize,
+                                       step_value, grad_scale);
     adam_step_typed<param_t, state_t, acc_t>(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, master, f);
   };
 
@@ -339,64 +355,62 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, const at::Tensor
 // separate multiply and add), so both give the same codes.
 
 constexpr int64_t kQuantBlock = 256;
-constexpr float kSignedLevels = 127.0f;
-constexpr float kUnsignedLevels = 255.0f;
 
-inline float decode_signed(int8_t q, float absmax) {
-  const float t = std::fabs(static_cast<float>(q)) / kSignedLevels;
-  const float magnitude = (t * t) * absmax;
-  return q < 0 ? -magnitude : magnitude;
-}
+// The two codes, by code type: int8_t for exp_avg, uint8_t for exp_avg_sq.
+template <typename code_t>
+constexpr bool kSignedCode = std::is_signed_v<code_t>;
+template <typename code_t>
+constexpr float kLevels = kSignedCode<code_t> ? 127.0f : 255.0f;
 
-inline float decode_unsigned(uint8_t q, float absmax) {
-  const float t = static_cast<float>(q) / kUnsignedLevels;
-  const float t2 = t * t;
-  return (t2 * t2) * absmax;
-}
-
-inline int8_t encode_signed(float x, float absmax) {
-  const float ratio = absmax > 0.0f ? std::fabs(x) / absmax : 0.0f;
-  const float q = std::min(std::floor(std::sqrt(ratio) * kSignedLevels + 0.5f), kSignedLevels);
-  return static_cast<int8_t>(x < 0.0f ? -q : q);
-}
-
-inline uint8_t encode_unsigned(float x, float absmax) {
-  const float ratio = absmax > 0.0f ? x / absmax : 0.0f;
-  float q = std::min(std::floor(std::sqrt(std::sqrt(ratio)) * kUnsignedLevels + 0.5f), kUnsignedLevels);
-  if (q == 0.0f && x > 0.0f) q = 1.0f;
-  return static_cast<uint8_t>(q);
-}
-
-void decode_block_signed(const int8_t* codes, float absmax, float* out, int64_t n) {
-  int64_t i = 0;
-#if defined(__AVX2__)
-  const __m256 levels = _mm256_set1_ps(kSignedLevels);
-  const __m256 scale = _mm256_set1_ps(absmax);
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  for (; i + 8 <= n; i += 8) {
-    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i));
-    const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
-    const __m256 t = _mm256_div_ps(_mm256_andnot_ps(sign, q), levels);
-    const __m256 magnitude = _mm256_mul_ps(_mm256_mul_ps(t, t), scale);
-    _mm256_storeu_ps(out + i, _mm256_or_ps(magnitude, _mm256_and_ps(sign, q)));
+template <typename code_t>
+inline float decode(code_t q, float absmax) {
+  if constexpr (kSignedCode<code_t>) {
+    const float t = std::fabs(static_cast<float>(q)) / kLevels<code_t>;
+    const float magnitude = (t * t) * absmax;
+    return q < 0 ? -magnitude : magnitude;
+  } else {
+    const float t = static_cast<float>(q) / kLevels<code_t>;
+    const float t2 = t * t;
+    return (t2 * t2) * absmax;
   }
-#endif
-  for (; i < n; ++i) out[i] = decode_signed(codes[i], absmax);
 }
 
-void decode_block_unsigned(const uint8_t* codes, float absmax, float* out, int64_t n) {
+template <typename code_t>
+inline code_t encode(float x, float absmax) {
+  constexpr bool kSigned = kSignedCode<code_t>;
+  const float ratio = absmax > 0.0f ? (kSigned ? std::fabs(x) : x) / absmax : 0.0f;
+  const float root = kSigned ? std::sqrt(ratio) : std::sqrt(std::sqrt(ratio));
+  float q = std::min(std::floor(root * kLevels<code_t> + 0.5f), kLevels<code_t>);
+  if constexpr (kSigned) {
+    return static_cast<code_t>(x < 0.0f ? -q : q);
+  } else {
+    if (q == 0.0f && x > 0.0f) q = 1.0f;
+    return static_cast<code_t>(q);
+  }
+}
+
+template <typename code_t>
+void decode_block(const code_t* codes, float absmax, float* out, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX2__)
-  const __m256 levels = _mm256_set1_ps(kUnsignedLevels);
+  const __m256 levels = _mm256_set1_ps(kLevels<code_t>);
   const __m256 scale = _mm256_set1_ps(absmax);
   for (; i + 8 <= n; i += 8) {
     const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i));
-    const __m256 t = _mm256_div_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)), levels);
-    const __m256 t2 = _mm256_mul_ps(t, t);
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(t2, t2), scale));
+    if constexpr (kSignedCode<code_t>) {
+      const __m256 sign = _mm256_set1_ps(-0.0f);
+      const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+      const __m256 t = _mm256_div_ps(_mm256_andnot_ps(sign, q), levels);
+      const __m256 magnitude = _mm256_mul_ps(_mm256_mul_ps(t, t), scale);
+      _mm256_storeu_ps(out + i, _mm256_or_ps(magnitude, _mm256_and_ps(sign, q)));
+    } else {
+      const __m256 t = _mm256_div_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)), levels);
+      const __m256 t2 = _mm256_mul_ps(t, t);
+      _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(t2, t2), scale));
+    }
   }
 #endif
-  for (; i < n; ++i) out[i] = decode_unsigned(codes[i], absmax);
+  for (; i < n; ++i) out[i] = decode(codes[i], absmax);
 }
 
 // Largest |x| of the block, or NaN when the block holds a NaN (as torch's
@@ -427,57 +441,41 @@ float block_absmax(const float* x, int64_t n) {
   return has_nan ? std::numeric_limits<float>::quiet_NaN() : result;
 }
 
-float encode_block_signed(const float* x, int8_t* codes, int64_t n) {
+// Encodes a block with its absmax, which it returns.
+template <typename code_t>
+float encode_block(const float* x, code_t* codes, int64_t n) {
+  constexpr bool kSigned = kSignedCode<code_t>;
   const float absmax = block_absmax(x, n);
   int64_t i = 0;
 #if defined(__AVX2__)
   if (absmax > 0.0f) {
-    const __m256 levels = _mm256_set1_ps(kSignedLevels);
+    const __m256 levels = _mm256_set1_ps(kLevels<code_t>);
     const __m256 scale = _mm256_set1_ps(absmax);
     const __m256 half = _mm256_set1_ps(0.5f);
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (; i + 8 <= n; i += 8) {
-      const __m256 value = _mm256_loadu_ps(x + i);
-      const __m256 ratio = _mm256_div_ps(_mm256_andnot_ps(sign, value), scale);
-      __m256 q = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(ratio), levels), half));
-      q = _mm256_min_ps(q, levels);
-      // -q where x < 0 (q == 0 stays 0 either way once converted)
-      q = _mm256_blendv_ps(q, _mm256_sub_ps(_mm256_setzero_ps(), q), _mm256_cmp_ps(value, _mm256_setzero_ps(),
-                                                                                     _CMP_LT_OQ));
-      const __m256i ints = _mm256_cvtps_epi32(q);
-      const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(ints), _mm256_extracti128_si256(ints, 1));
-      _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), _mm_packs_epi16(words, words));
-    }
-  }
-#endif
-  for (; i < n; ++i) codes[i] = encode_signed(x[i], absmax);
-  return absmax;
-}
-
-float encode_block_unsigned(const float* x, uint8_t* codes, int64_t n) {
-  const float absmax = block_absmax(x, n);
-  int64_t i = 0;
-#if defined(__AVX2__)
-  if (absmax > 0.0f) {
-    const __m256 levels = _mm256_set1_ps(kUnsignedLevels);
-    const __m256 scale = _mm256_set1_ps(absmax);
-    const __m256 half = _mm256_set1_ps(0.5f);
-    const __m256 one = _mm256_set1_ps(1.0f);
     const __m256 zero = _mm256_setzero_ps();
     for (; i + 8 <= n; i += 8) {
       const __m256 value = _mm256_loadu_ps(x + i);
-      const __m256 ratio = _mm256_div_ps(value, scale);
-      __m256 q = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(_mm256_sqrt_ps(ratio)), levels), half));
-      q = _mm256_min_ps(q, levels);
-      const __m256 lifted = _mm256_and_ps(_mm256_cmp_ps(q, zero, _CMP_EQ_OQ), _mm256_cmp_ps(value, zero, _CMP_GT_OQ));
-      q = _mm256_blendv_ps(q, one, lifted);
-      const __m256i ints = _mm256_cvtps_epi32(q);
-      const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(ints), _mm256_extracti128_si256(ints, 1));
-      _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), _mm_packus_epi16(words, words));
+      const __m256 ratio = _mm256_div_ps(kSigned ? _mm256_andnot_ps(_mm256_set1_ps(-0.0f), value) : value, scale);
+      const __m256 root = kSigned ? _mm256_sqrt_ps(ratio) : _mm256_sqrt_ps(_mm256_sqrt_ps(ratio));
+      __m256 q = _mm256_min_ps(_mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(root, levels), half)), levels);
+      if constexpr (kSigned) {
+        // -q where x < 0 (q == 0 stays 0 either way once converted)
+        q = _mm256_blendv_ps(q, _mm256_sub_ps(zero, q), _mm256_cmp_ps(value, zero, _CMP_LT_OQ));
+        const __m256i ints = _mm256_cvtps_epi32(q);
+        const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(ints), _mm256_extracti128_si256(ints, 1));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), _mm_packs_epi16(words, words));
+      } else {
+        // A non-zero value keeps code >= 1.
+        const __m256 lifted = _mm256_and_ps(_mm256_cmp_ps(q, zero, _CMP_EQ_OQ), _mm256_cmp_ps(value, zero, _CMP_GT_OQ));
+        q = _mm256_blendv_ps(q, _mm256_set1_ps(1.0f), lifted);
+        const __m256i ints = _mm256_cvtps_epi32(q);
+        const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(ints), _mm256_extracti128_si256(ints, 1));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), _mm_packus_epi16(words, words));
+      }
     }
   }
 #endif
-  for (; i < n; ++i) codes[i] = encode_unsigned(x[i], absmax);
+  for (; i < n; ++i) codes[i] = encode<code_t>(x[i], absmax);
   return absmax;
 }
 
@@ -514,18 +512,18 @@ void adam_step_8bit_typed(at::TensorList params, at::TensorList grads, const Qua
       const int64_t local = (block - first_block[t]) * kQuantBlock;  // first element of the block in param t
       const int64_t n = std::min(kQuantBlock, numel[t] - local);
       const int64_t base = block * kQuantBlock;                      // the block in the padded state layout
-      decode_block_signed(s.exp_avg + base, s.exp_avg_absmax[block], m, n);
-      decode_block_unsigned(s.exp_avg_sq + base, s.exp_avg_sq_absmax[block], v, n);
+      decode_block(s.exp_avg + base, s.exp_avg_absmax[block], m, n);
+      decode_block(s.exp_avg_sq + base, s.exp_avg_sq_absmax[block], v, n);
       if (s.max_exp_avg_sq != nullptr) {
-        decode_block_unsigned(s.max_exp_avg_sq + base, s.max_exp_avg_sq_absmax[block], v_max, n);
+        decode_block(s.max_exp_avg_sq + base, s.max_exp_avg_sq_absmax[block], v_max, n);
       }
       update_range<param_t, float, float>(param_data[t] + local, grad_data[t] + local,
                                           s.master != nullptr ? s.master + base : nullptr, m, v,
                                           s.max_exp_avg_sq != nullptr ? v_max : nullptr, n, f);
-      s.exp_avg_absmax[block] = encode_block_signed(m, s.exp_avg + base, n);
-      s.exp_avg_sq_absmax[block] = encode_block_unsigned(v, s.exp_avg_sq + base, n);
+      s.exp_avg_absmax[block] = encode_block(m, s.exp_avg + base, n);
+      s.exp_avg_sq_absmax[block] = encode_block(v, s.exp_avg_sq + base, n);
       if (s.max_exp_avg_sq != nullptr) {
-        s.max_exp_avg_sq_absmax[block] = encode_block_unsigned(v_max, s.max_exp_avg_sq + base, n);
+        s.max_exp_avg_sq_absmax[block] = encode_block(v_max, s.max_exp_avg_sq + base, n);
       }
     }
   });
@@ -551,24 +549,8 @@ void adam_step_8bit_cpu(at::TensorList params, at::TensorList grads, const at::T
                         const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf,
                         double lr, double beta1, double beta2, double eps, double weight_decay,
                         bool decoupled_weight_decay, bool maximize) {
-  TORCH_CHECK_VALUE(!params.empty(), "adam_step_8bit_: params must not be empty");
-  TORCH_CHECK_VALUE(params.size() == grads.size(), "adam_step_8bit_: ", params.size(), " params but ",
-                    grads.size(), " grads");
+  const int64_t total = check_params(params, grads, "adam_step_8bit_", /*allow_double=*/false, kQuantBlock);
   const auto param_type = params[0].scalar_type();
-  TORCH_CHECK_TYPE(param_type == at::kHalf || param_type == at::kBFloat16 || param_type == at::kFloat,
-                   "adam_step_8bit_: params must be float16, bfloat16 or float32, got ", param_type);
-  int64_t total = 0;
-  for (size_t t = 0; t < params.size(); ++t) {
-    TORCH_CHECK_TYPE(params[t].scalar_type() == param_type && grads[t].scalar_type() == param_type,
-                     "adam_step_8bit_: params[", t, "] / grads[", t, "] must all have dtype ", param_type);
-    TORCH_CHECK_VALUE(params[t].sizes() == grads[t].sizes(), "adam_step_8bit_: grads[", t, "] has shape ",
-                      grads[t].sizes(), ", param ", params[t].sizes());
-    TORCH_CHECK_VALUE(params[t].is_non_overlapping_and_dense() && same_layout(params[t], grads[t]) &&
-                          params[t].device().is_cpu() && grads[t].device().is_cpu(),
-                      "adam_step_8bit_: params[", t, "] must be a dense CPU tensor and grads[", t,
-                      "] must have its strides");
-    total += (params[t].numel() + kQuantBlock - 1) / kQuantBlock * kQuantBlock;
-  }
   check_codes(exp_avg, exp_avg_absmax, at::kChar, "exp_avg", total);
   check_codes(exp_avg_sq, exp_avg_sq_absmax, at::kByte, "exp_avg_sq", total);
   TORCH_CHECK_VALUE(max_exp_avg_sq.has_value() == max_exp_avg_sq_absmax.has_value(),
@@ -583,21 +565,8 @@ void adam_step_8bit_cpu(at::TensorList params, at::TensorList grads, const at::T
   }
   if (found_inf.has_value() && read_scalar(*found_inf, "found_inf") != 0.0f) return;
 
-  const double step_value = read_scalar(step, "step");
-  AdamFactors<float> f;
-  f.one_minus_beta1 = static_cast<float>(1.0 - beta1);
-  f.beta2 = static_cast<float>(beta2);
-  f.one_minus_beta2 = static_cast<float>(1.0 - beta2);
-  f.eps = static_cast<float>(eps);
-  f.weight_decay = static_cast<float>(weight_decay);
-  f.decay_factor = static_cast<float>(1.0 - lr * weight_decay);
-  f.step_size = static_cast<float>(lr / (1.0 - std::pow(beta1, step_value)));
-  f.bias_correction2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(beta2, step_value)));
-  f.scaled = grad_scale.has_value();
-  f.grad_scale = f.scaled ? read_scalar(*grad_scale, "grad_scale") : 1.0f;
-  f.maximize = maximize;
-  f.decoupled = decoupled_weight_decay;
-  f.has_weight_decay = weight_decay != 0.0;
+  const auto f = adam_factors<float>(lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay, maximize,
+                                     read_scalar(step, "step"), grad_scale);
   QuantizedStates s{exp_avg.data_ptr<int8_t>(),
                     exp_avg_absmax.data_ptr<float>(),
                     exp_avg_sq.data_ptr<uint8_t>(),

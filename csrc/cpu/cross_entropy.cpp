@@ -34,6 +34,7 @@
 #include <optional>
 #include <type_traits>
 
+#include "common/checks.h"
 #include "common/schemas.h"
 #include "cpu/vec.h"
 #include "cpu/vec_math.h"
@@ -169,7 +170,7 @@ at::Tensor cross_entropy_rows_cpu(const at::Tensor& logits, const at::Tensor& ta
   TORCH_CHECK_TYPE(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat || dtype == at::kDouble, op,
                    ": logits must be float16, bfloat16, float32 or float64, got ", dtype);
   TORCH_CHECK(logits.device().is_cpu(), op, " (cpu kernel): logits must be a CPU tensor, got ", logits.device());
-  const auto acc_type = dtype == at::kDouble ? at::kDouble : at::kFloat;
+  const auto acc_type = accumulation_type(dtype);
   const RowGeometry lg = geometry_of(logits);
   TORCH_CHECK_VALUE(target.scalar_type() == at::kLong && target.dim() == 1 && target.is_contiguous() &&
                         target.numel() == lg.rows,
@@ -193,7 +194,7 @@ at::Tensor cross_entropy_rows_cpu(const at::Tensor& logits, const at::Tensor& ta
   if (lg.rows == 0) return loss;
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "cross_entropy_rows_cpu", [&] {
-    using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    using acc_t = accumulation_t<scalar_t>;
     cross_entropy_rows_kernel<scalar_t, acc_t>(
         logits.const_data_ptr<scalar_t>(), lg, target.const_data_ptr<int64_t>(),
         weight.has_value() ? weight->const_data_ptr<acc_t>() : nullptr,

@@ -143,53 +143,6 @@ inline typename Vec<float>::type load8(const scalar_t* p) {
   return v;
 }
 
-// Sum (or sum of squares) of n contiguous fp16/bf16/float values straight
-// from memory: one pass, no block buffer. Four accumulators, as lane_sum.
-template <typename scalar_t, bool squares>
-float direct_sum(const scalar_t* x, int64_t n) {
-  using V = Vec<float>;
-  typename V::type a0 = {}, a1 = {}, a2 = {}, a3 = {};
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    auto v0 = load8(x + i), v1 = load8(x + i + 8), v2 = load8(x + i + 16), v3 = load8(x + i + 24);
-    if constexpr (squares) {
-      v0 *= v0;
-      v1 *= v1;
-      v2 *= v2;
-      v3 *= v3;
-    }
-    a0 += v0;
-    a1 += v1;
-    a2 += v2;
-    a3 += v3;
-  }
-  float total = V::sum((a0 + a1) + (a2 + a3));
-  for (; i < n; ++i) {
-    const float v = static_cast<float>(x[i]);
-    total += squares ? v * v : v;
-  }
-  return total;
-}
-
-template <typename acc_t>
-acc_t lane_sum_squares(const acc_t* x, int64_t n) {
-  using V = Vec<acc_t>;
-  constexpr int W = V::kWidth;
-  typename V::type a0 = {}, a1 = {}, a2 = {}, a3 = {};
-  int64_t i = 0;
-  for (; i + 4 * W <= n; i += 4 * W) {
-    const auto v0 = V::load(x + i), v1 = V::load(x + i + W);
-    const auto v2 = V::load(x + i + 2 * W), v3 = V::load(x + i + 3 * W);
-    a0 += v0 * v0;
-    a1 += v1 * v1;
-    a2 += v2 * v2;
-    a3 += v3 * v3;
-  }
-  acc_t total = V::sum((a0 + a1) + (a2 + a3));
-  for (; i < n; ++i) total += x[i] * x[i];
-  return total;
-}
-
 struct BlockResult {
   double a = 0;  // sum, sum of squares, or mean
   double b = 0;  // M2 (Moments only)
@@ -203,7 +156,7 @@ bool block_in_acc(Partial partial, const acc_t* x, int64_t n, BlockResult& out) 
     return std::isfinite(s);
   }
   if (partial == Partial::SumSq) {
-    const acc_t s = lane_sum_squares(x, n);
+    const acc_t s = lane_sum<true>(x, n);
     out.a = static_cast<double>(s);
     return std::isfinite(s);
   }
@@ -246,36 +199,32 @@ BlockResult reduce_buffer(Partial partial, acc_t* buffer, int64_t n) {
 
 // Combines block results of one output in order and writes the output.
 struct Accumulator {
-  double count = 0;
-  double a = 0;
-  double m2 = 0;
+  Moments moments;  // the count of values always; mean and M2 for Partial::Moments
+  double sum = 0;   // Partial::Sum / SumSq
 
   void add(Partial partial, double n, const BlockResult& r) {
-    if (partial != Partial::Moments) {
-      a += r.a;
-      count += n;
+    if (partial == Partial::Moments) {
+      moments.merge(n, r.a, r.b);
       return;
     }
-    const double total = count + n;
-    const double delta = r.a - a;
-    a += delta * (n / total);
-    m2 += r.b + delta * delta * (count * n / total);
-    count = total;
+    sum += r.a;
+    moments.count += n;
   }
 
   double finish(Kind kind, double correction) const {
+    const double count = moments.count;
     switch (kind) {
       case Kind::Sum:
-        return a;
+        return sum;
       case Kind::Mean:
-        return count > 0 ? a / count : std::numeric_limits<double>::quiet_NaN();
+        return count > 0 ? sum / count : std::numeric_limits<double>::quiet_NaN();
       case Kind::Norm:
-        return std::sqrt(a);
+        return std::sqrt(sum);
       default: {
         if (count == 0) return std::numeric_limits<double>::quiet_NaN();
         // torch divides by max(0, n - correction): M2 / 0 is inf, 0 / 0 nan.
         const double dof = std::max(0.0, count - correction);  // any real correction, as torch takes
-        const double var = m2 / dof;
+        const double var = moments.m2 / dof;
         return kind == Kind::Var ? var : std::sqrt(var);
       }
     }
@@ -323,8 +272,10 @@ void reduce_rows(const scalar_t* x, const Geometry& g, Partial partial, std::vec
         // One-pass kinds convert in registers; the rescue (and the two-pass
         // moments) work on the L1 buffer.
         if (rs == 1 && partial != Partial::Moments) {
-          const float total = partial == Partial::Sum ? direct_sum<scalar_t, false>(src, n)
-                                                      : direct_sum<scalar_t, true>(src, n);
+          // Straight from memory: one pass, no block buffer.
+          const auto load = [](const scalar_t* p) { return load8(p); };
+          const float total = partial == Partial::Sum ? lane_sum<false, float>(src, n, load)
+                                                      : lane_sum<true, float>(src, n, load);
           parts[task].a = total;
           if (std::isfinite(total)) continue;
         }
@@ -507,7 +458,7 @@ void reduce_cpu(const at::Tensor& x, const at::Tensor& out, const std::string& k
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "reduce_cpu", [&] {
     using in_t = scalar_t;
-    using acc_t = std::conditional_t<std::is_same_v<in_t, double>, double, float>;
+    using acc_t = accumulation_t<in_t>;
     const in_t* data = x.const_data_ptr<in_t>();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out_type, "reduce_cpu_out", [&] {
       reduce_kernel<in_t, acc_t, scalar_t>(data, g, kind, correction, out.mutable_data_ptr<scalar_t>());

@@ -220,48 +220,19 @@ struct Writer {
   }
 };
 
+// The dtype is one the op checked (floating), so the dispatch never fails.
 template <typename acc_t>
 Reader<acc_t> reader_for(at::ScalarType t) {
-  switch (t) {
-    case at::kHalf: return {&load_strided<c10::Half, acc_t>, &load_rows<c10::Half, acc_t>};
-    case at::kBFloat16: return {&load_strided<c10::BFloat16, acc_t>, &load_rows<c10::BFloat16, acc_t>};
-    case at::kFloat: return {&load_strided<float, acc_t>, &load_rows<float, acc_t>};
-    case at::kDouble: return {&load_strided<double, acc_t>, &load_rows<double, acc_t>};
-    default: TORCH_CHECK_TYPE(false, "softmax: unsupported dtype ", t);
-  }
+  return AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t, "softmax", [&]() -> Reader<acc_t> {
+    return {&load_strided<scalar_t, acc_t>, &load_rows<scalar_t, acc_t>};
+  });
 }
 
 template <typename acc_t>
 Writer<acc_t> writer_for(at::ScalarType t) {
-  switch (t) {
-    case at::kHalf: return {&store_strided<c10::Half, acc_t>, &store_rows<c10::Half, acc_t>};
-    case at::kBFloat16: return {&store_strided<c10::BFloat16, acc_t>, &store_rows<c10::BFloat16, acc_t>};
-    case at::kFloat: return {&store_strided<float, acc_t>, &store_rows<float, acc_t>};
-    case at::kDouble: return {&store_strided<double, acc_t>, &store_rows<double, acc_t>};
-    default: TORCH_CHECK_TYPE(false, "softmax: unsupported dtype ", t);
-  }
-}
-
-template <typename acc_t>
-Loader<acc_t> loader_for(at::ScalarType t) {
-  switch (t) {
-    case at::kHalf: return &load_strided<c10::Half, acc_t>;
-    case at::kBFloat16: return &load_strided<c10::BFloat16, acc_t>;
-    case at::kFloat: return &load_strided<float, acc_t>;
-    case at::kDouble: return &load_strided<double, acc_t>;
-    default: TORCH_CHECK_TYPE(false, "softmax: unsupported dtype ", t);
-  }
-}
-
-template <typename acc_t>
-Storer<acc_t> storer_for(at::ScalarType t) {
-  switch (t) {
-    case at::kHalf: return &store_strided<c10::Half, acc_t>;
-    case at::kBFloat16: return &store_strided<c10::BFloat16, acc_t>;
-    case at::kFloat: return &store_strided<float, acc_t>;
-    case at::kDouble: return &store_strided<double, acc_t>;
-    default: TORCH_CHECK_TYPE(false, "softmax: unsupported dtype ", t);
-  }
+  return AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t, "softmax", [&]() -> Writer<acc_t> {
+    return {&store_strided<scalar_t, acc_t>, &store_rows<scalar_t, acc_t>};
+  });
 }
 
 // ---------------------------------------------------------------- row math on a contiguous buffer
@@ -286,6 +257,21 @@ acc_t row_max(const acc_t* v, int64_t n) {
   return m;  // NaNs are skipped here; they reach the sum through exp
 }
 
+// The float vector body of a row sum: adds terms(k), the vector of the
+// terms at k..k+7, over whole pairs of vectors from k on (two accumulators
+// cover the add latency) and leaves k at the first term it did not add.
+template <typename Terms>
+float vector_sum(int64_t n, int64_t& k, Terms&& terms) {
+  using V = Vec<float>;
+  constexpr int W = V::kWidth;
+  V::type s0 = {}, s1 = {};
+  for (; k + 2 * W <= n; k += 2 * W) {
+    s0 += terms(k);
+    s1 += terms(k + W);
+  }
+  return V::sum(s0 + s1);
+}
+
 // dst[k] = exp(src[k] - shift) (dst may be src, or null to only sum);
 // returns the sum of the exponentials.
 template <typename acc_t>
@@ -293,21 +279,13 @@ acc_t exp_sum(const acc_t* src, acc_t* dst, int64_t n, acc_t shift) {
   acc_t total = 0;
   int64_t k = 0;
   if constexpr (std::is_same_v<acc_t, float>) {
-    using V = Vec<float>;
-    constexpr int W = V::kWidth;
-    V::type s0 = {}, s1 = {};
-    for (; k + 2 * W <= n; k += 2 * W) {
-      const auto e0 = exp_vec(V::load(src + k) - shift), e1 = exp_vec(V::load(src + k + W) - shift);
-      if (dst) {
-        __builtin_memcpy(dst + k, &e0, sizeof(e0));
-        __builtin_memcpy(dst + k + W, &e1, sizeof(e1));
-      }
-      s0 += e0;
-      s1 += e1;
-    }
-    total = V::sum(s0 + s1);
+    total = vector_sum(n, k, [&](int64_t i) {
+      const VecF e = exp_vec(Vec<float>::load(src + i) - shift);
+      if (dst) __builtin_memcpy(dst + i, &e, sizeof(e));
+      return e;
+    });
     for (; k < n; ++k) {  // the tail through the same exp as the body
-      V::type one = {};
+      VecF one = {};
       one[0] = src[k] - shift;
       const acc_t e = exp_vec(one)[0];
       if (dst) dst[k] = e;
@@ -357,14 +335,7 @@ acc_t softmax_grad_total(const acc_t* g, const acc_t* y, int64_t n, bool log) {
   acc_t dot = 0;
   int64_t k = 0;
   if constexpr (std::is_same_v<acc_t, float>) {
-    using V = Vec<float>;
-    constexpr int W = V::kWidth;
-    V::type d0 = {}, d1 = {};
-    for (; k + 2 * W <= n; k += 2 * W) {
-      d0 += V::load(g + k) * V::load(y + k);
-      d1 += V::load(g + k + W) * V::load(y + k + W);
-    }
-    dot = V::sum(d0 + d1);
+    dot = vector_sum(n, k, [&](int64_t i) { return Vec<float>::load(g + i) * Vec<float>::load(y + i); });
   }
   for (; k < n; ++k) dot += g[k] * y[k];
   return dot;
@@ -467,6 +438,20 @@ void softmax_grad_columns(const float* g, int64_t g_stride, const float* y, int6
       const VecF r = log ? (gv - exp_vec(yv) * total[j]) * scale : yv * (gv - total[j]) * scale;
       store8(out + k * out_stride + 8 * j, r);
     }
+  }
+}
+
+// The float column path's share of a work item of `rows` rows: when
+// `enabled`, its whole groups of 8 rows, run as columns(groups). Returns how
+// many rows that took; the rest go through a buffer.
+template <typename acc_t, typename Columns>
+int64_t column_rows(bool enabled, int64_t rows, Columns&& columns) {
+  if constexpr (std::is_same_v<acc_t, float>) {
+    const int64_t done = enabled ? rows - rows % 8 : 0;
+    if (done > 0) columns(static_cast<int>(done / 8));
+    return done;
+  } else {
+    return 0;
   }
 }
 
@@ -604,17 +589,10 @@ void softmax_forward_impl(const at::Tensor& x, const Groups& xg, at::Tensor& out
                   n, log);
       return;
     }
-    int64_t done = 0;
-    if constexpr (std::is_same_v<acc_t, float>) {
-      if (columns) {
-        done = rows - rows % 8;
-        if (done > 0) {
-          softmax_columns(x.const_data_ptr<float>() + o * xg.outer_stride + i0, xg.reduced_stride,
-                          out.mutable_data_ptr<float>() + o * og.outer_stride + i0, og.reduced_stride, n,
-                          static_cast<int>(done / 8), log);
-        }
-      }
-    }
+    const int64_t done = column_rows<acc_t>(columns, rows, [&](int groups) {
+      softmax_columns(x.const_data_ptr<float>() + o * xg.outer_stride + i0, xg.reduced_stride,
+                      out.mutable_data_ptr<float>() + o * og.outer_stride + i0, og.reduced_stride, n, groups, log);
+    });
     const int64_t left = rows - done, first = i0 + done;
     if (left == 0) return;
     const RowSet in{o * xg.outer_stride + first * xg.inner_stride, xg.reduced_stride, xg.inner_stride};
@@ -673,18 +651,12 @@ void softmax_backward_impl(const at::Tensor& grad, const Groups& gg, const at::T
                        out.mutable_data_ptr<acc_t>() + o * og.outer_stride, n, log, static_cast<acc_t>(scale));
       return;
     }
-    int64_t done = 0;
-    if constexpr (std::is_same_v<acc_t, float>) {
-      if (columns) {
-        done = rows - rows % 8;
-        if (done > 0) {
-          softmax_grad_columns(grad.const_data_ptr<float>() + o * gg.outer_stride + i0, gg.reduced_stride,
-                               y.const_data_ptr<float>() + o * yg.outer_stride + i0, yg.reduced_stride,
-                               out.mutable_data_ptr<float>() + o * og.outer_stride + i0, og.reduced_stride, n,
-                               static_cast<int>(done / 8), log, static_cast<float>(scale));
-        }
-      }
-    }
+    const int64_t done = column_rows<acc_t>(columns, rows, [&](int groups) {
+      softmax_grad_columns(grad.const_data_ptr<float>() + o * gg.outer_stride + i0, gg.reduced_stride,
+                           y.const_data_ptr<float>() + o * yg.outer_stride + i0, yg.reduced_stride,
+                           out.mutable_data_ptr<float>() + o * og.outer_stride + i0, og.reduced_stride, n, groups,
+                           log, static_cast<float>(scale));
+    });
     const int64_t left = rows - done, first = i0 + done;
     if (left == 0) return;
     acc_t* gbuf = scratch;
@@ -740,14 +712,14 @@ void scaled_masked_impl(const at::Tensor& x, const std::optional<at::Tensor>& ma
   const int64_t cols = x.size(nd - 1);
   const int64_t rows = x.numel() / cols;
   const int64_t causal_rows = nd >= 2 ? x.size(nd - 2) : 1;
-  const Loader<acc_t> load = loader_for<acc_t>(x.scalar_type());
-  const Storer<acc_t> store = storer_for<acc_t>(out.scalar_type());
+  const Loader<acc_t> load = reader_for<acc_t>(x.scalar_type()).row;
+  const Storer<acc_t> store = writer_for<acc_t>(out.scalar_type()).row;
   const void* xp = x.const_data_ptr();
   void* op = out.mutable_data_ptr();
   const bool bool_mask = mask.has_value() && mask->scalar_type() == at::kBool;
   const bool* mask_bool = bool_mask ? mask->const_data_ptr<bool>() : nullptr;
   const void* mask_data = mask.has_value() && !bool_mask ? mask->const_data_ptr() : nullptr;
-  const Loader<acc_t> load_mask = mask_data ? loader_for<acc_t>(mask->scalar_type()) : nullptr;
+  const Loader<acc_t> load_mask = mask_data ? reader_for<acc_t>(mask->scalar_type()).row : nullptr;
   const int64_t mask_col_stride = mask.has_value() ? mask_strides[nd - 1] : 0;
   constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
   const acc_t scale_acc = static_cast<acc_t>(scale);

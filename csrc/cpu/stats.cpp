@@ -53,22 +53,6 @@ void buffer_moments(const acc_t* x, int64_t n, acc_t& mean, acc_t& m2) {
   m2 = std::max(sum_d2 - sum_d * sum_d / static_cast<acc_t>(n), acc_t(0));
 }
 
-// Chan et al.'s combination of (count, mean, M2) summaries.
-struct Moments {
-  double count = 0;
-  double mean = 0;
-  double m2 = 0;
-
-  void merge(double other_count, double other_mean, double other_m2) {
-    if (other_count == 0) return;
-    const double total = count + other_count;
-    const double delta = other_mean - mean;
-    mean += delta * (other_count / total);
-    m2 += other_m2 + delta * delta * (count * other_count / total);
-    count = total;
-  }
-};
-
 template <typename acc_t>
 void finalize(const Moments& m, int64_t correction, acc_t* mean_out, acc_t* var_out) {
   if (m.count == 0) {  // empty batch: the neutral element of a merge
@@ -260,7 +244,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_stats_cpu(const at::Tensor&
               input_arg.device());
   const at::Tensor input = readable_batch(input_arg);
   const BatchGeometry g = batch_geometry(input);
-  const auto acc_type = input.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const auto acc_type = accumulation_type(input.scalar_type());
   at::Tensor mean = at::empty({g.channels}, input.options().dtype(acc_type));
   at::Tensor var = at::empty({g.channels}, input.options().dtype(acc_type));
   const int64_t count = g.batch * g.spatial;
@@ -268,7 +252,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_stats_cpu(const at::Tensor&
 
   if (g.channels > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "batch_stats_cpu", [&] {
-      using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+      using acc_t = accumulation_t<scalar_t>;
       const scalar_t* x = input.const_data_ptr<scalar_t>();
       acc_t* mean_ptr = mean.mutable_data_ptr<acc_t>();
       acc_t* var_ptr = var.mutable_data_ptr<acc_t>();

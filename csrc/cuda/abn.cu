@@ -21,100 +21,24 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cfloat>
 #include <cstdint>
 #include <type_traits>
 
 #include "abn.cuh"
+#include "common/activation.h"
 #include "elementwise.cuh"
+#include "reduce.cuh"
 
 namespace effilayers {
 namespace cuda {
 namespace {
 
-constexpr int kThreads = 256;  // 1-D kernels
-// channels_last reduce tiles, as in stats.cu: 32 consecutive channels per
-// warp (coalesced), 8 rows of threads.
-constexpr int kTileChannels = 32;
-constexpr int kTileRows = 8;
+constexpr int kThreads = 256;  // fold and element loops (the reduce uses the chunk shapes of reduce.cuh)
 // Grid of the element loops: about two resident waves. More blocks would
 // only repeat the per-thread channel division on fewer elements; fewer
 // would leave SMs idle.
 constexpr int kBlocksPerSm = 16;
 constexpr int64_t kMaxGridX = 0x7fffffff;
-
-
-// ---- scalar helpers --------------------------------------------------------------
-
-// Explicit float/double overloads: the reference computes in acc_t, so a
-// float must not be promoted to a double call (or vice versa).
-__device__ __forceinline__ float exp_(float v) { return expf(v); }
-__device__ __forceinline__ double exp_(double v) { return exp(v); }
-__device__ __forceinline__ float expm1_(float v) { return expm1f(v); }
-__device__ __forceinline__ double expm1_(double v) { return expm1(v); }
-__device__ __forceinline__ float log1p_(float v) { return log1pf(v); }
-__device__ __forceinline__ double log1p_(double v) { return log1p(v); }
-// torch.finfo(acc).eps; std::numeric_limits is host-only without
-// --expt-relaxed-constexpr.
-__device__ __forceinline__ float epsilon_of(float) { return FLT_EPSILON; }
-__device__ __forceinline__ double epsilon_of(double) { return DBL_EPSILON; }
-
-// ---- activations (_activate, _derivative, _derivative_from_output, _invert) ------
-
-template <Activation A, typename T>
-__device__ __forceinline__ T activate(T y, T param) {
-  if constexpr (A == Activation::LeakyRelu) {
-    return y > T(0) ? y : y * param;
-  } else if constexpr (A == Activation::Elu) {
-    return y > T(0) ? y : param * expm1_(y);
-  } else if constexpr (A == Activation::Relu) {
-    return y < T(0) ? T(0) : y;  // NaN passes through, as with clamp_min
-  } else {
-    return y;
-  }
-}
-
-// d act / d y at the pre-activation y.
-template <Activation A, typename T>
-__device__ __forceinline__ T derivative(T y, T param) {
-  if constexpr (A == Activation::LeakyRelu) {
-    return y > T(0) ? T(1) : param;
-  } else if constexpr (A == Activation::Elu) {
-    // The reference's clamp_max(0) is a no-op on this branch (y <= 0), and
-    // leaving it out keeps a NaN y NaN as it does there.
-    return y > T(0) ? T(1) : param * exp_(y);
-  } else if constexpr (A == Activation::Relu) {
-    return y > T(0) ? T(1) : T(0);
-  } else {
-    return T(1);
-  }
-}
-
-// d act / d y in terms of the output z = act(y).
-template <Activation A, typename T>
-__device__ __forceinline__ T derivative_from_output(T z, T param) {
-  if constexpr (A == Activation::Elu) {
-    return z > T(0) ? T(1) : z + param;
-  } else {
-    return derivative<A>(z, param);  // depends only on the sign, shared by y and z
-  }
-}
-
-template <Activation A, typename T>
-__device__ __forceinline__ T invert(T z, T param) {
-  if constexpr (A == Activation::LeakyRelu) {
-    return z > T(0) ? z : z / param;
-  } else if constexpr (A == Activation::Elu) {
-    // Saturated outputs (z == -alpha) carry no information about y; the
-    // clamp keeps x_hat finite there (their dy is zero anyway). Written so a
-    // NaN ratio stays NaN, as clamp_min leaves it.
-    const T lowest = T(-1) + epsilon_of(T(0));
-    const T ratio = z / param;
-    return z > T(0) ? z : log1p_(ratio < lowest ? lowest : ratio);
-  } else {
-    return z;  // identity; relu is not invertible and the reference passes z through
-  }
-}
 
 // ---- per-channel constants --------------------------------------------------------
 
@@ -176,40 +100,41 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Folds the per-channel constants into `folded` (the workspace's start) and
+// points p at them.
 template <typename acc_t>
-cudaError_t launch_fold(const StatsPlan& plan, const AbnChannels& ch, acc_t* folded, cudaStream_t stream) {
+cudaError_t fold(const StatsPlan& plan, const AbnChannels& ch, acc_t* folded, cudaStream_t stream,
+                 ChannelPtrs<acc_t>& p) {
   const int64_t C = plan.channels;
   const auto blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(C, kThreads), 1024));
   fold_channels<acc_t><<<blocks, kThreads, 0, stream>>>(
       C, static_cast<const acc_t*>(ch.invstd), static_cast<const acc_t*>(ch.weight),
       static_cast<const acc_t*>(ch.bias), ch.weight_eps > 0.0, static_cast<acc_t>(ch.weight_eps), folded);
+  p = {static_cast<const acc_t*>(ch.mean),
+       static_cast<const acc_t*>(ch.invstd),
+       folded,
+       folded + C,
+       folded + 2 * C,
+       folded + 3 * C,
+       static_cast<acc_t>(ch.activation_param)};
   return cudaGetLastError();
 }
 
-template <typename acc_t>
-ChannelPtrs<acc_t> channel_ptrs(const StatsPlan& plan, const AbnChannels& ch, const acc_t* folded) {
-  const int64_t C = plan.channels;
-  return {static_cast<const acc_t*>(ch.mean),
-          static_cast<const acc_t*>(ch.invstd),
-          folded,
-          folded + C,
-          folded + 2 * C,
-          folded + 3 * C,
-          static_cast<acc_t>(ch.activation_param)};
-}
-
-// dy and x_hat of one element, from the saved output z or the saved input x
-// (_dy_and_xhat). r is the residual, 0 without one: subtracting or adding a
-// zero changes no comparison the activations make.
-template <Activation A, bool kFromOutput, typename acc_t>
-__device__ __forceinline__ void dy_and_xhat(acc_t g, acc_t saved, acc_t r, const ChannelValues<acc_t>& v,
-                                            acc_t param, acc_t& dy, acc_t& x_hat) {
+// dy and x_hat of element i, from the saved output z or the saved input x
+// (_dy_and_xhat). Without a residual r is 0: subtracting or adding a zero
+// changes no comparison the activations make.
+template <Activation A, bool kFromOutput, typename scalar_t, typename acc_t>
+__device__ __forceinline__ void dy_and_xhat(const scalar_t* grad, const scalar_t* saved, const scalar_t* residual,
+                                            int64_t i, const ChannelValues<acc_t>& v, acc_t param, acc_t& dy,
+                                            acc_t& x_hat) {
+  const acc_t g = load<scalar_t, acc_t>(grad + i), value = load<scalar_t, acc_t>(saved + i);
+  const acc_t r = residual != nullptr ? load<scalar_t, acc_t>(residual + i) : acc_t(0);
   if constexpr (kFromOutput) {
-    const acc_t y = invert<A>(saved, param);
+    const acc_t y = invert<A>(value, param);
     x_hat = (y - r - v.shift) * v.inv_scale;
-    dy = g * derivative_from_output<A>(saved, param);
+    dy = g * derivative_from_output<A>(value, param);
   } else {
-    x_hat = (saved - v.mean) * v.invstd;
+    x_hat = (value - v.mean) * v.invstd;
     const acc_t y = x_hat * v.scale + v.shift + r;
     dy = g * derivative<A>(y, param);
   }
@@ -277,10 +202,8 @@ __global__ void __launch_bounds__(kThreads)
   for (; i < w.numel; i += w.step, cursor.advance(w)) {
     const int64_t c = cursor.c;
     const ChannelValues<acc_t> v = load_channel<kFromOutput>(p, c);
-    const acc_t r = residual != nullptr ? load<scalar_t, acc_t>(residual + i) : acc_t(0);
     acc_t dy, x_hat;
-    dy_and_xhat<A, kFromOutput>(load<scalar_t, acc_t>(grad + i), load<scalar_t, acc_t>(saved + i), r, v, p.param,
-                                dy, x_hat);
+    dy_and_xhat<A, kFromOutput>(grad, saved, residual, i, v, p.param, dy, x_hat);
     grad_input[i] =
         to_scalar<scalar_t, acc_t>(__ldg(p.gain + c) * (dy - __ldg(mean_dy + c) - x_hat * __ldg(mean_dy_xhat + c)));
     if (grad_residual != nullptr) grad_residual[i] = to_scalar<scalar_t, acc_t>(dy);
@@ -312,69 +235,32 @@ struct Pair {
   T dy, dy_xhat;
 };
 
-// Only lane 0 ends with the warp's total: __shfl_down_sync hands a lane
-// whose source is out of range its own value back.
 template <typename T>
-__device__ __forceinline__ Pair<T> warp_sum(Pair<T> v) {
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    v.dy += __shfl_down_sync(0xffffffffu, v.dy, offset);
-    v.dy_xhat += __shfl_down_sync(0xffffffffu, v.dy_xhat, offset);
-  }
-  return v;
-}
-
-// Sum across a 1-D block of kThreads threads, every thread taking part; the
-// result is valid in thread 0. Called once per kernel, so the shared array
-// needs no second barrier.
-template <typename T>
-__device__ Pair<T> block_sum(Pair<T> v) {
-  __shared__ Pair<T> per_warp[kThreads / 32];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  v = warp_sum(v);
-  if (lane == 0) per_warp[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    v = lane < kThreads / 32 ? per_warp[lane] : Pair<T>{T(0), T(0)};
-    v = warp_sum(v);
-  }
-  return v;
+__device__ __forceinline__ Pair<T> operator+(const Pair<T>& a, const Pair<T>& b) {
+  return {a.dy + b.dy, a.dy_xhat + b.dy_xhat};
 }
 
 template <Activation A, bool kFromOutput, typename scalar_t, typename acc_t>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kChunkThreads)
     reduce_partial_channels_first(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ saved,
                                   const scalar_t* __restrict__ residual, StatsPlan plan, ChannelPtrs<acc_t> p,
                                   acc_t* __restrict__ part_dy, acc_t* __restrict__ part_dy_xhat) {
   const int64_t C = plan.channels, S = plan.spatial, plane_stride = C * S;
-  const int64_t task = blockIdx.x;
-  const int64_t c = task / plan.chunks, j = task % plan.chunks;
-  int64_t plane0, planes, s0, width;
-  if (plan.pieces_per_plane > 0) {  // a plane holds several chunks
-    plane0 = j / plan.pieces_per_plane;
-    planes = 1;
-    s0 = (j % plan.pieces_per_plane) * plan.piece_len;
-    width = min(plan.piece_len, S - s0);
-  } else {  // a chunk holds several planes
-    plane0 = j * plan.planes_per_chunk;
-    planes = min(plan.planes_per_chunk, plan.batch - plane0);
-    s0 = 0;
-    width = S;
-  }
+  const PlaneChunk chunk = plane_chunk(plan);
+  const int64_t c = chunk.c, width = chunk.width;
   const ChannelValues<acc_t> v = load_channel<kFromOutput>(p, c);
-  Pair<acc_t> sum{acc_t(0), acc_t(0)};
+  Pair<acc_t> sum{};
   if (width > 0) {
     // Element e of the chunk is (plane e / width, position e % width); the
-    // thread steps e by kThreads, carrying like ChannelCursor, so the loop
-    // has no division.
-    const int64_t plane_step = kThreads / width, pos_step = kThreads - plane_step * width;
+    // thread steps e by kChunkThreads, carrying like ChannelCursor, so the
+    // loop has no division.
+    const int64_t plane_step = kChunkThreads / width, pos_step = kChunkThreads - plane_step * width;
     int64_t plane = threadIdx.x / width, pos = threadIdx.x - plane * width;
-    int64_t offset = (plane0 * C + c) * S + s0 + plane * plane_stride + pos;
-    const int64_t len = planes * width;
-    for (int64_t e = threadIdx.x; e < len; e += kThreads) {
-      const acc_t r = residual != nullptr ? load<scalar_t, acc_t>(residual + offset) : acc_t(0);
+    int64_t offset = (chunk.plane0 * C + c) * S + chunk.s0 + plane * plane_stride + pos;
+    const int64_t len = chunk.planes * width;
+    for (int64_t e = threadIdx.x; e < len; e += kChunkThreads) {
       acc_t dy, x_hat;
-      dy_and_xhat<A, kFromOutput>(load<scalar_t, acc_t>(grad + offset), load<scalar_t, acc_t>(saved + offset), r,
-                                  v, p.param, dy, x_hat);
+      dy_and_xhat<A, kFromOutput>(grad, saved, residual, offset, v, p.param, dy, x_hat);
       sum.dy += dy;
       sum.dy_xhat += dy * x_hat;
       pos += pos_step;
@@ -385,10 +271,10 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
   }
-  sum = block_sum(sum);
+  sum = block_reduce<kChunkThreads>(sum, Add{});
   if (threadIdx.x == 0) {
-    part_dy[j * C + c] = sum.dy;
-    part_dy_xhat[j * C + c] = sum.dy_xhat;
+    part_dy[chunk.j * C + c] = sum.dy;
+    part_dy_xhat[chunk.j * C + c] = sum.dy_xhat;
   }
 }
 
@@ -397,51 +283,38 @@ __global__ void __launch_bounds__(kTileChannels* kTileRows)
     reduce_partial_channels_last(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ saved,
                                  const scalar_t* __restrict__ residual, StatsPlan plan, ChannelPtrs<acc_t> p,
                                  acc_t* __restrict__ part_dy, acc_t* __restrict__ part_dy_xhat) {
-  const int64_t C = plan.channels, rows = plan.batch * plan.spatial;
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * kTileChannels + threadIdx.x;
-  const int64_t j = blockIdx.y;
-  const int64_t r0 = j * plan.rows_per_chunk;
-  const int64_t r1 = min(r0 + plan.rows_per_chunk, rows);
-  acc_t sum_dy = acc_t(0), sum_dy_xhat = acc_t(0);
+  const int64_t C = plan.channels;
+  const RowChunk rows = row_chunk(plan);
+  const int64_t c = rows.c;
+  Pair<acc_t> sum{};
   if (c < C) {
     const ChannelValues<acc_t> v = load_channel<kFromOutput>(p, c);
-    for (int64_t row = r0 + threadIdx.y; row < r1; row += kTileRows) {
+    for (int64_t row = rows.first + threadIdx.y; row < rows.last; row += kTileRows) {
       const int64_t offset = row * C + c;
-      const acc_t r = residual != nullptr ? load<scalar_t, acc_t>(residual + offset) : acc_t(0);
       acc_t dy, x_hat;
-      dy_and_xhat<A, kFromOutput>(load<scalar_t, acc_t>(grad + offset), load<scalar_t, acc_t>(saved + offset), r,
-                                  v, p.param, dy, x_hat);
-      sum_dy += dy;
-      sum_dy_xhat += dy * x_hat;
+      dy_and_xhat<A, kFromOutput>(grad, saved, residual, offset, v, p.param, dy, x_hat);
+      sum.dy += dy;
+      sum.dy_xhat += dy * x_hat;
     }
   }
-  // Add the kTileRows threads of each channel column in row order.
-  __shared__ acc_t tile_dy[kTileRows][kTileChannels];
-  __shared__ acc_t tile_dy_xhat[kTileRows][kTileChannels];
-  tile_dy[threadIdx.y][threadIdx.x] = sum_dy;
-  tile_dy_xhat[threadIdx.y][threadIdx.x] = sum_dy_xhat;
-  __syncthreads();
+  sum = column_reduce<kTileChannels, kTileRows>(sum, Add{});
   if (threadIdx.y == 0 && c < C) {
-    for (int row = 1; row < kTileRows; ++row) {
-      sum_dy += tile_dy[row][threadIdx.x];
-      sum_dy_xhat += tile_dy_xhat[row][threadIdx.x];
-    }
-    part_dy[j * C + c] = sum_dy;
-    part_dy_xhat[j * C + c] = sum_dy_xhat;
+    part_dy[rows.j * C + c] = sum.dy;
+    part_dy_xhat[rows.j * C + c] = sum.dy_xhat;
   }
 }
 
 template <typename acc_t>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kChunkThreads)
     reduce_merge(int64_t chunks, int64_t C, const acc_t* __restrict__ part_dy, const acc_t* __restrict__ part_dy_xhat,
                  acc_t* __restrict__ sum_dy, acc_t* __restrict__ sum_dy_xhat) {
   const int64_t c = blockIdx.x;
-  Pair<double> sum{0.0, 0.0};
-  for (int64_t j = threadIdx.x; j < chunks; j += kThreads) {
-    sum.dy += static_cast<double>(part_dy[j * C + c]);
-    sum.dy_xhat += static_cast<double>(part_dy_xhat[j * C + c]);
-  }
-  sum = block_sum(sum);
+  const Pair<double> sum = combine_chunks<Pair<double>>(
+      chunks,
+      [&](int64_t j) {
+        return Pair<double>{static_cast<double>(part_dy[j * C + c]), static_cast<double>(part_dy_xhat[j * C + c])};
+      },
+      Add{});
   if (threadIdx.x == 0) {
     sum_dy[c] = static_cast<acc_t>(sum.dy);
     sum_dy_xhat[c] = static_cast<acc_t>(sum.dy_xhat);
@@ -450,40 +323,24 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- dispatch ------------------------------------------------------------------------
 
-template <typename scalar_type, typename acc_type>
-struct Types {
-  using scalar_t = scalar_type;
-  using acc_t = acc_type;
-};
-
-template <typename F>
-cudaError_t with_types(DType dtype, F&& f) {
-  switch (dtype) {
-    case DType::Half:
-      return f(Types<__half, float>{});
-    case DType::BFloat16:
-      return f(Types<__nv_bfloat16, float>{});
-    case DType::Float:
-      return f(Types<float, float>{});
-    case DType::Double:
-      return f(Types<double, double>{});
-  }
-  return cudaErrorInvalidValue;
-}
-
-template <typename F>
-cudaError_t with_activation(Activation activation, F&& f) {
-  switch (activation) {
-    case Activation::Identity:
-      return f(std::integral_constant<Activation, Activation::Identity>{});
-    case Activation::LeakyRelu:
-      return f(std::integral_constant<Activation, Activation::LeakyRelu>{});
-    case Activation::Elu:
-      return f(std::integral_constant<Activation, Activation::Elu>{});
-    case Activation::Relu:
-      return f(std::integral_constant<Activation, Activation::Relu>{});
-  }
-  return cudaErrorInvalidValue;
+// The setup of the element loops (forward, backward_elemt): folds the
+// per-channel constants and plans the flat walk, then returns
+// launch(types, w, blocks, p) for the dtype's Types.
+template <typename Launch>
+cudaError_t with_element_loop(const StatsPlan& plan, const AbnChannels& channels, void* workspace,
+                              cudaStream_t stream, Launch&& launch) {
+  if (plan.batch * plan.channels * plan.spatial == 0) return cudaSuccess;
+  return with_types(channels.dtype, [&](auto types) {
+    using acc_t = typename decltype(types)::acc_t;
+    ChannelPtrs<acc_t> p;
+    cudaError_t err = fold<acc_t>(plan, channels, static_cast<acc_t*>(workspace), stream, p);
+    if (err != cudaSuccess) return err;
+    FlatWalk w;
+    unsigned blocks = 0;
+    err = plan_flat_walk(plan, w, blocks);
+    if (err != cudaSuccess) return err;
+    return launch(types, w, blocks, p);
+  });
 }
 
 template <typename F>
@@ -500,18 +357,10 @@ int64_t abn_workspace_elements(const StatsPlan& plan, bool reduce) {
 
 cudaError_t abn_forward(const void* x, const void* residual, void* out, const StatsPlan& plan,
                         const AbnChannels& channels, void* workspace, cudaStream_t stream) {
-  if (plan.batch * plan.channels * plan.spatial == 0) return cudaSuccess;
-  return with_types(channels.dtype, [&](auto types) {
+  return with_element_loop(plan, channels, workspace, stream, [&](auto types, const FlatWalk& w, unsigned blocks,
+                                                                  const auto& p) {
     using scalar_t = typename decltype(types)::scalar_t;
     using acc_t = typename decltype(types)::acc_t;
-    auto* folded = static_cast<acc_t*>(workspace);
-    cudaError_t err = launch_fold<acc_t>(plan, channels, folded, stream);
-    if (err != cudaSuccess) return err;
-    FlatWalk w;
-    unsigned blocks = 0;
-    err = plan_flat_walk(plan, w, blocks);
-    if (err != cudaSuccess) return err;
-    const ChannelPtrs<acc_t> p = channel_ptrs<acc_t>(plan, channels, folded);
     return with_activation(channels.activation, [&](auto act) {
       forward_kernel<decltype(act)::value, scalar_t, acc_t><<<blocks, kThreads, 0, stream>>>(
           static_cast<const scalar_t*>(x), static_cast<const scalar_t*>(residual), static_cast<scalar_t*>(out), w,
@@ -529,20 +378,16 @@ cudaError_t abn_backward_reduce(const void* grad, const void* saved, const void*
   return with_types(channels.dtype, [&](auto types) {
     using scalar_t = typename decltype(types)::scalar_t;
     using acc_t = typename decltype(types)::acc_t;
-    if (plan.batch * plan.spatial == 0) {  // empty batch: zero sums (all-zero bits)
-      cudaError_t err = cudaMemsetAsync(sum_dy, 0, C * sizeof(acc_t), stream);
-      if (err != cudaSuccess) return err;
-      return cudaMemsetAsync(sum_dy_xhat, 0, C * sizeof(acc_t), stream);
-    }
+    if (plan.batch * plan.spatial == 0) return zero_outputs(sum_dy, sum_dy_xhat, C * sizeof(acc_t), stream);
     // grid.x of the partial and merge launches: refuse rather than wrap.
     const int64_t partial_blocks = plan.channels_last ? ceil_div(C, kTileChannels) : C * plan.chunks;
     if (std::max(partial_blocks, C) > kMaxGridX) return cudaErrorInvalidConfiguration;
     auto* folded = static_cast<acc_t*>(workspace);
     acc_t* part_dy = folded + kFolded * C;
     acc_t* part_dy_xhat = part_dy + plan.chunks * C;
-    cudaError_t err = launch_fold<acc_t>(plan, channels, folded, stream);
+    ChannelPtrs<acc_t> p;
+    cudaError_t err = fold<acc_t>(plan, channels, folded, stream, p);
     if (err != cudaSuccess) return err;
-    const ChannelPtrs<acc_t> p = channel_ptrs<acc_t>(plan, channels, folded);
     const auto* g = static_cast<const scalar_t*>(grad);
     const auto* s = static_cast<const scalar_t*>(saved);
     const auto* r = static_cast<const scalar_t*>(residual);
@@ -558,14 +403,14 @@ cudaError_t abn_backward_reduce(const void* grad, const void* saved, const void*
               <<<grid, block, 0, stream>>>(g, s, r, plan, p, part_dy, part_dy_xhat);
         } else {
           reduce_partial_channels_first<A, kFromOutput, scalar_t, acc_t>
-              <<<static_cast<unsigned>(C * plan.chunks), kThreads, 0, stream>>>(g, s, r, plan, p, part_dy,
-                                                                               part_dy_xhat);
+              <<<static_cast<unsigned>(C * plan.chunks), kChunkThreads, 0, stream>>>(g, s, r, plan, p, part_dy,
+                                                                                    part_dy_xhat);
         }
         return cudaGetLastError();
       });
     });
     if (err != cudaSuccess) return err;
-    reduce_merge<acc_t><<<static_cast<unsigned>(C), kThreads, 0, stream>>>(
+    reduce_merge<acc_t><<<static_cast<unsigned>(C), kChunkThreads, 0, stream>>>(
         plan.chunks, C, part_dy, part_dy_xhat, static_cast<acc_t*>(sum_dy), static_cast<acc_t*>(sum_dy_xhat));
     return cudaGetLastError();
   });
@@ -575,18 +420,10 @@ cudaError_t abn_backward_elemt(const void* grad, const void* saved, const void* 
                                const StatsPlan& plan, const AbnChannels& channels, const void* mean_dy,
                                const void* mean_dy_xhat, void* grad_input, void* grad_residual, void* workspace,
                                cudaStream_t stream) {
-  if (plan.batch * plan.channels * plan.spatial == 0) return cudaSuccess;
-  return with_types(channels.dtype, [&](auto types) {
+  return with_element_loop(plan, channels, workspace, stream, [&](auto types, const FlatWalk& w, unsigned blocks,
+                                                                  const auto& p) {
     using scalar_t = typename decltype(types)::scalar_t;
     using acc_t = typename decltype(types)::acc_t;
-    auto* folded = static_cast<acc_t*>(workspace);
-    cudaError_t err = launch_fold<acc_t>(plan, channels, folded, stream);
-    if (err != cudaSuccess) return err;
-    FlatWalk w;
-    unsigned blocks = 0;
-    err = plan_flat_walk(plan, w, blocks);
-    if (err != cudaSuccess) return err;
-    const ChannelPtrs<acc_t> p = channel_ptrs<acc_t>(plan, channels, folded);
     return with_activation(channels.activation, [&](auto act) {
       return with_source(saved_is_output, [&](auto from_output) {
         elemt_kernel<decltype(act)::value, decltype(from_output)::value, scalar_t, acc_t>

@@ -30,8 +30,6 @@
 namespace effilayers {
 namespace {
 
-at::ScalarType acc_type_of(const at::Tensor& x) { return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
-
 void check_cuda_input(const at::Tensor& x, const char* op, const char* name) {
   check_batch_input(x, op);
   TORCH_CHECK(x.is_cuda(), op, " (cuda kernel): ", name, " must be a CUDA tensor, got ", x.device());
@@ -44,7 +42,7 @@ at::Tensor channel_vector(const at::Tensor& t, const at::Tensor& x, const char* 
                     t.sizes());
   TORCH_CHECK_VALUE(t.device() == x.device(), op, ": ", name, " is on ", t.device(), " but input is on ",
                     x.device());
-  return t.to(acc_type_of(x)).contiguous();
+  return t.to(accumulation_type(x.scalar_type())).contiguous();
 }
 
 const void* maybe_ptr(const std::optional<at::Tensor>& t) { return t.has_value() ? t->const_data_ptr() : nullptr; }
@@ -83,48 +81,70 @@ cuda::StatsPlan plan_for(const at::Tensor& x) {
 
 at::Tensor workspace_for(const cuda::StatsPlan& plan, const at::Tensor& x, bool reduce) {
   return at::empty({std::max<int64_t>(1, cuda::abn_workspace_elements(plan, reduce))},
-                   x.options().dtype(acc_type_of(x)));
+                   x.options().dtype(accumulation_type(x.scalar_type())));
 }
 
-// x is readable in place (contiguous or dense channels-last); out has its
-// strides and may be x itself.
-void forward_into(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& invstd,
-                  const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
-                  const std::optional<at::Tensor>& residual_arg, const std::string& activation,
-                  double activation_param, double weight_eps, const at::Tensor& out, const char* op) {
-  const cuda::Activation act = parse_activation(activation, op);
-  const auto residual = matching(residual_arg, x, op, "residual");
-  const Channels ch = channels_for(x, mean, invstd, weight, bias, act, activation_param, weight_eps, op);
-  if (x.numel() == 0) return;
-  const cuda::StatsPlan plan = plan_for(x);
-  at::Tensor workspace = workspace_for(plan, x, /*reduce=*/false);
-  C10_CUDA_CHECK(cuda::abn_forward(x.const_data_ptr(), maybe_ptr(residual), out.mutable_data_ptr(), plan, ch.view,
-                                   workspace.mutable_data_ptr(), c10::cuda::getCurrentCUDAStream()));
-}
-
-at::Tensor abn_forward_cuda(const at::Tensor& x_arg, const at::Tensor& mean, const at::Tensor& invstd,
-                            const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
-                            const std::optional<at::Tensor>& residual, std::string activation,
-                            double activation_param, double weight_eps) {
-  const char* op = "abn_forward";
+// The forward of abn_forward (into a new tensor) and abn_forward_ (into
+// x_arg itself); returns the output. x_arg's strides no kernel walks
+// (neither contiguous nor dense channels-last) are computed on a copy.
+at::Tensor forward(const at::Tensor& x_arg, const at::Tensor& mean, const at::Tensor& invstd,
+                   const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                   const std::optional<at::Tensor>& residual_arg, const std::string& activation,
+                   double activation_param, double weight_eps, bool inplace, const char* op) {
   check_cuda_input(x_arg, op, "x");
   const c10::cuda::CUDAGuard guard(x_arg.device());
   const at::Tensor x = readable_batch(x_arg);
-  at::Tensor out = at::empty_like(x);
-  forward_into(x, mean, invstd, weight, bias, residual, activation, activation_param, weight_eps, out, op);
+  const at::Tensor out = inplace ? x : at::empty_like(x);
+  const cuda::Activation act = parse_activation(activation, op);
+  const auto residual = matching(residual_arg, x, op, "residual");
+  const Channels ch = channels_for(x, mean, invstd, weight, bias, act, activation_param, weight_eps, op);
+  if (x.numel() > 0) {
+    const cuda::StatsPlan plan = plan_for(x);
+    at::Tensor workspace = workspace_for(plan, x, /*reduce=*/false);
+    C10_CUDA_CHECK(cuda::abn_forward(x.const_data_ptr(), maybe_ptr(residual), out.mutable_data_ptr(), plan, ch.view,
+                                     workspace.mutable_data_ptr(), c10::cuda::getCurrentCUDAStream()));
+  }
+  if (inplace && !x.is_same(x_arg)) x_arg.copy_(x);
   return out;
+}
+
+at::Tensor abn_forward_cuda(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& invstd,
+                            const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                            const std::optional<at::Tensor>& residual, std::string activation,
+                            double activation_param, double weight_eps) {
+  return forward(x, mean, invstd, weight, bias, residual, activation, activation_param, weight_eps,
+                 /*inplace=*/false, "abn_forward");
 }
 
 void abn_forward_inplace_cuda(at::Tensor& x, const at::Tensor& mean, const at::Tensor& invstd,
                               const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                               const std::optional<at::Tensor>& residual, std::string activation,
                               double activation_param, double weight_eps) {
-  const char* op = "abn_forward_";
-  check_cuda_input(x, op, "x");
-  const c10::cuda::CUDAGuard guard(x.device());
-  const at::Tensor target = readable_batch(x);
-  forward_into(target, mean, invstd, weight, bias, residual, activation, activation_param, weight_eps, target, op);
-  if (!target.is_same(x)) x.copy_(target);  // strides no kernel walks: computed on a copy
+  forward(x, mean, invstd, weight, bias, residual, activation, activation_param, weight_eps, /*inplace=*/true,
+          "abn_forward_");
+}
+
+// What both backward ops start from, under the device guard of saved: the
+// saved tensor in a layout the kernels walk, grad and residual with its
+// strides, and the per-channel inputs.
+struct BackwardInputs {
+  at::Tensor saved, grad;
+  std::optional<at::Tensor> residual;
+  Channels ch;
+};
+
+BackwardInputs backward_inputs(const at::Tensor& grad_arg, const at::Tensor& saved_arg, const at::Tensor& mean,
+                               const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
+                               const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual_arg,
+                               const std::string& activation, double activation_param, double weight_eps,
+                               const char* op) {
+  const cuda::Activation act = parse_activation(activation, op);
+  BackwardInputs in;
+  in.saved = readable_batch(saved_arg);
+  in.grad = matching(grad_arg, in.saved, op, "grad");
+  in.residual = matching(residual_arg, in.saved, op, "residual");
+  in.ch = channels_for(in.saved, mean, invstd, weight, bias, act, activation_param, weight_eps, op);
+  return in;
 }
 
 std::tuple<at::Tensor, at::Tensor> abn_backward_reduce_cuda(
@@ -135,20 +155,17 @@ std::tuple<at::Tensor, at::Tensor> abn_backward_reduce_cuda(
   const char* op = "abn_backward_reduce";
   check_cuda_input(saved_arg, op, "saved");
   const c10::cuda::CUDAGuard guard(saved_arg.device());
-  const cuda::Activation act = parse_activation(activation, op);
-  const at::Tensor saved = readable_batch(saved_arg);
-  const at::Tensor grad = matching(grad_arg, saved, op, "grad");
-  const auto residual = matching(residual_arg, saved, op, "residual");
-  const Channels ch = channels_for(saved, mean, invstd, weight, bias, act, activation_param, weight_eps, op);
-  const cuda::StatsPlan plan = plan_for(saved);
-  const auto acc_options = saved.options().dtype(acc_type_of(saved));
+  const BackwardInputs in = backward_inputs(grad_arg, saved_arg, mean, invstd, weight, bias, residual_arg, activation,
+                                            activation_param, weight_eps, op);
+  const cuda::StatsPlan plan = plan_for(in.saved);
+  const auto acc_options = in.saved.options().dtype(accumulation_type(in.saved.scalar_type()));
   at::Tensor sum_dy = at::empty({plan.channels}, acc_options);
   at::Tensor sum_dy_xhat = at::empty({plan.channels}, acc_options);
-  at::Tensor workspace = workspace_for(plan, saved, /*reduce=*/true);
-  C10_CUDA_CHECK(cuda::abn_backward_reduce(grad.const_data_ptr(), saved.const_data_ptr(), maybe_ptr(residual),
-                                           saved_is_output, plan, ch.view, sum_dy.mutable_data_ptr(),
-                                           sum_dy_xhat.mutable_data_ptr(), workspace.mutable_data_ptr(),
-                                           c10::cuda::getCurrentCUDAStream()));
+  at::Tensor workspace = workspace_for(plan, in.saved, /*reduce=*/true);
+  C10_CUDA_CHECK(cuda::abn_backward_reduce(in.grad.const_data_ptr(), in.saved.const_data_ptr(),
+                                           maybe_ptr(in.residual), saved_is_output, plan, in.ch.view,
+                                           sum_dy.mutable_data_ptr(), sum_dy_xhat.mutable_data_ptr(),
+                                           workspace.mutable_data_ptr(), c10::cuda::getCurrentCUDAStream()));
   return {sum_dy, sum_dy_xhat};
 }
 
@@ -161,21 +178,18 @@ std::tuple<at::Tensor, at::Tensor> abn_backward_elemt_cuda(
   const char* op = "abn_backward_elemt";
   check_cuda_input(saved_arg, op, "saved");
   const c10::cuda::CUDAGuard guard(saved_arg.device());
-  const cuda::Activation act = parse_activation(activation, op);
-  const at::Tensor saved = readable_batch(saved_arg);
-  const at::Tensor grad = matching(grad_arg, saved, op, "grad");
-  const auto residual = matching(residual_arg, saved, op, "residual");
-  const Channels ch = channels_for(saved, mean, invstd, weight, bias, act, activation_param, weight_eps, op);
-  const at::Tensor mean_dy = channel_vector(mean_dy_arg, saved, op, "mean_dy");
-  const at::Tensor mean_dy_xhat = channel_vector(mean_dy_xhat_arg, saved, op, "mean_dy_xhat");
-  at::Tensor grad_input = at::empty_like(saved);
-  at::Tensor grad_residual = want_residual_grad ? at::empty_like(saved) : saved_arg.new_empty({0});
-  if (saved.numel() > 0) {
-    const cuda::StatsPlan plan = plan_for(saved);
-    at::Tensor workspace = workspace_for(plan, saved, /*reduce=*/false);
+  const BackwardInputs in = backward_inputs(grad_arg, saved_arg, mean, invstd, weight, bias, residual_arg, activation,
+                                            activation_param, weight_eps, op);
+  const at::Tensor mean_dy = channel_vector(mean_dy_arg, in.saved, op, "mean_dy");
+  const at::Tensor mean_dy_xhat = channel_vector(mean_dy_xhat_arg, in.saved, op, "mean_dy_xhat");
+  at::Tensor grad_input = at::empty_like(in.saved);
+  at::Tensor grad_residual = want_residual_grad ? at::empty_like(in.saved) : saved_arg.new_empty({0});
+  if (in.saved.numel() > 0) {
+    const cuda::StatsPlan plan = plan_for(in.saved);
+    at::Tensor workspace = workspace_for(plan, in.saved, /*reduce=*/false);
     C10_CUDA_CHECK(cuda::abn_backward_elemt(
-        grad.const_data_ptr(), saved.const_data_ptr(), maybe_ptr(residual), saved_is_output, plan, ch.view,
-        mean_dy.const_data_ptr(), mean_dy_xhat.const_data_ptr(), grad_input.mutable_data_ptr(),
+        in.grad.const_data_ptr(), in.saved.const_data_ptr(), maybe_ptr(in.residual), saved_is_output, plan,
+        in.ch.view, mean_dy.const_data_ptr(), mean_dy_xhat.const_data_ptr(), grad_input.mutable_data_ptr(),
         want_residual_grad ? grad_residual.mutable_data_ptr() : nullptr, workspace.mutable_data_ptr(),
         c10::cuda::getCurrentCUDAStream()));
   }

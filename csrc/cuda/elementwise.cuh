@@ -1,11 +1,13 @@
 // Device-side loads and stores between tensor dtypes and the accumulation
-// type, shared by the CUDA kernels. CUDA headers only.
+// type, and the dtype dispatch, shared by the CUDA kernels. CUDA headers only.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cstdint>
+
+#include "stats.cuh"
 
 namespace effilayers {
 namespace cuda {
@@ -37,6 +39,28 @@ __device__ __forceinline__ __half to_scalar<__half, float>(float v) {
 template <>
 __device__ __forceinline__ __nv_bfloat16 to_scalar<__nv_bfloat16, float>(float v) {
   return __float2bfloat16_rn(v);
+}
+
+template <typename scalar_type, typename acc_type>
+struct Types {
+  using scalar_t = scalar_type;  // of the full-size tensors
+  using acc_t = acc_type;        // float, or double for double tensors
+};
+
+// f(Types<scalar_t, acc_t>{}) for a tensor dtype.
+template <typename F>
+cudaError_t with_types(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::Half:
+      return f(Types<__half, float>{});
+    case DType::BFloat16:
+      return f(Types<__nv_bfloat16, float>{});
+    case DType::Float:
+      return f(Types<float, float>{});
+    case DType::Double:
+      return f(Types<double, double>{});
+  }
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace cuda

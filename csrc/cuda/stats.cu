@@ -17,6 +17,7 @@
 #include <cstdint>
 
 #include "elementwise.cuh"
+#include "reduce.cuh"
 #include "stats.cuh"
 
 namespace effilayers {
@@ -27,90 +28,23 @@ namespace {
 // few enough chunks per channel that the merge stays short.
 constexpr int64_t kChunkElements = 16384;
 constexpr int64_t kMaxChunksPerChannel = 1024;
-constexpr int kThreads = 256;  // channels_first partial and merge kernels
-// channels_last tiles: 32 consecutive channels per warp row (coalesced),
-// 8 rows of threads.
-constexpr int kTileChannels = 32;
-constexpr int kTileRows = 8;
-
-template <typename T>
-struct Moments {
-  T count, mean, m2;
-};
-
-template <typename T>
-__device__ __forceinline__ Moments<T> combine(const Moments<T>& a, const Moments<T>& b) {
-  const T count = a.count + b.count;
-  if (count == T(0)) return a;
-  const T delta = b.mean - a.mean;
-  const T weight_b = b.count / count;
-  return {count, a.mean + delta * weight_b, a.m2 + b.m2 + delta * delta * a.count * weight_b};
-}
-
-template <typename T>
-__device__ __forceinline__ void welford(Moments<T>& m, T x) {
-  m.count += T(1);
-  const T delta = x - m.mean;
-  m.mean += delta / m.count;
-  m.m2 += delta * (x - m.mean);
-}
-
-template <typename T>
-__device__ __forceinline__ Moments<T> warp_combine(Moments<T> m) {
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    Moments<T> other;
-    other.count = __shfl_down_sync(0xffffffffu, m.count, offset);
-    other.mean = __shfl_down_sync(0xffffffffu, m.mean, offset);
-    other.m2 = __shfl_down_sync(0xffffffffu, m.m2, offset);
-    m = combine(m, other);
-  }
-  return m;
-}
-
-// Combine across a 1-D block of kThreads threads; the result is valid in
-// thread 0.
-template <typename T>
-__device__ Moments<T> block_combine(Moments<T> m) {
-  __shared__ Moments<T> per_warp[kThreads / 32];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  m = warp_combine(m);
-  if (lane == 0) per_warp[warp] = m;
-  __syncthreads();
-  if (warp == 0) {
-    m = lane < kThreads / 32 ? per_warp[lane] : Moments<T>{T(0), T(0), T(0)};
-    m = warp_combine(m);
-  }
-  return m;
-}
 
 template <typename scalar_t, typename acc_t>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kChunkThreads)
     partial_channels_first(const scalar_t* __restrict__ x, StatsPlan plan, acc_t* __restrict__ part_mean,
                            acc_t* __restrict__ part_m2, acc_t* __restrict__ part_count) {
   const int64_t C = plan.channels, S = plan.spatial;
-  const int64_t task = blockIdx.x;
-  const int64_t c = task / plan.chunks, j = task % plan.chunks;
-  int64_t plane0, planes, s0, width;
-  if (plan.pieces_per_plane > 0) {  // a plane holds several chunks
-    plane0 = j / plan.pieces_per_plane;
-    planes = 1;
-    s0 = (j % plan.pieces_per_plane) * plan.piece_len;
-    width = min(plan.piece_len, S - s0);
-  } else {  // a chunk holds several planes
-    plane0 = j * plan.planes_per_chunk;
-    planes = min(plan.planes_per_chunk, plan.batch - plane0);
-    s0 = 0;
-    width = S;
-  }
-  const scalar_t* base = x + (plane0 * C + c) * S + s0;
+  const PlaneChunk chunk = plane_chunk(plan);
+  const int64_t c = chunk.c, j = chunk.j;
+  const scalar_t* base = x + (chunk.plane0 * C + c) * S + chunk.s0;
   // len <= kChunkElements fits 32 bits, so the index split is a 32-bit divide.
-  const uint32_t len = static_cast<uint32_t>(planes * width), w = static_cast<uint32_t>(width);
-  Moments<acc_t> m{acc_t(0), acc_t(0), acc_t(0)};
-  for (uint32_t i = threadIdx.x; i < len; i += kThreads) {
+  const uint32_t len = static_cast<uint32_t>(chunk.planes * chunk.width), w = static_cast<uint32_t>(chunk.width);
+  Moments<acc_t> m{};
+  for (uint32_t i = threadIdx.x; i < len; i += kChunkThreads) {
     const uint32_t p = i / w, s = i - p * w;
     welford(m, load<scalar_t, acc_t>(base + static_cast<int64_t>(p) * C * S + s));
   }
-  m = block_combine(m);
+  m = block_reduce<kChunkThreads>(m, MergeMoments{});
   if (threadIdx.x == 0) {
     part_mean[j * C + c] = m.mean;
     part_m2[j * C + c] = m.m2;
@@ -122,41 +56,36 @@ template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kTileChannels* kTileRows)
     partial_channels_last(const scalar_t* __restrict__ x, StatsPlan plan, acc_t* __restrict__ part_mean,
                           acc_t* __restrict__ part_m2, acc_t* __restrict__ part_count) {
-  const int64_t C = plan.channels, rows = plan.batch * plan.spatial;
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * kTileChannels + threadIdx.x;
-  const int64_t j = blockIdx.y;
-  const int64_t r0 = j * plan.rows_per_chunk;
-  const int64_t r1 = min(r0 + plan.rows_per_chunk, rows);
-  Moments<acc_t> m{acc_t(0), acc_t(0), acc_t(0)};
+  const int64_t C = plan.channels;
+  const RowChunk rows = row_chunk(plan);
+  const int64_t c = rows.c, j = rows.j;
+  Moments<acc_t> m{};
   if (c < C) {
-    for (int64_t r = r0 + threadIdx.y; r < r1; r += kTileRows) welford(m, load<scalar_t, acc_t>(x + r * C + c));
-  }
-  // Combine the kTileRows threads of each channel column through shared memory.
-  __shared__ Moments<acc_t> tile[kTileRows][kTileChannels];
-  tile[threadIdx.y][threadIdx.x] = m;
-  __syncthreads();
-  if (threadIdx.y == 0) {
-    for (int row = 1; row < kTileRows; ++row) m = combine(m, tile[row][threadIdx.x]);
-    if (c < C) {
-      part_mean[j * C + c] = m.mean;
-      part_m2[j * C + c] = m.m2;
-      if (c == 0) part_count[j] = static_cast<acc_t>(r1 - r0);
+    for (int64_t r = rows.first + threadIdx.y; r < rows.last; r += kTileRows) {
+      welford(m, load<scalar_t, acc_t>(x + r * C + c));
     }
+  }
+  m = column_reduce<kTileChannels, kTileRows>(m, MergeMoments{});
+  if (threadIdx.y == 0 && c < C) {
+    part_mean[j * C + c] = m.mean;
+    part_m2[j * C + c] = m.m2;
+    if (c == 0) part_count[j] = static_cast<acc_t>(rows.last - rows.first);
   }
 }
 
 template <typename acc_t>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kChunkThreads)
     merge_chunks(StatsPlan plan, int64_t correction, const acc_t* __restrict__ part_mean,
                  const acc_t* __restrict__ part_m2, const acc_t* __restrict__ part_count, acc_t* __restrict__ mean,
                  acc_t* __restrict__ var) {
   const int64_t c = blockIdx.x, C = plan.channels;
-  Moments<double> m{0.0, 0.0, 0.0};
-  for (int64_t j = threadIdx.x; j < plan.chunks; j += kThreads) {
-    m = combine(m, Moments<double>{static_cast<double>(part_count[j]), static_cast<double>(part_mean[j * C + c]),
-                                   static_cast<double>(part_m2[j * C + c])});
-  }
-  m = block_combine(m);
+  const Moments<double> m = combine_chunks<Moments<double>>(
+      plan.chunks,
+      [&](int64_t j) {
+        return Moments<double>{static_cast<double>(part_count[j]), static_cast<double>(part_mean[j * C + c]),
+                               static_cast<double>(part_m2[j * C + c])};
+      },
+      MergeMoments{});
   if (threadIdx.x == 0) {
     const double dof = m.count - static_cast<double>(correction);
     mean[c] = static_cast<acc_t>(m.mean);
@@ -172,26 +101,23 @@ cudaError_t launch(const void* input, const StatsPlan& plan, int64_t correction,
   auto* var = static_cast<acc_t*>(var_out);
   const int64_t C = plan.channels;
   if (C == 0) return cudaSuccess;
-  if (plan.batch * plan.spatial == 0) {  // empty batch: mean 0, var 0 (all-zero bits)
-    cudaError_t err = cudaMemsetAsync(mean, 0, C * sizeof(acc_t), stream);
-    if (err != cudaSuccess) return err;
-    return cudaMemsetAsync(var, 0, C * sizeof(acc_t), stream);
-  }
+  if (plan.batch * plan.spatial == 0) return zero_outputs(mean, var, C * sizeof(acc_t), stream);  // mean 0, var 0
   auto* part_mean = static_cast<acc_t*>(workspace);
   acc_t* part_m2 = part_mean + plan.chunks * C;
   acc_t* part_count = part_m2 + plan.chunks * C;
   if (plan.channels_last) {
     const dim3 block(kTileChannels, kTileRows);
-    const dim3 grid(static_cast<unsigned>((C + kTileChannels - 1) / kTileChannels), static_cast<unsigned>(plan.chunks));
+    const dim3 grid(static_cast<unsigned>(ceil_div(C, kTileChannels)), static_cast<unsigned>(plan.chunks));
     partial_channels_last<scalar_t, acc_t><<<grid, block, 0, stream>>>(x, plan, part_mean, part_m2, part_count);
   } else {
     partial_channels_first<scalar_t, acc_t>
-        <<<static_cast<unsigned>(C * plan.chunks), kThreads, 0, stream>>>(x, plan, part_mean, part_m2, part_count);
+        <<<static_cast<unsigned>(C * plan.chunks), kChunkThreads, 0, stream>>>(x, plan, part_mean, part_m2,
+                                                                               part_count);
   }
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  merge_chunks<acc_t><<<static_cast<unsigned>(C), kThreads, 0, stream>>>(plan, correction, part_mean, part_m2,
-                                                                          part_count, mean, var);
+  merge_chunks<acc_t><<<static_cast<unsigned>(C), kChunkThreads, 0, stream>>>(plan, correction, part_mean, part_m2,
+                                                                               part_count, mean, var);
   return cudaGetLastError();
 }
 
@@ -231,17 +157,10 @@ int64_t batch_stats_workspace_elements(const StatsPlan& plan) {
 
 cudaError_t batch_stats(const void* input, DType dtype, const StatsPlan& plan, int64_t correction, void* mean,
                         void* var, void* workspace, cudaStream_t stream) {
-  switch (dtype) {
-    case DType::Half:
-      return launch<__half, float>(input, plan, correction, mean, var, workspace, stream);
-    case DType::BFloat16:
-      return launch<__nv_bfloat16, float>(input, plan, correction, mean, var, workspace, stream);
-    case DType::Float:
-      return launch<float, float>(input, plan, correction, mean, var, workspace, stream);
-    case DType::Double:
-      return launch<double, double>(input, plan, correction, mean, var, workspace, stream);
-  }
-  return cudaErrorInvalidValue;
+  return with_types(dtype, [&](auto types) {
+    using T = decltype(types);
+    return launch<typename T::scalar_t, typename T::acc_t>(input, plan, correction, mean, var, workspace, stream);
+  });
 }
 
 }  // namespace cuda

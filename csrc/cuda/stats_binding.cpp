@@ -29,8 +29,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_stats_cuda(const at::Tensor
   const c10::cuda::CUDAGuard guard(input_arg.device());
   const at::Tensor input = readable_batch(input_arg);
   const BatchGeometry g = batch_geometry(input);
-  const auto acc_type = input.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  const auto acc_options = input.options().dtype(acc_type);
+  const auto acc_options = input.options().dtype(accumulation_type(input.scalar_type()));
   at::Tensor mean = at::empty({g.channels}, acc_options);
   at::Tensor var = at::empty({g.channels}, acc_options);
   at::Tensor count = at::scalar_tensor(g.batch * g.spatial, input.options().dtype(at::kLong));
