@@ -163,69 +163,60 @@ from __future__ import annotations
 import copy
 import itertools
 from collections import defaultdict
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 from torch.optim import Optimizer
 
 from .._core import registry
-from ..ops.adam import _adam_step_8bit_op as adam_step_8bit_op
-from ..ops.adam import _adam_step_op as adam_step_op
-from ..ops.adam import (QUANT_BLOCK, check_adam_8bit_arguments, check_adam_arguments, dequantize_exp_avg,
-                        dequantize_exp_avg_sq, gather_padded, is_dense, memory_flat, padded_numel, quantize_exp_avg,
-                        quantize_exp_avg_sq, same_layout)
+from .._core.layout import is_dense, memory_flat, same_layout
+from ..ops.adam import (PARAM_DTYPES, QUANT_BLOCK, STATE_DTYPES, AdamHyperParams, check_adam_8bit_arguments,
+                        check_adam_arguments, dequantize_exp_avg, dequantize_exp_avg_sq, gather_padded, padded_numel,
+                        quantize_exp_avg, quantize_exp_avg_sq)
 
 __all__ = ["ChunkedAdam", "ChunkedAdamW", "chunked_adam", "chunked_adam_8bit", "DEFAULT_CHUNK_SIZE", "EIGHT_BIT"]
 
 DEFAULT_CHUNK_SIZE = 1 << 24
 # state_dtype spelling of the 8-bit block-quantized states
 EIGHT_BIT = "8bit"
-_STATE_DTYPES = (torch.float32, torch.bfloat16)
 _OFFLOAD = (None, "cpu")
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
-_PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 # attributes a pickled or deep-copied optimizer keeps besides torch's
 _PICKLED_SETTINGS = ("state_dtype", "master_weights", "offload", "chunk_size", "_force_staging")
 
 
-def chunked_adam(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    max_exp_avg_sq: Optional[torch.Tensor],
-    master: Optional[torch.Tensor],
-    steps: torch.Tensor,
-    grad_scale: Optional[torch.Tensor] = None,
-    found_inf: Optional[torch.Tensor] = None,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled_weight_decay: bool,
-    maximize: bool,
-    check: bool = True,
-) -> None:
-    """Functional core: one Adam/AdamW step of a run of parameters that share
-    a step count, with flat states (``exp_avg`` etc. cover the params laid end
-    to end). ``steps`` holds one float32 counter per parameter; it is advanced
-    by one here (by nothing when ``found_inf`` is non-zero), on its own device,
-    before the kernel reads it.
-    ``check=False`` skips the Python-side argument checks (the optimizer's
-    chunks satisfy them by construction; the C++ kernel checks regardless)."""
-    _advance_steps(steps, found_inf)
+def chunked_adam(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg: torch.Tensor,
+                 exp_avg_sq: torch.Tensor, max_exp_avg_sq: Optional[torch.Tensor], master: Optional[torch.Tensor],
+                 steps: torch.Tensor, grad_scale: Optional[torch.Tensor] = None,
+                 found_inf: Optional[torch.Tensor] = None, *, hyper: AdamHyperParams, check: bool = True) -> None:
+    """One Adam/AdamW step of a run of parameters that share a step count,
+    with flat states (``exp_avg`` etc. cover the params laid end to end, the
+    layout of ``effilayers.ops.adam.adam_step_``). ``steps`` holds one
+    float32 counter per parameter; it is advanced by one here (by nothing
+    when ``found_inf`` is non-zero), on its own device, before the kernel
+    reads it. ``check=False`` skips the Python-side argument checks (the
+    optimizer's chunks satisfy them by construction; the C++ kernel checks
+    regardless)."""
     if check:
         check_adam_arguments(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, master, steps[:1])
-    # The op itself, not the checking wrapper: its per-tensor Python checks
-    # cost ~15 us per parameter, and the kernels check again where it matters.
-    adam_step_op(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, master, steps[:1],
-                 None if grad_scale is None else grad_scale.to(exp_avg.device, torch.float32),
-                 None if found_inf is None else found_inf.to(exp_avg.device, torch.float32),
-                 float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
-                 bool(decoupled_weight_decay), bool(maximize))
+    _fused_update(False, params, grads, [exp_avg, exp_avg_sq, max_exp_avg_sq], master, steps, grad_scale,
+                  found_inf, hyper)
+
+
+def chunked_adam_8bit(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg: torch.Tensor,
+                      exp_avg_absmax: torch.Tensor, exp_avg_sq: torch.Tensor, exp_avg_sq_absmax: torch.Tensor,
+                      max_exp_avg_sq: Optional[torch.Tensor], max_exp_avg_sq_absmax: Optional[torch.Tensor],
+                      master: Optional[torch.Tensor], steps: torch.Tensor, grad_scale: Optional[torch.Tensor] = None,
+                      found_inf: Optional[torch.Tensor] = None, *, hyper: AdamHyperParams,
+                      check: bool = True) -> None:
+    """:func:`chunked_adam` on 8-bit block-quantized states (the layout of
+    ``effilayers.ops.adam.adam_step_8bit_``: each parameter's states padded to
+    a multiple of ``QUANT_BLOCK``)."""
+    states = [exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax, max_exp_avg_sq, max_exp_avg_sq_absmax]
+    if check:
+        check_adam_8bit_arguments(params, grads, *states, master, steps[:1])
+    _fused_update(True, params, grads, states, master, steps, grad_scale, found_inf, hyper)
 
 
 def _advance_steps(steps: torch.Tensor, found_inf: Optional[torch.Tensor]) -> None:
@@ -239,42 +230,32 @@ def _advance_steps(steps: torch.Tensor, found_inf: Optional[torch.Tensor]) -> No
         steps.add_(found_inf.to(steps.device, non_blocking=steps.device.type != "cpu") == 0)
 
 
-def chunked_adam_8bit(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avg: torch.Tensor,
-    exp_avg_absmax: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    exp_avg_sq_absmax: torch.Tensor,
-    max_exp_avg_sq: Optional[torch.Tensor],
-    max_exp_avg_sq_absmax: Optional[torch.Tensor],
-    master: Optional[torch.Tensor],
-    steps: torch.Tensor,
-    grad_scale: Optional[torch.Tensor] = None,
-    found_inf: Optional[torch.Tensor] = None,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled_weight_decay: bool,
-    maximize: bool,
-    check: bool = True,
-) -> None:
-    """:func:`chunked_adam` on 8-bit block-quantized states (the layout of
-    ``effilayers.ops.adam.adam_step_8bit_``: each parameter's states padded to
-    a multiple of ``QUANT_BLOCK``)."""
+def _fused_update(quantized: bool, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                  states: Sequence[Optional[torch.Tensor]], master: Optional[torch.Tensor], steps: torch.Tensor,
+                  grad_scale: Optional[torch.Tensor], found_inf: Optional[torch.Tensor],
+                  hyper: AdamHyperParams) -> None:
+    """Advance ``steps`` and run one kernel on states in the op's order
+    (``quantized``: the 8-bit op's codes and scales), without checks.
+
+    Eager steps call the kernel the op would run (``registry.kernel``)
+    directly and bump the version counters of what it wrote in one call, as
+    the op's ADInplaceOrView step does: the custom op's Python-level dispatch
+    (a version bump per tensor, alias checks) costs more than the update of
+    a small tensor (bench_optim.py, ``step overhead``). Under torch.compile
+    the op itself is called."""
     _advance_steps(steps, found_inf)
-    if check:
-        check_adam_8bit_arguments(params, grads, exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax,
-                                  max_exp_avg_sq, max_exp_avg_sq_absmax, master, steps[:1])
-    adam_step_8bit_op(params, grads, exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax, max_exp_avg_sq,
-                      max_exp_avg_sq_absmax, master, steps[:1],
-                      None if grad_scale is None else grad_scale.to(exp_avg.device, torch.float32),
-                      None if found_inf is None else found_inf.to(exp_avg.device, torch.float32),
-                      float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
-                      bool(decoupled_weight_decay), bool(maximize))
+    device = states[0].device
+    args = (params, grads, *states, master, steps[:1],
+            None if grad_scale is None else grad_scale.to(device, torch.float32),
+            None if found_inf is None else found_inf.to(device, torch.float32), *hyper)
+    if torch.compiler.is_compiling():
+        (torch.ops.effilayers.adam_step_8bit_ if quantized else torch.ops.effilayers.adam_step_)(*args)
+        return
+    registry.kernel("adam_step_8bit" if quantized else "adam_step", device)(*args)
+    written = [*params, *(t for t in states if t is not None)]
+    if master is not None:
+        written.append(master)
+    torch.autograd.graph.increment_version(written)
 
 
 class _Chunk:
@@ -867,7 +848,7 @@ class ChunkedAdam(Optimizer):
         _check_hyperparameters(name, lr, betas, eps, weight_decay)
         if differentiable:
             raise ValueError(f"{name}: differentiable=True is not supported (the update runs in a fused kernel)")
-        if not (state_dtype == EIGHT_BIT or state_dtype in _STATE_DTYPES):
+        if not (state_dtype == EIGHT_BIT or state_dtype in STATE_DTYPES):
             raise TypeError(f"{name}: state_dtype must be torch.float32, torch.bfloat16 or {EIGHT_BIT!r} "
                             f"(8-bit block-quantized), got {state_dtype!r}")
         if offload not in _OFFLOAD:
@@ -916,7 +897,7 @@ class ChunkedAdam(Optimizer):
                 if p.is_complex():
                     raise TypeError(f"{name} does not support complex parameters (got {p.dtype}); "
                                     "optimize torch.view_as_real(param) instead")
-                if p.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+                if p.dtype not in PARAM_DTYPES:
                     raise TypeError(f"{name}: parameters must be floating point, got {p.dtype}")
                 if not is_dense(p):
                     raise ValueError(f"{name}: parameters must be dense, contiguous or a permutation of it like "
@@ -1063,7 +1044,7 @@ class ChunkedAdam(Optimizer):
         grouped = {id(p) for group in self.param_groups for p in group["params"]}
         for group_index, group in enumerate(self.param_groups):
             for position, p in enumerate(group["params"]):
-                if id(p) in self._location and (p.is_complex() or p.dtype not in _PARAM_DTYPES):
+                if id(p) in self._location and (p.is_complex() or p.dtype not in PARAM_DTYPES):
                     raise TypeError(f"{name}: parameter {position} of param group {group_index} is now {p.dtype} "
                                     f"(its dtype changed after its optimizer state was created); {name} supports "
                                     "float16, bfloat16, float32 and float64 parameters")
@@ -1211,14 +1192,7 @@ class ChunkedAdam(Optimizer):
             self._sync_state()
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
-        hypers = []
-        for group in self.param_groups:
-            # float(): a CUDA tensor lr or beta costs a host sync here (README)
-            beta1, beta2 = group["betas"]
-            hypers.append(dict(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
-                               eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
-                               decoupled_weight_decay=bool(group["decoupled_weight_decay"]),
-                               maximize=bool(group["maximize"])))
+        hypers = [_hyper_params(group) for group in self.param_groups]
         for group_index, device, work in self._collect_work():
             amsgrad = self.param_groups[group_index]["amsgrad"]
             if any(chunk.staged for chunk, _, _ in work):
@@ -1282,7 +1256,7 @@ class ChunkedAdam(Optimizer):
         chunk.check_steps()
 
     def _step_chunk(self, chunk: _Chunk, grads, complete: bool, grad_scale, found_inf, amsgrad: bool,
-                    hyper: dict) -> None:
+                    hyper: AdamHyperParams) -> None:
         self._before_update(chunk, amsgrad)
         for start, stop in chunk.runs(grads, complete):
             lo, hi = chunk.offsets[start], chunk.offsets[stop]
@@ -1292,7 +1266,7 @@ class ChunkedAdam(Optimizer):
         chunk.updated()
 
     def _step_staged(self, chunks: list, device: torch.device, grad_scale, found_inf, amsgrad: bool,
-                     hyper: dict) -> None:
+                     hyper: AdamHyperParams) -> None:
         """Offloaded chunks: gradients down, CPU kernel, parameters up; the
         next run's gradients are on their way while the CPU works."""
         transfers = self._transfers.get(device)
@@ -1460,31 +1434,19 @@ class ChunkedAdam(Optimizer):
 
 
 def _update(chunk: _Chunk, params, grads, lo: int, hi: int, master, steps, grad_scale, found_inf, amsgrad: bool,
-            hyper: dict) -> None:
-    """One kernel call for the run [lo, hi) of a chunk, on its state format.
+            hyper: AdamHyperParams) -> None:
+    """One kernel call for the run [lo, hi) of a chunk, on its state format."""
+    _fused_update(chunk.quantized, params, grads, chunk.state_args(lo, hi, amsgrad), master, steps, grad_scale,
+                  found_inf, hyper)
 
-    Eager steps call the kernel the op would run (``registry.kernel``)
-    directly and bump the version counters of what it wrote in one call, as
-    the op's ADInplaceOrView step does: the custom op's Python-level dispatch
-    (a version bump per tensor, alias checks) cost ~1.3 us per parameter,
-    more than the update of a small tensor (bench_optim.py,
-    ``step overhead``). Under torch.compile the op itself is called."""
-    _advance_steps(steps, found_inf)
-    states = chunk.state_args(lo, hi, amsgrad)
-    device = chunk.exp_avg.device
-    args = (params, grads, *states, master, steps[:1],
-            None if grad_scale is None else grad_scale.to(device, torch.float32),
-            None if found_inf is None else found_inf.to(device, torch.float32),
-            hyper["lr"], hyper["beta1"], hyper["beta2"], hyper["eps"], hyper["weight_decay"],
-            hyper["decoupled_weight_decay"], hyper["maximize"])
-    if torch.compiler.is_compiling():
-        (adam_step_8bit_op if chunk.quantized else adam_step_op)(*args)
-        return
-    registry.kernel("adam_step_8bit" if chunk.quantized else "adam_step", device)(*args)
-    written = [*params, *(t for t in states if t is not None)]
-    if master is not None:
-        written.append(master)
-    torch.autograd.graph.increment_version(written)
+
+def _hyper_params(group: dict[str, Any]) -> AdamHyperParams:
+    """The group's settings for the kernels. AdamHyperParams reads them with
+    float(): a CUDA tensor lr or beta costs a host sync here (README)."""
+    beta1, beta2 = group["betas"]
+    return AdamHyperParams(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                           weight_decay=group["weight_decay"], decoupled_weight_decay=group["decoupled_weight_decay"],
+                           maximize=group["maximize"])
 
 
 class ChunkedAdamW(ChunkedAdam):
