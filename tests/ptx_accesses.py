@@ -38,7 +38,7 @@ def _accesses(kernel, pointers: dict, constants: dict) -> dict:
 
 
 def main() -> None:
-    from effilayers.kernels import adam
+    from effilayers.ops.adam import triton as adam
 
     results = {}
     tables = {"parameter_table": "*i64", "tile_table": "*i64"}

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import effilayers
-from effilayers.ops.adam import adam_step_, adam_step_reference, memory_flat
+from effilayers._core.layout import memory_flat
+from effilayers.ops.adam import AdamHyperParams, adam_step_, adam_step_reference
 from effilayers.optim import ChunkedAdam, ChunkedAdamW
 
 from .conftest import BACKEND_PARAMS, TRITON_PARAMS, activate_backend, forced_backend, required_backend
@@ -105,11 +106,11 @@ def test_kernel_matches_float64_reference(adam_device, param_dtype, state_dtype,
     exp_grads = [g * 1024.0 for g in expected[1]] if scaled else expected[1]
     real_grads = [(g.double() * 1024.0).to(param_dtype) for g in grads] if scaled else grads
     step = torch.tensor([7.0], device=device)
-    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, **options)
+    hyper = AdamHyperParams(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, **options)
     adam_step_reference(exp_params, [g.cpu() for g in exp_grads] if device.type == "cpu" else exp_grads,
                         expected[2], expected[3], expected[4], None, step, scale, None,
-                        *hyper.values())
-    adam_step_(params, real_grads, exp_avg, exp_avg_sq, max_exp_avg_sq, master_flat, step, scale, None, **hyper)
+                        hyper)
+    adam_step_(params, real_grads, exp_avg, exp_avg_sq, max_exp_avg_sq, master_flat, step, scale, None, hyper=hyper)
 
     # fp32: |g| up to 3, so the rounding of m - g is ~1e-7 absolute
     state_tol = dict(rtol=1e-2, atol=1e-6) if state_dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-7)
@@ -137,8 +138,8 @@ def test_kernel_skipped_step_writes_nothing(adam_device, found_inf):
     grads = [g.clone().fill_(float("inf")) for g in inputs[1]]
     adam_step_(inputs[0], grads, inputs[2], inputs[3], inputs[4], None, torch.tensor([3.0], device=device),
                torch.tensor([2.0 ** 16], device=device), torch.tensor([found_inf], device=device),
-               lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled_weight_decay=True,
-               maximize=False)
+               hyper=AdamHyperParams(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                                     decoupled_weight_decay=True, maximize=False))
     for old, new in zip(before, (*inputs[0], inputs[2], inputs[3], inputs[4])):
         assert torch.equal(old, new)
 
@@ -159,14 +160,14 @@ def test_kernel_rejects_bad_arguments():
     grads = [torch.randn(3, 4)]
     state = torch.zeros(12)
     step = torch.tensor([1.0])
-    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled_weight_decay=False,
-                 maximize=False)
+    hyper = AdamHyperParams(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                            decoupled_weight_decay=False, maximize=False)
     with pytest.raises(ValueError, match="exp_avg must be a contiguous 1-D tensor of 12"):
-        adam_step_(params, grads, torch.zeros(11), state.clone(), None, None, step, **hyper)
+        adam_step_(params, grads, torch.zeros(11), state.clone(), None, None, step, hyper=hyper)
     with pytest.raises(TypeError, match="grads\\[0\\] must all have dtype"):
-        adam_step_(params, [grads[0].double()], state.clone(), state.clone(), None, None, step, **hyper)
+        adam_step_(params, [grads[0].double()], state.clone(), state.clone(), None, None, step, hyper=hyper)
     with pytest.raises(ValueError, match="grads\\[0\\] must have its strides"):
-        adam_step_([torch.randn(4, 3).t()], grads, state.clone(), state.clone(), None, None, step, **hyper)
+        adam_step_([torch.randn(4, 3).t()], grads, state.clone(), state.clone(), None, None, step, hyper=hyper)
     # the compiled kernel checks for itself when called directly
     with effilayers.use_backend("cpp"):
         if effilayers.backends.choice("adam_step", "cpu").kernel is not None:
@@ -840,17 +841,17 @@ def test_triton_kernel_over_2_31_elements():
     exp_avg = torch.zeros(n, device=device)
     exp_avg_sq = torch.zeros(n, device=device)
     step = torch.tensor([1.0], device=device)
-    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled_weight_decay=True,
-                 maximize=False)
+    hyper = AdamHyperParams(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                            decoupled_weight_decay=True, maximize=False)
     ends = {"head": slice(0, 4096), "tail": slice(n - 4096, n)}
     expected = {}
     for name, part in ends.items():
         p, g, m, v = (t[part].clone() for t in (param, grad, exp_avg, exp_avg_sq))
-        adam_step_reference([p], [g], m, v, None, None, step, None, None, *hyper.values())
+        adam_step_reference([p], [g], m, v, None, None, step, None, None, hyper)
         expected[name] = (p, m, v)
     context = activate_backend("adam_step", "triton", "cuda")
     try:
-        adam_step_([param], [grad], exp_avg, exp_avg_sq, None, None, step, None, None, **hyper)
+        adam_step_([param], [grad], exp_avg, exp_avg_sq, None, None, step, None, None, hyper=hyper)
     finally:
         context.__exit__(None, None, None)
     for name, part in ends.items():
@@ -1410,15 +1411,16 @@ def test_functional_step_counters_on_cpu_wait_for_a_cuda_found_inf():
     torch.cuda._sleep(200_000_000)  # the GPU is busy when the flag is queued
     found_inf.fill_(1.0)
     chunked_adam(params, [torch.randn(16)], torch.zeros(16), torch.zeros(16), None, None, steps,
-                 found_inf=found_inf, lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
-                 decoupled_weight_decay=True, maximize=False)
+                 found_inf=found_inf, hyper=AdamHyperParams(lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8,
+                                                            weight_decay=0.0, decoupled_weight_decay=True,
+                                                            maximize=False))
     assert float(steps) == 0.0 and torch.equal(params[0], before)
 
 
 # -- the Triton kernel on chunks of several parameters ----------------------------
 #
 # The kernel reads every parameter and gradient in place through a device
-# table of addresses (effilayers/kernels/adam.py). These tests run it under
+# table of addresses (effilayers/ops/adam/triton.py). These tests run it under
 # the interpreter in fp32 and fp16 (bf16 and the large cases on a GPU).
 
 @pytest.fixture(params=TRITON_PARAMS)
@@ -1465,7 +1467,7 @@ def _skip_without_bf16(device, *dtypes):
 @pytest.mark.parametrize("layout", list(MULTI_LAYOUTS))
 def test_triton_multi_parameter_chunk_matches_float64_reference(triton_device, layout, param_dtype, state_dtype,
                                                                 master):
-    from effilayers.kernels.adam import _operands
+    from effilayers.ops.adam.triton import _operands
 
     device = triton_device
     _skip_without_bf16(device, param_dtype, state_dtype)
@@ -1480,13 +1482,14 @@ def test_triton_multi_parameter_chunk_matches_float64_reference(triton_device, l
         for target, piece in zip(expected_params, pieces):
             memory_flat(target).copy_(piece)
     expected_states = [s.double() for s in states]
-    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled_weight_decay=False,
-                 maximize=True)
+    hyper = AdamHyperParams(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                            decoupled_weight_decay=False, maximize=True)
     scale = torch.tensor([1024.0], device=device)
     scaled_grads = [(g.double() * 1024.0).to(param_dtype) for g in grads]  # exact: a power of two
     adam_step_reference(expected_params, [g.double() for g in grads], *expected_states, None,
-                        torch.tensor([7.0], device=device), None, None, *hyper.values())
-    adam_step_(params, scaled_grads, *states, master_flat, torch.tensor([7.0], device=device), scale, None, **hyper)
+                        torch.tensor([7.0], device=device), None, None, hyper)
+    adam_step_(params, scaled_grads, *states, master_flat, torch.tensor([7.0], device=device), scale, None,
+               hyper=hyper)
 
     state_tol = dict(rtol=1e-2, atol=1e-6) if state_dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-7)
     for actual, wanted in zip(states, expected_states):
@@ -1512,8 +1515,8 @@ def test_triton_multi_parameter_chunk_skipped_step_writes_nothing(triton_device,
     grads = [g.clone().fill_(float("inf")) for g in grads]
     adam_step_(params, grads, *states, master_flat, torch.tensor([3.0], device=device),
                torch.tensor([2.0 ** 16], device=device), torch.tensor([found_inf], device=device),
-               lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled_weight_decay=True,
-               maximize=False)
+               hyper=AdamHyperParams(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                                     decoupled_weight_decay=True, maximize=False))
     for old, new in zip(before, (*params, *states, master_flat)):
         assert torch.equal(old, new)
 
@@ -1524,20 +1527,20 @@ def test_triton_multi_parameter_chunk_allocates_no_chunk_sized_temporary():
     the first call; a second call with the same tensors finds them cached,
     and new gradient tensors (new addresses) get a new parameter table and
     are read, not the old ones."""
-    from effilayers.kernels import adam as kernels
+    from effilayers.ops.adam import triton as kernels
 
     with required_backend("adam_step", "triton", "cpu"):
         shapes, _ = MULTI_LAYOUTS["odd"]
         params, grads, states, _ = _multi_inputs(shapes, torch.float32, torch.float32, False, "cpu")
         chunk_bytes = sum(p.numel() for p in params) * 4
-        hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled_weight_decay=True,
-                     maximize=False)
+        hyper = AdamHyperParams(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                                decoupled_weight_decay=True, maximize=False)
         expected = [[p.clone() for p in params], [s.clone() for s in states]]
         new_grads = [g.flip(0).contiguous(memory_format=torch.channels_last) if g.dim() == 4 else g.flip(0)
                      for g in grads]
         for step, step_grads in ((1.0, grads), (2.0, grads), (3.0, new_grads)):
             adam_step_reference(expected[0], step_grads, *expected[1], None, torch.tensor([step]), None, None,
-                                *hyper.values())
+                                hyper)
 
         # the recorder does see a gather
         with NewStorages() as recorder:
@@ -1552,7 +1555,7 @@ def test_triton_multi_parameter_chunk_allocates_no_chunk_sized_temporary():
         calls = []
         for step, step_grads in ((1.0, grads), (2.0, grads), (3.0, new_grads)):
             with NewStorages() as recorder:
-                kernel(params, step_grads, *states, None, torch.tensor([step]), None, None, *hyper.values())
+                kernel(params, step_grads, *states, None, torch.tensor([step]), None, None, *hyper)
             calls.append(recorder)
             assert not any("cat" in op or "foreach" in op for op in recorder.ops), recorder.ops
         # first call: the tables (9 tiles x 16 bytes); second: nothing new
@@ -1628,17 +1631,17 @@ def test_triton_multi_parameter_chunk_peak_memory_on_cuda():
     n = sum(p.numel() for p in params)
     states = [torch.randn(n, device=device, generator=generator) * 0.1,
               torch.rand(n, device=device, generator=generator) * 0.01]
-    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled_weight_decay=True,
-                 maximize=False)
+    hyper = AdamHyperParams(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                            decoupled_weight_decay=True, maximize=False)
     expected = [[p.clone() for p in params], [s.clone() for s in states]]
     adam_step_reference(expected[0], grads, *expected[1], None, None, torch.tensor([5.0], device=device), None,
-                        None, *hyper.values())
+                        None, hyper)
     with required_backend("adam_step", "triton", "cuda"):
         step = torch.tensor([5.0], device=device)
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        adam_step_(params, grads, *states, None, None, step, **hyper)
+        adam_step_(params, grads, *states, None, None, step, hyper=hyper)
         torch.cuda.synchronize()
         assert torch.cuda.max_memory_allocated() - before <= 1 << 20
     for actual, wanted in zip([*params, *states], [*expected[0], *expected[1]]):

@@ -18,9 +18,10 @@ import pytest
 import torch
 
 import effilayers
-from effilayers.ops.adam import (QUANT_BLOCK, adam_step_8bit_, adam_step_8bit_reference, dequantize_exp_avg,
-                                 dequantize_exp_avg_sq, gather_padded, memory_flat, padded_numel, quantize_exp_avg,
-                                 quantize_exp_avg_sq)
+from effilayers._core.layout import memory_flat
+from effilayers.ops.adam import (QUANT_BLOCK, AdamHyperParams, adam_step_8bit_, adam_step_8bit_reference,
+                                 dequantize_exp_avg, dequantize_exp_avg_sq, gather_padded, padded_numel,
+                                 quantize_exp_avg, quantize_exp_avg_sq)
 from effilayers.optim import ChunkedAdam, ChunkedAdamW
 
 from .conftest import BACKEND_PARAMS, TRITON_PARAMS, forced_backend, required_backend
@@ -102,12 +103,13 @@ def test_kernel_matches_reference(adam8_device, param_dtype, master, options):
     if scaled:
         grads = [g * 1024 for g in grads]
         expected[1] = [g * 1024 for g in expected[1]]
-    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, **options)
+    hyper = AdamHyperParams(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, **options)
     with effilayers.use_backend("reference"):
         adam_step_8bit_reference(expected[0], expected[1], *expected[2], expected[3], torch.tensor([7.0]),
-                                 None if scale is None else scale.cpu(), None, *hyper.values())
+                                 None if scale is None else scale.cpu(), None, hyper)
     before = [None if s is None else s.clone() for s in states]
-    adam_step_8bit_(params, grads, *states, master_flat, torch.tensor([7.0], device=device), scale, None, **hyper)
+    adam_step_8bit_(params, grads, *states, master_flat, torch.tensor([7.0], device=device), scale, None,
+                    hyper=hyper)
 
     for index, (actual, wanted, old) in enumerate(zip(states, expected[2], before)):
         if actual is None:
@@ -152,8 +154,8 @@ def test_kernel_skipped_step_writes_nothing(adam8_device):
     grads = [g.clone().fill_(float("inf")) for g in grads]
     adam_step_8bit_(params, grads, *states, None, torch.tensor([3.0], device=device),
                     torch.tensor([2.0 ** 16], device=device), torch.tensor([1.0], device=device),
-                    lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled_weight_decay=True,
-                    maximize=False)
+                    hyper=AdamHyperParams(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                                          decoupled_weight_decay=True, maximize=False))
     for old, new in zip(before, (*params, *states)):
         assert torch.equal(old, new)
 
@@ -517,22 +519,22 @@ def test_bad_state_dtype_is_named():
 def test_kernel_rejects_bad_arguments():
     params, grads, states, _ = _inputs([(3, 4)], torch.float32, False, False, "cpu")
     step = torch.tensor([1.0])
-    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled_weight_decay=False,
-                 maximize=False)
+    hyper = AdamHyperParams(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                            decoupled_weight_decay=False, maximize=False)
     m, m_absmax, v, v_absmax, _, _ = states
     with pytest.raises(ValueError, match="exp_avg must be a contiguous 1-D torch.int8 tensor of 256"):
-        adam_step_8bit_(params, grads, m[:12], m_absmax, v, v_absmax, None, None, None, step, **hyper)
+        adam_step_8bit_(params, grads, m[:12], m_absmax, v, v_absmax, None, None, None, step, hyper=hyper)
     with pytest.raises(ValueError, match="exp_avg_sq must be a contiguous 1-D torch.uint8"):
-        adam_step_8bit_(params, grads, m, m_absmax, v.to(torch.int8), v_absmax, None, None, None, step, **hyper)
+        adam_step_8bit_(params, grads, m, m_absmax, v.to(torch.int8), v_absmax, None, None, None, step, hyper=hyper)
     with pytest.raises(ValueError, match="exp_avg_absmax must be a contiguous 1-D float32 tensor of 1"):
-        adam_step_8bit_(params, grads, m, torch.zeros(2), v, v_absmax, None, None, None, step, **hyper)
+        adam_step_8bit_(params, grads, m, torch.zeros(2), v, v_absmax, None, None, None, step, hyper=hyper)
     with pytest.raises(ValueError, match="max_exp_avg_sq and max_exp_avg_sq_absmax go together"):
-        adam_step_8bit_(params, grads, m, m_absmax, v, v_absmax, v.clone(), None, None, step, **hyper)
+        adam_step_8bit_(params, grads, m, m_absmax, v, v_absmax, v.clone(), None, None, step, hyper=hyper)
     with pytest.raises(TypeError, match="float64 parameters keep float64 states"):
         adam_step_8bit_([params[0].double()], [grads[0].double()], m, m_absmax, v, v_absmax, None, None, None,
-                        step, **hyper)
+                        step, hyper=hyper)
     with pytest.raises(ValueError, match="master must be a 1-D float32 tensor of 256"):
-        adam_step_8bit_(params, grads, m, m_absmax, v, v_absmax, None, None, torch.zeros(12), step, **hyper)
+        adam_step_8bit_(params, grads, m, m_absmax, v, v_absmax, None, None, torch.zeros(12), step, hyper=hyper)
     with effilayers.use_backend("cpp"):
         if effilayers.backends.choice("adam_step_8bit", "cpu").kernel is not None:
             with pytest.raises(ValueError, match="exp_avg_sq_absmax must be a contiguous 1-D float32 CPU tensor"):
@@ -547,11 +549,11 @@ def test_compile_fullgraph_matches_eager():
     runs the same kernel, without building Inductor code here)."""
     params, grads, states, _ = _inputs([(5, 3), (300,)], torch.float32, False, True, "cpu")
     eager = [[p.clone() for p in params], [s.clone() for s in states]]
-    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled_weight_decay=True,
-                 maximize=False)
+    hyper = AdamHyperParams(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                            decoupled_weight_decay=True, maximize=False)
 
     def step(params, states, step_count):
-        torch.ops.effilayers.adam_step_8bit_(params, grads, *states, None, step_count, None, None, *hyper.values())
+        torch.ops.effilayers.adam_step_8bit_(params, grads, *states, None, step_count, None, None, *hyper)
 
     step(eager[0], eager[1], torch.tensor([2.0]))
     torch.compile(step, fullgraph=True, backend="aot_eager")(params, states, torch.tensor([2.0]))
@@ -575,8 +577,8 @@ def test_triton_kernel_over_2_31_elements():
     states = [torch.zeros(n, dtype=torch.int8, device=device), torch.zeros(blocks, device=device),
               torch.zeros(n, dtype=torch.uint8, device=device), torch.zeros(blocks, device=device)]
     step = torch.tensor([1.0], device=device)
-    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled_weight_decay=True,
-                 maximize=False)
+    hyper = AdamHyperParams(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                            decoupled_weight_decay=True, maximize=False)
     ends = {"head": (0, 8), "tail": (blocks - 8, blocks)}  # in blocks
     expected = {}
     for name, (first, last) in ends.items():
@@ -584,11 +586,11 @@ def test_triton_kernel_over_2_31_elements():
         part = [states[0][values].clone(), states[1][first:last].clone(), states[2][values].clone(),
                 states[3][first:last].clone()]
         p, g = param[values].clone(), grad[values].clone()
-        adam_step_8bit_reference([p], [g], *part, None, None, None, step, None, None, *hyper.values())
+        adam_step_8bit_reference([p], [g], *part, None, None, None, step, None, None, hyper)
         expected[name] = (p, part)
     context = activate_backend("adam_step_8bit", "triton", "cuda")
     try:
-        adam_step_8bit_([param], [grad], *states, None, None, None, step, None, None, **hyper)
+        adam_step_8bit_([param], [grad], *states, None, None, None, step, None, None, hyper=hyper)
     finally:
         context.__exit__(None, None, None)
     for name, (first, last) in ends.items():
@@ -611,10 +613,11 @@ def test_a_nan_gradient_makes_its_block_nan_on_every_backend(adam8_device):
     expected_states = [None if s is None else s.cpu().clone() for s in states]
     with effilayers.use_backend("reference"):
         adam_step_8bit_reference([params[0].cpu().clone()], [grads[0].cpu()], *expected_states, None,
-                                 torch.tensor([2.0]), None, None, 1e-2, 0.9, 0.999, 1e-8, 0.0, True, False)
+                                 torch.tensor([2.0]), None, None,
+                                 AdamHyperParams(1e-2, 0.9, 0.999, 1e-8, 0.0, True, False))
     adam_step_8bit_(params, grads, *states, None, torch.tensor([2.0], device=device), None, None,
-                    lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled_weight_decay=True,
-                    maximize=False)
+                    hyper=AdamHyperParams(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                                          decoupled_weight_decay=True, maximize=False))
     for absmax, wanted in ((states[1], expected_states[1]), (states[3], expected_states[3])):
         absmax = absmax.cpu()
         assert torch.isnan(absmax[1]) and torch.isnan(wanted[1])
@@ -659,13 +662,13 @@ def test_triton_multi_parameter_chunk_matches_reference(triton8_device, param_dt
     params, grads, states, master_flat = _multi_inputs(param_dtype, master, device)
     expected = [[p.cpu().clone() for p in params], [s.cpu().clone() for s in states],
                 None if master_flat is None else master_flat.cpu().clone()]
-    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled_weight_decay=False,
-                 maximize=True)
+    hyper = AdamHyperParams(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                            decoupled_weight_decay=False, maximize=True)
     scaled_grads = [g * 1024 for g in grads]  # exact: a power of two
     adam_step_8bit_reference(expected[0], [g.cpu() for g in grads], *expected[1], expected[2], torch.tensor([4.0]),
-                             None, None, *hyper.values())
+                             None, None, hyper)
     adam_step_8bit_(params, scaled_grads, *states, master_flat, torch.tensor([4.0], device=device),
-                    torch.tensor([1024.0], device=device), None, **hyper)
+                    torch.tensor([1024.0], device=device), None, hyper=hyper)
 
     for index, (actual, wanted) in enumerate(zip(states, expected[1])):
         actual = actual.cpu()
@@ -694,8 +697,8 @@ def test_triton_multi_parameter_chunk_skipped_step_writes_nothing(triton8_device
     grads = [g.clone().fill_(float("inf")) for g in grads]
     adam_step_8bit_(params, grads, *states, master_flat, torch.tensor([3.0], device=device),
                     torch.tensor([2.0 ** 16], device=device), torch.tensor([1.0], device=device),
-                    lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled_weight_decay=True,
-                    maximize=False)
+                    hyper=AdamHyperParams(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                                          decoupled_weight_decay=True, maximize=False))
     for old, new in zip(before, (*params, *states, master_flat)):
         assert torch.equal(old, new)
 
@@ -712,10 +715,10 @@ def test_triton_multi_parameter_chunk_allocates_no_padded_temporary():
         assert max(recorder.allocated) >= padded_bytes
         kernel = effilayers.backends.kernel("adam_step_8bit", torch.device("cpu"))
         expected = [[p.clone() for p in params], [s.clone() for s in states]]
-        hyper = (1e-2, 0.9, 0.999, 1e-8, 0.1, True, False)
+        hyper = AdamHyperParams(1e-2, 0.9, 0.999, 1e-8, 0.1, True, False)
         calls = []
         for step in (1.0, 2.0):
-            adam_step_8bit_reference(expected[0], grads, *expected[1], None, torch.tensor([step]), None, None, *hyper)
+            adam_step_8bit_reference(expected[0], grads, *expected[1], None, torch.tensor([step]), None, None, hyper)
             with NewStorages() as recorder:
                 kernel(params, grads, *states, None, torch.tensor([step]), None, None, *hyper)
             assert not any("foreach" in op or "cat" in op for op in recorder.ops), recorder.ops

@@ -1,9 +1,13 @@
 """Optimizers whose state lives in flat chunks updated by fused kernels.
 
 ``ChunkedAdam`` / ``ChunkedAdamW`` replace ``torch.optim.Adam`` / ``AdamW``
-with no other change; see :mod:`effilayers.optim.adam`.
+with no other change; see :mod:`effilayers.optim.adam`. Imports go one way:
+adam (the classes) -> offload, state -> chunks -> functional -> effilayers.ops.
 """
 
-from .adam import DEFAULT_CHUNK_SIZE, ChunkedAdam, ChunkedAdamW, chunked_adam
+from ..ops.adam import AdamHyperParams
+from .adam import DEFAULT_CHUNK_SIZE, ChunkedAdam, ChunkedAdamW
+from .functional import chunked_adam, chunked_adam_8bit
 
-__all__ = ["ChunkedAdam", "ChunkedAdamW", "chunked_adam", "DEFAULT_CHUNK_SIZE"]
+__all__ = ["ChunkedAdam", "ChunkedAdamW", "chunked_adam", "chunked_adam_8bit", "AdamHyperParams",
+           "DEFAULT_CHUNK_SIZE"]

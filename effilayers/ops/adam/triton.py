@@ -20,7 +20,7 @@ small int64 tables on the device (the multi-tensor-apply pattern):
 
 The addresses are those of the parameters' and gradients' memory (a dense
 tensor's ``data_ptr`` is its lowest address, in any permuted layout), and a
-gradient has its parameter's strides (``check_adam_arguments``; the optimizer
+gradient has its parameter's strides (``contract.check_adam_arguments``; the optimizer
 copies a gradient of another layout into the parameter's first), so element
 ``k`` of a parameter's memory, of its gradient's and ``first + k`` of the
 state buffers belong together. Offsets are int64 throughout: a parameter
@@ -60,7 +60,7 @@ codes, whose blocks are always aligned); what that costs in bandwidth is
 unmeasured. Real models' parameters are almost always aligned (separate
 allocations, sizes multiples of 8).
 
-Host work per call: the argument checks, one pass over the parameters
+Host work per call (after the op's argument checks): one pass over the parameters
 reading numel and the two addresses, and two dictionary lookups. The tile
 table depends only on the numels, the parameter table on the addresses too;
 both stay on the device in small caches (``_TILE_TABLES``,
@@ -90,14 +90,15 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-from ..ops.adam import QUANT_BLOCK, check_adam_8bit_arguments, check_adam_arguments, memory_flat, padded_numel
-from .._core.cache import TableCache
+from ..._core.cache import TableCache
+from ..._core.layout import memory_flat
+from .contract import QUANT_BLOCK, AdamHyperParams, op_kernel, padded_numel
 
 # 1024 elements x (p, g, m, v) per program: enough bytes in flight per SM for
 # a memory-bound update; 4 warps keep 8 elements per thread.
@@ -156,6 +157,42 @@ def _locate(parameter_table, tile_table, first_param, first_grad, n, SINGLE: tl.
 
 
 @triton.jit
+def _bias_corrections(step_ptr, lr, log_beta1, log_beta2):
+    """(step size, square root of the second bias correction) for the step
+    number in device memory. log(beta) comes from the host in float64
+    rounded once: beta2 = 0.999 rounded to float32 first would move
+    log(beta2) by 3e-5 relative."""
+    step = tl.load(step_ptr).to(tl.float32)
+    bias_correction1 = 1.0 - tl.exp(step * log_beta1)
+    bias_correction2_sqrt = tl.sqrt(1.0 - tl.exp(step * log_beta2))
+    return lr / bias_correction1, bias_correction2_sqrt
+
+
+@triton.jit
+def _gradient_and_parameter(grad_ptr, param_ptr, master_ptr, offsets, states, mask, state_mask, grad_scale_ptr,
+                            weight_decay, decay_factor, HAS_MASTER: tl.constexpr, SCALED: tl.constexpr,
+                            MAXIMIZE: tl.constexpr, HAS_WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr):
+    """The gradient (unscaled, signed, plus L2 decay) and the parameter
+    (the master where kept, decoupled decay applied) in float32. ``mask``
+    covers the parameter's elements, ``state_mask`` the state elements."""
+    g = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    if SCALED:
+        g = g / tl.load(grad_scale_ptr).to(tl.float32)
+    if MAXIMIZE:
+        g = -g
+    if HAS_MASTER:
+        p = tl.load(master_ptr + states, mask=state_mask, other=0.0)
+    else:
+        p = tl.load(param_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    if HAS_WEIGHT_DECAY:
+        if DECOUPLED:
+            p = p * decay_factor
+        else:
+            g = g + weight_decay * p
+    return g, p
+
+
+@triton.jit
 def _adam_kernel(parameter_table, tile_table, first_param, first_grad, n, exp_avg_ptr, exp_avg_sq_ptr,
                  max_exp_avg_sq_ptr, master_ptr, step_ptr, grad_scale_ptr, found_inf_ptr,
                  lr, log_beta1, log_beta2, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, decay_factor,
@@ -171,27 +208,10 @@ def _adam_kernel(parameter_table, tile_table, first_param, first_grad, n, exp_av
         limit = tl.where(tl.load(found_inf_ptr) == 0, numel, 0)
     mask = offsets < limit
     states = state_first + offsets
-    step = tl.load(step_ptr).to(tl.float32)
-    # log(beta) comes from the host in float64 rounded once: beta2 = 0.999
-    # rounded to float32 first would move log(beta2) by 3e-5 relative.
-    bias_correction1 = 1.0 - tl.exp(step * log_beta1)
-    bias_correction2_sqrt = tl.sqrt(1.0 - tl.exp(step * log_beta2))
-    step_size = lr / bias_correction1
-
-    g = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    if SCALED:
-        g = g / tl.load(grad_scale_ptr).to(tl.float32)
-    if MAXIMIZE:
-        g = -g
-    if HAS_MASTER:
-        p = tl.load(master_ptr + states, mask=mask, other=0.0)
-    else:
-        p = tl.load(param_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    if HAS_WEIGHT_DECAY:
-        if DECOUPLED:
-            p = p * decay_factor
-        else:
-            g = g + weight_decay * p
+    step_size, bias_correction2_sqrt = _bias_corrections(step_ptr, lr, log_beta1, log_beta2)
+    g, p = _gradient_and_parameter(grad_ptr, param_ptr, master_ptr, offsets, states, mask, mask, grad_scale_ptr,
+                                   weight_decay, decay_factor, HAS_MASTER, SCALED, MAXIMIZE, HAS_WEIGHT_DECAY,
+                                   DECOUPLED)
     m = tl.load(exp_avg_ptr + states, mask=mask, other=0.0).to(tl.float32)
     m = m + one_minus_beta1 * (g - m)
     v = tl.load(exp_avg_sq_ptr + states, mask=mask, other=0.0).to(tl.float32)
@@ -312,28 +332,36 @@ def _on_parameter_device(launcher: Callable) -> Callable:
     return guarded
 
 
-@_on_parameter_device
-def adam_step_triton(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, master, step, grad_scale, found_inf,
-                     lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay, maximize) -> None:
-    check_adam_arguments(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, master, step)
-    if params[0].dtype == torch.float64:
-        raise TypeError("adam_step_ (triton): float64 parameters are not supported on the GPU kernel")
-    operands = _operands(params, grads, exp_avg.dtype, padded=False)
+def _launch(kernel, operands: _Operands, states: Sequence[torch.Tensor], master: Optional[torch.Tensor],
+            stand_in: torch.Tensor, step: torch.Tensor, grad_scale: Optional[torch.Tensor],
+            found_inf: Optional[torch.Tensor], amsgrad: bool, hyper: AdamHyperParams, **constants) -> None:
+    """``kernel`` over the operands' programs. Absent optional tensors are
+    passed as a stand-in of their dtype (never read: the kernel is
+    specialised on their absence); ``states`` already hold stand-ins."""
     if operands.programs == 0:
         return
-    dummy = exp_avg
-    _adam_kernel[(operands.programs,)](
-        *operands[:5], exp_avg, exp_avg_sq,
-        max_exp_avg_sq if max_exp_avg_sq is not None else dummy,
-        master if master is not None else dummy,
+    kernel[(operands.programs,)](
+        *operands[:5], *states, master if master is not None else stand_in,
         step, grad_scale if grad_scale is not None else step, found_inf if found_inf is not None else step,
-        float(lr), _log(beta1), _log(beta2), float(beta2), float(1.0 - beta1), float(1.0 - beta2), float(eps),
-        float(weight_decay), float(1.0 - lr * weight_decay),
+        hyper.lr, _log(hyper.beta1), _log(hyper.beta2), hyper.beta2, 1.0 - hyper.beta1, 1.0 - hyper.beta2,
+        hyper.eps, hyper.weight_decay, 1.0 - hyper.lr * hyper.weight_decay,
         SINGLE=operands.single, ALIGNED=operands.aligned, VECTOR=operands.vector, HAS_MASTER=master is not None,
-        AMSGRAD=max_exp_avg_sq is not None, SCALED=grad_scale is not None, CHECK_INF=found_inf is not None,
-        DECOUPLED=bool(decoupled_weight_decay), MAXIMIZE=bool(maximize), HAS_WEIGHT_DECAY=weight_decay != 0,
-        BLOCK=BLOCK, num_warps=NUM_WARPS,
+        AMSGRAD=amsgrad, SCALED=grad_scale is not None, CHECK_INF=found_inf is not None,
+        DECOUPLED=hyper.decoupled_weight_decay, MAXIMIZE=hyper.maximize, HAS_WEIGHT_DECAY=hyper.weight_decay != 0,
+        num_warps=NUM_WARPS, **constants,
     )
+
+
+@op_kernel
+@_on_parameter_device
+def adam_step_triton(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, master, step, grad_scale, found_inf,
+                     hyper: AdamHyperParams) -> None:
+    if params[0].dtype == torch.float64:
+        raise TypeError("adam_step_ (triton): float64 parameters are not supported on the GPU kernel")
+    amsgrad = max_exp_avg_sq is not None
+    _launch(_adam_kernel, _operands(params, grads, exp_avg.dtype, padded=False),
+            (exp_avg, exp_avg_sq, max_exp_avg_sq if amsgrad else exp_avg), master, exp_avg, step, grad_scale,
+            found_inf, amsgrad, hyper, BLOCK=BLOCK)
 
 
 # -- 8-bit block-quantized states ------------------------------------------------
@@ -371,10 +399,7 @@ def _adam_8bit_kernel(parameter_table, tile_table, first_param, first_grad, n, e
     mask = block_mask[:, None]
     blocks = state_first // QBLOCK + local_blocks
     states = state_first + elements
-    step = tl.load(step_ptr).to(tl.float32)
-    bias_correction1 = 1.0 - tl.exp(step * log_beta1)
-    bias_correction2_sqrt = tl.sqrt(1.0 - tl.exp(step * log_beta2))
-    step_size = lr / bias_correction1
+    step_size, bias_correction2_sqrt = _bias_corrections(step_ptr, lr, log_beta1, log_beta2)
 
     # decode: m = sign(q) (|q|/127)^2 a,  v = (q/255)^4 a
     q_m = tl.load(exp_avg_ptr + states, mask=mask, other=0).to(tl.float32)
@@ -385,20 +410,9 @@ def _adam_8bit_kernel(parameter_table, tile_table, first_param, first_grad, n, e
     t = t * t
     v = (t * t) * tl.load(exp_avg_sq_absmax_ptr + blocks, mask=block_mask, other=0.0)[:, None]
 
-    g = tl.load(grad_ptr + elements, mask=element_mask, other=0.0).to(tl.float32)
-    if SCALED:
-        g = g / tl.load(grad_scale_ptr).to(tl.float32)
-    if MAXIMIZE:
-        g = -g
-    if HAS_MASTER:
-        p = tl.load(master_ptr + states, mask=mask, other=0.0)
-    else:
-        p = tl.load(param_ptr + elements, mask=element_mask, other=0.0).to(tl.float32)
-    if HAS_WEIGHT_DECAY:
-        if DECOUPLED:
-            p = p * decay_factor
-        else:
-            g = g + weight_decay * p
+    g, p = _gradient_and_parameter(grad_ptr, param_ptr, master_ptr, elements, states, element_mask, mask,
+                                   grad_scale_ptr, weight_decay, decay_factor, HAS_MASTER, SCALED, MAXIMIZE,
+                                   HAS_WEIGHT_DECAY, DECOUPLED)
     m = m + one_minus_beta1 * (g - m)
     v = v * beta2 + one_minus_beta2 * g * g
     v_hat = v
@@ -451,28 +465,16 @@ def _encode_unsigned(v, codes_ptr, absmax_ptr, offsets, blocks, mask, block_mask
     tl.store(absmax_ptr + blocks, absmax, mask=block_mask)
 
 
+@op_kernel
 @_on_parameter_device
 def adam_step_8bit_triton(params, grads, exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax, max_exp_avg_sq,
-                          max_exp_avg_sq_absmax, master, step, grad_scale, found_inf,
-                          lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay, maximize) -> None:
+                          max_exp_avg_sq_absmax, master, step, grad_scale, found_inf, hyper: AdamHyperParams) -> None:
     """Like adam_step_triton, on the padded layout: the parameter table's
     state offsets follow the padded spans, and a tile is four whole blocks of
     one parameter."""
-    check_adam_8bit_arguments(params, grads, exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax,
-                              max_exp_avg_sq, max_exp_avg_sq_absmax, master, step)
-    operands = _operands(params, grads, exp_avg.dtype, padded=True)
-    if operands.programs == 0:
-        return
     amsgrad = max_exp_avg_sq is not None
-    _adam_8bit_kernel[(operands.programs,)](
-        *operands[:5], exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax,
-        max_exp_avg_sq if amsgrad else exp_avg_sq, max_exp_avg_sq_absmax if amsgrad else exp_avg_sq_absmax,
-        master if master is not None else exp_avg_absmax,
-        step, grad_scale if grad_scale is not None else step, found_inf if found_inf is not None else step,
-        float(lr), _log(beta1), _log(beta2), float(beta2), float(1.0 - beta1), float(1.0 - beta2), float(eps),
-        float(weight_decay), float(1.0 - lr * weight_decay),
-        SINGLE=operands.single, ALIGNED=operands.aligned, VECTOR=operands.vector, HAS_MASTER=master is not None,
-        AMSGRAD=amsgrad, SCALED=grad_scale is not None,
-        CHECK_INF=found_inf is not None, DECOUPLED=bool(decoupled_weight_decay), MAXIMIZE=bool(maximize),
-        HAS_WEIGHT_DECAY=weight_decay != 0, QBLOCK=QUANT_BLOCK, ROWS=BLOCKS_PER_PROGRAM, num_warps=NUM_WARPS,
-    )
+    states = (exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax, max_exp_avg_sq if amsgrad else exp_avg_sq,
+              max_exp_avg_sq_absmax if amsgrad else exp_avg_sq_absmax)
+    _launch(_adam_8bit_kernel, _operands(params, grads, exp_avg.dtype, padded=True), states, master,
+            exp_avg_absmax, step, grad_scale, found_inf, amsgrad, hyper, QBLOCK=QUANT_BLOCK,
+            ROWS=BLOCKS_PER_PROGRAM)
