@@ -1,0 +1,92 @@
+"""How a call travels: host time of a layer against the PyTorch modules it
+replaces, where the kernels are too small for their own time to matter.
+
+    python -m pytest benchmarks/bench_call_path.py --benchmark-group-by=group
+
+Each test times its variants interleaved (blocks of calls taken in turn, so
+load from other processes falls on all of them alike), records the median
+time per call of each and the ratio to the PyTorch peer in ``extra_info``,
+and hands the effilayers variant to pytest-benchmark for its table. Targets
+(issue "Architecture"): InPlaceABN forward+backward on a small tensor <= 1.3x
+BatchNorm2d + LeakyReLU; ABN <= 1.0x BatchNorm2d + LeakyReLU in both layouts
+at the layer benchmark's shape.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from effilayers.nn import ABN, InPlaceABN
+
+SMALL = (2, 64, 8, 8)
+LAYER = (32, 64, 56, 56)
+
+
+def interleaved_medians(steps: dict, blocks: int, calls: int, warmup: int = 10) -> dict:
+    """Median seconds per call of each step, over ``blocks`` rounds in which
+    every step runs ``calls`` times in turn."""
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    times = {name: [] for name in steps}
+    for _ in range(blocks):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                step()
+            times[name].append((time.perf_counter() - start) / calls)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def training_step(module: nn.Module, shape, layout: str):
+    memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    source = torch.randn(shape).contiguous(memory_format=memory_format)
+    grad = torch.randn_like(source)
+
+    # A layer's input is a previous layer's output: a fresh non-leaf copy each call, for every variant alike.
+    def step():
+        module(source.clone()).backward(grad)
+
+    return step
+
+
+def _compare(benchmark, ours: str, shape, layout: str, blocks: int, calls: int) -> None:
+    channels = shape[1]
+    modules = {
+        "torch BatchNorm2d+LeakyReLU": nn.Sequential(nn.BatchNorm2d(channels), nn.LeakyReLU(0.01)),
+        "effilayers InPlaceABN": InPlaceABN(channels, activation_param=0.01),
+        "effilayers ABN": ABN(channels, activation_param=0.01),
+    }
+    steps = {name: training_step(module, shape, layout) for name, module in modules.items()}
+    medians = interleaved_medians(steps, blocks, calls)
+    peer = medians["torch BatchNorm2d+LeakyReLU"]
+    benchmark.group = f"call path cpu {'x'.join(map(str, shape))} {layout} threads={torch.get_num_threads()}"
+    benchmark.extra_info.update(
+        median_us={name: value * 1e6 for name, value in medians.items()},
+        ratio_to_torch={name: value / peer for name, value in medians.items()},
+    )
+    benchmark.pedantic(steps[ours], warmup_rounds=2, rounds=blocks)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_small_tensor_host_time(benchmark, layout):
+    """InPlaceABN / ABN forward+backward on 2x64x8x8: host overhead only.
+    Measured on one thread, so a second thread's scheduling does not blur
+    microsecond timings."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _compare(benchmark, "effilayers InPlaceABN", SMALL, layout, blocks=30, calls=50)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_layer_time(benchmark, layout):
+    """ABN / InPlaceABN forward+backward at the layer benchmark's CPU shape."""
+    _compare(benchmark, "effilayers ABN", LAYER, layout, blocks=7, calls=2)
