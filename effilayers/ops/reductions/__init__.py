@@ -93,8 +93,9 @@ bytes for fp16/bf16.
 """
 
 # op.py's sum/mean/... shadow the builtins inside this package, which uses none of them.
-from .contract import KINDS, as_three
-from .op import _reduce_op, mean, norm, std, sum, var
+# as_three and the custom op _reduce_op are imported from here by the tests.
+from .contract import KINDS, as_three  # noqa: F401
+from .op import _reduce_op, mean, norm, std, sum, var  # noqa: F401
 from .reference import reduce_reference, reduce_three_reference
 
 __all__ = ["sum", "mean", "var", "std", "norm", "reduce_reference", "reduce_three_reference", "KINDS"]

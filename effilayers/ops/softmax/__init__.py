@@ -40,10 +40,10 @@ Layouts
     kernels first make a contiguous copy of ``x`` (one input-sized buffer,
     freed when the op returns). One layout rule for the outputs of all three
     ops (and the gradient), on every backend and in the fake kernels that
-    ``torch.compile`` traces (:func:`contract.output_like`): the input's strides when
-    the input is dense and its dimensions around ``dim`` (the last one for
-    :func:`scaled_masked_softmax`) merge, else contiguous, also where a
-    kernel could have read the input in place. (``torch.softmax`` always
+    ``torch.compile`` traces (:func:`contract.output_like`): the input's
+    strides when the input is dense and its dimensions around ``dim`` (the
+    last one for :func:`scaled_masked_softmax`) merge, else contiguous, also
+    where a kernel could have read the input in place. (``torch.softmax`` always
     returns a contiguous tensor; the values are the same.)
 
     :func:`scaled_masked_softmax` reads ``mask`` through its broadcast
@@ -63,7 +63,6 @@ Autocast
     accumulation is float32 here anyway, the narrow output costs only its
     final rounding; pass ``dtype=torch.float32`` for a float32 output.
 """
-
 
 from .contract import SUPPORTED_DTYPES
 from .op import log_softmax, scaled_masked_softmax, softmax
