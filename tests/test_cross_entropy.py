@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 
 import effilayers
-import effilayers.kernels  # noqa: F401
 from effilayers import memory
 from effilayers.functional import cross_entropy
 from effilayers.nn import CrossEntropyLoss
@@ -61,7 +60,7 @@ def cpu_or_interpreter_device(request):
 def small_triton_block(monkeypatch):
     """Blocks of 8 classes, so rows of more than 8 classes run the Triton
     kernel's multi-block loop under the interpreter."""
-    from effilayers.kernels import cross_entropy as kernels
+    from effilayers.ops.cross_entropy import triton as kernels
 
     monkeypatch.setattr(kernels, "MAX_BLOCK", 8)
 
@@ -173,7 +172,7 @@ def test_long_rows_65537_classes(cpu_device, dtype):
 
 
 def test_triton_row_just_over_one_block(monkeypatch):
-    from effilayers.kernels import cross_entropy as kernels
+    from effilayers.ops.cross_entropy import triton as kernels
 
     # Skips only where Triton cannot run; fails instead under EFFILAYERS_REQUIRE_COMPILED=1 (CI).
     with required_backend(OP, "triton", "cpu"):
@@ -926,7 +925,7 @@ def test_module_inplace_backward():
 
 
 def test_opcheck():
-    from effilayers.ops.cross_entropy import _cross_entropy_forward, _cross_entropy_forward_
+    from effilayers.ops.cross_entropy.op import _cross_entropy_forward, _cross_entropy_forward_
 
     logits = make_logits((4, 7), torch.float32, "cpu")
     target = make_target((4,), 7, "cpu", ignore_every=3)
@@ -944,7 +943,7 @@ def test_opcheck():
 def test_opcheck_layouts(cpu_or_interpreter_device, layout):
     # Dense logits laid out other than contiguously: the gradient buffer the
     # real kernels fill must have the strides the fake kernel promises.
-    from effilayers.ops.cross_entropy import _cross_entropy_forward, _cross_entropy_forward_
+    from effilayers.ops.cross_entropy.op import _cross_entropy_forward, _cross_entropy_forward_
 
     utils = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
     base = make_logits((2, 3, 2, 3), torch.float32, cpu_or_interpreter_device)

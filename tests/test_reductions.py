@@ -189,7 +189,7 @@ def test_triton_multi_tile_and_split(monkeypatch, shape, dims, dtype):
     # Tiny tiles and a small program target so every output needs several
     # tiles and the long reductions split across programs (float64 combine).
     with required_backend("reduce", "triton", "cpu"):  # a failure, not a skip, under EFFILAYERS_REQUIRE_COMPILED=1
-        from effilayers.kernels import reductions as kernels
+        from effilayers.ops.reductions import triton as kernels
 
         monkeypatch.setattr(kernels, "TILE_ELEMENTS", 16)
         monkeypatch.setattr(kernels, "MAX_BLOCK_I", 4)

@@ -13,7 +13,9 @@ import effilayers
 import effilayers.nn as enn
 from effilayers import memory
 from effilayers.functional import log_softmax, scaled_masked_softmax, softmax
-from effilayers.ops import softmax as softmax_ops
+from effilayers._core.layout import three_groups
+from effilayers.ops.softmax import op as softmax_op
+from effilayers.ops.softmax import reference as softmax_reference
 
 from .conftest import (HAS_CUDA, REQUIRE_COMPILED, activate_backend, fake_cuda_autocast, far_apart_rows,
                        peak_rss_growth, poison_cpp_allocations)
@@ -73,12 +75,12 @@ def _forced(request, monkeypatch):
     if name == "cpp":
         poison_cpp_allocations(request)
 
-    def poisoned(x, dim, dtype, original=softmax_ops.output_like):
+    def poisoned(x, dim, dtype, original=softmax_reference.output_like):
         return original(x, dim, dtype).fill_(float("nan"))
 
-    monkeypatch.setattr(softmax_ops, "output_like", poisoned)
+    monkeypatch.setattr(softmax_reference, "output_like", poisoned)
     if name == "triton":
-        from effilayers.kernels import softmax as kernels
+        from effilayers.ops.softmax import triton as kernels
 
         monkeypatch.setattr(kernels, "output_like", poisoned)
         if device == "cpu":
@@ -238,7 +240,7 @@ def test_output_strides_follow_the_rule(backend):
     for layout in LAYOUTS:
         x, dim = laid_out(layout, device, torch.float32)
         y = softmax(x, dim)
-        rule = torch.empty(x.shape).stride() if softmax_ops.three_groups(x, (dim,)) is None \
+        rule = torch.empty(x.shape).stride() if three_groups(x, (dim,)) is None \
             else torch.empty_like(x).stride()
         assert y.stride() == rule, layout
 
@@ -308,7 +310,7 @@ def test_subnormal_outputs(backend):
                 assert float(y.flatten()[3]) == 2**-149  # exp(-103): the smallest float32 subnormal
     # The same exp in the log-softmax backward: g - exp(y) * sum(g) with y = -100
     y = torch.tensor([[0.0, -100.0]], device=device)
-    grad = softmax_ops._softmax_backward_op(torch.tensor([[1.0, 0.0]], device=device), y, 1, True, 1.0,
+    grad = softmax_op._softmax_backward_op(torch.tensor([[1.0, 0.0]], device=device), y, 1, True, 1.0,
                                             torch.float32)
     assert float(grad[0, 1].cpu()) == -float(torch.tensor(-100.0).exp())  # -3.8e-44
 
@@ -389,7 +391,7 @@ def test_mask_and_causal_with_fully_masked_rows(backend):
     float_mask[4] = -math.inf
     for m in (mask, float_mask):
         y = scaled_masked_softmax(x, m, scale=0.5, causal=True)
-        ref = softmax_ops.scaled_masked_softmax_forward_reference(x.detach().double().cpu(), m.cpu(), 0.5, True)
+        ref = softmax_reference.scaled_masked_softmax_forward_reference(x.detach().double().cpu(), m.cpu(), 0.5, True)
         assert_matches(y, ref, torch.float32, False)
         empty_rows = ~(m.cpu().bool() if m.dtype == torch.bool else m.cpu() > -math.inf)
         empty_rows = (empty_rows | ~torch.ones(6, 9, dtype=torch.bool).tril()).all(-1)
@@ -412,7 +414,7 @@ def test_mask_read_through_strides(backend):
     mask = (torch.rand(6, 6, generator=torch.Generator().manual_seed(1)) > 0.4).to(device)
     mask.fill_diagonal_(True)
     for m in (mask.t(), mask[None, None].expand(2, 4, 6, 6), mask.t().float().to(torch.float16)[None]):
-        ref = softmax_ops.scaled_masked_softmax_forward_reference(x.double().cpu(), m.contiguous().cpu(), 1.5, False)
+        ref = softmax_reference.scaled_masked_softmax_forward_reference(x.double().cpu(), m.contiguous().cpu(), 1.5, False)
         assert_matches(scaled_masked_softmax(x, m, 1.5), ref, torch.float16, False)
 
 
@@ -420,7 +422,7 @@ def test_masked_high_rank_and_transposed(backend):
     _, device = backend
     x = varied((2, 2, 3, 2, 4, 5), torch.float32, device, seed=13).transpose(0, 2)  # leading dims do not merge
     mask = torch.rand(1, 2, 1, 2, 4, 5, generator=torch.Generator().manual_seed(2)).to(device) > 0.5
-    ref = softmax_ops.scaled_masked_softmax_forward_reference(x.double().cpu(), mask.cpu(), 0.8, True)
+    ref = softmax_reference.scaled_masked_softmax_forward_reference(x.double().cpu(), mask.cpu(), 0.8, True)
     assert_matches(scaled_masked_softmax(x, mask, 0.8, causal=True), ref, torch.float32, False)
     x1 = varied((9,), torch.float32, device)  # 1-D: one row
     assert_matches(scaled_masked_softmax(x1, None, 2.0), torch.softmax(x1.double().cpu() * 2, 0), torch.float32, False)
@@ -452,14 +454,14 @@ def test_gradcheck_channels_last_and_masked(backend):
 def test_triton_fp32_backward_matches_reference():
     """The Triton backward in float32 against the reference backward (interpreter)."""
     context = activate_backend("softmax_backward", "triton", "cpu")
-    from effilayers.kernels import softmax as kernels
+    from effilayers.ops.softmax import triton as kernels
 
     try:
         for shape, dim in ((4, 45), 1), ((3, 40, 2), 1), ((5, 3), 0):
             y = torch.softmax(varied(shape, torch.float32), dim)
             g = varied(shape, torch.float32, seed=1)
             for log, out in ((False, y), (True, y.log())):
-                ref = softmax_ops.softmax_backward_reference(g, out, dim, log, 0.5, torch.float32)
+                ref = softmax_reference.softmax_backward_reference(g, out, dim, log, 0.5, torch.float32)
                 with pytest.MonkeyPatch.context() as patch:
                     for constant, value in INTERPRETER_LIMITS.items():
                         patch.setattr(kernels, constant, value)
@@ -827,13 +829,13 @@ def test_compile_fullgraph_matches_eager():
 
 def test_opcheck():
     x = varied((3, 4, 5), torch.float32).requires_grad_()
-    torch.library.opcheck(softmax_ops._softmax_forward_op, (x, 1, False, None))
-    torch.library.opcheck(softmax_ops._softmax_forward_op, (x.detach().half(), -1, True, torch.float32))
+    torch.library.opcheck(softmax_op._softmax_forward_op, (x, 1, False, None))
+    torch.library.opcheck(softmax_op._softmax_forward_op, (x.detach().half(), -1, True, torch.float32))
     xl = varied((2, 3, 4, 5), torch.float32).contiguous(memory_format=torch.channels_last)
-    torch.library.opcheck(softmax_ops._softmax_forward_op, (xl, 1, False, None))
-    torch.library.opcheck(softmax_ops._scaled_masked_softmax_op, (x, torch.rand(5) > 0.5, 0.5, True))
+    torch.library.opcheck(softmax_op._softmax_forward_op, (xl, 1, False, None))
+    torch.library.opcheck(softmax_op._scaled_masked_softmax_op, (x, torch.rand(5) > 0.5, 0.5, True))
     y = torch.softmax(x.detach(), 1)
-    torch.library.opcheck(softmax_ops._softmax_backward_op, (torch.randn_like(y), y, 1, False, 1.0, torch.float16))
+    torch.library.opcheck(softmax_op._softmax_backward_op, (torch.randn_like(y), y, 1, False, 1.0, torch.float16))
 
 
 # Dense layouts whose leading dimensions do not merge for the last dim: a
@@ -853,14 +855,14 @@ def test_opcheck_layouts(backend, layout):
     x = OPCHECK_LAYOUTS[layout](varied((2, 3, 4, 5), torch.float32, device, seed=21))
     mask = (torch.rand(5, generator=torch.Generator().manual_seed(3)) > 0.3).to(device)
     for args in ((x, None, 0.5, False), (x, mask, 0.5, True)):
-        torch.library.opcheck(softmax_ops._scaled_masked_softmax_op, args, test_utils=OPCHECK_UTILS)
+        torch.library.opcheck(softmax_op._scaled_masked_softmax_op, args, test_utils=OPCHECK_UTILS)
     for dim in (1, 3):
-        torch.library.opcheck(softmax_ops._softmax_forward_op, (x, dim, dim == 3, None), test_utils=OPCHECK_UTILS)
+        torch.library.opcheck(softmax_op._softmax_forward_op, (x, dim, dim == 3, None), test_utils=OPCHECK_UTILS)
         y = torch.softmax(x, dim)
         # the gradient's layout follows the saved output's: y contiguous, and y laid out like x
         for saved in (y.contiguous(), torch.empty_like(x).copy_(y)):
             for grad in (torch.randn_like(x), torch.randn(x.shape, device=device)):
-                torch.library.opcheck(softmax_ops._softmax_backward_op, (grad, saved, dim, False, 1.0, torch.float32),
+                torch.library.opcheck(softmax_op._softmax_backward_op, (grad, saved, dim, False, 1.0, torch.float32),
                                       test_utils=OPCHECK_UTILS)
     # In eager too: the leading dims do not merge, so the output is contiguous (the rule of output_like).
     assert scaled_masked_softmax(x, mask, 0.5).stride() == torch.empty(x.shape).stride()

@@ -8,7 +8,7 @@ backend    device       what it is
 ========== ============ ==================================================
 cpp        cpu          C++ kernels in csrc/cpu (library ``effilayers_cpu``)
 cuda       cuda         CUDA kernels in csrc/cuda (library ``effilayers_cuda``)
-triton     cuda         Triton kernels in effilayers/kernels; also on CPU
+triton     cuda         Triton kernels in effilayers/ops/<family>/triton.py; on CPU
                         tensors when ``TRITON_INTERPRET=1`` (that is how CI
                         runs them)
 reference  any          pure PyTorch; always there, slower, more memory

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..ops.cross_entropy import cross_entropy
+from ..ops.cross_entropy.contract import check_options
 
 __all__ = ["CrossEntropyLoss"]
 
@@ -40,13 +41,7 @@ class CrossEntropyLoss(nn.CrossEntropyLoss):
                  inplace_backward: bool = False) -> None:
         super().__init__(weight, size_average, ignore_index, reduce, reduction, label_smoothing)
         # torch checks these only at the first forward; a drop-in can say so at construction.
-        if self.reduction not in ("mean", "sum", "none"):
-            raise ValueError(f"CrossEntropyLoss: reduction must be one of 'mean', 'sum', 'none', got {reduction!r}")
-        if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) \
-                or not 0.0 <= label_smoothing <= 1.0:
-            raise ValueError(f"CrossEntropyLoss: label_smoothing must be a float in [0, 1], got {label_smoothing!r}")
-        if not isinstance(inplace_backward, bool):
-            raise TypeError(f"CrossEntropyLoss: inplace_backward must be a bool, got {inplace_backward!r}")
+        check_options("CrossEntropyLoss", self.reduction, label_smoothing, inplace_backward)
         self.inplace_backward = inplace_backward
 
     def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

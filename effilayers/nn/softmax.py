@@ -14,7 +14,6 @@ issued while tracing.
 from __future__ import annotations
 
 import warnings
-from typing import Optional
 
 import torch
 from torch import nn
@@ -39,26 +38,25 @@ def implicit_dim(name: str, ndim: int, stacklevel: int) -> int:
     return 0 if ndim in (0, 1, 3) else 1
 
 
-class Softmax(nn.Softmax):
+class _SoftmaxForward:
+    """The forward both modules share; ``_log`` picks the function."""
+
+    _log = False
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        name = "log_softmax" if self._log else "softmax"
+        # stacklevel 5: implicit_dim <- forward <- _call_impl <- _wrapped_call_impl <- the caller
+        dim = self.dim if self.dim is not None else implicit_dim(name, input.dim(), 5)
+        return (log_softmax if self._log else softmax)(input, dim)
+
+
+class Softmax(_SoftmaxForward, nn.Softmax):
     """``torch.nn.Softmax(dim=None)`` with fp32 accumulation and an
     output-only autograd record."""
 
-    def __init__(self, dim: Optional[int] = None) -> None:
-        super().__init__(dim)
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        # stacklevel 5: implicit_dim <- forward <- _call_impl <- _wrapped_call_impl <- the caller
-        dim = self.dim if self.dim is not None else implicit_dim("softmax", input.dim(), 5)
-        return softmax(input, dim)
-
-
-class LogSoftmax(nn.LogSoftmax):
+class LogSoftmax(_SoftmaxForward, nn.LogSoftmax):
     """``torch.nn.LogSoftmax(dim=None)`` with fp32 accumulation and an
     output-only autograd record."""
 
-    def __init__(self, dim: Optional[int] = None) -> None:
-        super().__init__(dim)
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        dim = self.dim if self.dim is not None else implicit_dim("log_softmax", input.dim(), 5)
-        return log_softmax(input, dim)
+    _log = True

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops.reductions import KINDS
+from ..._core.dtypes import accumulation_dtype
 
 # One tile holds at most 4096 values: 16 KiB of float32 spread over 4 warps
 # (32 values per thread), enough loads in flight to keep a memory-bound loop
@@ -63,7 +63,8 @@ def _pow2(d):
 
 @triton.jit
 def _reduce_kernel(x_ptr, a_ptr, b_ptr, e_ptr, R, I, stride_o, stride_r, stride_i, rows_per_split, splits,
-                   PARTIAL: tl.constexpr, SCALED: tl.constexpr, ACC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr):
+                   PARTIAL: tl.constexpr, SCALED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr):
+    ACC = a_ptr.dtype.element_ty  # the partials are in the accumulation dtype
     pid = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1).to(tl.int64)
     i_blocks = tl.cdiv(I, BLOCK_I)
@@ -146,8 +147,6 @@ def _config(outer: int, reduced: int, inner: int):
 
 
 def reduce_triton(x: torch.Tensor, out: torch.Tensor, kind: str, correction: float) -> None:
-    if kind not in KINDS:
-        raise ValueError(f"reduce: kind must be one of {', '.join(KINDS)}, got {kind!r}")
     outer, reduced, inner = x.shape
     stride_o, stride_r, stride_i = x.stride()
     if out.numel() == 0:
@@ -168,15 +167,14 @@ def reduce_triton(x: torch.Tensor, out: torch.Tensor, kind: str, correction: flo
     outputs = outer * inner
     # float64 input accumulates in float64 (no scaling: not part of the
     # fp16/bf16 contract); everything else in float32.
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(x.dtype)
     a = torch.empty(outputs * splits, dtype=acc, device=x.device)
     b = torch.empty_like(a) if partial == 2 else a
     scaled = x.dtype in (torch.bfloat16, torch.float32)
     e = torch.empty(outputs * splits, dtype=torch.int32, device=x.device) if scaled else a
     grid = (outer * triton.cdiv(inner, block_i), splits)
     _reduce_kernel[grid](x, a, b, e, reduced, inner, stride_o, stride_r, stride_i, rows_per_split, splits,
-                         PARTIAL=partial, SCALED=scaled,
-                         ACC=tl.float64 if acc == torch.float64 else tl.float32, BLOCK_R=block_r, BLOCK_I=block_i, num_warps=NUM_WARPS)
+                         PARTIAL=partial, SCALED=scaled, BLOCK_R=block_r, BLOCK_I=block_i, num_warps=NUM_WARPS)
     shape = (outputs, splits)
     power = e.view(shape).to(torch.float64) if scaled else torch.zeros(shape, dtype=torch.float64, device=x.device)
     value = a.view(shape).to(torch.float64)

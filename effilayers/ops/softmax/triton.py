@@ -39,9 +39,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .._core.layout import three_groups
-from ..ops.softmax import (_check_backward_arguments, _check_dim, _check_dtype, _check_masked_arguments,
-                           _check_tensor, accumulation_dtype, output_like, readable)
+from ..._core.dtypes import accumulation_dtype
+from ..._core.layout import three_groups
+from .contract import output_like, wrap_dim
 
 # Longest row held in registers in one block: 32768 fp32 values at 32 warps
 # is 32 values per thread, within the register file of current GPUs without
@@ -68,8 +68,103 @@ def _tile_warps(tile: int) -> int:
     return 4 if tile <= 2048 else 8
 
 
-def _acc(dtype: torch.dtype):
-    return tl.float64 if dtype == torch.float64 else tl.float32
+def _acc(*dtypes: torch.dtype):
+    """The Triton type of ``accumulation_dtype(*dtypes)``."""
+    return getattr(tl, str(accumulation_dtype(*dtypes)).split(".")[-1])
+
+
+def _groups(t: torch.Tensor, dim: int):
+    """``t`` as (outer, reduced, inner) around ``dim``; a 0-dim tensor as one row of one value."""
+    return three_groups(t, (dim,)) if t.dim() > 0 else three_groups(t.reshape(1), (0,))
+
+
+def _readable(t: torch.Tensor, dim: int):
+    """``(t or a contiguous copy, its groups)``: the copy is made only when the
+    dimensions around ``dim`` do not merge (the documented input-sized copy)."""
+    groups = _groups(t, dim)
+    if groups is None:
+        t = t.contiguous()
+        groups = _groups(t, dim)
+    return t, groups
+
+
+@triton.jit
+def _tile_indices(inner, inner_blocks, BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr):
+    """This program's outer index, the ``BLOCK_R`` row offsets of a tile, its
+    ``BLOCK_I`` inner columns and which of those exist (all int64)."""
+    pid = tl.program_id(0).to(tl.int64)
+    columns = (pid % inner_blocks) * BLOCK_I + tl.arange(0, BLOCK_I).to(tl.int64)
+    return pid // inner_blocks, tl.arange(0, BLOCK_R).to(tl.int64), columns, columns < inner
+
+
+@triton.jit
+def _finite_shift(maximum):
+    # A maximum of -inf (nothing but -inf seen yet) shifts by 0, so exp never sees -inf - -inf.
+    return tl.where(maximum == float("-inf"), 0.0, maximum)
+
+
+@triton.jit
+def _softmax_in_registers(z, LOG: tl.constexpr):
+    """(Log-)softmax along axis 0 of values held in registers (-inf outside the row)."""
+    shift = _finite_shift(tl.max(z, axis=0))
+    exps = tl.exp(z - shift)
+    total = tl.sum(exps, axis=0)
+    safe_total = tl.where(total == 0, 1.0, total)  # no 0/0 or log(0) even in discarded lanes
+    if LOG:
+        result = tl.where(total == 0, float("-inf"), (z - shift) - tl.log(safe_total))
+    else:
+        result = tl.where(total == 0, 0.0, exps / safe_total)
+    return result
+
+
+@triton.jit
+def _online_step(lane_max, lane_sum, z):
+    """One block of the online pass: the running per-lane maximum and sum of
+    exponentials, the sum rescaled by exp(old_max - new_max)."""
+    new_max = tl.maximum(lane_max, z)
+    # _finite_shift written out: through the nested call the tile kernel
+    # compiled to more registers on sm_90, and fitted one block fewer per SM.
+    shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+    return new_max, lane_sum * tl.exp(lane_max - shift) + tl.exp(z - shift)
+
+
+@triton.jit
+def _online_totals(lane_max, lane_sum):
+    """From the online pass (along axis 0): the shift, the sum of
+    exponentials, the log of that sum and its inverse (0 for an empty row)."""
+    shift = _finite_shift(tl.max(lane_max, axis=0))
+    total = tl.sum(lane_sum * tl.exp(lane_max - shift), axis=0)
+    safe_total = tl.where(total == 0, 1.0, total)
+    return shift, total, tl.log(safe_total), tl.where(total == 0, 0.0, 1.0 / safe_total)
+
+
+@triton.jit
+def _online_result(z, shift, total, log_total, inverse, LOG: tl.constexpr):
+    if LOG:
+        result = tl.where(total == 0, float("-inf"), (z - shift) - log_total)
+    else:
+        result = tl.exp(z - shift) * inverse
+    return result
+
+
+@triton.jit
+def _grad_total(g, y, LOG: tl.constexpr):
+    """sum(g) for log-softmax, sum(g * y) for softmax, along axis 0."""
+    if LOG:
+        total = tl.sum(g, axis=0)
+    else:
+        total = tl.sum(g * y, axis=0)
+    return total
+
+
+@triton.jit
+def _input_grad(g, y, total, scale, LOG: tl.constexpr):
+    """scale * (g - exp(y) * sum(g)) for log-softmax, scale * y * (g - sum(g * y)) for softmax."""
+    if LOG:
+        result = (g - tl.exp(y) * total) * scale
+    else:
+        result = y * (g - total) * scale
+    return result
 
 
 @triton.jit
@@ -105,38 +200,19 @@ def _row_forward(x_ptr, mask_ptr, out_ptr, size1, size2,
     lanes = tl.arange(0, BLOCK).to(tl.int64)
     if SINGLE:
         z = _masked_scores(x_row, mask_row, lanes, n_cols, sx3, sm3, i2, scale, MASK_KIND, CAUSAL, ACC)
-        row_max = tl.max(z, axis=0)
-        shift = tl.where(row_max == float("-inf"), 0.0, row_max)
-        exps = tl.exp(z - shift)
-        total = tl.sum(exps, axis=0)
-        safe_total = tl.where(total == 0, 1.0, total)  # no 0/0 or log(0) even in discarded lanes
-        if LOG:
-            result = tl.where(total == 0, float("-inf"), (z - shift) - tl.log(safe_total))
-        else:
-            result = tl.where(total == 0, 0.0, exps / safe_total)
+        result = _softmax_in_registers(z, LOG)
         tl.store(out_row + lanes * so3, result.to(out_ptr.dtype.element_ty), mask=lanes < n_cols)
     else:
         lane_max = tl.full([BLOCK], float("-inf"), ACC)
         lane_sum = tl.zeros([BLOCK], ACC)
         for start in range(0, n_cols, BLOCK):
             z = _masked_scores(x_row, mask_row, start + lanes, n_cols, sx3, sm3, i2, scale, MASK_KIND, CAUSAL, ACC)
-            new_max = tl.maximum(lane_max, z)
-            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-            lane_sum = lane_sum * tl.exp(lane_max - shift) + tl.exp(z - shift)
-            lane_max = new_max
-        row_max = tl.max(lane_max, axis=0)
-        shift = tl.where(row_max == float("-inf"), 0.0, row_max)
-        total = tl.sum(lane_sum * tl.exp(lane_max - shift), axis=0)
-        safe_total = tl.where(total == 0, 1.0, total)
-        log_total = tl.log(safe_total)
-        inverse = tl.where(total == 0, 0.0, 1.0 / safe_total)
+            lane_max, lane_sum = _online_step(lane_max, lane_sum, z)
+        shift, total, log_total, inverse = _online_totals(lane_max, lane_sum)
         for start in range(0, n_cols, BLOCK):
             cols = start + lanes
             z = _masked_scores(x_row, mask_row, cols, n_cols, sx3, sm3, i2, scale, MASK_KIND, CAUSAL, ACC)
-            if LOG:
-                result = tl.where(total == 0, float("-inf"), (z - shift) - log_total)
-            else:
-                result = tl.exp(z - shift) * inverse
+            result = _online_result(z, shift, total, log_total, inverse, LOG)
             tl.store(out_row + cols * so3, result.to(out_ptr.dtype.element_ty), mask=cols < n_cols)
 
 
@@ -145,25 +221,15 @@ def _tile_forward(x_ptr, out_ptr, reduced, inner, inner_blocks,
                   sxo, sxr, sxi, soo, sor, soi,
                   LOG: tl.constexpr, SINGLE: tl.constexpr, ACC: tl.constexpr,
                   BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    outer_index = pid // inner_blocks
-    columns = (pid % inner_blocks) * BLOCK_I + tl.arange(0, BLOCK_I).to(tl.int64)
-    rows = tl.arange(0, BLOCK_R).to(tl.int64)
-    column_ok = columns < inner
+    # Reduces along axis 0 of (BLOCK_R, BLOCK_I) tiles; the per-column
+    # results broadcast back over the tile.
+    outer_index, rows, columns, column_ok = _tile_indices(inner, inner_blocks, BLOCK_R, BLOCK_I)
     x_base = x_ptr + outer_index * sxo + columns[None, :] * sxi
     out_base = out_ptr + outer_index * soo + columns[None, :] * soi
     if SINGLE:
         inside = (rows[:, None] < reduced) & column_ok[None, :]
         z = tl.load(x_base + rows[:, None] * sxr, mask=inside, other=float("-inf")).to(ACC)
-        col_max = tl.max(z, axis=0)
-        shift = tl.where(col_max == float("-inf"), 0.0, col_max)
-        exps = tl.exp(z - shift[None, :])
-        total = tl.sum(exps, axis=0)
-        safe_total = tl.where(total == 0, 1.0, total)
-        if LOG:
-            result = tl.where(total[None, :] == 0, float("-inf"), (z - shift[None, :]) - tl.log(safe_total)[None, :])
-        else:
-            result = tl.where(total[None, :] == 0, 0.0, exps / safe_total[None, :])
+        result = _softmax_in_registers(z, LOG)
         tl.store(out_base + rows[:, None] * sor, result.to(out_ptr.dtype.element_ty), mask=inside)
     else:
         lane_max = tl.full([BLOCK_R, BLOCK_I], float("-inf"), ACC)
@@ -172,24 +238,13 @@ def _tile_forward(x_ptr, out_ptr, reduced, inner, inner_blocks,
             r = start + rows
             inside = (r[:, None] < reduced) & column_ok[None, :]
             z = tl.load(x_base + r[:, None] * sxr, mask=inside, other=float("-inf")).to(ACC)
-            new_max = tl.maximum(lane_max, z)
-            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-            lane_sum = lane_sum * tl.exp(lane_max - shift) + tl.exp(z - shift)
-            lane_max = new_max
-        col_max = tl.max(lane_max, axis=0)
-        shift = tl.where(col_max == float("-inf"), 0.0, col_max)
-        total = tl.sum(lane_sum * tl.exp(lane_max - shift[None, :]), axis=0)
-        safe_total = tl.where(total == 0, 1.0, total)
-        log_total = tl.log(safe_total)
-        inverse = tl.where(total == 0, 0.0, 1.0 / safe_total)
+            lane_max, lane_sum = _online_step(lane_max, lane_sum, z)
+        shift, total, log_total, inverse = _online_totals(lane_max, lane_sum)
         for start in range(0, reduced, BLOCK_R):
             r = start + rows
             inside = (r[:, None] < reduced) & column_ok[None, :]
             z = tl.load(x_base + r[:, None] * sxr, mask=inside, other=float("-inf")).to(ACC)
-            if LOG:
-                result = tl.where(total[None, :] == 0, float("-inf"), (z - shift[None, :]) - log_total[None, :])
-            else:
-                result = tl.exp(z - shift[None, :]) * inverse[None, :]
+            result = _online_result(z, shift, total, log_total, inverse, LOG)
             tl.store(out_base + r[:, None] * sor, result.to(out_ptr.dtype.element_ty), mask=inside)
 
 
@@ -205,10 +260,8 @@ def _row_backward(g_ptr, y_ptr, out_ptr, sgo, sgr, syo, syr, soo, sor, n_cols, s
         inside = lanes < n_cols
         g = tl.load(g_row + lanes * sgr, mask=inside, other=0.0).to(ACC)
         y = tl.load(y_row + lanes * syr, mask=inside, other=0.0).to(ACC)
-        if LOG:
-            result = (g - tl.exp(y) * tl.sum(g, axis=0)) * scale
-        else:
-            result = y * (g - tl.sum(g * y, axis=0)) * scale
+        total = _grad_total(g, y, LOG)
+        result = _input_grad(g, y, total, scale, LOG)
         tl.store(out_row + lanes * sor, result.to(out_ptr.dtype.element_ty), mask=inside)
     else:
         partial = tl.zeros([BLOCK], ACC)
@@ -226,10 +279,7 @@ def _row_backward(g_ptr, y_ptr, out_ptr, sgo, sgr, syo, syr, soo, sor, n_cols, s
             inside = cols < n_cols
             g = tl.load(g_row + cols * sgr, mask=inside, other=0.0).to(ACC)
             y = tl.load(y_row + cols * syr, mask=inside, other=0.0).to(ACC)
-            if LOG:
-                result = (g - tl.exp(y) * total) * scale
-            else:
-                result = y * (g - total) * scale
+            result = _input_grad(g, y, total, scale, LOG)
             tl.store(out_row + cols * sor, result.to(out_ptr.dtype.element_ty), mask=inside)
 
 
@@ -238,11 +288,7 @@ def _tile_backward(g_ptr, y_ptr, out_ptr, reduced, inner, inner_blocks,
                    sgo, sgr, sgi, syo, syr, syi, soo, sor, soi, scale,
                    LOG: tl.constexpr, SINGLE: tl.constexpr, ACC: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    outer_index = pid // inner_blocks
-    columns = (pid % inner_blocks) * BLOCK_I + tl.arange(0, BLOCK_I).to(tl.int64)
-    rows = tl.arange(0, BLOCK_R).to(tl.int64)
-    column_ok = columns < inner
+    outer_index, rows, columns, column_ok = _tile_indices(inner, inner_blocks, BLOCK_R, BLOCK_I)
     g_base = g_ptr + outer_index * sgo + columns[None, :] * sgi
     y_base = y_ptr + outer_index * syo + columns[None, :] * syi
     out_base = out_ptr + outer_index * soo + columns[None, :] * soi
@@ -250,10 +296,8 @@ def _tile_backward(g_ptr, y_ptr, out_ptr, reduced, inner, inner_blocks,
         inside = (rows[:, None] < reduced) & column_ok[None, :]
         g = tl.load(g_base + rows[:, None] * sgr, mask=inside, other=0.0).to(ACC)
         y = tl.load(y_base + rows[:, None] * syr, mask=inside, other=0.0).to(ACC)
-        if LOG:
-            result = (g - tl.exp(y) * tl.sum(g, axis=0)[None, :]) * scale
-        else:
-            result = y * (g - tl.sum(g * y, axis=0)[None, :]) * scale
+        total = _grad_total(g, y, LOG)
+        result = _input_grad(g, y, total, scale, LOG)
         tl.store(out_base + rows[:, None] * sor, result.to(out_ptr.dtype.element_ty), mask=inside)
     else:
         partial = tl.zeros([BLOCK_R, BLOCK_I], ACC)
@@ -271,10 +315,7 @@ def _tile_backward(g_ptr, y_ptr, out_ptr, reduced, inner, inner_blocks,
             inside = (r[:, None] < reduced) & column_ok[None, :]
             g = tl.load(g_base + r[:, None] * sgr, mask=inside, other=0.0).to(ACC)
             y = tl.load(y_base + r[:, None] * syr, mask=inside, other=0.0).to(ACC)
-            if LOG:
-                result = (g - tl.exp(y) * total[None, :]) * scale
-            else:
-                result = y * (g - total[None, :]) * scale
+            result = _input_grad(g, y, total, scale, LOG)
             tl.store(out_base + r[:, None] * sor, result.to(out_ptr.dtype.element_ty), mask=inside)
 
 
@@ -311,16 +352,14 @@ def _launch_row_forward(x, mask, out, sizes, x_strides, mask_strides, out_stride
 
 
 def softmax_forward(x: torch.Tensor, dim: int, log: bool, dtype) -> torch.Tensor:
-    _check_tensor(x, "softmax_forward")
-    _check_dtype(dtype, "softmax_forward")
-    dim = _check_dim(dim, x.dim(), "softmax_forward")
+    dim = wrap_dim(dim, x.dim())
     out_dtype = x.dtype if dtype is None else dtype
     out = output_like(x, dim, out_dtype)
     if x.numel() == 0:
         return out
-    source, xg = readable(x, dim)
-    og = three_groups(out, (dim,)) if out.dim() > 0 else three_groups(out.reshape(1), (0,))
-    acc = _acc(accumulation_dtype(x.dtype, out_dtype))
+    source, xg = _readable(x, dim)
+    og = _groups(out, dim)
+    acc = _acc(x.dtype, out_dtype)
     if xg.inner == 1:
         _launch_row_forward(source, None, out, (xg.outer, 1, 1), (xg.outer_stride, 0, 0, xg.reduced_stride),
                             (0, 0, 0, 0), (og.outer_stride, 0, 0, og.reduced_stride), xg.reduced, 1.0, 0, False,
@@ -338,15 +377,14 @@ def softmax_forward(x: torch.Tensor, dim: int, log: bool, dtype) -> torch.Tensor
 
 def softmax_backward(grad: torch.Tensor, output: torch.Tensor, dim: int, log: bool, scale: float,
                      input_dtype: torch.dtype) -> torch.Tensor:
-    _check_backward_arguments(grad, output, input_dtype)
-    dim = _check_dim(dim, output.dim(), "softmax_backward")
+    dim = wrap_dim(dim, output.dim())
     out = output_like(output, dim, input_dtype)
     if output.numel() == 0:
         return out
-    y, yg = readable(output, dim)
-    g, gg = readable(grad, dim)
-    og = three_groups(out, (dim,)) if out.dim() > 0 else three_groups(out.reshape(1), (0,))
-    acc = _acc(accumulation_dtype(grad.dtype, output.dtype, input_dtype))
+    y, yg = _readable(output, dim)
+    g, gg = _readable(grad, dim)
+    og = _groups(out, dim)
+    acc = _acc(grad.dtype, output.dtype, input_dtype)
     if yg.inner == 1:
         block, single = _row_block(yg.reduced)
         _row_backward[(yg.outer,)](
@@ -398,7 +436,6 @@ def _four_dims(shape, stride_lists):
 
 
 def scaled_masked_softmax_forward(x: torch.Tensor, mask, scale: float, causal: bool) -> torch.Tensor:
-    scale = _check_masked_arguments(x, mask, scale, causal)
     out = output_like(x, x.dim() - 1, x.dtype)
     if x.numel() == 0:
         return out
@@ -423,7 +460,7 @@ def scaled_masked_softmax_forward(x: torch.Tensor, mask, scale: float, causal: b
         collapsed = _four_dims(shape, [list(view_x.stride()), mask_strides, list(target.stride())])
     sizes, (x_strides, m_strides, o_strides) = collapsed
     _launch_row_forward(view_x, mask_arg, target, sizes[:3], x_strides, m_strides, o_strides, sizes[3], scale,
-                        mask_kind, causal, False, _acc(accumulation_dtype(x.dtype)))
+                        mask_kind, causal, False, _acc(x.dtype))
     if target is not view_out:
         view_out.copy_(target)
     return out

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..._core.dtypes import accumulation_dtype
+
 # Classes per block. 4096 fp32 values over 8 warps is 16 per thread for each
 # live vector (x, exp, gradient): enough loads in flight to saturate memory
 # bandwidth without spilling registers. Rows shorter than that use the next
@@ -52,9 +54,9 @@ def _cross_entropy_rows_kernel(
     outer_stride, class_stride, inner_stride,
     grad_outer_stride, grad_class_stride, grad_inner_stride,
     ignore_index, eps_ptr,
-    HAS_WEIGHT: tl.constexpr, SMOOTHING: tl.constexpr, WRITE_GRAD: tl.constexpr,
-    ACC: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, SMOOTHING: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
 ):
+    ACC = loss_ptr.dtype.element_ty  # the losses are in the accumulation dtype
     row = tl.program_id(0).to(tl.int64)
     n = row // inner
     i = row % inner
@@ -140,7 +142,7 @@ def _cross_entropy_rows_kernel(
 def cross_entropy_rows_triton(logits, target, weight, grad, grad_scale, ignore_index, label_smoothing):
     """Same contract as ``effilayers.ops.cross_entropy.cross_entropy_rows_reference``."""
     n_outer, classes, n_inner = logits.shape
-    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(logits.dtype)
     rows = n_outer * n_inner
     loss = torch.full((rows,), float("nan"), dtype=acc, device=logits.device)
     if rows == 0:
@@ -157,8 +159,6 @@ def cross_entropy_rows_triton(logits, target, weight, grad, grad_scale, ignore_i
         logits.stride(0), logits.stride(1), logits.stride(2),
         grad_strides[0], grad_strides[1], grad_strides[2],
         ignore_index, eps_tensor,
-        HAS_WEIGHT=weight is not None, SMOOTHING=eps > 0.0, WRITE_GRAD=write_grad,
-        ACC=tl.float64 if acc == torch.float64 else tl.float32, BLOCK=block,
-        num_warps=warps,
+        HAS_WEIGHT=weight is not None, SMOOTHING=eps > 0.0, WRITE_GRAD=write_grad, BLOCK=block, num_warps=warps,
     )
     return loss

@@ -1,0 +1,99 @@
+"""The row-wise cross-entropy kernel in PyTorch ops: the fallback and, on
+float64 logits, the test oracle. Same arguments as the compiled kernels."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from ..._core.dtypes import accumulation_dtype
+
+# The reference converts at most this many logits to float32 at a time
+# (2**16 values = 256 KiB per temporary; a handful of temporaries of that size
+# live at once), so its float32 working set is bounded whatever the
+# vocabulary size, as the kernels' is.
+REFERENCE_CHUNK_ELEMENTS = 1 << 16
+
+
+def cross_entropy_rows_reference(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    grad: Optional[torch.Tensor],
+    grad_scale: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+) -> torch.Tensor:
+    """Per-row losses of an ``(N, C, I)`` logits view; writes the scaled
+    gradient into ``grad`` (an ``(N, C, I)`` view, possibly the logits
+    themselves) when it is given.
+
+    ``target``: ``(N * I,)`` int64, row ``n * I + i``. ``grad_scale``: a
+    1-element tensor multiplying the gradient (``1 / sum(w[t])`` for a mean).
+    Returns ``(N * I,)`` losses in the accumulation dtype: 0 for ignored rows,
+    NaN for rows whose target is out of range. Works on chunks of at most
+    ``REFERENCE_CHUNK_ELEMENTS`` logits (never fewer than one row), so the
+    float32 temporaries stay small.
+    """
+    n_outer, classes, n_inner = logits.shape
+    acc = accumulation_dtype(logits.dtype)
+    loss_rows = torch.empty(n_outer * n_inner, dtype=acc, device=logits.device)
+    losses = loss_rows.view(n_outer, n_inner)
+    targets = target.view(n_outer, n_inner)
+    eps = float(label_smoothing)
+    w_all = None if weight is None else weight.to(acc).view(1, classes, 1)
+    scale = grad_scale.reshape(()).to(acc)
+    if classes == 0:  # nothing to read or write: ignored rows 0, the rest have no valid target
+        loss_rows.copy_(torch.where(target == ignore_index, 0.0, math.nan))
+        return loss_rows
+    if loss_rows.numel() == 0:  # no rows ((0, C, I) or (N, C, 0)): no chunk to size
+        return loss_rows
+    fits = classes * n_inner <= REFERENCE_CHUNK_ELEMENTS
+    inner_block = n_inner if fits else max(1, REFERENCE_CHUNK_ELEMENTS // classes)
+    outer_block = max(1, REFERENCE_CHUNK_ELEMENTS // (classes * inner_block))
+    for n0 in range(0, n_outer, outer_block):
+        n1 = min(n0 + outer_block, n_outer)
+        for i0 in range(0, n_inner, inner_block):
+            i1 = min(i0 + inner_block, n_inner)
+            x = logits[n0:n1, :, i0:i1].to(acc)  # (nb, C, ib): the bounded fp32 temporary
+            t = targets[n0:n1, i0:i1]
+            valid = t != ignore_index
+            in_range = (t >= 0) & (t < classes)
+            bad = valid & ~in_range
+            t_safe = torch.where(valid & in_range, t, torch.zeros_like(t)).unsqueeze(1)
+            row_max = x.amax(dim=1, keepdim=True)
+            # A row of -inf has no finite maximum; shifting by 0 keeps exp() at 0.
+            shift = torch.where(row_max == -math.inf, torch.zeros_like(row_max), row_max)
+            exp = torch.exp(x - shift)
+            lse = shift + torch.log(exp.sum(dim=1, keepdim=True))
+            x_t = x.gather(1, t_safe)
+            w_t = torch.ones_like(x_t) if w_all is None else w_all.view(-1)[t_safe]
+            loss = (1.0 - eps) * w_t * (lse - x_t)
+            if eps > 0.0:
+                if w_all is None:
+                    smooth = classes * lse - x.sum(dim=1, keepdim=True)
+                    coef = torch.ones_like(w_t)
+                else:
+                    total_w = w_all.sum()
+                    smooth = total_w * lse - (x * w_all).sum(dim=1, keepdim=True)
+                    coef = (1.0 - eps) * w_t + eps / classes * total_w
+                loss = loss + eps / classes * smooth
+            else:
+                coef = w_t
+            loss = loss.squeeze(1)
+            loss = torch.where(valid, loss, torch.zeros_like(loss))
+            losses[n0:n1, i0:i1] = torch.where(bad, torch.full_like(loss, math.nan), loss)
+            if grad is None:
+                continue
+            softmax = torch.exp(x - lse)
+            g = coef * softmax
+            if eps > 0.0:
+                g = g - eps / classes * (1.0 if w_all is None else w_all)
+            g.scatter_add_(1, t_safe, -(1.0 - eps) * w_t)
+            g = g * scale
+            g = torch.where(valid.unsqueeze(1), g, torch.zeros_like(g))
+            g = torch.where(bad.unsqueeze(1), torch.full_like(g, math.nan), g)
+            grad[n0:n1, :, i0:i1] = g.to(grad.dtype)
+    return loss_rows

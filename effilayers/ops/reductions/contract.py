@@ -1,0 +1,99 @@
+"""What the reductions accept (checked once, by the public functions and
+the custom op's ``kind``) and the (outer, reduced, inner) view every kernel
+is handed."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from ..._core.dtypes import accumulation_dtype
+from ..._core.layout import is_dense, normalize_dims, three_groups
+
+KINDS = ("sum", "mean", "var", "std", "norm")
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"reduce: kind must be one of {', '.join(KINDS)}, got {kind!r}")
+
+
+def check_ord(ord) -> None:
+    if isinstance(ord, bool) or ord not in (1, 2, math.inf):
+        raise ValueError(f"norm: ord must be 1, 2 or math.inf, got {ord!r}")
+
+
+def integer_input(op: str, x, dtype):
+    """torch.sum / torch.mean accept integer and bool ``x`` with a floating
+    ``dtype`` (converting x first): so do these, through a float32 copy
+    (float64 for ``dtype=torch.float64``), exact for integers up to 2**24."""
+    if op in ("sum", "mean") and isinstance(x, torch.Tensor) and not x.is_floating_point() and not x.is_complex() \
+            and dtype in FLOAT_DTYPES:
+        return x.to(accumulation_dtype(dtype))
+    return x
+
+
+def check(op: str, x, dtype, keepdim, correction=0.0) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        hint = ("pass a floating dtype=, e.g. dtype=torch.float32, for integer or bool input" if op in ("sum", "mean")
+                else "convert integer tensors first, e.g. x.float(), as torch requires")
+        raise TypeError(f"{op}: x must be float16, bfloat16, float32 or float64, got {x.dtype} ({hint})")
+    if dtype is not None and dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{op}: dtype must be None, float16, bfloat16, float32 or float64, got {dtype}")
+    if not isinstance(keepdim, bool):
+        raise TypeError(f"{op}: keepdim must be a bool, got {type(keepdim).__name__}")
+    if isinstance(correction, bool) or not isinstance(correction, (int, float)):
+        raise TypeError(f"{op}: correction must be an int or a float (as in torch.var), got {correction!r}")
+
+
+def reduced_dims(op: str, x: torch.Tensor, dim) -> tuple[int, ...]:
+    """Sorted reduced dims, checked; () and None mean all, as in torch."""
+    if dim is None:
+        return tuple(range(x.dim()))
+    dims = normalize_dims(dim, x.dim(), "dim", op)
+    if not dims or x.dim() == 0:
+        return tuple(range(x.dim()))
+    return dims
+
+
+def output_shape(shape: Sequence[int], dims: Sequence[int], keepdim: bool) -> list[int]:
+    if keepdim:
+        return [1 if d in dims else s for d, s in enumerate(shape)]
+    return [s for d, s in enumerate(shape) if d not in dims]
+
+
+def as_three(x: torch.Tensor, dims: Sequence[int]) -> torch.Tensor:
+    """``x`` as an (outer, reduced, inner) strided tensor whose reduction over
+    dim 1, laid out (outer, inner), is the reduction over ``dims`` in the
+    order of the kept dims. A view where possible, else one copy."""
+    if len(dims) == x.dim():
+        if x.is_contiguous() or (x.numel() > 0 and is_dense(x)):
+            # Order does not matter for a full reduction: memory order.
+            return x.as_strided((1, x.numel(), 1), (0, 1, 0), x.storage_offset())
+        return x.contiguous().view(1, x.numel(), 1)
+    groups = three_groups(x, dims)
+    if groups is None:
+        kept = [d for d in range(x.dim()) if d not in dims]
+        x = x.permute(*kept, *dims).contiguous()  # the one input-sized copy
+        dims = tuple(range(len(kept), x.dim()))
+        groups = three_groups(x, dims)
+    return x.as_strided(
+        (groups.outer, groups.reduced, groups.inner),
+        (groups.outer_stride, groups.reduced_stride, groups.inner_stride),
+        x.storage_offset(),
+    )
+
+
+def run_three(kernel, x: torch.Tensor, dims: Sequence[int], kind: str, correction: float, keepdim: bool,
+              dtype) -> torch.Tensor:
+    """The whole reduction through ``kernel`` (any backend's, with the
+    signature of ``reduce_three_reference``): view, allocate, reduce, reshape."""
+    three = as_three(x, dims)
+    out = torch.empty((three.shape[0], three.shape[2]), dtype=x.dtype if dtype is None else dtype, device=x.device)
+    kernel(three, out, kind, correction)
+    return out.view(output_shape(x.shape, dims, keepdim))

@@ -1,0 +1,161 @@
+"""The ``effilayers::reduce`` custom op, its autograd and the public
+functions (see the package docstring for the contract and the methods)."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from ..._core import registry
+from ..._core.dtypes import accumulation_dtype
+from ..._core.layout import autocast_to_float32, refuse_forward_ad
+from .contract import check, check_kind, check_ord, integer_input, output_shape, reduced_dims, run_three
+from .reference import reduce_three_reference
+
+# Every backend's kernel has the signature of reduce_three_reference:
+# (x viewed as (outer, reduced, inner), out (outer, inner), kind, correction).
+registry.register(registry.OpKernels(name="reduce", reference=reduce_three_reference, cpp="reduce_",
+                                     triton="effilayers.ops.reductions.triton:reduce_triton"))
+
+
+@torch.library.custom_op("effilayers::reduce", mutates_args=())
+def _reduce_op(x: torch.Tensor, dims: list[int], kind: str, correction: float, keepdim: bool,
+               dtype: Optional[torch.dtype]) -> torch.Tensor:
+    check_kind(kind)
+    return run_three(registry.kernel("reduce", x.device), x, dims, kind, correction, keepdim, dtype)
+
+
+@_reduce_op.register_fake
+def _(x, dims, kind, correction, keepdim, dtype):
+    return x.new_empty(output_shape(x.shape, dims, keepdim), dtype=x.dtype if dtype is None else dtype)
+
+
+def _setup_context(ctx, inputs, output):
+    x, dims, kind, correction, keepdim, dtype = inputs
+    ctx.kind, ctx.correction = kind, correction
+    ctx.dims = tuple(dims)
+    ctx.input_shape, ctx.input_dtype = tuple(x.shape), x.dtype
+    ctx.count = math.prod(x.shape[d] for d in dims)
+    if kind == "var":
+        ctx.save_for_backward(x)
+    elif kind in ("std", "norm"):
+        ctx.save_for_backward(x, output)
+
+
+def _mean(x: torch.Tensor, dims, acc: torch.dtype) -> torch.Tensor:
+    """The overflow-free mean over ``dims`` (kept) in ``acc``, for var/std's
+    backward. In eager mode (registry.dispatch's rule: a plain tensor outside
+    torch.compile/export) without create_graph, the kernel itself; otherwise
+    the custom op, which traces and has a derivative."""
+    if type(x) is torch.Tensor and not torch.compiler.is_compiling() and not torch.is_grad_enabled():
+        return run_three(registry.kernel("reduce", x.device), x, dims, "mean", 0.0, True, acc)
+    return _reduce_op(x, list(dims), "mean", 0.0, True, acc)
+
+
+def _backward(ctx, grad):
+    acc = accumulation_dtype(ctx.input_dtype)
+    keep_shape = output_shape(ctx.input_shape, ctx.dims, True)
+    g = grad.to(acc).reshape(keep_shape)
+    n = ctx.count
+    if ctx.kind in ("sum", "mean"):
+        # Rounded once at output size, then broadcast without a copy (an
+        # empty input has no elements to receive 0 / 0).
+        scaled = g if ctx.kind == "sum" else g / max(n, 1)
+        return scaled.to(ctx.input_dtype).expand(ctx.input_shape), None, None, None, None, None
+    if ctx.kind == "norm":
+        x, result = ctx.saved_tensors
+        norm = result.to(acc).reshape(keep_shape)
+        # (x / norm) is at most 1 in magnitude: no overflow before * g. One
+        # input-sized float32 temporary, updated in place.
+        grad_x = x.to(acc) / norm
+        grad_x.mul_(g).masked_fill_(norm == 0, 0.0)
+    else:
+        saved = ctx.saved_tensors
+        x = saved[0]
+        mean = _mean(x, ctx.dims, acc)
+        dof = n - ctx.correction
+        scale = 2.0 / dof if dof > 0 else float("nan")
+        if ctx.kind == "std":
+            std = saved[1].to(acc).reshape(keep_shape)
+            # d std = d var / (2 std); 0 where std is 0, as torch does.
+            g = torch.where(std == 0, torch.zeros((), dtype=acc, device=x.device), g / (2 * std))
+        grad_x = x.to(acc) - mean  # a new tensor even for float32 x
+        grad_x.mul_(g * scale)
+    return grad_x.to(ctx.input_dtype), None, None, None, None, None
+
+
+_reduce_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# CUDA autocast runs torch.sum, torch.linalg.vector_norm and torch.norm in
+# float32 when they get no dtype (its "fp32_set_opt_dtype" policy); it leaves
+# mean/var/std alone, and CPU autocast leaves all five alone.
+_AUTOCAST_FLOAT32_DEVICES = {"sum": ("cuda",), "norm": ("cuda",)}
+
+
+def _checked(op: str, x, dim, keepdim: bool, dtype, correction=0.0):
+    """``(x, dims, dtype)`` after the checks, with integer input converted
+    and ``dtype`` set where autocast asks for float32."""
+    x = integer_input(op, x, dtype)
+    check(op, x, dtype, keepdim, correction)
+    if dtype is None and autocast_to_float32(x, _AUTOCAST_FLOAT32_DEVICES.get(op, ())):
+        dtype = torch.float32
+    return x, reduced_dims(op, x, dim), dtype
+
+
+def _reduce(op: str, x, dim, correction: float, keepdim: bool, dtype) -> torch.Tensor:
+    x, dims, dtype = _checked(op, x, dim, keepdim, dtype, correction)
+    refuse_forward_ad(op, x)
+    return _reduce_op(x, list(dims), op, float(correction), keepdim, dtype)
+
+
+def sum(x: torch.Tensor, dim=None, keepdim: bool = False, *, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Sum over ``dim`` with float32 accumulation; see the package docstring."""
+    return _reduce("sum", x, dim, 0.0, keepdim, dtype)
+
+
+def mean(x: torch.Tensor, dim=None, keepdim: bool = False, *, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Mean over ``dim``, divided before the one rounding to the output dtype."""
+    return _reduce("mean", x, dim, 0, keepdim, dtype)
+
+
+def var(x: torch.Tensor, dim=None, *, correction: float = 1, keepdim: bool = False,
+        dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Variance over ``dim``: M2 / max(0, n - correction), two-pass in float32.
+    ``correction`` is any int or float, as in ``torch.var``."""
+    return _reduce("var", x, dim, correction, keepdim, dtype)
+
+
+def std(x: torch.Tensor, dim=None, *, correction: float = 1, keepdim: bool = False,
+        dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Standard deviation over ``dim`` (the square root of :func:`var`)."""
+    return _reduce("std", x, dim, correction, keepdim, dtype)
+
+
+def norm(x: torch.Tensor, dim=None, keepdim: bool = False, *, ord=2, dtype: Optional[torch.dtype] = None
+         ) -> torch.Tensor:
+    """Vector norm over ``dim`` (``torch.linalg.vector_norm(x, ord, dim)``).
+
+    The second positional argument is ``dim``, not an order as in
+    ``torch.norm(x, p, dim)``: ``norm(x, 1)`` is the 2-norm over dimension 1;
+    ``ord`` is keyword-only.
+
+    ``ord=2`` (default): this op, scaled by powers of two so the squares of
+    bf16 values do not overflow. ``ord=1``: the op's sum of ``x.abs()``
+    (overflow-free like :func:`sum`; costs an input-sized ``abs`` temporary,
+    which autograd keeps). ``ord=inf``: the largest magnitude, which cannot
+    overflow: ``torch.linalg.vector_norm`` itself.
+    """
+    check_ord(ord)
+    if ord == 2:
+        return _reduce("norm", x, dim, 0.0, keepdim, dtype)
+    x, dims, dtype = _checked("norm", x, dim, keepdim, dtype)
+    if ord == 1:
+        refuse_forward_ad("norm", x)
+        return _reduce_op(x.abs(), list(dims), "sum", 0.0, keepdim, dtype)
+    # The largest magnitude is one of x's values: exact in x's dtype, then
+    # rounded once to ``dtype`` (torch's own dtype= refuses a narrower one).
+    result = torch.linalg.vector_norm(x, math.inf, dims, keepdim)
+    return result if dtype is None else result.to(dtype)

@@ -1,0 +1,163 @@
+"""The softmax custom ops, their autograd and the public functions (see the
+package docstring for numerics, layouts and autocast)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..._core import registry
+from ..._core.dtypes import accumulation_dtype
+from ..._core.layout import refuse_forward_ad
+from .contract import check_dim, check_dtype, check_masked_arguments, floating_input, output_like, wrap_dim
+from .reference import (scaled_masked_softmax_forward_reference, softmax_backward_reference,
+                        softmax_forward_reference)
+
+registry.register(registry.OpKernels(name="softmax_forward", reference=softmax_forward_reference,
+                                     cpp="softmax_forward", triton="effilayers.ops.softmax.triton:softmax_forward"))
+registry.register(registry.OpKernels(name="softmax_backward", reference=softmax_backward_reference,
+                                     cpp="softmax_backward", triton="effilayers.ops.softmax.triton:softmax_backward"))
+registry.register(registry.OpKernels(
+    name="scaled_masked_softmax_forward", reference=scaled_masked_softmax_forward_reference,
+    cpp="scaled_masked_softmax_forward", triton="effilayers.ops.softmax.triton:scaled_masked_softmax_forward"))
+
+
+# --------------------------------------------------------------------------- custom ops
+
+
+@torch.library.custom_op("effilayers::softmax_forward", mutates_args=())
+def _softmax_forward_op(x: torch.Tensor, dim: int, log: bool, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    return registry.kernel("softmax_forward", x.device)(x, dim, log, dtype)
+
+
+@_softmax_forward_op.register_fake
+def _(x, dim, log, dtype):
+    return output_like(x, wrap_dim(dim, x.dim()), x.dtype if dtype is None else dtype)
+
+
+@torch.library.custom_op("effilayers::softmax_backward", mutates_args=())
+def _softmax_backward_op(grad: torch.Tensor, output: torch.Tensor, dim: int, log: bool, scale: float,
+                         input_dtype: torch.dtype) -> torch.Tensor:
+    return registry.kernel("softmax_backward", output.device)(grad, output, dim, log, scale, input_dtype)
+
+
+@_softmax_backward_op.register_fake
+def _(grad, output, dim, log, scale, input_dtype):
+    return output_like(output, wrap_dim(dim, output.dim()), input_dtype)
+
+
+@torch.library.custom_op("effilayers::scaled_masked_softmax_forward", mutates_args=())
+def _scaled_masked_softmax_op(x: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
+                              causal: bool) -> torch.Tensor:
+    return registry.kernel("scaled_masked_softmax_forward", x.device)(x, mask, scale, causal)
+
+
+@_scaled_masked_softmax_op.register_fake
+def _(x, mask, scale, causal):
+    return output_like(x, x.dim() - 1, x.dtype)
+
+
+# --------------------------------------------------------------------------- autograd
+
+
+def _run_backward(grad, output, dim, log, scale, input_dtype):
+    # backward(create_graph=True) needs the custom op, whose own derivative
+    # is registered below; otherwise, in eager mode, the kernel itself.
+    run = _softmax_backward_op if torch.is_grad_enabled() else registry.dispatch("softmax_backward", output)
+    return run(grad, output, dim, log, scale, input_dtype)
+
+
+def _softmax_setup_context(ctx, inputs, output):
+    x, dim, log, _dtype = inputs
+    ctx.dim, ctx.log, ctx.input_dtype = dim, log, x.dtype
+    ctx.save_for_backward(output)  # the only tensor kept for backward
+
+
+def _softmax_backward(ctx, grad):
+    (output,) = ctx.saved_tensors
+    return _run_backward(grad, output, ctx.dim, ctx.log, 1.0, ctx.input_dtype), None, None, None
+
+
+_softmax_forward_op.register_autograd(_softmax_backward, setup_context=_softmax_setup_context)
+
+
+def _masked_setup_context(ctx, inputs, output):
+    x, _mask, scale, _causal = inputs
+    ctx.scale, ctx.input_dtype = scale, x.dtype
+    ctx.save_for_backward(output)
+
+
+def _masked_backward(ctx, grad):
+    (output,) = ctx.saved_tensors
+    return _run_backward(grad, output, output.dim() - 1, False, ctx.scale, ctx.input_dtype), None, None, None
+
+
+_scaled_masked_softmax_op.register_autograd(_masked_backward, setup_context=_masked_setup_context)
+
+
+def _backward_setup_context(ctx, inputs, output):
+    grad, y, dim, log, scale, _input_dtype = inputs
+    ctx.dim, ctx.log, ctx.scale = dim, log, scale
+    ctx.save_for_backward(grad, y)
+
+
+def _backward_backward(ctx, grad_of_grad_x):
+    """Double backward in PyTorch ops (only reached with ``create_graph=True``)."""
+    grad, y = ctx.saved_tensors
+    acc = accumulation_dtype(grad.dtype, y.dtype, grad_of_grad_x.dtype)
+    g, yy, h = grad.to(acc), y.to(acc), grad_of_grad_x.to(acc)
+    dim = ctx.dim if y.dim() > 0 else None
+    total = (lambda t: t.sum(dim, keepdim=True)) if dim is not None else (lambda t: t)
+    if ctx.log:
+        e = yy.exp()
+        d_grad = h - total(h * e)
+        d_y = -h * e * total(g)
+    else:
+        hy = total(h * yy)
+        d_grad = yy * (h - hy)
+        d_y = h * (g - total(g * yy)) - hy * g
+    return (d_grad * ctx.scale).to(grad.dtype), (d_y * ctx.scale).to(y.dtype), None, None, None, None
+
+
+_softmax_backward_op.register_autograd(_backward_backward, setup_context=_backward_setup_context)
+
+
+# --------------------------------------------------------------------------- public functions
+
+
+def _softmax(op: str, x, dim, log: bool, dtype) -> torch.Tensor:
+    check_dtype(dtype, op)
+    x = floating_input(x, dtype, op)
+    refuse_forward_ad(op, x)
+    return _softmax_forward_op(x, check_dim(dim, x.dim(), op), log, dtype)
+
+
+def softmax(x: torch.Tensor, dim: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``torch.softmax(x, dim, dtype)`` accumulated in float32 (float64 for
+    float64), saving only the output for backward. See the package docstring."""
+    return _softmax("softmax", x, dim, False, dtype)
+
+
+def log_softmax(x: torch.Tensor, dim: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``torch.log_softmax(x, dim, dtype)`` accumulated in float32 (float64
+    for float64), saving only the output for backward."""
+    return _softmax("log_softmax", x, dim, True, dtype)
+
+
+def scaled_masked_softmax(x: torch.Tensor, mask: Optional[torch.Tensor] = None, scale: float = 1.0,
+                          causal: bool = False) -> torch.Tensor:
+    """Softmax over the last dimension of ``x * scale`` with an attention mask.
+
+    ``mask`` follows ``torch.nn.functional.scaled_dot_product_attention``'s
+    ``attn_mask``: a bool mask keeps the positions that are True; a floating
+    mask is added to ``x * scale``. It must broadcast to ``x`` and is read
+    through its broadcast strides. ``causal=True`` additionally masks column
+    ``j > i`` of row ``i`` of the last two dimensions (the top-left aligned
+    lower triangle, SDPA's ``is_causal``). A row with nothing left to attend
+    gives zeros and a zero gradient. The gradient flows to ``x`` only (times
+    ``scale``), never to ``mask``. Output and gradient have ``x``'s dtype.
+    """
+    scale = check_masked_arguments(x, mask, scale, causal)
+    refuse_forward_ad("scaled_masked_softmax", x, mask)
+    return _scaled_masked_softmax_op(x, mask, scale, causal)
