@@ -35,16 +35,18 @@ inline void update_running_stats(const std::optional<at::Tensor>& running_mean,
   }
 }
 
-// `batch_stats(input) -> (mean, biased var, count)` is the calling library's kernel.
-template <typename BatchStats>
-std::tuple<at::Tensor, at::Tensor> normalizing_statistics(BatchStats&& batch_stats, const at::Tensor& input,
+using BatchStats = std::tuple<at::Tensor, at::Tensor, at::Tensor> (*)(const at::Tensor& input, int64_t correction);
+
+// The op `normalizing_statistics` of the library whose batch_stats kernel is `batch_stats`.
+template <BatchStats batch_stats>
+std::tuple<at::Tensor, at::Tensor> normalizing_statistics(const at::Tensor& input,
                                                           const std::optional<at::Tensor>& running_mean,
                                                           const std::optional<at::Tensor>& running_var,
                                                           const std::optional<at::Tensor>& num_batches_tracked,
                                                           double momentum, bool cumulative, double eps) {
   TORCH_CHECK_VALUE(!cumulative || num_batches_tracked.has_value() || (!running_mean && !running_var),
                     "normalizing_statistics: a cumulative average of running statistics needs num_batches_tracked");
-  auto [mean, var, count_tensor] = batch_stats(input);
+  auto [mean, var, count_tensor] = batch_stats(input, 0);
   const int64_t count = input.numel() / std::max<int64_t>(input.size(1), 1);
   TORCH_CHECK_VALUE(count != 1, "expected more than 1 value per channel when training, got input size ",
                     input.sizes());

@@ -269,24 +269,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_stats_cpu(const at::Tensor&
   return {mean, var, count_tensor};
 }
 
-std::tuple<at::Tensor, at::Tensor> normalizing_statistics_cpu(const at::Tensor& input,
-                                                              const std::optional<at::Tensor>& running_mean,
-                                                              const std::optional<at::Tensor>& running_var,
-                                                              const std::optional<at::Tensor>& num_batches_tracked,
-                                                              double momentum, bool cumulative, double eps) {
-  return normalizing_statistics([](const at::Tensor& x) { return batch_stats_cpu(x, 0); }, input, running_mean,
-                                running_var, num_batches_tracked, momentum, cumulative, eps);
-}
-
 }  // namespace
 }  // namespace effilayers
 
+// The stats kernel and the statistics with BatchNorm's running update built on it (common/batch_norm.h).
 TORCH_LIBRARY_FRAGMENT(effilayers_cpu, m) {
-  m.def(effilayers::schema::kBatchStats);
-  m.def(effilayers::schema::kNormalizingStatistics);
+  for (const char* schema : {effilayers::schema::kBatchStats, effilayers::schema::kNormalizingStatistics}) m.def(schema);
 }
 
 TORCH_LIBRARY_IMPL(effilayers_cpu, CPU, m) {
   m.impl("batch_stats", &effilayers::batch_stats_cpu);
-  m.impl("normalizing_statistics", &effilayers::normalizing_statistics_cpu);
+  m.impl("normalizing_statistics", &effilayers::normalizing_statistics<&effilayers::batch_stats_cpu>);
 }

@@ -43,25 +43,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_stats_cuda(const at::Tensor
   return {mean, var, count};
 }
 
-std::tuple<at::Tensor, at::Tensor> normalizing_statistics_cuda(const at::Tensor& input,
-                                                               const std::optional<at::Tensor>& running_mean,
-                                                               const std::optional<at::Tensor>& running_var,
-                                                               const std::optional<at::Tensor>& num_batches_tracked,
-                                                               double momentum, bool cumulative, double eps) {
-  const c10::cuda::CUDAGuard guard(input.device());
-  return normalizing_statistics([](const at::Tensor& x) { return batch_stats_cuda(x, 0); }, input, running_mean,
-                                running_var, num_batches_tracked, momentum, cumulative, eps);
-}
-
 }  // namespace
 }  // namespace effilayers
 
+// The stats kernel and the statistics with BatchNorm's running update built on it (common/batch_norm.h).
 TORCH_LIBRARY_FRAGMENT(effilayers_cuda, m) {
-  m.def(effilayers::schema::kBatchStats);
-  m.def(effilayers::schema::kNormalizingStatistics);
+  for (const char* schema : {effilayers::schema::kBatchStats, effilayers::schema::kNormalizingStatistics}) m.def(schema);
 }
 
 TORCH_LIBRARY_IMPL(effilayers_cuda, CUDA, m) {
   m.impl("batch_stats", &effilayers::batch_stats_cuda);
-  m.impl("normalizing_statistics", &effilayers::normalizing_statistics_cuda);
+  m.impl("normalizing_statistics", &effilayers::normalizing_statistics<&effilayers::batch_stats_cuda>);
 }
