@@ -2,7 +2,7 @@
 // the CUDA kernels and the bindings. Plain C++ for the host compiler, and
 // __host__ __device__ under nvcc; it needs no torch header.
 //
-// The math, edge cases included, is the reference in effilayers/ops/abn.py.
+// The math, edge cases included, is the reference in effilayers/ops/abn/reference.py.
 // Each function is a template on the lane type T: a float or double, or a
 // type the including file describes with its own Lane<T> specialization
 // (the CPU kernels' SIMD vectors, on which `>` and `?:` work lane by lane).

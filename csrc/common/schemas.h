@@ -35,14 +35,14 @@ constexpr const char* kAbnBackwardElemt =
     "Tensor mean_dy, Tensor mean_dy_xhat, bool want_residual_grad) -> (Tensor, Tensor)";
 
 // Fused Adam/AdamW update of a run of parameters whose states lie end to end
-// in flat buffers (effilayers/ops/adam.py describes the arguments).
+// in flat buffers (effilayers/ops/adam/ describes the arguments).
 constexpr const char* kAdamStep =
     "adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
     "Tensor(d!)? max_exp_avg_sq, Tensor(e!)? master, Tensor step, Tensor? grad_scale, Tensor? found_inf, "
     "float lr, float beta1, float beta2, float eps, float weight_decay, bool decoupled_weight_decay, "
     "bool maximize) -> ()";
 
-// Softmax family (effilayers/ops/softmax.py): output dtype `dtype` (None: x's),
+// Softmax family (effilayers/ops/softmax/): output dtype `dtype` (None: x's),
 // gradient in `input_dtype`; the scaled/masked forward's backward is
 // softmax_backward over the last dim with its scale.
 constexpr const char* kSoftmaxForward =
@@ -56,18 +56,18 @@ constexpr const char* kScaledMaskedSoftmaxForward =
 
 // Row-wise cross-entropy over an (N, C, I) view of the logits: per-row losses,
 // and the reduction-scaled gradient written into `grad` (which may be the
-// logits themselves) when given (effilayers/ops/cross_entropy.py).
+// logits themselves) when given (effilayers/ops/cross_entropy/).
 constexpr const char* kCrossEntropyRows =
     "cross_entropy_rows(Tensor logits, Tensor target, Tensor? weight, Tensor(a!)? grad, Tensor grad_scale, "
     "int ignore_index, float label_smoothing) -> Tensor";
 
 // Sum / mean / var / std / vector 2-norm over the middle dimension of an
 // (outer, reduced, inner) strided view into a contiguous (outer, inner) out
-// of the result dtype (effilayers/ops/reductions.py).
+// of the result dtype (effilayers/ops/reductions/).
 constexpr const char* kReduce = "reduce_(Tensor x, Tensor(a!) out, str kind, float correction) -> ()";
 
 // The same update with 8-bit block-quantized states: int8 / uint8 codes and
-// one float32 absmax per block of 256 (effilayers/ops/adam.py).
+// one float32 absmax per block of 256 (effilayers/ops/adam/).
 constexpr const char* kAdamStep8bit =
     "adam_step_8bit_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!) exp_avg, Tensor(c!) exp_avg_absmax, "
     "Tensor(d!) exp_avg_sq, Tensor(e!) exp_avg_sq_absmax, Tensor(f!)? max_exp_avg_sq, "

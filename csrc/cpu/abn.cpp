@@ -1,6 +1,6 @@
 // Activated BatchNorm on CPU: effilayers_cpu::abn_forward(_), abn_backward_reduce,
 // abn_backward_elemt. The math (and its edge cases) is that of the reference in
-// effilayers/ops/abn.py.
+// effilayers/ops/abn/reference.py.
 //
 // Every full-size tensor of one call (input or saved output, residual, grad,
 // results) is walked with the same strides, so one index addresses all of

@@ -348,7 +348,7 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, const at::Tensor
 // float buffers on the stack, updated by update_range above (the same
 // vectorised fp32 math as the unquantized kernel), and re-encoded with a
 // fresh absmax. Blocks are independent, so at::parallel_for splits the run by
-// blocks. The codes (see effilayers/ops/adam.py): exp_avg = sign(q)(|q|/127)^2
+// blocks. The codes (see effilayers/ops/adam/): exp_avg = sign(q)(|q|/127)^2
 // a, exp_avg_sq = (q/255)^4 a; encoding rounds with floor(x + 0.5), a non-zero
 // exp_avg_sq keeps code >= 1. Decode and encode use the same operations in
 // the same order in the vector body and the scalar tail (division, sqrt,

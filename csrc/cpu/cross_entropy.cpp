@@ -1,7 +1,7 @@
 // Row-wise cross-entropy on CPU: effilayers_cpu::cross_entropy_rows.
 //
 // The logits arrive as an (N, C, I) strided view (the Python side merges
-// (N, C, d1, ...) with ops/_layout.three_groups, copying only when the
+// (N, C, d1, ...) with _core/layout.three_groups, copying only when the
 // strides do not merge); row r = n * I + i reads C values `class_stride`
 // apart. Each row is walked in chunks of kChunkClasses values converted to
 // the accumulation type (float, double for double logits) in a stack buffer

@@ -1,6 +1,6 @@
 // Reductions (sum, mean, var, std, vector 2-norm) on CPU: effilayers_cpu::reduce.
 //
-// The Python op (effilayers/ops/reductions.py) hands over a 3-D strided view
+// The Python op (effilayers/ops/reductions/) hands over a 3-D strided view
 // (outer, reduced, inner) of the input and a contiguous (outer, inner) output
 // of the result dtype. Every output element reduces `reduced` values.
 //

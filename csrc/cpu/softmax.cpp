@@ -2,7 +2,7 @@
 //   effilayers_cpu::softmax_forward, softmax_backward, scaled_masked_softmax_forward.
 //
 // The tensor is walked as (outer, reduced, inner) problems, the same merge
-// of dimensions as effilayers/ops/_layout.py (three_groups): each group of
+// of dimensions as effilayers/_core/layout.py (three_groups): each group of
 // dimensions collapses to one strided index where its strides nest. When one
 // does not, the kernel copies the tensor to contiguous first (the one case
 // that costs an input-sized buffer); the output then is contiguous too.

@@ -1,6 +1,6 @@
 // Activated BatchNorm on CUDA (kernels only; the torch binding is
 // abn_binding.cpp). The math, edge cases included, is the reference in
-// effilayers/ops/abn.py; acc_t is float (double for double input).
+// effilayers/ops/abn/reference.py; acc_t is float (double for double input).
 //
 //   * fold: a tiny launch turns weight/bias/invstd into per-channel s, 1/s,
 //     beta and s*invstd in the workspace, so the element loops neither clamp

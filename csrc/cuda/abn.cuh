@@ -2,7 +2,7 @@
 // CUDA runtime types only, like stats.cuh, so abn.cu compiles with nvcc alone
 // and abn_binding.cpp can include this from a host compiler.
 //
-// The math is the reference in effilayers/ops/abn.py:
+// The math is the reference in effilayers/ops/abn/reference.py:
 //   forward:  z = act(s * (x - mean) * invstd + beta [+ residual])
 //   backward: dy = grad * act'(y), x_hat = (x - mean) * invstd (or rebuilt
 //             from z), sum_dy, sum_dy_xhat per channel, and
