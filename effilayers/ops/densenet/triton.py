@@ -360,17 +360,24 @@ def _output_like(first: torch.Tensor, channels: int, dtype: Optional[torch.dtype
                        memory_format=layout_of(first))
 
 
-def bottleneck_forward(features: Sequence[torch.Tensor], mean: torch.Tensor, invstd: torch.Tensor,
-                       weight: torch.Tensor, bias: torch.Tensor, conv_weight: torch.Tensor) -> torch.Tensor:
-    """``conv1x1(relu((cat(features) - mean) * invstd * weight + bias), conv_weight)``;
-    the per-channel vectors float32 (K,), conv_weight (C_out, K, 1, 1) in the maps' dtype."""
+def _launch_setup(features, invstd, weight, conv_weight):
+    """What both launchers derive from their arguments: BatchNorm's scale,
+    the maps in layouts the kernels read, the pixel geometry and the 1x1
+    weight as a (C_out, K) matrix."""
     scale = invstd * weight
     features = [_readable(f) for f in features]
     first = features[0]
     batch, _, height, width = first.shape
-    total, hw = batch * height * width, height * width
     matrix = conv_weight.reshape(conv_weight.shape[0], -1).contiguous()
     c_out, k = matrix.shape
+    return scale, features, first, batch * height * width, height * width, width, matrix, c_out, k
+
+
+def bottleneck_forward(features: Sequence[torch.Tensor], mean: torch.Tensor, invstd: torch.Tensor,
+                       weight: torch.Tensor, bias: torch.Tensor, conv_weight: torch.Tensor) -> torch.Tensor:
+    """``conv1x1(relu((cat(features) - mean) * invstd * weight + bias), conv_weight)``;
+    the per-channel vectors float32 (K,), conv_weight (C_out, K, 1, 1) in the maps' dtype."""
+    scale, features, first, total, hw, width, matrix, c_out, k = _launch_setup(features, invstd, weight, conv_weight)
     out = _output_like(first, c_out)
     if total == 0 or c_out == 0:
         return out
@@ -394,13 +401,7 @@ def bottleneck_backward(grad_out: torch.Tensor, features: Sequence[torch.Tensor]
     ``need_conv``. With ``batch_stats`` the statistics are the batch's own
     (their dependence on the input is part of dx); else they are constants.
     """
-    scale = invstd * weight
-    features = [_readable(f) for f in features]
-    first = features[0]
-    batch, _, height, width = first.shape
-    total, hw = batch * height * width, height * width
-    matrix = conv_weight.reshape(conv_weight.shape[0], -1).contiguous()
-    c_out, k = matrix.shape
+    scale, features, first, total, hw, width, matrix, c_out, k = _launch_setup(features, invstd, weight, conv_weight)
     grad_out = grad_out if grad_out.stride(2) == width * grad_out.stride(3) else grad_out.contiguous()
     table, tiles, num_tiles = _tables(features)
     allow_tf32 = _allow_tf32(first.dtype)
