@@ -15,7 +15,8 @@ import effilayers
 from effilayers import memory
 from effilayers.functional import cross_entropy
 from effilayers.nn import CrossEntropyLoss
-from effilayers.ops.cross_entropy import REFERENCE_CHUNK_ELEMENTS, _as_rows
+from effilayers._core.layout import three_view
+from effilayers.ops.cross_entropy import REFERENCE_CHUNK_ELEMENTS
 
 from .conftest import (REQUIRE_COMPILED, fake_cuda_autocast, far_apart_rows, forced_backend, peak_rss_growth,
                        poison_cpp_allocations, required_backend)
@@ -368,7 +369,7 @@ def _layouts(device):
 @pytest.mark.parametrize("inplace", [False, True], ids=["saved", "inplace"])
 def test_layouts(ce_device, small_triton_block, layout, inplace):
     logits, target_shape = _layouts(ce_device)[layout]
-    assert (_as_rows(logits) is None) == (layout == "unmergeable")
+    assert (three_view(logits, (1,)) is None) == (layout == "unmergeable")
     target = make_target(target_shape, logits.shape[1], ce_device, ignore_every=5)
     exp_loss, exp_grad = torch_expected(logits, target, label_smoothing=0.1)
     # Non-leaf logits with exactly these strides (inplace_backward refuses leaves).

@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 import torch
 from torch.autograd import forward_ad
 
-__all__ = ["ThreeGroups", "merge_dims", "three_groups", "normalize_dims", "autocast_to_float32", "refuse_forward_ad",
+__all__ = ["ThreeGroups", "merge_dims", "three_groups", "three_view", "normalize_dims", "autocast_to_float32", "refuse_forward_ad",
            "is_dense", "same_layout", "memory_flat"]
 
 
@@ -107,6 +107,17 @@ def three_groups(x: torch.Tensor, dims: Sequence[int]) -> Optional[ThreeGroups]:
         groups.append(merged)
     (outer, outer_stride), (reduced, reduced_stride), (inner, inner_stride) = groups
     return ThreeGroups(outer, reduced, inner, outer_stride, reduced_stride, inner_stride)
+
+
+def three_view(x: torch.Tensor, dims: Sequence[int]) -> Optional[torch.Tensor]:
+    """``x`` as an (outer, reduced, inner) view over ``dims`` (see
+    :func:`three_groups`) without a copy, or None when its strides do not
+    allow one."""
+    groups = three_groups(x, dims)
+    if groups is None:
+        return None
+    return x.as_strided((groups.outer, groups.reduced, groups.inner),
+                        (groups.outer_stride, groups.reduced_stride, groups.inner_stride), x.storage_offset())
 
 
 # torch.autocast's policy is per device: an op is either left alone or run in

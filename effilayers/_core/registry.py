@@ -273,11 +273,19 @@ def dispatch(op_name: str, like: torch.Tensor) -> Callable:
     return eager(op_name, like) or getattr(torch.ops.effilayers, op_name).default
 
 
+def runs_eagerly(like: torch.Tensor) -> bool:
+    """Whether a call on ``like`` may skip the custom op and run the kernel
+    itself: a plain tensor, outside torch.compile/export, with autograd not
+    recording. Anything else (tracing, tensor subclasses such as DTensor,
+    ``create_graph=True``) must go through the op."""
+    return type(like) is torch.Tensor and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+
 def eager(op_name: str, like: torch.Tensor) -> Optional[Callable]:
     """The kernel :func:`dispatch` would call directly, or None where it
-    would call the custom op (tracing, tensor subclasses, autograd
-    recording): for kernels that have no custom op, used only in eager mode."""
-    if type(like) is torch.Tensor and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+    would call the custom op (see :func:`runs_eagerly`); for kernels that
+    have no custom op, used only in eager mode."""
+    if runs_eagerly(like):
         resolved = _state.choices.get((op_name, like.device.type))
         return resolved.kernel if resolved is not None and resolved.kernel is not None else kernel(op_name, like.device)
     return None

@@ -77,14 +77,15 @@ def fused_update(quantized: bool, params: Sequence[torch.Tensor], grads: Sequenc
     directly and bump the version counters of what it wrote in one call, as
     the op's ADInplaceOrView step does: the custom op's Python-level dispatch
     (a version bump per tensor, alias checks) costs more than the update of
-    a small tensor (bench_optim.py, ``step overhead``). Under torch.compile
-    the op itself is called."""
+    a small tensor (bench_optim.py, ``step overhead``). Where
+    ``registry.runs_eagerly`` says no (torch.compile, tensor subclasses,
+    autograd recording) the op itself is called."""
     _advance_steps(steps, found_inf)
     device = states[0].device
     args = (params, grads, *states, master, steps[:1],
             None if grad_scale is None else grad_scale.to(device, torch.float32),
             None if found_inf is None else found_inf.to(device, torch.float32), *hyper)
-    if torch.compiler.is_compiling():
+    if not registry.runs_eagerly(states[0]):
         (torch.ops.effilayers.adam_step_8bit_ if quantized else torch.ops.effilayers.adam_step_)(*args)
         return
     registry.kernel("adam_step_8bit" if quantized else "adam_step", device)(*args)

@@ -112,7 +112,7 @@ view of the logits.
 """
 
 from .contract import REDUCTIONS
-from .op import _as_rows, cross_entropy  # noqa: F401  (tests import _as_rows from here)
+from .op import cross_entropy
 from .reference import REFERENCE_CHUNK_ELEMENTS, cross_entropy_rows_reference
 
 __all__ = ["cross_entropy", "cross_entropy_rows_reference", "REDUCTIONS", "REFERENCE_CHUNK_ELEMENTS"]

@@ -11,7 +11,7 @@ from torch.nn import _reduction as _Reduction
 
 from ..._core import registry
 from ..._core.dtypes import accumulation_dtype
-from ..._core.layout import autocast_to_float32, is_dense, refuse_forward_ad, three_groups
+from ..._core.layout import autocast_to_float32, is_dense, refuse_forward_ad, three_groups, three_view
 from .contract import check_arguments, check_target_range
 from .reference import cross_entropy_rows_reference
 
@@ -23,18 +23,6 @@ registry.register(registry.OpKernels(name="cross_entropy", reference=cross_entro
 # ---------------------------------------------------------------------------
 # Shapes, buffers, reductions: the forward both custom ops run
 # ---------------------------------------------------------------------------
-
-
-def _as_rows(t: torch.Tensor) -> Optional[torch.Tensor]:
-    """``(N, C, d...)`` as an ``(N, C, I)`` view without a copy, or None."""
-    groups = three_groups(t, (1,))
-    if groups is None:
-        return None
-    return t.as_strided(
-        (groups.outer, groups.reduced, groups.inner),
-        (groups.outer_stride, groups.reduced_stride, groups.inner_stride),
-        t.storage_offset(),
-    )
 
 
 def _grad_buffer(logits: torch.Tensor) -> torch.Tensor:
@@ -91,15 +79,15 @@ def _run(logits, target, weight, ignore_index, label_smoothing, reduction, grad,
         ignored = 0.0 if label_smoothing == 0 else math.nan
         loss_rows = torch.where(target_rows == ignore_index, ignored, math.nan).to(acc)
     else:
-        rows3 = _as_rows(logits)
+        rows3 = three_view(logits, (1,))
         if rows3 is None:
             # Strides that do not merge into (N, C, rest): the one case that costs a copy.
-            rows3 = _as_rows(logits.contiguous())
-        grad3 = None if grad is None else _as_rows(grad)
+            rows3 = three_view(logits.contiguous(), (1,))
+        grad3 = None if grad is None else three_view(grad, (1,))
         copied_grad = None
         if grad is not None and grad3 is None:
             copied_grad = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
-            grad3 = _as_rows(copied_grad)
+            grad3 = three_view(copied_grad, (1,))
         loss_rows = registry.kernel("cross_entropy", logits.device)(
             rows3, target_rows, weight, grad3, grad_scale, ignore_index, float(label_smoothing)
         )
@@ -158,13 +146,6 @@ def _(logits, target, weight, ignore_index, label_smoothing, reduction, loss_dty
     return logits.new_empty(_loss_shape(logits, reduction), dtype=loss_dtype)
 
 
-def _eager(t: torch.Tensor) -> bool:
-    """registry.dispatch's rule: a plain tensor outside torch.compile/export
-    runs the ops' bodies directly; anything else goes through the custom
-    ops (their fake kernels, the subclass's dispatch)."""
-    return type(t) is torch.Tensor and not torch.compiler.is_compiling()
-
-
 class _CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, weight, ignore_index, label_smoothing, reduction, inplace_backward, grad_mode,
@@ -176,7 +157,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
         ctx.reduction = reduction
         arguments = (target, weight, ignore_index, label_smoothing, reduction)
         if compute_grad and inplace_backward:
-            if _eager(logits):
+            if registry.runs_eagerly(logits):
                 loss = _forward_(logits, *arguments, loss_dtype)
                 # What the custom op's mutation of logits does through the
                 # dispatcher: other nodes that saved the logits now raise.
@@ -185,7 +166,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
                 loss = _cross_entropy_forward_(logits, *arguments, loss_dtype)
             grad = logits
         else:
-            forward = _forward if _eager(logits) else _cross_entropy_forward
+            forward = _forward if registry.runs_eagerly(logits) else _cross_entropy_forward
             loss, grad = forward(logits, *arguments, compute_grad, loss_dtype)
         if compute_grad:
             ctx.save_for_backward(grad)

@@ -32,10 +32,9 @@ from ..._core.dtypes import accumulation_dtype
 # live vector (x, exp, gradient): enough loads in flight to saturate memory
 # bandwidth without spilling registers. Rows shorter than that use the next
 # power of two. Tests lower MAX_BLOCK to run the multi-block loop under the
-# interpreter on small rows. Compiled offline for sm_90a (Triton 3.9, ptxas
-# -v, no GPU here): 88 registers for bf16 (95 with label smoothing, 164 for
-# float64), no spills, so two 256-thread programs fit per SM. Not yet tuned
-# on a GPU: 16 warps, or a larger block, are the first things to try.
+# interpreter on small rows. Its registers and spills per target are what
+# `python -m effilayers.info --kernels` reports. Not yet tuned on a GPU:
+# 16 warps, or a larger block, are the first things to try.
 MAX_BLOCK = 4096
 
 

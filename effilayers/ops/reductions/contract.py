@@ -10,7 +10,7 @@ from typing import Sequence
 import torch
 
 from ..._core.dtypes import accumulation_dtype
-from ..._core.layout import is_dense, normalize_dims, three_groups
+from ..._core.layout import is_dense, normalize_dims, three_view
 
 KINDS = ("sum", "mean", "var", "std", "norm")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -76,17 +76,12 @@ def as_three(x: torch.Tensor, dims: Sequence[int]) -> torch.Tensor:
             # Order does not matter for a full reduction: memory order.
             return x.as_strided((1, x.numel(), 1), (0, 1, 0), x.storage_offset())
         return x.contiguous().view(1, x.numel(), 1)
-    groups = three_groups(x, dims)
-    if groups is None:
+    view = three_view(x, dims)
+    if view is None:
         kept = [d for d in range(x.dim()) if d not in dims]
         x = x.permute(*kept, *dims).contiguous()  # the one input-sized copy
-        dims = tuple(range(len(kept), x.dim()))
-        groups = three_groups(x, dims)
-    return x.as_strided(
-        (groups.outer, groups.reduced, groups.inner),
-        (groups.outer_stride, groups.reduced_stride, groups.inner_stride),
-        x.storage_offset(),
-    )
+        view = three_view(x, tuple(range(len(kept), x.dim())))
+    return view
 
 
 def run_three(kernel, x: torch.Tensor, dims: Sequence[int], kind: str, correction: float, keepdim: bool,

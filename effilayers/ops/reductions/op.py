@@ -46,11 +46,11 @@ def _setup_context(ctx, inputs, output):
 
 def _mean(x: torch.Tensor, dims, acc: torch.dtype) -> torch.Tensor:
     """The overflow-free mean over ``dims`` (kept) in ``acc``, for var/std's
-    backward. In eager mode (registry.dispatch's rule: a plain tensor outside
-    torch.compile/export) without create_graph, the kernel itself; otherwise
-    the custom op, which traces and has a derivative."""
-    if type(x) is torch.Tensor and not torch.compiler.is_compiling() and not torch.is_grad_enabled():
-        return run_three(registry.kernel("reduce", x.device), x, dims, "mean", 0.0, True, acc)
+    backward: the kernel itself where registry.eager allows it, otherwise the
+    custom op, which traces and has a derivative (create_graph=True)."""
+    kernel = registry.eager("reduce", x)
+    if kernel is not None:
+        return run_three(kernel, x, dims, "mean", 0.0, True, acc)
     return _reduce_op(x, list(dims), "mean", 0.0, True, acc)
 
 
