@@ -19,26 +19,45 @@
 
 namespace effilayers {
 
-inline void update_running_stats(const std::optional<at::Tensor>& running_mean,
-                                 const std::optional<at::Tensor>& running_var,
-                                 const std::optional<at::Tensor>& num_batches_tracked, const at::Tensor& mean,
-                                 const at::Tensor& var, int64_t count, double momentum, bool cumulative) {
+// The factor of BatchNorm's running update: `momentum`, or with
+// momentum=None a cumulative average, 1 / num_batches_tracked (after this
+// batch's increment; a host read, as in torch's BatchNorm).
+inline double running_factor(const std::optional<at::Tensor>& num_batches_tracked, double momentum,
+                             bool cumulative) {
+  return cumulative ? 1.0 / num_batches_tracked->item<double>() : momentum;
+}
+
+// The finishing step composed of ATen ops, for a device without its own:
+// num_batches_tracked += 1, the running update when count > 0, and
+// invstd = rsqrt(var + eps).
+inline at::Tensor finish_statistics_aten(const at::Tensor& mean, const at::Tensor& var, int64_t count,
+                                         const std::optional<at::Tensor>& running_mean,
+                                         const std::optional<at::Tensor>& running_var,
+                                         const std::optional<at::Tensor>& num_batches_tracked, double momentum,
+                                         bool cumulative, double eps) {
   if (num_batches_tracked) num_batches_tracked->add_(1);
-  if (!running_mean && !running_var) return;
-  // momentum=None: a cumulative average, needing the counter's value (a host
-  // read, as in torch's BatchNorm).
-  const double factor = cumulative ? 1.0 / num_batches_tracked->item<double>() : momentum;
-  if (running_mean) running_mean->mul_(1 - factor).add_(mean.to(running_mean->scalar_type()), factor);
-  if (running_var) {
-    const at::Tensor unbiased = var.mul(static_cast<double>(count) / static_cast<double>(count - 1));
-    running_var->mul_(1 - factor).add_(unbiased.to(running_var->scalar_type()), factor);
+  if (count > 0 && (running_mean || running_var)) {
+    const double factor = running_factor(num_batches_tracked, momentum, cumulative);
+    if (running_mean) running_mean->mul_(1 - factor).add_(mean.to(running_mean->scalar_type()), factor);
+    if (running_var) {
+      const at::Tensor unbiased = var.mul(static_cast<double>(count) / static_cast<double>(count - 1));
+      running_var->mul_(1 - factor).add_(unbiased.to(running_var->scalar_type()), factor);
+    }
   }
+  return var.add(eps).rsqrt_();
 }
 
 using BatchStats = std::tuple<at::Tensor, at::Tensor, at::Tensor> (*)(const at::Tensor& input, int64_t correction);
+using FinishStatistics = at::Tensor (*)(const at::Tensor& mean, const at::Tensor& var, int64_t count,
+                                        const std::optional<at::Tensor>& running_mean,
+                                        const std::optional<at::Tensor>& running_var,
+                                        const std::optional<at::Tensor>& num_batches_tracked, double momentum,
+                                        bool cumulative, double eps);
 
-// The op `normalizing_statistics` of the library whose batch_stats kernel is `batch_stats`.
-template <BatchStats batch_stats>
+// The op `normalizing_statistics` of the library whose batch_stats kernel is
+// `batch_stats` and whose finishing step (the running update and invstd,
+// an empty batch leaving the running statistics untouched) is `finish`.
+template <BatchStats batch_stats, FinishStatistics finish>
 std::tuple<at::Tensor, at::Tensor> normalizing_statistics(const at::Tensor& input,
                                                           const std::optional<at::Tensor>& running_mean,
                                                           const std::optional<at::Tensor>& running_var,
@@ -50,12 +69,9 @@ std::tuple<at::Tensor, at::Tensor> normalizing_statistics(const at::Tensor& inpu
   const int64_t count = input.numel() / std::max<int64_t>(input.size(1), 1);
   TORCH_CHECK_VALUE(count != 1, "expected more than 1 value per channel when training, got input size ",
                     input.sizes());
-  if (count == 0) {  // an empty batch, as BatchNorm: nothing to normalise, statistics untouched
-    if (num_batches_tracked) num_batches_tracked->add_(1);
-  } else {
-    update_running_stats(running_mean, running_var, num_batches_tracked, mean, var, count, momentum, cumulative);
-  }
-  return {mean, var.add(eps).rsqrt_()};
+  at::Tensor invstd = finish(mean, var, count, running_mean, running_var, num_batches_tracked, momentum, cumulative,
+                             eps);
+  return {mean, invstd};
 }
 
 }  // namespace effilayers

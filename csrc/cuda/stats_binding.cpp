@@ -53,5 +53,6 @@ TORCH_LIBRARY_FRAGMENT(effilayers_cuda, m) {
 
 TORCH_LIBRARY_IMPL(effilayers_cuda, CUDA, m) {
   m.impl("batch_stats", &effilayers::batch_stats_cuda);
-  m.impl("normalizing_statistics", &effilayers::normalizing_statistics<&effilayers::batch_stats_cuda>);
+  m.impl("normalizing_statistics",
+         &effilayers::normalizing_statistics<&effilayers::batch_stats_cuda, &effilayers::finish_statistics_aten>);
 }
