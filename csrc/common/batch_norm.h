@@ -1,5 +1,6 @@
-// BatchNorm's normalising statistics in one call, for the bindings of both
-// libraries (torch headers: never included by a .cu file).
+// BatchNorm's normalising statistics, and activated BatchNorm's backward, each
+// in one call, for the bindings of both libraries (torch headers: never
+// included by a .cu file).
 //
 // One host round trip instead of a chain of small ops: a layer on a small
 // tensor spends its time on the host, and this is most of a BatchNorm
@@ -11,10 +12,12 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/zeros_like.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <optional>
+#include <string>
 #include <tuple>
 
 namespace effilayers {
@@ -72,6 +75,47 @@ std::tuple<at::Tensor, at::Tensor> normalizing_statistics(const at::Tensor& inpu
   at::Tensor invstd = finish(mean, var, count, running_mean, running_var, num_batches_tracked, momentum, cumulative,
                              eps);
   return {mean, invstd};
+}
+
+// ---- backward -----------------------------------------------------------------
+
+using AbnBackwardReduce = std::tuple<at::Tensor, at::Tensor> (*)(
+    const at::Tensor& grad, const at::Tensor& saved, const at::Tensor& mean, const at::Tensor& invstd,
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& residual, std::string activation, double activation_param, double weight_eps,
+    bool saved_is_output);
+using AbnBackwardElemt = std::tuple<at::Tensor, at::Tensor> (*)(
+    const at::Tensor& grad, const at::Tensor& saved, const at::Tensor& mean, const at::Tensor& invstd,
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& residual, std::string activation, double activation_param, double weight_eps,
+    bool saved_is_output, const at::Tensor& mean_dy, const at::Tensor& mean_dy_xhat, bool want_residual_grad);
+
+// The op `abn_backward`: effilayers/ops/_batchnorm.py's backward_passes for
+// one rank in one call (the reduce kernel, the means, the element kernel), so
+// a small layer's backward is one host round trip. Returns (grad_input,
+// grad_residual, sum_dy, sum_dy_xhat), undefined (None) where not asked for;
+// count 0 means running statistics, constants with no mean terms.
+template <AbnBackwardReduce reduce, AbnBackwardElemt elemt>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> abn_backward(
+    const at::Tensor& grad, const at::Tensor& saved, const at::Tensor& mean, const at::Tensor& invstd,
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& residual, std::string activation, double activation_param, double weight_eps,
+    bool saved_is_output, int64_t count, bool need_sums, bool need_elemt, bool want_residual_grad) {
+  TORCH_CHECK_VALUE(count == 0 || need_sums || !need_elemt,
+                    "abn_backward: batch statistics (count > 0) need the sums for the input gradient");
+  at::Tensor sum_dy, sum_dy_xhat, grad_input, grad_residual;
+  if (need_sums) {
+    std::tie(sum_dy, sum_dy_xhat) = reduce(grad, saved, mean, invstd, weight, bias, residual, activation,
+                                           activation_param, weight_eps, saved_is_output);
+  }
+  if (need_elemt) {
+    const at::Tensor mean_dy = count > 0 ? sum_dy.div(static_cast<double>(count)) : at::zeros_like(mean);
+    const at::Tensor mean_dy_xhat = count > 0 ? sum_dy_xhat.div(static_cast<double>(count)) : mean_dy;
+    std::tie(grad_input, grad_residual) = elemt(grad, saved, mean, invstd, weight, bias, residual, activation,
+                                                activation_param, weight_eps, saved_is_output, mean_dy,
+                                                mean_dy_xhat, want_residual_grad);
+  }
+  return {grad_input, grad_residual, sum_dy, sum_dy_xhat};
 }
 
 }  // namespace effilayers

@@ -34,6 +34,13 @@ constexpr const char* kAbnBackwardElemt =
     "Tensor? residual, str activation, float activation_param, float weight_eps, bool saved_is_output, "
     "Tensor mean_dy, Tensor mean_dy_xhat, bool want_residual_grad) -> (Tensor, Tensor)";
 
+// abn_backward_reduce, the means and abn_backward_elemt in one call, for one
+// rank (common/batch_norm.h; effilayers/ops/_batchnorm.py's backward_passes).
+constexpr const char* kAbnBackward =
+    "abn_backward(Tensor grad, Tensor saved, Tensor mean, Tensor invstd, Tensor? weight, Tensor? bias, "
+    "Tensor? residual, str activation, float activation_param, float weight_eps, bool saved_is_output, int count, "
+    "bool need_sums, bool need_elemt, bool want_residual_grad) -> (Tensor, Tensor, Tensor, Tensor)";
+
 // Fused Adam/AdamW update of a run of parameters whose states lie end to end
 // in flat buffers (effilayers/ops/adam/ describes the arguments).
 constexpr const char* kAdamStep =

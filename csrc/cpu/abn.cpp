@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "common/activation.h"
+#include "common/batch_norm.h"
 #include "common/checks.h"
 #include "common/schemas.h"
 #include "cpu/vec.h"
@@ -549,6 +550,7 @@ TORCH_LIBRARY_FRAGMENT(effilayers_cpu, m) {
   m.def(effilayers::schema::kAbnForwardInplace);
   m.def(effilayers::schema::kAbnBackwardReduce);
   m.def(effilayers::schema::kAbnBackwardElemt);
+  m.def(effilayers::schema::kAbnBackward);
 }
 
 TORCH_LIBRARY_IMPL(effilayers_cpu, CPU, m) {
@@ -556,4 +558,6 @@ TORCH_LIBRARY_IMPL(effilayers_cpu, CPU, m) {
   m.impl("abn_forward_", &effilayers::abn_forward_inplace_cpu);
   m.impl("abn_backward_reduce", &effilayers::abn_backward_reduce_cpu);
   m.impl("abn_backward_elemt", &effilayers::abn_backward_elemt_cpu);
+  m.impl("abn_backward", &effilayers::abn_backward<&effilayers::abn_backward_reduce_cpu,
+                                                   &effilayers::abn_backward_elemt_cpu>);
 }

@@ -22,6 +22,7 @@
 #include <string>
 #include <tuple>
 
+#include "common/batch_norm.h"
 #include "common/checks.h"
 #include "common/schemas.h"
 #include "cuda/binding.h"
@@ -204,6 +205,7 @@ TORCH_LIBRARY_FRAGMENT(effilayers_cuda, m) {
   m.def(effilayers::schema::kAbnForwardInplace);
   m.def(effilayers::schema::kAbnBackwardReduce);
   m.def(effilayers::schema::kAbnBackwardElemt);
+  m.def(effilayers::schema::kAbnBackward);
 }
 
 TORCH_LIBRARY_IMPL(effilayers_cuda, CUDA, m) {
@@ -211,4 +213,6 @@ TORCH_LIBRARY_IMPL(effilayers_cuda, CUDA, m) {
   m.impl("abn_forward_", &effilayers::abn_forward_inplace_cuda);
   m.impl("abn_backward_reduce", &effilayers::abn_backward_reduce_cuda);
   m.impl("abn_backward_elemt", &effilayers::abn_backward_elemt_cuda);
+  m.impl("abn_backward", &effilayers::abn_backward<&effilayers::abn_backward_reduce_cuda,
+                                                   &effilayers::abn_backward_elemt_cuda>);
 }

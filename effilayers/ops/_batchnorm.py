@@ -152,7 +152,8 @@ def normalizing_statistics(parts: Sequence[torch.Tensor], running_mean, running_
 
 
 def backward_passes(reduce: Callable, elemt: Callable, grad: torch.Tensor, saved: torch.Tensor, args: tuple,
-                    count: int, *, need_sums: bool, need_elemt: bool, want_residual_grad: bool = False, group=None):
+                    count: int, *, need_sums: bool, need_elemt: bool, want_residual_grad: bool = False, group=None,
+                    fused: Optional[Callable] = None):
     """BatchNorm's backward as its two kernel passes.
 
     ``reduce(grad, saved, *args) -> (sum dy, sum dy x_hat)`` and
@@ -162,8 +163,12 @@ def backward_passes(reduce: Callable, elemt: Callable, grad: torch.Tensor, saved
     terms). Returns ``(grad_input, grad_residual, sum_dy, sum_dy_xhat)``,
     the sums being this rank's (its weight and bias gradients: DDP averages
     those as it does every other parameter's) and the input gradient using
-    the sums over the whole synchronised batch.
+    the sums over the whole synchronised batch. ``fused(grad, saved, *args,
+    count, need_sums, need_elemt, want_residual_grad)``, when given, does
+    all of it in one call on a single rank.
     """
+    if fused is not None and not distributed(group):
+        return fused(grad, saved, *args, count, need_sums, need_elemt, want_residual_grad)
     local_dy = local_dy_xhat = None
     mean = args[0]
     if need_sums:

@@ -71,9 +71,20 @@ _abn_backward_elemt = registry.define(
     "abn_backward_elemt", f"(Tensor grad, Tensor saved, {_KERNEL_ARGS}, bool saved_is_output, Tensor mean_dy, "
     "Tensor mean_dy_xhat, bool want_residual_grad) -> (Tensor, Tensor)", _grads_like, device_arg=1)
 
+
+
+def _backward_reference(grad, saved, *args_count_and_needs):
+    *args, count, need_sums, need_elemt, want_residual_grad = args_count_and_needs
+    return _batchnorm.backward_passes(reference.backward_reduce, reference.backward_elemt, grad, saved, tuple(args),
+                                      count, need_sums=need_sums, need_elemt=need_elemt,
+                                      want_residual_grad=want_residual_grad)
+
+
+# abn_backward (reduce, means, elemt in one call) is eager-only, with no
+# custom op: traced graphs hold the two kernels it is made of.
 for _name, _reference in (("abn_forward", reference.forward), ("abn_forward_", reference.forward_),
                           ("abn_backward_reduce", reference.backward_reduce),
-                          ("abn_backward_elemt", reference.backward_elemt)):
+                          ("abn_backward_elemt", reference.backward_elemt), ("abn_backward", _backward_reference)):
     registry.register(registry.OpKernels(name=_name, reference=_reference, cpp=_name, cuda=_name))
 
 
@@ -116,7 +127,8 @@ class _ActivatedBatchNorm(torch.autograd.Function):
         grad_input, grad_residual, sum_dy, sum_dy_xhat = _batchnorm.backward_passes(
             registry.dispatch("abn_backward_reduce", saved), registry.dispatch("abn_backward_elemt", saved),
             grad_output, saved, args, ctx.count, need_sums=use_batch_stats or need_weight or need_bias,
-            need_elemt=need_input or want_residual_grad, want_residual_grad=want_residual_grad, group=group)
+            need_elemt=need_input or want_residual_grad, want_residual_grad=want_residual_grad, group=group,
+            fused=registry.eager("abn_backward", saved))
         # Straight through the weight clamp: where |weight| < weight_eps the
         # clamp is flat, and its true derivative (zero) would freeze a weight
         # that starts or decays there (zero_init_residual) for good.
