@@ -27,21 +27,49 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
-# (backend, device) pairs every op test runs on.
-BACKEND_PARAMS = [
-    pytest.param(("reference", "cpu"), id="reference-cpu"),
-    pytest.param(("cpp", "cpu"), id="cpp-cpu"),
-    pytest.param(("cuda", "cuda"), id="cuda-cuda", marks=pytest.mark.gpu),
-    pytest.param(("reference", "cuda"), id="reference-cuda", marks=pytest.mark.gpu),
-]
+# Where each backend's kernels run, in the order tests list them. Triton
+# runs on CPU tensors through its interpreter (TRITON_INTERPRET=1, small
+# shapes; CI does this). test_backends checks that every backend the
+# registry knows is placed here.
+RUNS_ON = {"reference": ("cpu", "cuda"), "cpp": ("cpu",), "triton": ("cpu", "cuda"), "cuda": ("cuda",)}
+_DEVICE_ORDER = ("cpu", "cuda")
 
 
-# Ops whose GPU kernel is written in Triton add these: the same kernels run
-# on CPU tensors under TRITON_INTERPRET=1 (small shapes; CI does this).
-TRITON_PARAMS = [
-    pytest.param(("triton", "cpu"), id="triton-interpreter"),
-    pytest.param(("triton", "cuda"), id="triton-cuda", marks=pytest.mark.gpu),
-]
+def _param_id(backend: str, device: str) -> str:
+    return "triton-interpreter" if (backend, device) == ("triton", "cpu") else f"{backend}-{device}"
+
+
+def backend_params(op_name: str, *, devices=None, backends=None, without=()) -> list:
+    """pytest params ``(backend, device)`` for exactly the backends the
+    registry declares for ``op_name``, on every device each runs on (ids
+    ``reference-cpu``, ``cpp-cpu``, ``triton-interpreter``, ``cuda-cuda``,
+    ``triton-cuda``, ``reference-cuda``; CUDA ones marked ``gpu``).
+    ``devices`` / ``backends`` keep only those; ``without`` drops params by id.
+    A selection that names nothing the op has is an error, not an empty list."""
+    kernels = effilayers.backends._state.ops[op_name]
+    pairs = [(backend, device) for device in _DEVICE_ORDER for backend in RUNS_ON
+             if device in RUNS_ON[backend] and kernels.provides(backend)]
+    unknown = set(without) - {_param_id(*pair) for pair in pairs}
+    if unknown:
+        raise ValueError(f"backend_params({op_name!r}): without names no param of this op: {sorted(unknown)}")
+    selected = [pytest.param(pair, id=_param_id(*pair), marks=[pytest.mark.gpu] if pair[1] == "cuda" else [])
+                for pair in pairs
+                if (devices is None or pair[1] in devices) and (backends is None or pair[0] in backends)
+                and _param_id(*pair) not in without]
+    if not selected:
+        raise ValueError(f"backend_params({op_name!r}, devices={devices}, backends={backends}): the registry "
+                         f"declares none of these (it has {[_param_id(*pair) for pair in pairs]})")
+    return selected
+
+
+def backend_names(op_name: str, device: str, *, without=()) -> list[str]:
+    """The names of the backends ``op_name`` has on ``device`` (for tests
+    parametrised by name on one device), less ``without``."""
+    names = [p.values[0][0] for p in backend_params(op_name, devices=(device,))]
+    stale = set(without) - set(names)
+    if stale:
+        raise ValueError(f"backend_names({op_name!r}, {device!r}): without names no backend of this op: {sorted(stale)}")
+    return [name for name in names if name not in without]
 
 
 def activate_backend(op_name: str, backend: str, device: str):
@@ -85,7 +113,7 @@ def forced_backend(request, op_name: str):
         context.__exit__(None, None, None)
 
 
-@pytest.fixture(params=BACKEND_PARAMS)
+@pytest.fixture(params=backend_params("batch_stats"))
 def stats_device(request):
     """Runs the test with batch_stats forced to one backend; yields the device."""
     yield from forced_backend(request, "batch_stats")

@@ -14,17 +14,15 @@ from effilayers import memory
 from effilayers.functional import abn, inplace_abn
 from effilayers.nn import ABN, InPlaceABN, InPlaceABNSync
 
-from .conftest import activate_backend, forced_backend
+from .conftest import activate_backend, backend_names, backend_params, forced_backend
 from .helpers import channel_varied, to_layout
 
 ACTIVATIONS = [("leaky_relu", 0.1), ("elu", 0.8), ("identity", 0.0)]
 ALL_ACTIVATIONS = ACTIVATIONS + [("relu", 0.0)]
-BACKENDS = [pytest.param(("reference", "cpu"), id="reference"), pytest.param(("cpp", "cpu"), id="cpp"),
-            pytest.param(("cuda", "cuda"), id="cuda", marks=pytest.mark.gpu)]
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 8e-2}
 
 
-@pytest.fixture(params=BACKENDS)
+@pytest.fixture(params=backend_params("abn_forward"))
 def device(request):
     yield from forced_backend(request, "abn_forward")
 
@@ -431,7 +429,7 @@ def _sync_worker(rank, world, init_file, sizes, backend, result_file):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sizes", [[3, 5], [0, 4]], ids=["3+5", "0+4"])
-@pytest.mark.parametrize("backend", ["reference", "cpp"])
+@pytest.mark.parametrize("backend", backend_names("abn_forward", "cpu"))
 def test_sync_two_gloo_processes_match_whole_batch(tmp_path, sizes, backend):
     import torch.multiprocessing as mp
 

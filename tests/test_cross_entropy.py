@@ -17,21 +17,10 @@ from effilayers.functional import cross_entropy
 from effilayers.nn import CrossEntropyLoss
 from effilayers.ops.cross_entropy import REFERENCE_CHUNK_ELEMENTS, _as_rows
 
-from .conftest import (REQUIRE_COMPILED, fake_cuda_autocast, far_apart_rows, forced_backend, peak_rss_growth,
-                       poison_cpp_allocations, required_backend)
+from .conftest import (REQUIRE_COMPILED, backend_params, fake_cuda_autocast, far_apart_rows, forced_backend,
+                       peak_rss_growth, poison_cpp_allocations, required_backend)
 
 OP = "cross_entropy"
-
-# The brief's BACKEND_PARAMS list a CUDA-C++ backend this op does not have
-# (its GPU kernel is Triton), so the pairs are listed here.
-CE_PARAMS = [
-    pytest.param(("reference", "cpu"), id="reference-cpu"),
-    pytest.param(("cpp", "cpu"), id="cpp-cpu"),
-    pytest.param(("triton", "cpu"), id="triton-interpreter"),
-    pytest.param(("triton", "cuda"), id="triton-cuda", marks=pytest.mark.gpu),
-    pytest.param(("reference", "cuda"), id="reference-cuda", marks=pytest.mark.gpu),
-]
-CPU_PARAMS = CE_PARAMS[:2]
 
 TOL = {
     torch.float64: dict(rtol=1e-10, atol=1e-12),
@@ -41,17 +30,17 @@ TOL = {
 }
 
 
-@pytest.fixture(params=CE_PARAMS)
+@pytest.fixture(params=backend_params(OP))
 def ce_device(request):
     yield from forced_backend(request, OP)
 
 
-@pytest.fixture(params=CPU_PARAMS)
+@pytest.fixture(params=backend_params(OP, devices=["cpu"], without=["triton-interpreter"]))
 def cpu_device(request):
     yield from forced_backend(request, OP)
 
 
-@pytest.fixture(params=CE_PARAMS[:3])
+@pytest.fixture(params=backend_params(OP, devices=["cpu"]))
 def cpu_or_interpreter_device(request):
     yield from forced_backend(request, OP)
 

@@ -22,7 +22,7 @@ from effilayers import memory, models
 from effilayers.models.densenet import DenseNet
 from effilayers.ops.densenet import bottleneck
 
-from .conftest import BACKEND_PARAMS, TRITON_PARAMS, activate_backend, forced_backend
+from .conftest import activate_backend, backend_names, backend_params, forced_backend
 
 KEYS = json.loads((Path(__file__).parent / "data" / "torchvision_state_dict_keys.json").read_text())
 TORCHVISION_DENSENETS = ["densenet121", "densenet161", "densenet169", "densenet201"]
@@ -87,7 +87,8 @@ def _statistics(features):
     ids=["2-features", "3-features", "3-features-shared-stats", "one-map-3x3", "2-features-3x3-shared-stats"],
 )
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
-@pytest.mark.parametrize("backend", ["reference", "cpp"])
+# float64: the Triton interpreter has no float64 GEMMs
+@pytest.mark.parametrize("backend", backend_names("dense_bottleneck_forward", "cpu", without=["triton"]))
 def test_bottleneck_gradcheck(training, channels, kernel, shared, backend):
     features, weight, bias, conv_weight, running_mean, running_var = _bottleneck_inputs(
         channels, size=(2, 3, 3), kernel=kernel)
@@ -871,10 +872,7 @@ from effilayers.ops import densenet as densenet_ops  # noqa: E402
 
 
 # cpp: the CPU path composes ABN's C++ kernels around PyTorch's convolution.
-OP_PARAMS = [p for p in BACKEND_PARAMS if "cuda-cuda" not in p.id] + TRITON_PARAMS
-
-
-@pytest.fixture(params=OP_PARAMS)
+@pytest.fixture(params=backend_params("dense_bottleneck_forward"))
 def op_device(request):
     """Both 1x1 ops forced to one backend (the forward op's name decides the
     skip; both ops have the same backends)."""
@@ -1075,7 +1073,7 @@ class _LaunchSpy:
         return run
 
 
-@pytest.fixture(params=TRITON_PARAMS)
+@pytest.fixture(params=backend_params("dense_bottleneck_forward", backends=("triton",)))
 def triton_device(request):
     yield from forced_backend(request, "dense_bottleneck_forward")
 
@@ -1119,18 +1117,13 @@ def test_triton_precision_follows_the_flag(triton_device, monkeypatch, tf32):
     assert seen == [False]  # fp16 GEMMs never take the TF32 flag
 
 
-MODEL_BACKENDS = [
-    pytest.param(("cpp", "cpu"), id="cpp-cpu"),
-    pytest.param(("reference", "cpu"), id="reference-cpu"),
-    pytest.param(("triton,cpp", "cpu"), id="triton-interpreter"),
-    pytest.param(("triton,cuda", "cuda"), id="triton-cuda", marks=pytest.mark.gpu),
-]
-
-
-@pytest.fixture(params=MODEL_BACKENDS)
+@pytest.fixture(params=backend_params("dense_bottleneck_forward"))
 def model_device(request):
-    """The 1x1 ops on one backend, every other op on its compiled kernel."""
-    preference, device = request.param
+    """The 1x1 ops on one backend, every other op on its compiled kernel
+    (ABN's ops have no Triton kernels: with Triton they take the device's
+    compiled one)."""
+    backend, device = request.param
+    preference = f"triton,{'cpp' if device == 'cpu' else 'cuda'}" if backend == "triton" else backend
     context = activate_backend("dense_bottleneck_forward", preference, device)
     try:
         yield torch.device(device)

@@ -17,7 +17,7 @@ from effilayers._core.layout import memory_flat
 from effilayers.ops.adam import AdamHyperParams, adam_step_, adam_step_reference
 from effilayers.optim import ChunkedAdam, ChunkedAdamW
 
-from .conftest import BACKEND_PARAMS, TRITON_PARAMS, activate_backend, forced_backend, required_backend
+from .conftest import activate_backend, backend_params, forced_backend, required_backend
 from .helpers import NewStorages
 
 # Trajectories: fp32 states track torch to rounding. The Triton kernel derives
@@ -33,7 +33,7 @@ BF16_STATE_TOL = dict(rtol=0, atol=5e-3)
 BF16_STATE_REL_L2 = 0.02
 
 
-@pytest.fixture(params=BACKEND_PARAMS + TRITON_PARAMS)
+@pytest.fixture(params=backend_params("adam_step"))
 def adam_device(request):
     """Runs the test with adam_step forced to one backend; yields (backend, device)."""
     backend = request.param[0]
@@ -1423,7 +1423,7 @@ def test_functional_step_counters_on_cpu_wait_for_a_cuda_found_inf():
 # table of addresses (effilayers/ops/adam/triton.py). These tests run it under
 # the interpreter in fp32 and fp16 (bf16 and the large cases on a GPU).
 
-@pytest.fixture(params=TRITON_PARAMS)
+@pytest.fixture(params=backend_params("adam_step", backends=("triton",)))
 def triton_device(request):
     """adam_step forced to the Triton kernel; yields the device."""
     yield from forced_backend(request, "adam_step")

@@ -24,7 +24,7 @@ from effilayers.ops.adam import (QUANT_BLOCK, AdamHyperParams, adam_step_8bit_, 
                                  quantize_exp_avg, quantize_exp_avg_sq)
 from effilayers.optim import ChunkedAdam, ChunkedAdamW
 
-from .conftest import BACKEND_PARAMS, TRITON_PARAMS, forced_backend, required_backend
+from .conftest import backend_params, forced_backend, required_backend
 from .helpers import NewStorages
 
 # 100 steps of lr 1e-2 on the test net (_Net below), 8-bit states against
@@ -36,7 +36,7 @@ EIGHT_BIT_ATOL = 2e-2
 EIGHT_BIT_REL_L2 = 0.07
 
 
-@pytest.fixture(params=BACKEND_PARAMS + TRITON_PARAMS)
+@pytest.fixture(params=backend_params("adam_step_8bit"))
 def adam8_device(request):
     backend = request.param[0]
     for device in forced_backend(request, "adam_step_8bit"):
@@ -631,7 +631,7 @@ def test_a_nan_gradient_makes_its_block_nan_on_every_backend(adam8_device):
 
 # -- the Triton kernel on chunks of several parameters ----------------------------
 
-@pytest.fixture(params=TRITON_PARAMS)
+@pytest.fixture(params=backend_params("adam_step_8bit", backends=("triton",)))
 def triton8_device(request):
     """adam_step_8bit forced to the Triton kernel; yields the device."""
     yield from forced_backend(request, "adam_step_8bit")

@@ -20,18 +20,10 @@ import effilayers.functional as EF
 from effilayers import backends, memory
 from effilayers.ops.reductions import _reduce_op, as_three
 
-from .conftest import fake_cuda_autocast, far_apart_rows, forced_backend, peak_rss_growth, required_backend
+from .conftest import (backend_names, backend_params, fake_cuda_autocast, far_apart_rows, forced_backend,
+                       peak_rss_growth, required_backend)
 
-REDUCE_PARAMS = [
-    pytest.param(("reference", "cpu"), id="reference-cpu"),
-    pytest.param(("cpp", "cpu"), id="cpp-cpu"),
-    pytest.param(("triton", "cpu"), id="triton-interpreter"),
-    pytest.param(("triton", "cuda"), id="triton-cuda", marks=pytest.mark.gpu),
-    pytest.param(("reference", "cuda"), id="reference-cuda", marks=pytest.mark.gpu),
-]
-
-
-@pytest.fixture(params=REDUCE_PARAMS)
+@pytest.fixture(params=backend_params("reduce"))
 def backend(request):
     """Forces the reduce op onto one backend; yields (backend name, device)."""
     for device in forced_backend(request, "reduce"):
@@ -601,7 +593,7 @@ def test_compile_fullgraph_matches_eager():
     torch.testing.assert_close(actual_grad, expected_grad)
 
 
-@pytest.mark.parametrize("backend_name", ["cpp", "triton"])
+@pytest.mark.parametrize("backend_name", backend_names("reduce", "cpu", without=["reference"]))
 def test_offsets_past_2_31_elements(backend_name):
     # Rows 2**30 + 1 elements apart in one uninitialised storage: the third
     # row starts past element 2**31, read in place as (outer, reduced, inner)

@@ -17,18 +17,11 @@ from effilayers._core.layout import three_groups
 from effilayers.ops.softmax import op as softmax_op
 from effilayers.ops.softmax import reference as softmax_reference
 
-from .conftest import (HAS_CUDA, REQUIRE_COMPILED, activate_backend, fake_cuda_autocast, far_apart_rows,
-                       peak_rss_growth, poison_cpp_allocations)
+from .conftest import (HAS_CUDA, REQUIRE_COMPILED, activate_backend, backend_params, fake_cuda_autocast,
+                       far_apart_rows, peak_rss_growth, poison_cpp_allocations)
 
-# (backend, device, small): "small" backends (the Triton interpreter) get
-# small shapes and lowered block limits so the multi-block paths run.
-BACKENDS = [
-    pytest.param(("reference", "cpu"), id="reference-cpu"),
-    pytest.param(("cpp", "cpu"), id="cpp-cpu"),
-    pytest.param(("triton", "cpu"), id="triton-interpreter"),
-    pytest.param(("triton", "cuda"), id="triton-cuda", marks=pytest.mark.gpu),
-    pytest.param(("reference", "cuda"), id="reference-cuda", marks=pytest.mark.gpu),
-]
+# The Triton interpreter gets small shapes and lowered block limits so the
+# multi-block paths run.
 INTERPRETER_LIMITS = dict(MAX_FUSED_BLOCK=32, ONLINE_BLOCK=16, MAX_TILE=64)
 
 # Relative / absolute tolerances per dtype for values computed from the same
@@ -51,12 +44,12 @@ def _is_interpreter(backend, device):
     return backend == "triton" and device == "cpu"
 
 
-@pytest.fixture(params=BACKENDS)
+@pytest.fixture(params=backend_params("softmax_forward"))
 def backend(request, monkeypatch):
     yield from _forced(request, monkeypatch)
 
 
-@pytest.fixture(params=[p for p in BACKENDS if p.id != "triton-interpreter"])
+@pytest.fixture(params=backend_params("softmax_forward", without=["triton-interpreter"]))
 def compiled_backend(request, monkeypatch):
     yield from _forced(request, monkeypatch)
 
@@ -577,7 +570,7 @@ def test_cpp_scratch_is_bounded():
         context.__exit__(None, None, None)
 
 
-@pytest.fixture(params=[p for p in BACKENDS if "cuda" not in p.id])
+@pytest.fixture(params=backend_params("softmax_forward", devices=["cpu"]))
 def cpu_backend(request, monkeypatch):
     yield from _forced(request, monkeypatch)
 
