@@ -68,7 +68,8 @@ def backend_names(op_name: str, device: str, *, without=()) -> list[str]:
     names = [p.values[0][0] for p in backend_params(op_name, devices=(device,))]
     stale = set(without) - set(names)
     if stale:
-        raise ValueError(f"backend_names({op_name!r}, {device!r}): without names no backend of this op: {sorted(stale)}")
+        raise ValueError(f"backend_names({op_name!r}, {device!r}): without names no backend of this op: "
+                         f"{sorted(stale)}")
     return [name for name in names if name not in without]
 
 

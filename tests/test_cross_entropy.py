@@ -17,18 +17,11 @@ from effilayers.functional import cross_entropy
 from effilayers.nn import CrossEntropyLoss
 from effilayers.ops.cross_entropy import REFERENCE_CHUNK_ELEMENTS, _as_rows
 
+from .accuracy import assert_close
 from .conftest import (REQUIRE_COMPILED, backend_params, fake_cuda_autocast, far_apart_rows, forced_backend,
                        peak_rss_growth, poison_cpp_allocations, required_backend)
 
 OP = "cross_entropy"
-
-TOL = {
-    torch.float64: dict(rtol=1e-10, atol=1e-12),
-    torch.float32: dict(rtol=1e-5, atol=1e-6),
-    torch.float16: dict(rtol=1e-3, atol=1e-3),
-    torch.bfloat16: dict(rtol=1e-2, atol=1e-2),
-}
-
 
 @pytest.fixture(params=backend_params(OP))
 def ce_device(request):
@@ -100,8 +93,8 @@ def assert_matches_torch(logits, target, dtype, grad_output=None, **kwargs):
     loss, grad = ours(logits, target, grad_output, **kwargs)
     assert loss.dtype == logits.dtype and grad.dtype == logits.dtype
     assert loss.shape == exp_loss.shape and grad.shape == logits.shape
-    torch.testing.assert_close(loss.double(), exp_loss, **TOL[dtype])
-    torch.testing.assert_close(grad.double(), exp_grad, **TOL[dtype])
+    assert_close(loss.double(), exp_loss, dtype)
+    assert_close(grad.double(), exp_grad, dtype)
 
 
 # --------------------------------------------------------------------------
@@ -322,8 +315,7 @@ def test_strided_targets(ce_device, small_triton_block):
     assert_matches_torch(logits, labels[:, 1], torch.float64, label_smoothing=0.1)
     narrow = labels.to(torch.int32)[:, 2]  # converted to int64 on the way: the conversion keeps the gaps
     assert not narrow.is_contiguous()
-    torch.testing.assert_close(cross_entropy(logits, narrow), F.cross_entropy(logits, labels[:, 2]),
-                               **TOL[torch.float64])
+    assert_close(cross_entropy(logits, narrow), F.cross_entropy(logits, labels[:, 2]), torch.float64)
     spatial = make_logits((2, 11, 3, 4), torch.float64, ce_device, seed=3)
     table = make_target((2, 4, 5), 11, ce_device, seed=4, ignore_every=5)
     every_other = make_target((2, 3, 8), 11, ce_device, seed=6)[..., ::2]  # reshape(-1) keeps it a strided view
@@ -375,14 +367,14 @@ def test_layouts(ce_device, small_triton_block, layout, inplace):
         grad_of = leaf
     loss = cross_entropy(x, target, label_smoothing=0.1, inplace_backward=inplace)
     loss.backward()
-    torch.testing.assert_close(loss.double(), exp_loss, **TOL[torch.float32])
+    assert_close(loss.double(), exp_loss, torch.float32)
     grad = grad_of.grad
     if layout == "class_stride_2":
         grad = grad[:, ::2]
     elif layout == "row_slice":
         assert bool((grad_of.grad[:, :3] == 0).all()) and bool((grad_of.grad[:, 13:] == 0).all())
         grad = grad[:, 3:13]
-    torch.testing.assert_close(grad.double(), exp_grad, **TOL[torch.float32])
+    assert_close(grad.double(), exp_grad, torch.float32)
 
 
 # --------------------------------------------------------------------------
@@ -399,9 +391,9 @@ def test_minus_inf_logits(ce_device, small_triton_block, label_smoothing):
     logits[2, :11] = -math.inf  # one finite value left in the row
     exp_loss, exp_grad = torch_expected(logits, target, reduction="none", label_smoothing=label_smoothing)
     loss, grad = ours(logits, target, reduction="none", label_smoothing=label_smoothing)
-    torch.testing.assert_close(loss.double(), exp_loss, **TOL[torch.float32])
+    assert_close(loss.double(), exp_loss, torch.float32)
     assert math.isinf(float(loss[1]))
-    torch.testing.assert_close(grad.double(), exp_grad, **TOL[torch.float32])
+    assert_close(grad.double(), exp_grad, torch.float32)
     assert bool(torch.isfinite(grad).all())
 
 
@@ -440,7 +432,7 @@ def test_retain_graph_backward_twice(ce_device):
     go = torch.tensor([1.0, 2.0, 3.0], device=ce_device)
     (first,) = torch.autograd.grad(loss, x, go, retain_graph=True)
     (second,) = torch.autograd.grad(loss, x, go)
-    torch.testing.assert_close(first.double(), expected.to(first.device), **TOL[torch.float32])
+    assert_close(first.double(), expected.to(first.device), torch.float32)
     torch.testing.assert_close(second, first)
 
 
@@ -452,7 +444,7 @@ def test_no_grad_needed_saves_nothing(ce_device):
         loss = cross_entropy(logits, target, inplace_backward=True)
     assert loss.grad_fn is None and meter.bytes == 0
     assert torch.equal(logits, before)  # nothing is written when no gradient is wanted
-    torch.testing.assert_close(loss.double(), torch_expected(logits, target)[0], **TOL[torch.float32])
+    assert_close(loss.double(), torch_expected(logits, target)[0], torch.float32)
     # logits that require grad, under no_grad / inference_mode: no gradient is computed or written
     head = Head(4, 9, torch.float32).to(ce_device)
     h = make_logits((5, 4), torch.float32, ce_device)
@@ -501,7 +493,7 @@ def test_inplace_backward_gradients(ce_device, small_triton_block, reduction):
         grads[name] = (h.grad.clone(), head.linear.weight.grad.clone())
     for name in ("saved", "inplace"):
         for actual, expected in zip(grads[name], grads["torch"]):
-            torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
+            assert_close(actual, expected, torch.float32)
 
 
 def test_inplace_backward_overwrites_logits_with_the_gradient(ce_device):
@@ -510,7 +502,7 @@ def test_inplace_backward_overwrites_logits_with_the_gradient(ce_device):
     target = make_target((5,), 7, ce_device)
     _, expected_grad = torch_expected(logits, target, reduction="sum")
     cross_entropy(logits, target, reduction="sum", inplace_backward=True)
-    torch.testing.assert_close(logits.detach().double(), expected_grad, **TOL[torch.float32])
+    assert_close(logits.detach().double(), expected_grad, torch.float32)
 
 
 def test_inplace_backward_raises_when_logits_are_saved_elsewhere(ce_device):
@@ -539,7 +531,7 @@ def test_inplace_backward_refuses_leaves_and_overlapping_logits(ce_device):
     assert torch.equal(leaf.detach(), before)
     # not refused: a view of a computed tensor, and any view under no_grad (nothing is written)
     (grad,) = torch.autograd.grad(cross_entropy((leaf * 1)[:], target, inplace_backward=True), leaf)
-    torch.testing.assert_close(grad.double(), torch_expected(leaf, target)[1], **TOL[torch.float32])
+    assert_close(grad.double(), torch_expected(leaf, target)[1], torch.float32)
     with torch.no_grad():
         cross_entropy(leaf[:], target, inplace_backward=True)
     assert torch.equal(leaf.detach(), before)
@@ -550,8 +542,8 @@ def test_inplace_backward_refuses_leaves_and_overlapping_logits(ce_device):
     # not in place, expanded logits are read as they are
     loss, grad = ours(expanded.detach(), target)
     exp_loss, exp_grad = torch_expected(expanded.detach(), target)
-    torch.testing.assert_close(loss.double(), exp_loss, **TOL[torch.float32])
-    torch.testing.assert_close(grad.double(), exp_grad, **TOL[torch.float32])
+    assert_close(loss.double(), exp_loss, torch.float32)
+    assert_close(grad.double(), exp_grad, torch.float32)
 
 
 # --------------------------------------------------------------------------
@@ -696,15 +688,15 @@ def test_offsets_past_2_31_elements(cpu_or_interpreter_device, small_triton_bloc
         logits = rows(values).requires_grad_()
         loss = cross_entropy(logits, target, reduction="none", label_smoothing=0.1)
         (grad,) = torch.autograd.grad(loss, logits, torch.ones_like(loss))
-        torch.testing.assert_close(loss.double(), exp_loss, **TOL[torch.float16])
-        torch.testing.assert_close(grad.double(), exp_grad, **TOL[torch.float16])
+        assert_close(loss.double(), exp_loss, torch.float16)
+        assert_close(grad.double(), exp_grad, torch.float16)
         # The row kernel writing the gradient over the far-apart logits
         # themselves (inplace_backward's path): int64 offsets for stores too.
         in_place = rows(values)
         as_rows = in_place.unsqueeze(-1)  # (N, C, 1)
         loss_rows = kernel(as_rows, target, None, as_rows, torch.ones(1, device=device), -100, 0.1)
-        torch.testing.assert_close(loss_rows.double(), exp_loss, **TOL[torch.float16])
-        torch.testing.assert_close(in_place.double(), exp_grad, **TOL[torch.float16])
+        assert_close(loss_rows.double(), exp_loss, torch.float16)
+        assert_close(in_place.double(), exp_grad, torch.float16)
 
     run(rows=torch.clone)  # the same calls on small tensors first: lazy initialisation is not counted
     assert peak_rss_growth(run) < 64 * 2**20  # GiBs of address space, a few pages resident
@@ -730,8 +722,8 @@ def test_kernel_writes_every_output(ce_device, small_triton_block, request):
     loss = kernel(logits, target, None, grad, scale, -100, 0.1)
     assert not bool(torch.isnan(grad).any()) and not bool(torch.isnan(loss).any())
     exp_loss, exp_grad = torch_expected(logits, target.view(4, 3), reduction="sum", label_smoothing=0.1)
-    torch.testing.assert_close(loss.sum().double(), exp_loss, **TOL[torch.float32])
-    torch.testing.assert_close(grad.double(), exp_grad * 0.5, **TOL[torch.float32])
+    assert_close(loss.sum().double(), exp_loss, torch.float32)
+    assert_close(grad.double(), exp_grad * 0.5, torch.float32)
 
 
 def test_out_of_range_target(ce_device):
@@ -805,11 +797,10 @@ def test_weight_that_requires_grad_is_refused_like_torch(ce_device):
             cross_entropy(x, target, weight=weight)
     assert weight.grad is None
     with torch.no_grad():
-        torch.testing.assert_close(cross_entropy(logits, target, weight=weight),
-                                   F.cross_entropy(logits, target, weight=weight), **TOL[torch.float32])
+        assert_close(cross_entropy(logits, target, weight=weight), F.cross_entropy(logits, target, weight=weight),
+                     torch.float32)
     loss, _ = ours(logits, target, weight=weight.detach())
-    torch.testing.assert_close(loss, F.cross_entropy(logits, target, weight=weight.detach()).detach(),
-                               **TOL[torch.float32])
+    assert_close(loss, F.cross_entropy(logits, target, weight=weight.detach()).detach(), torch.float32)
 
 
 def test_forward_mode_ad_is_refused(ce_device):
@@ -855,7 +846,7 @@ def test_module_matches_torch_module():
     assert torch.equal(mine.weight, weight)
     logits = make_logits((7, 6), torch.float32, "cpu")
     target = make_target((7,), 6, "cpu")
-    torch.testing.assert_close(mine(logits, target), theirs(logits, target), rtol=1e-5, atol=1e-6)
+    assert_close(mine(logits, target), theirs(logits, target), torch.float32)
     # A drop-in: isinstance, repr and state dict as torch's (both ways)
     assert isinstance(mine, torch.nn.CrossEntropyLoss)
     assert repr(mine) == repr(theirs) == "CrossEntropyLoss()"
@@ -894,7 +885,7 @@ def test_functional_legacy_reduction_arguments():
         warnings.simplefilter("ignore")
         expected = F.cross_entropy(logits, target, reduce=False)
     assert loss.shape == (4,)
-    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    assert_close(loss, expected, torch.float32)
 
 
 def test_module_inplace_backward():
@@ -905,7 +896,7 @@ def test_module_inplace_backward():
     grad = head.linear.weight.grad.clone()
     head.zero_grad()
     torch.nn.CrossEntropyLoss()(head(h), target).backward()
-    torch.testing.assert_close(grad, head.linear.weight.grad, rtol=1e-5, atol=1e-6)
+    assert_close(grad, head.linear.weight.grad, torch.float32)
 
 
 # --------------------------------------------------------------------------
@@ -976,9 +967,9 @@ def test_compile_fullgraph_matches_eager(inplace):
         loss.backward()
         results.append((loss.detach(), h.grad.clone(), head.linear.weight.grad.clone()))
     for actual, expected in zip(results[1], results[0]):
-        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
+        assert_close(actual, expected, torch.float32)
     F_loss = F.cross_entropy(head(h), target, label_smoothing=0.1)
-    torch.testing.assert_close(results[1][0], F_loss.detach(), rtol=1e-5, atol=1e-6)
+    assert_close(results[1][0], F_loss.detach(), torch.float32)
 
 
 # --------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from effilayers import memory, models
 from effilayers.models.densenet import DenseNet
 from effilayers.ops.densenet import bottleneck
 
+from .accuracy import assert_close
 from .conftest import activate_backend, backend_names, backend_params, forced_backend
 
 KEYS = json.loads((Path(__file__).parent / "data" / "torchvision_state_dict_keys.json").read_text())
@@ -924,23 +925,6 @@ def _op_reference(features, vectors, conv_weight, grad_out, batch_stats, padding
     return out, x.grad, bias.grad, weight.grad, cw.grad
 
 
-OP_TOLERANCES = {torch.float32: dict(rtol=1e-4, atol=1e-4)}
-# fp16/bf16: the error comes from rounding the GEMMs' inputs (y, dy) and the
-# outputs, so it scales with a tensor's largest values rather than with each
-# element: |error| <= rtol * |expected| + scaled_atol * max |expected|.
-# Measured on _op_case (6 seeds x 2 layouts x 2 statistics; reference, cpp,
-# Triton under the interpreter in fp16): at most 0.96 of (2e-3, 3e-4) in fp16
-# and 0.81 of (1.6e-2, 2e-3) in bf16. The bounds leave ~2.5x.
-LOW_PRECISION_TOLERANCES = {torch.float16: (2e-3, 8e-4), torch.bfloat16: (1.6e-2, 5e-3)}
-
-
-def _op_tolerance(dtype, expected):
-    if dtype in LOW_PRECISION_TOLERANCES:
-        rtol, scaled_atol = LOW_PRECISION_TOLERANCES[dtype]
-        return dict(rtol=rtol, atol=scaled_atol * expected.abs().max().item())
-    return OP_TOLERANCES[dtype]
-
-
 @pytest.mark.parametrize("batch_stats", [True, False], ids=["batch-stats", "running-stats"])
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
@@ -959,7 +943,7 @@ def test_pointwise_ops_match_float64(op_device, poisoned_outputs, dtype, layout,
         assert out.is_contiguous(memory_format=torch.channels_last)
     for name, got, want in zip(["out", "grad_input", "grad_bias", "grad_weight", "grad_conv"],
                                [out, grad_input, grad_bias, grad_weight, grad_conv], expected):
-        torch.testing.assert_close(got.double().cpu(), want, msg=name, **_op_tolerance(dtype, want))
+        assert_close(got.double().cpu(), want, dtype, "densenet_gemm", msg=name)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
@@ -975,7 +959,7 @@ def test_padded_ops_match_float64(op_device, layout):
     expected = _op_reference(features, vectors, conv_weight, grad_out, True, padding=1)
     for name, got, want in zip(["out", "grad_input", "grad_bias", "grad_weight", "grad_conv"],
                                [out, *grads], expected):
-        torch.testing.assert_close(got.double().cpu(), want, msg=name, **OP_TOLERANCES[torch.float32])
+        assert_close(got.double().cpu(), want, torch.float32, "densenet_gemm", msg=name)
 
 
 def test_pointwise_ops_skip_what_is_not_asked_for(op_device):
@@ -985,7 +969,7 @@ def test_pointwise_ops_skip_what_is_not_asked_for(op_device):
         grad_out, features, *vectors, conv_weight, True, False, True, 0)
     assert grad_input.numel() == grad_bias.numel() == grad_weight.numel() == 0
     expected = _op_reference(features, vectors, conv_weight, grad_out, True)[4]
-    torch.testing.assert_close(grad_conv.double().cpu(), expected, rtol=1e-4, atol=1e-4)
+    assert_close(grad_conv.double().cpu(), expected, torch.float32, "densenet_gemm")
     grad_input, _, _, grad_conv = densenet_ops._backward_op(
         grad_out, features, *vectors, conv_weight, True, True, False, 0)
     assert grad_input.shape == (2, 50, 7, 5) and grad_conv.numel() == 0
@@ -1027,7 +1011,7 @@ def test_triton_tables_merge_a_block_buffer_and_are_cached(triton_device):
         grads = densenet_ops._backward_op(grad_out, maps, *vectors, conv_weight, True, True, True, 0)
         for name, got, want in zip(["out", "grad_input", "grad_bias", "grad_weight", "grad_conv"], [out, *grads],
                                    expected):
-            torch.testing.assert_close(got.double().cpu(), want, msg=name, **OP_TOLERANCES[torch.float32])
+            assert_close(got.double().cpu(), want, torch.float32, "densenet_gemm", msg=name)
     # The same maps in another buffer: another table.
     moved = _buffer_slices(features)
     assert len(kernels._rows(moved)) == 1 and kernels._tables(moved)[0] is not table
@@ -1078,13 +1062,6 @@ def triton_device(request):
     yield from forced_backend(request, "dense_bottleneck_forward")
 
 
-# TF32 rounds each GEMM input to 10 mantissa bits. Measured by emulating it
-# on CPU for _op_case (float64 GEMMs over inputs rounded as the interpreter's
-# _round_f32_to_tf32 rounds, 5 seeds): max |error| / max |expected| per
-# output 3.5e-4 (out) to 5.7e-4 (grad_bias); the bound leaves ~7x.
-TF32_SCALED_ATOL = 4e-3
-
-
 @pytest.mark.parametrize("tf32", [False, True], ids=["ieee", "tf32"])
 def test_triton_precision_follows_the_flag(triton_device, monkeypatch, tf32):
     """Each Triton GEMM gets ALLOW_TF32 from the cuDNN flag (fp32 only) and
@@ -1106,11 +1083,8 @@ def test_triton_precision_follows_the_flag(triton_device, monkeypatch, tf32):
     expected = _op_reference(features, vectors, conv_weight, grad_out, True)
     for name, got, want in zip(["out", "grad_input", "grad_bias", "grad_weight", "grad_conv"], [out, *grads],
                                expected):
-        if tf32 and triton_device.type == "cuda":
-            tolerance = dict(rtol=0, atol=TF32_SCALED_ATOL * want.abs().max().item())
-        else:
-            tolerance = OP_TOLERANCES[torch.float32]
-        torch.testing.assert_close(got.double().cpu(), want, msg=name, **tolerance)
+        tier = "densenet_gemm_tf32" if tf32 and triton_device.type == "cuda" else "densenet_gemm"
+        assert_close(got.double().cpu(), want, torch.float32, tier, msg=name)
     seen.clear()
     half = _op_case(triton_device, torch.float16, "contiguous")
     densenet_ops._forward_op(*half[:1], *half[1], half[2], 0)

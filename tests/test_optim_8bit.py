@@ -24,17 +24,9 @@ from effilayers.ops.adam import (QUANT_BLOCK, AdamHyperParams, adam_step_8bit_, 
                                  quantize_exp_avg, quantize_exp_avg_sq)
 from effilayers.optim import ChunkedAdam, ChunkedAdamW
 
+from .accuracy import TRAJECTORY_BOUNDS, assert_close
 from .conftest import backend_params, forced_backend, required_backend
 from .helpers import NewStorages
-
-# 100 steps of lr 1e-2 on the test net (_Net below), 8-bit states against
-# torch.optim.AdamW with fp32 states, measured on the reference and C++
-# paths (adamw / amsgrad): max |param - torch| 6.4e-3 / 8.8e-3 on parameters
-# up to 0.52, relative L2 error per tensor <= 3.0 % / 2.8 %. The bounds are
-# ~2.3x that (README "Chunked Adam / AdamW" quotes the measurement).
-EIGHT_BIT_ATOL = 2e-2
-EIGHT_BIT_REL_L2 = 0.07
-
 
 @pytest.fixture(params=backend_params("adam_step_8bit"))
 def adam8_device(request):
@@ -121,12 +113,10 @@ def test_kernel_matches_reference(adam8_device, param_dtype, master, options):
             assert (actual != wanted).float().mean() < 1e-3, index
         else:  # absmax per block
             torch.testing.assert_close(actual, wanted, rtol=1e-5, atol=0)
-    param_tol = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.float16: dict(rtol=1e-3, atol=1e-5),
-                 torch.bfloat16: dict(rtol=1e-2, atol=1e-5)}[param_dtype]
     for actual, wanted in zip(params, expected[0]):
-        torch.testing.assert_close(actual.cpu().float(), wanted.float(), **param_tol)
+        assert_close(actual.cpu().float(), wanted.float(), param_dtype, "adam_8bit_param")
     if master_flat is not None:
-        torch.testing.assert_close(master_flat.cpu(), expected[3], rtol=1e-5, atol=1e-6)
+        assert_close(master_flat.cpu(), expected[3], torch.float32, "adam_8bit_param")
         flat_params = torch.cat([p.cpu().reshape(-1).float() for p in params])
         assert torch.equal(flat_params, _unpad(master_flat.cpu(), params).to(param_dtype).float())
     # padding codes stay zero
@@ -257,7 +247,8 @@ def _train(model, optimizer, steps, seed=1, scaler=None, overflow_at=None):
             scaler.update()
 
 
-def _assert_close_to_torch(actual, expected, atol=EIGHT_BIT_ATOL, rel_l2=EIGHT_BIT_REL_L2):
+def _assert_close_to_torch(actual, expected, atol=TRAJECTORY_BOUNDS["8bit"]["atol"],
+                           rel_l2=TRAJECTORY_BOUNDS["8bit"]["rel_l2"]):
     for (name, p), q in zip(actual.named_parameters(), expected.parameters()):
         p, q = p.detach().double().cpu(), q.detach().double().cpu()
         assert (p - q).abs().max() <= atol, (name, (p - q).abs().max())
@@ -678,16 +669,11 @@ def test_triton_multi_parameter_chunk_matches_reference(triton8_device, param_dt
             assert _unpad_mask(params).logical_not().logical_and(actual != 0).sum() == 0  # padding stays zero
         else:  # absmax per block
             torch.testing.assert_close(actual, wanted, rtol=1e-5, atol=0)
-    # atol 2e-5 (the updates are ~1e-2): on these inputs one fp32 element of
-    # 5356 ends 8e-6 from the reference (float32 rounding differences; the
-    # gather-based kernel this one replaced gave the same result bit for bit)
-    param_tol = {torch.float32: dict(rtol=1e-5, atol=2e-5), torch.float16: dict(rtol=1e-3, atol=2e-5),
-                 torch.bfloat16: dict(rtol=1e-2, atol=2e-5)}[param_dtype]
     for actual, wanted in zip(params, expected[0]):
         assert actual.stride() == wanted.stride()
-        torch.testing.assert_close(actual.cpu().float(), wanted.float(), **param_tol)
+        assert_close(actual.cpu().float(), wanted.float(), param_dtype, "adam_8bit_multi_param")
     if master_flat is not None:
-        torch.testing.assert_close(master_flat.cpu(), expected[2], rtol=1e-5, atol=2e-5)
+        assert_close(master_flat.cpu(), expected[2], torch.float32, "adam_8bit_multi_param")
 
 
 def test_triton_multi_parameter_chunk_skipped_step_writes_nothing(triton8_device):

@@ -17,27 +17,13 @@ from effilayers._core.layout import three_groups
 from effilayers.ops.softmax import op as softmax_op
 from effilayers.ops.softmax import reference as softmax_reference
 
+from .accuracy import assert_close, tolerance
 from .conftest import (HAS_CUDA, REQUIRE_COMPILED, activate_backend, backend_params, fake_cuda_autocast,
                        far_apart_rows, peak_rss_growth, poison_cpp_allocations)
 
 # The Triton interpreter gets small shapes and lowered block limits so the
 # multi-block paths run.
 INTERPRETER_LIMITS = dict(MAX_FUSED_BLOCK=32, ONLINE_BLOCK=16, MAX_TILE=64)
-
-# Relative / absolute tolerances per dtype for values computed from the same
-# rounded input: the output rounding (fp16 2^-11, bf16 2^-8) plus fp32 sums.
-# The absolute part is two units of the dtype's smallest subnormal: outputs
-# in the subnormal range are computed, not flushed to 0 (the C++ exp is
-# within one unit of the correctly rounded float there, measured over every
-# 4th float in [-110, 44]), and the division by the sum adds one rounding
-# (test_subnormal_outputs holds it).
-SOFTMAX_TOL = {torch.float32: dict(rtol=1e-5, atol=2**-148), torch.float16: dict(rtol=1e-3, atol=2**-23),
-               torch.bfloat16: dict(rtol=8e-3, atol=2**-132), torch.float64: dict(rtol=1e-12, atol=2**-1073)}
-# log-softmax values are sums of terms up to |x - max|: absolute error scales with them.
-LOG_TOL = {torch.float32: dict(rtol=1e-5, atol=2e-5), torch.float16: dict(rtol=1e-3, atol=2e-3),
-           torch.bfloat16: dict(rtol=8e-3, atol=2e-2), torch.float64: dict(rtol=1e-12, atol=1e-10)}
-# Gradients: the same, relative to the gradient's scale in the row.
-GRAD_TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2, torch.float64: 1e-10}
 
 
 def _is_interpreter(backend, device):
@@ -102,16 +88,13 @@ def expected(x, dim, log, dtype=None):
 
 
 def assert_matches(actual, reference, dtype, log):
-    tol = (LOG_TOL if log else SOFTMAX_TOL)[dtype]
-    torch.testing.assert_close(actual.detach().double().cpu(), reference, **tol, equal_nan=True)
+    assert_close(actual.detach().double().cpu(), reference, dtype, "log_softmax" if log else "softmax", equal_nan=True)
 
 
 def assert_grad_matches(actual, reference, dtype):
-    # Relative to the largest gradient of the tensor, so tiny entries do not
-    # demand more digits than the float32 sums carry.
+    # Relative to the largest gradient of the tensor (accuracy.py says why).
     scale = reference.abs().max().clamp_min(1e-30)
-    tol = GRAD_TOL[dtype]
-    torch.testing.assert_close(actual.double().cpu() / scale, reference / scale, rtol=tol, atol=tol)
+    torch.testing.assert_close(actual.double().cpu() / scale, reference / scale, **tolerance(dtype, "softmax_grad"))
 
 
 def grad_formula(grad, output, dim, log, scale=1.0):
@@ -297,7 +280,7 @@ def test_subnormal_outputs(backend):
             y = softmax(source.to(dtype), dim).cpu()
             exact = torch.softmax(source.double().cpu(), dim)
             # rtol for the normal range; subnormals within the tolerance's 2 units of the smallest one
-            torch.testing.assert_close(y.double(), exact.to(dtype).double(), **SOFTMAX_TOL[dtype])
+            assert_close(y.double(), exact.to(dtype).double(), dtype, "softmax")
             assert float(y.flatten()[1]) > 0  # exp(-90): a float32 and bfloat16 subnormal, not flushed
             if dtype == torch.float32:
                 assert float(y.flatten()[3]) == 2**-149  # exp(-103): the smallest float32 subnormal
