@@ -120,6 +120,14 @@ def stats_device(request):
     yield from forced_backend(request, "batch_stats")
 
 
+@pytest.fixture(params=backend_params("adam_step"))
+def adam_device(request):
+    """Runs the test with adam_step forced to one backend; yields (backend, device)."""
+    backend = request.param[0]
+    for device in forced_backend(request, "adam_step"):
+        yield backend, device
+
+
 @contextlib.contextmanager
 def fake_cuda_autocast(dtype: torch.dtype):
     """CUDA autocast without a GPU: inside, ``torch.empty(..., device="cuda")``
