@@ -203,3 +203,44 @@ def poison_cpp_allocations(request) -> None:
     request.addfinalizer(restore)
     deterministic.fill_uninitialized_memory = True
     torch.use_deterministic_algorithms(True)
+
+
+# fp32 precision keys of torch >= 2.9 (parents first: setting one also sets its children).
+_PRECISION_KEYS = [("generic", "all"), ("cuda", "all"), ("cuda", "conv"), ("cuda", "rnn"), ("cuda", "matmul")]
+
+
+@contextlib.contextmanager
+def _restored_tf32_flags():
+    """Puts cuDNN's and cuBLAS's TF32 flags (the legacy booleans and the
+    fp32_precision tree) back as they were on exit."""
+    legacy = torch._C._get_cudnn_allow_tf32(), torch._C._get_cublas_allow_tf32()
+    getter = getattr(torch._C, "_get_fp32_precision_getter", None)
+    precisions = [getter(*key) for key in _PRECISION_KEYS] if getter is not None else []
+    try:
+        yield
+    finally:
+        torch._C._set_cudnn_allow_tf32(legacy[0])
+        torch._C._set_cublas_allow_tf32(legacy[1])
+        for key, precision in zip(_PRECISION_KEYS, precisions):
+            torch._C._set_fp32_precision_setter(*key, precision)
+
+
+@pytest.fixture
+def full_float32():
+    """No TF32 in a test unless it asks (the DenseNet files use it for all
+    their tests; test_tf32_* turn it on): PyTorch's cuDNN convolutions, and
+    the Triton kernels that follow the same flag, round float32 inputs to
+    TF32 by default on a GPU, ~1e-3 off where the float32 checks allow
+    ~1e-4. The flags are restored afterwards. (No effect on CPU.)"""
+    with _restored_tf32_flags():
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+        yield
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    """The DenseNet fallback warnings are once per process: forget earlier ones."""
+    from effilayers.models import densenet as densenet_module
+
+    monkeypatch.setattr(densenet_module, "_WARNED", set(), raising=False)

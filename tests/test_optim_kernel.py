@@ -6,7 +6,6 @@ through a device table), its memory and its compiled accesses.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
