@@ -244,3 +244,28 @@ def fresh_warnings(monkeypatch):
     from effilayers.models import densenet as densenet_module
 
     monkeypatch.setattr(densenet_module, "_WARNED", set(), raising=False)
+
+
+@pytest.fixture(params=backend_params("cross_entropy"))
+def ce_device(request):
+    """cross_entropy forced to one backend; yields the device."""
+    yield from forced_backend(request, "cross_entropy")
+
+
+@pytest.fixture(params=backend_params("cross_entropy", devices=["cpu"], without=["triton-interpreter"]))
+def ce_cpu_device(request):
+    yield from forced_backend(request, "cross_entropy")
+
+
+@pytest.fixture(params=backend_params("cross_entropy", devices=["cpu"]))
+def ce_cpu_or_interpreter_device(request):
+    yield from forced_backend(request, "cross_entropy")
+
+
+@pytest.fixture
+def ce_small_triton_block(monkeypatch):
+    """Blocks of 8 classes, so rows of more than 8 classes run the Triton
+    cross_entropy kernel's multi-block loop under the interpreter."""
+    from effilayers.ops.cross_entropy import triton as kernels
+
+    monkeypatch.setattr(kernels, "MAX_BLOCK", 8)
