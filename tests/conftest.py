@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 
 import pytest
 import torch
@@ -269,3 +270,13 @@ def ce_small_triton_block(monkeypatch):
     from effilayers.ops.cross_entropy import triton as kernels
 
     monkeypatch.setattr(kernels, "MAX_BLOCK", 8)
+
+
+@pytest.fixture
+def on_cpu_without_peers(monkeypatch):
+    """For the bench tests: the bench picks CUDA when it can; these tests pin
+    down the CPU behaviour, with the peer libraries absent unless a test
+    injects one."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name in ("torchvision", "inplace_abn"):
+        monkeypatch.setitem(sys.modules, name, None)
