@@ -1,6 +1,6 @@
-"""What the ChunkedAdam(W) test files share: a small net with a spare head
-used on some steps, a training loop, and the comparison of two models'
-parameters."""
+"""What the ChunkedAdam(W) test files share (test_optim_8bit.py too): a small
+net, with a spare head used on some steps, a training loop, and the
+comparison of two models' parameters."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ from .accuracy import tolerance
 
 
 class Net(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, spare=True):
         super().__init__()
         self.body = torch.nn.Sequential(torch.nn.Linear(7, 33), torch.nn.Tanh(), torch.nn.Linear(33, 19),
                                         torch.nn.Tanh())
         self.head = torch.nn.Linear(19, 5)
-        self.spare = torch.nn.Linear(19, 5)  # used only on some steps
+        if spare:  # (made last: body and head start the same either way)
+            self.spare = torch.nn.Linear(19, 5)  # used only on some steps
 
     def forward(self, x, use_spare=False):
         h = self.body(x)
@@ -23,9 +24,9 @@ class Net(torch.nn.Module):
         return out + self.spare(h) if use_spare else out
 
 
-def make_net(dtype=torch.float32):
+def make_net(dtype=torch.float32, spare=True):
     torch.manual_seed(0)
-    return Net().to(dtype)
+    return Net(spare).to(dtype)
 
 
 def train_steps(model, optimizer, steps, *, sign=1.0, scheduler=None, clip=None, spare_every=0, set_to_none=True,

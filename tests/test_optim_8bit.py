@@ -27,6 +27,7 @@ from effilayers.optim import ChunkedAdam, ChunkedAdamW
 from .accuracy import TRAJECTORY_BOUNDS, assert_close
 from .conftest import backend_params, forced_backend, required_backend
 from .helpers import NewStorages
+from .optim_cases import make_net
 
 @pytest.fixture(params=backend_params("adam_step_8bit"))
 def adam8_device(request):
@@ -212,22 +213,6 @@ def test_linear_code_would_lose_small_second_moments():
 
 # -- the optimizer ----------------------------------------------------------------
 
-class _Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.body = torch.nn.Sequential(torch.nn.Linear(7, 33), torch.nn.Tanh(), torch.nn.Linear(33, 19),
-                                        torch.nn.Tanh())
-        self.head = torch.nn.Linear(19, 5)
-
-    def forward(self, x):
-        return self.head(self.body(x))
-
-
-def _net(dtype=torch.float32):
-    torch.manual_seed(0)
-    return _Net().to(dtype)
-
-
 def _train(model, optimizer, steps, seed=1, scaler=None, overflow_at=None):
     generator = torch.Generator().manual_seed(seed)
     for step in range(steps):
@@ -259,7 +244,7 @@ def _assert_close_to_torch(actual, expected, atol=TRAJECTORY_BOUNDS["8bit"]["ato
 def test_trajectory_tracks_torch_adamw(adam8_device, amsgrad):
     backend, device = adam8_device
     steps = 100 if backend != "triton" or device.type == "cuda" else 15  # the interpreter is slow
-    expected, actual = _net().to(device), _net().to(device)
+    expected, actual = make_net(spare=False).to(device), make_net(spare=False).to(device)
     _train(expected, torch.optim.AdamW(expected.parameters(), lr=1e-2, amsgrad=amsgrad), steps)
     optimizer = ChunkedAdamW(actual.parameters(), lr=1e-2, amsgrad=amsgrad, state_dtype="8bit", chunk_size=600)
     _train(actual, optimizer, steps)
@@ -349,7 +334,7 @@ def test_padding_bytes_per_parameter_as_documented(dtype, amsgrad):
 
 def test_low_precision_params_keep_fp32_masters():
     for dtype in (torch.bfloat16, torch.float16):
-        expected, actual = _net(), _net(dtype)
+        expected, actual = make_net(spare=False), make_net(dtype, spare=False)
         _train(expected, torch.optim.AdamW(expected.parameters(), lr=1e-2), 60)
         optimizer = ChunkedAdamW(actual.parameters(), lr=1e-2, state_dtype="8bit")
         _train(actual, optimizer, 60)
@@ -370,7 +355,7 @@ def test_float64_params_keep_float64_states():
 
 
 def test_grad_scaler_overflow_changes_nothing():
-    model = _net()
+    model = make_net(spare=False)
     optimizer = ChunkedAdamW(model.parameters(), lr=1e-2, state_dtype="8bit", amsgrad=True)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
     _train(model, optimizer, 3, scaler=scaler)
@@ -387,7 +372,7 @@ def test_grad_scaler_overflow_changes_nothing():
 
 
 def test_state_dict_round_trip_through_torch_adamw_and_chunk_sizes():
-    model = _net()
+    model = make_net(spare=False)
     optimizer = ChunkedAdamW(model.parameters(), lr=1e-2, state_dtype="8bit", amsgrad=True, chunk_size=600)
     _train(model, optimizer, 5)
     saved = optimizer.state_dict()
@@ -395,12 +380,12 @@ def test_state_dict_round_trip_through_torch_adamw_and_chunk_sizes():
     for p, entry in zip(model.parameters(), saved["state"].values()):
         assert set(entry) == {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
         assert entry["exp_avg"].dtype == torch.float32 and entry["exp_avg"].shape == p.shape
-    torch_model = _net()
+    torch_model = make_net(spare=False)
     torch_model.load_state_dict(model.state_dict())
     torch_opt = torch.optim.AdamW(torch_model.parameters(), lr=1e-2, amsgrad=True)
     torch_opt.load_state_dict(copy.deepcopy(saved))
     # back into 8-bit with another chunk size: identical decoded states
-    twin = _net()
+    twin = make_net(spare=False)
     twin.load_state_dict(model.state_dict())
     reloaded = ChunkedAdamW(twin.parameters(), lr=1e-2, state_dtype="8bit", amsgrad=True, chunk_size=1 << 20)
     reloaded.load_state_dict(torch_opt.state_dict())
@@ -421,7 +406,7 @@ def test_state_assigned_directly_is_encoded_like_load_state_dict():
     """`optimizer.state[p] = entry` (what ZeroRedundancyOptimizer.load_state_dict
     does) with torch's fp32 layout: encoded into the 8-bit chunks exactly as
     load_state_dict encodes it."""
-    model = _net()
+    model = make_net(spare=False)
     torch_opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _train(model, torch_opt, 3)
     loaded_model, assigned_model = copy.deepcopy(model), copy.deepcopy(model)
@@ -438,7 +423,7 @@ def test_state_assigned_directly_is_encoded_like_load_state_dict():
 
 
 def test_fp32_checkpoint_loads_into_8bit_within_quantization_error():
-    model = _net()
+    model = make_net(spare=False)
     torch_opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _train(model, torch_opt, 5)
     optimizer = ChunkedAdamW(model.parameters(), lr=1e-2, state_dtype="8bit")
@@ -454,7 +439,7 @@ def test_fp32_checkpoint_loads_into_8bit_within_quantization_error():
 def test_offload_cpu_matches_on_device_8bit(staged):
     """offload="cpu" with 8-bit states: the same C++ kernel on the same
     states, so the non-offloaded 8-bit optimizer's result to float32 rounding."""
-    expected, actual = _net(), _net()
+    expected, actual = make_net(spare=False), make_net(spare=False)
     _train(expected, ChunkedAdamW(expected.parameters(), lr=1e-2, amsgrad=True, state_dtype="8bit",
                                   chunk_size=600), 20)
     optimizer = ChunkedAdamW(actual.parameters(), lr=1e-2, amsgrad=True, state_dtype="8bit", offload="cpu",
@@ -471,7 +456,7 @@ def test_offload_cpu_matches_on_device_8bit(staged):
 
 @pytest.mark.gpu
 def test_offload_cuda_8bit_keeps_no_state_on_gpu():
-    expected, actual = _net().cuda(), _net().to("cuda", torch.bfloat16)
+    expected, actual = make_net(spare=False).cuda(), make_net(spare=False).to("cuda", torch.bfloat16)
     _train(expected, torch.optim.AdamW(expected.parameters(), lr=1e-2), 20)
     optimizer = ChunkedAdamW(actual.parameters(), lr=1e-2, offload="cpu", state_dtype="8bit")
     _train(actual, optimizer, 20)
@@ -482,7 +467,7 @@ def test_offload_cuda_8bit_keeps_no_state_on_gpu():
 
 def test_parameters_without_grad_in_some_steps():
     """A parameter that misses steps keeps its own step count and its blocks untouched."""
-    model = _net()
+    model = make_net(spare=False)
     optimizer = ChunkedAdam(model.parameters(), lr=1e-2, state_dtype="8bit", chunk_size=1 << 20)
     _train(model, optimizer, 2)
     frozen = model.body[2].weight
