@@ -4,6 +4,12 @@
 * ``EFFILAYERS_REQUIRE_COMPILED=1`` (set by .ci/run) turns "the C++ kernels
   could not be built here" from a skip into a failure, so CI cannot go green
   by silently testing only the reference path.
+* Tests that run an op on each backend take their params from
+  :func:`backend_params` (the op registry's declared backends), never from a
+  hand-written list. Tolerances are in accuracy.py.
+* Fixtures shared by the files of one family live here (``adam_device``,
+  ``ce_device``, ``full_float32``, ...); helpers shared by them live in
+  ``<family>_cases.py``.
 """
 
 from __future__ import annotations
