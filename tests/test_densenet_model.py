@@ -30,7 +30,8 @@ def test_gradients_match_the_plain_model_float64(small_inputs, training):
 
 
 def test_gradients_match_the_plain_model_float32():
-    efficient, naive = efficient_and_naive(dtype=torch.float32, growth_rate=6, block_config=(3, 4), num_init_features=12)
+    efficient, naive = efficient_and_naive(dtype=torch.float32, growth_rate=6, block_config=(3, 4),
+                                           num_init_features=12)
     x = torch.randn(4, 3, 32, 32)
     assert_models_agree(efficient, naive, x, rtol=1e-4, atol=1e-5)
 
@@ -238,7 +239,8 @@ def test_fx_symbolic_trace_gives_the_naive_graph(fresh_warnings, memory_efficien
             else contextlib.nullcontext():
         graph = torch.fx.symbolic_trace(model)
     assert sum(node.op == "call_module" and "conv" in str(node.target) for node in graph.graph.nodes) == 12
-    assert_models_agree(graph, copy.deepcopy(naive), torch.randn(2, 3, 8, 8, dtype=torch.float64), rtol=1e-9, atol=1e-10)
+    assert_models_agree(graph, copy.deepcopy(naive), torch.randn(2, 3, 8, 8, dtype=torch.float64), rtol=1e-9,
+                        atol=1e-10)
 
 
 def test_torch_func_grad_and_vmap_compute_the_naive_gradients(fresh_warnings):
