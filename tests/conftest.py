@@ -4,12 +4,19 @@
 * ``EFFILAYERS_REQUIRE_COMPILED=1`` (set by .ci/run) turns "the C++ kernels
   could not be built here" from a skip into a failure, so CI cannot go green
   by silently testing only the reference path.
+* Tests that run an op on each backend take their params from
+  :func:`backend_params` (the op registry's declared backends), never from a
+  hand-written list. Tolerances are in accuracy.py.
+* Fixtures shared by the files of one family live here (``adam_device``,
+  ``ce_device``, ``full_float32``, ...); helpers shared by them live in
+  ``<family>_cases.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
 
 import pytest
 import torch
@@ -27,21 +34,50 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
-# (backend, device) pairs every op test runs on.
-BACKEND_PARAMS = [
-    pytest.param(("reference", "cpu"), id="reference-cpu"),
-    pytest.param(("cpp", "cpu"), id="cpp-cpu"),
-    pytest.param(("cuda", "cuda"), id="cuda-cuda", marks=pytest.mark.gpu),
-    pytest.param(("reference", "cuda"), id="reference-cuda", marks=pytest.mark.gpu),
-]
+# Where each backend's kernels run, in the order tests list them. Triton
+# runs on CPU tensors through its interpreter (TRITON_INTERPRET=1, small
+# shapes; CI does this). test_backends checks that every backend the
+# registry knows is placed here.
+RUNS_ON = {"reference": ("cpu", "cuda"), "cpp": ("cpu",), "triton": ("cpu", "cuda"), "cuda": ("cuda",)}
+_DEVICE_ORDER = ("cpu", "cuda")
 
 
-# Ops whose GPU kernel is written in Triton add these: the same kernels run
-# on CPU tensors under TRITON_INTERPRET=1 (small shapes; CI does this).
-TRITON_PARAMS = [
-    pytest.param(("triton", "cpu"), id="triton-interpreter"),
-    pytest.param(("triton", "cuda"), id="triton-cuda", marks=pytest.mark.gpu),
-]
+def _param_id(backend: str, device: str) -> str:
+    return "triton-interpreter" if (backend, device) == ("triton", "cpu") else f"{backend}-{device}"
+
+
+def backend_params(op_name: str, *, devices=None, backends=None, without=()) -> list:
+    """pytest params ``(backend, device)`` for exactly the backends the
+    registry declares for ``op_name``, on every device each runs on (ids
+    ``reference-cpu``, ``cpp-cpu``, ``triton-interpreter``, ``cuda-cuda``,
+    ``triton-cuda``, ``reference-cuda``; CUDA ones marked ``gpu``).
+    ``devices`` / ``backends`` keep only those; ``without`` drops params by id.
+    A selection that names nothing the op has is an error, not an empty list."""
+    kernels = effilayers.backends._state.ops[op_name]
+    pairs = [(backend, device) for device in _DEVICE_ORDER for backend in RUNS_ON
+             if device in RUNS_ON[backend] and kernels.provides(backend)]
+    unknown = set(without) - {_param_id(*pair) for pair in pairs}
+    if unknown:
+        raise ValueError(f"backend_params({op_name!r}): without names no param of this op: {sorted(unknown)}")
+    selected = [pytest.param(pair, id=_param_id(*pair), marks=[pytest.mark.gpu] if pair[1] == "cuda" else [])
+                for pair in pairs
+                if (devices is None or pair[1] in devices) and (backends is None or pair[0] in backends)
+                and _param_id(*pair) not in without]
+    if not selected:
+        raise ValueError(f"backend_params({op_name!r}, devices={devices}, backends={backends}): the registry "
+                         f"declares none of these (it has {[_param_id(*pair) for pair in pairs]})")
+    return selected
+
+
+def backend_names(op_name: str, device: str, *, without=()) -> list[str]:
+    """The names of the backends ``op_name`` has on ``device`` (for tests
+    parametrised by name on one device), less ``without``."""
+    names = [p.values[0][0] for p in backend_params(op_name, devices=(device,))]
+    stale = set(without) - set(names)
+    if stale:
+        raise ValueError(f"backend_names({op_name!r}, {device!r}): without names no backend of this op: "
+                         f"{sorted(stale)}")
+    return [name for name in names if name not in without]
 
 
 def activate_backend(op_name: str, backend: str, device: str):
@@ -85,10 +121,18 @@ def forced_backend(request, op_name: str):
         context.__exit__(None, None, None)
 
 
-@pytest.fixture(params=BACKEND_PARAMS)
+@pytest.fixture(params=backend_params("batch_stats"))
 def stats_device(request):
     """Runs the test with batch_stats forced to one backend; yields the device."""
     yield from forced_backend(request, "batch_stats")
+
+
+@pytest.fixture(params=backend_params("adam_step"))
+def adam_device(request):
+    """Runs the test with adam_step forced to one backend; yields (backend, device)."""
+    backend = request.param[0]
+    for device in forced_backend(request, "adam_step"):
+        yield backend, device
 
 
 @contextlib.contextmanager
@@ -166,3 +210,79 @@ def poison_cpp_allocations(request) -> None:
     request.addfinalizer(restore)
     deterministic.fill_uninitialized_memory = True
     torch.use_deterministic_algorithms(True)
+
+
+# fp32 precision keys of torch >= 2.9 (parents first: setting one also sets its children).
+_PRECISION_KEYS = [("generic", "all"), ("cuda", "all"), ("cuda", "conv"), ("cuda", "rnn"), ("cuda", "matmul")]
+
+
+@contextlib.contextmanager
+def _restored_tf32_flags():
+    """Puts cuDNN's and cuBLAS's TF32 flags (the legacy booleans and the
+    fp32_precision tree) back as they were on exit."""
+    legacy = torch._C._get_cudnn_allow_tf32(), torch._C._get_cublas_allow_tf32()
+    getter = getattr(torch._C, "_get_fp32_precision_getter", None)
+    precisions = [getter(*key) for key in _PRECISION_KEYS] if getter is not None else []
+    try:
+        yield
+    finally:
+        torch._C._set_cudnn_allow_tf32(legacy[0])
+        torch._C._set_cublas_allow_tf32(legacy[1])
+        for key, precision in zip(_PRECISION_KEYS, precisions):
+            torch._C._set_fp32_precision_setter(*key, precision)
+
+
+@pytest.fixture
+def full_float32():
+    """No TF32 in a test unless it asks (the DenseNet files use it for all
+    their tests; test_tf32_* turn it on): PyTorch's cuDNN convolutions, and
+    the Triton kernels that follow the same flag, round float32 inputs to
+    TF32 by default on a GPU, ~1e-3 off where the float32 checks allow
+    ~1e-4. The flags are restored afterwards. (No effect on CPU.)"""
+    with _restored_tf32_flags():
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+        yield
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    """The DenseNet fallback warnings are once per process: forget earlier ones."""
+    from effilayers.models import densenet as densenet_module
+
+    monkeypatch.setattr(densenet_module, "_WARNED", set(), raising=False)
+
+
+@pytest.fixture(params=backend_params("cross_entropy"))
+def ce_device(request):
+    """cross_entropy forced to one backend; yields the device."""
+    yield from forced_backend(request, "cross_entropy")
+
+
+@pytest.fixture(params=backend_params("cross_entropy", devices=["cpu"], without=["triton-interpreter"]))
+def ce_cpu_device(request):
+    yield from forced_backend(request, "cross_entropy")
+
+
+@pytest.fixture(params=backend_params("cross_entropy", devices=["cpu"]))
+def ce_cpu_or_interpreter_device(request):
+    yield from forced_backend(request, "cross_entropy")
+
+
+@pytest.fixture
+def ce_small_triton_block(monkeypatch):
+    """Blocks of 8 classes, so rows of more than 8 classes run the Triton
+    cross_entropy kernel's multi-block loop under the interpreter."""
+    from effilayers.ops.cross_entropy import triton as kernels
+
+    monkeypatch.setattr(kernels, "MAX_BLOCK", 8)
+
+
+@pytest.fixture
+def on_cpu_without_peers(monkeypatch):
+    """For the bench tests: the bench picks CUDA when it can; these tests pin
+    down the CPU behaviour, with the peer libraries absent unless a test
+    injects one."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name in ("torchvision", "inplace_abn"):
+        monkeypatch.setitem(sys.modules, name, None)

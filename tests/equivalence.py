@@ -6,11 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-# Float64 agreement, relative to each tensor's largest entry: the small
-# ResNets normalise some channels over only a few values (batch 2 at 1x1 in
-# the last stage), where rounding differences of 1e-16 grow to ~1e-11 in
-# the gradients. A wrong activation or parameter shows as ~1e-2.
-SCALED_TOLERANCE = 1e-9
+from .accuracy import tolerance
 
 
 def inputs(shape=(4, 3, 16, 16), seed=2) -> torch.Tensor:
@@ -40,7 +36,8 @@ def assert_close_scaled(actual: torch.Tensor, expected: torch.Tensor, what: str)
     # bias right before a BatchNorm) and come out as rounding noise.
     scale = max(expected.abs().max().item(), 1e-3)
     error = (actual - expected).abs().max().item()
-    assert error <= SCALED_TOLERANCE * scale, f"{what}: max error {error:.3g} for max |expected| {scale:.3g}"
+    bound = tolerance(torch.float64, "float64_model", scale)["atol"]
+    assert error <= bound, f"{what}: max error {error:.3g} for max |expected| {scale:.3g}"
 
 
 def assert_same_results(actual, expected):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,17 +12,15 @@ from effilayers import memory
 from effilayers.functional import abn, inplace_abn
 from effilayers.nn import ABN, InPlaceABN, InPlaceABNSync
 
-from .conftest import activate_backend, forced_backend
+from .accuracy import assert_close, tolerance
+from .conftest import activate_backend, backend_names, backend_params, forced_backend
 from .helpers import channel_varied, to_layout
 
 ACTIVATIONS = [("leaky_relu", 0.1), ("elu", 0.8), ("identity", 0.0)]
 ALL_ACTIVATIONS = ACTIVATIONS + [("relu", 0.0)]
-BACKENDS = [pytest.param(("reference", "cpu"), id="reference"), pytest.param(("cpp", "cpu"), id="cpp"),
-            pytest.param(("cuda", "cuda"), id="cuda", marks=pytest.mark.gpu)]
-TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 8e-2}
 
 
-@pytest.fixture(params=BACKENDS)
+@pytest.fixture(params=backend_params("abn_forward"))
 def device(request):
     yield from forced_backend(request, "abn_forward")
 
@@ -118,7 +114,10 @@ def test_gradcheck_relu_abn(device):
 def test_matches_batchnorm_over_steps(device, cls, activation, param, dtype, shape, layout):
     ours, plain = twin_modules(cls, shape[1], len(shape), activation, param, device)
     act = activation_fn(activation, param)
-    tolerance = TOLERANCE[dtype]
+    tol = tolerance(dtype, "vs_torch_batch_norm")
+    # the input and parameter gradients hold sums over the batch (mean(dy),
+    # mean(dy * x_hat)): ten times the absolute part
+    grad_tol = dict(rtol=tol["rtol"], atol=tol["atol"] * 10)
     for step in range(3):
         x = to_layout(channel_varied(shape, dtype, device, seed=step), layout)
         grad = torch.randn(shape, generator=torch.Generator().manual_seed(10 + step)).to(device=device, dtype=dtype)
@@ -128,15 +127,15 @@ def test_matches_batchnorm_over_steps(device, cls, activation, param, dtype, sha
             out = run_ours(ours, x_ours)
             expected = act(plain(x_plain.float()).to(dtype)) if dtype != torch.float32 else act(plain(x_plain))
         assert out.dtype == dtype and out.shape == x.shape
-        torch.testing.assert_close(out.float(), expected.float(), rtol=tolerance, atol=tolerance)
+        assert_close(out.float(), expected.float(), dtype, "vs_torch_batch_norm")
         out.backward(grad)
         expected.backward(grad)
-        torch.testing.assert_close(x_ours.grad.float(), x_plain.grad.float(), rtol=tolerance, atol=tolerance * 10)
+        torch.testing.assert_close(x_ours.grad.float(), x_plain.grad.float(), **grad_tol)
     for name in ("running_mean", "running_var"):
         torch.testing.assert_close(getattr(ours, name), getattr(plain, name), rtol=1e-4, atol=1e-5)
     assert int(ours.num_batches_tracked) == int(plain.num_batches_tracked) == 3
-    torch.testing.assert_close(ours.weight.grad, plain.weight.grad, rtol=tolerance, atol=tolerance * 10)
-    torch.testing.assert_close(ours.bias.grad, plain.bias.grad, rtol=tolerance, atol=tolerance * 10)
+    torch.testing.assert_close(ours.weight.grad, plain.weight.grad, **grad_tol)
+    torch.testing.assert_close(ours.bias.grad, plain.bias.grad, **grad_tol)
 
 
 @pytest.mark.parametrize("cls", [InPlaceABN, ABN], ids=["InPlaceABN", "ABN"])
@@ -431,7 +430,7 @@ def _sync_worker(rank, world, init_file, sizes, backend, result_file):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sizes", [[3, 5], [0, 4]], ids=["3+5", "0+4"])
-@pytest.mark.parametrize("backend", ["reference", "cpp"])
+@pytest.mark.parametrize("backend", backend_names("abn_forward", "cpu"))
 def test_sync_two_gloo_processes_match_whole_batch(tmp_path, sizes, backend):
     import torch.multiprocessing as mp
 

@@ -16,7 +16,7 @@ import torch
 import effilayers
 from effilayers import backends
 
-from .conftest import REQUIRE_COMPILED
+from .conftest import REQUIRE_COMPILED, RUNS_ON, backend_names, backend_params
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -285,3 +285,53 @@ def test_a_cpp_kernel_may_be_a_composition_of_compiled_kernels():
         pytest.skip(f"the C++ library is unavailable here: {chosen.reason}")
     assert chosen.backend == "cpp" and chosen.kernel is cpu.forward
     assert chosen.reason == "compiled kernel"
+
+
+def _described(params):
+    """(backend, device, id, gpu-marked) of each param."""
+    return {(*p.values[0], p.id, any(mark.name == "gpu" for mark in p.marks)) for p in params}
+
+
+def test_backend_params_are_the_registrys_declared_backends():
+    """Every test that runs an op on each backend takes its params from
+    backend_params: for every registered op, exactly the backends the
+    registry declares, on each device they run on, the CUDA ones gpu-marked."""
+    assert set(RUNS_ON) == set(backends.BACKENDS)  # a new backend must be placed in conftest.RUNS_ON
+    for device, order in backends._DEFAULT_ORDER.items():
+        assert all(device in RUNS_ON[backend] for backend in order), (device, order)
+    for name in backends.registered_ops():
+        kernels = backends._state.ops[name]
+        expected = {(backend, device, "triton-interpreter" if (backend, device) == ("triton", "cpu")
+                     else f"{backend}-{device}", device == "cuda")
+                    for backend in backends.BACKENDS if kernels.provides(backend) for device in RUNS_ON[backend]}
+        assert _described(backend_params(name)) == expected, name
+
+
+def test_backend_params_pick_up_a_new_op_and_its_backends():
+    declared = {"test_params_cpp_cuda": dict(cpp="x", cuda="x"), "test_params_triton": dict(triton=lambda x: x)}
+    for name, kernels in declared.items():
+        backends.register(backends.OpKernels(name=name, reference=lambda x: x, **kernels))
+    try:
+        assert {p.id for p in backend_params("test_params_cpp_cuda")} == {
+            "reference-cpu", "cpp-cpu", "cuda-cuda", "reference-cuda"}
+        assert {p.id for p in backend_params("test_params_triton")} == {
+            "reference-cpu", "triton-interpreter", "triton-cuda", "reference-cuda"}
+        assert backend_names("test_params_triton", "cpu") == ["reference", "triton"]
+    finally:
+        for name in declared:
+            backends._state.ops.pop(name)
+
+
+def test_backend_params_list_no_kernel_an_op_lacks():
+    """Adam's GPU kernel is Triton: no cuda-cuda param (a CUDA machine under
+    EFFILAYERS_REQUIRE_COMPILED=1 would fail it), and a selection of a
+    backend the op lacks is an error rather than an empty list."""
+    for name in ("adam_step", "adam_step_8bit"):
+        assert "cuda-cuda" not in {p.id for p in backend_params(name)}
+        assert [p.id for p in backend_params(name, backends=["triton"])] == ["triton-interpreter", "triton-cuda"]
+    with pytest.raises(ValueError, match="declares none of these"):
+        backend_params("adam_step", backends=["cuda"])
+    with pytest.raises(ValueError, match="without names no param of this op: \\['cuda-cuda'\\]"):
+        backend_params("adam_step", without=["cuda-cuda"])
+    with pytest.raises(ValueError, match="without names no backend of this op"):
+        backend_names("batch_stats", "cpu", without=["triton"])

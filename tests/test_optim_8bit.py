@@ -24,19 +24,12 @@ from effilayers.ops.adam import (QUANT_BLOCK, AdamHyperParams, adam_step_8bit_, 
                                  quantize_exp_avg, quantize_exp_avg_sq)
 from effilayers.optim import ChunkedAdam, ChunkedAdamW
 
-from .conftest import BACKEND_PARAMS, TRITON_PARAMS, forced_backend, required_backend
+from .accuracy import TRAJECTORY_BOUNDS, assert_close
+from .conftest import backend_params, forced_backend, required_backend
 from .helpers import NewStorages
+from .optim_cases import make_net
 
-# 100 steps of lr 1e-2 on the test net (_Net below), 8-bit states against
-# torch.optim.AdamW with fp32 states, measured on the reference and C++
-# paths (adamw / amsgrad): max |param - torch| 6.4e-3 / 8.8e-3 on parameters
-# up to 0.52, relative L2 error per tensor <= 3.0 % / 2.8 %. The bounds are
-# ~2.3x that (README "Chunked Adam / AdamW" quotes the measurement).
-EIGHT_BIT_ATOL = 2e-2
-EIGHT_BIT_REL_L2 = 0.07
-
-
-@pytest.fixture(params=BACKEND_PARAMS + TRITON_PARAMS)
+@pytest.fixture(params=backend_params("adam_step_8bit"))
 def adam8_device(request):
     backend = request.param[0]
     for device in forced_backend(request, "adam_step_8bit"):
@@ -121,12 +114,10 @@ def test_kernel_matches_reference(adam8_device, param_dtype, master, options):
             assert (actual != wanted).float().mean() < 1e-3, index
         else:  # absmax per block
             torch.testing.assert_close(actual, wanted, rtol=1e-5, atol=0)
-    param_tol = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.float16: dict(rtol=1e-3, atol=1e-5),
-                 torch.bfloat16: dict(rtol=1e-2, atol=1e-5)}[param_dtype]
     for actual, wanted in zip(params, expected[0]):
-        torch.testing.assert_close(actual.cpu().float(), wanted.float(), **param_tol)
+        assert_close(actual.cpu().float(), wanted.float(), param_dtype, "adam_8bit_param")
     if master_flat is not None:
-        torch.testing.assert_close(master_flat.cpu(), expected[3], rtol=1e-5, atol=1e-6)
+        assert_close(master_flat.cpu(), expected[3], torch.float32, "adam_8bit_param")
         flat_params = torch.cat([p.cpu().reshape(-1).float() for p in params])
         assert torch.equal(flat_params, _unpad(master_flat.cpu(), params).to(param_dtype).float())
     # padding codes stay zero
@@ -222,22 +213,6 @@ def test_linear_code_would_lose_small_second_moments():
 
 # -- the optimizer ----------------------------------------------------------------
 
-class _Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.body = torch.nn.Sequential(torch.nn.Linear(7, 33), torch.nn.Tanh(), torch.nn.Linear(33, 19),
-                                        torch.nn.Tanh())
-        self.head = torch.nn.Linear(19, 5)
-
-    def forward(self, x):
-        return self.head(self.body(x))
-
-
-def _net(dtype=torch.float32):
-    torch.manual_seed(0)
-    return _Net().to(dtype)
-
-
 def _train(model, optimizer, steps, seed=1, scaler=None, overflow_at=None):
     generator = torch.Generator().manual_seed(seed)
     for step in range(steps):
@@ -257,7 +232,8 @@ def _train(model, optimizer, steps, seed=1, scaler=None, overflow_at=None):
             scaler.update()
 
 
-def _assert_close_to_torch(actual, expected, atol=EIGHT_BIT_ATOL, rel_l2=EIGHT_BIT_REL_L2):
+def _assert_close_to_torch(actual, expected, atol=TRAJECTORY_BOUNDS["8bit"]["atol"],
+                           rel_l2=TRAJECTORY_BOUNDS["8bit"]["rel_l2"]):
     for (name, p), q in zip(actual.named_parameters(), expected.parameters()):
         p, q = p.detach().double().cpu(), q.detach().double().cpu()
         assert (p - q).abs().max() <= atol, (name, (p - q).abs().max())
@@ -268,7 +244,7 @@ def _assert_close_to_torch(actual, expected, atol=EIGHT_BIT_ATOL, rel_l2=EIGHT_B
 def test_trajectory_tracks_torch_adamw(adam8_device, amsgrad):
     backend, device = adam8_device
     steps = 100 if backend != "triton" or device.type == "cuda" else 15  # the interpreter is slow
-    expected, actual = _net().to(device), _net().to(device)
+    expected, actual = make_net(spare=False).to(device), make_net(spare=False).to(device)
     _train(expected, torch.optim.AdamW(expected.parameters(), lr=1e-2, amsgrad=amsgrad), steps)
     optimizer = ChunkedAdamW(actual.parameters(), lr=1e-2, amsgrad=amsgrad, state_dtype="8bit", chunk_size=600)
     _train(actual, optimizer, steps)
@@ -358,7 +334,7 @@ def test_padding_bytes_per_parameter_as_documented(dtype, amsgrad):
 
 def test_low_precision_params_keep_fp32_masters():
     for dtype in (torch.bfloat16, torch.float16):
-        expected, actual = _net(), _net(dtype)
+        expected, actual = make_net(spare=False), make_net(dtype, spare=False)
         _train(expected, torch.optim.AdamW(expected.parameters(), lr=1e-2), 60)
         optimizer = ChunkedAdamW(actual.parameters(), lr=1e-2, state_dtype="8bit")
         _train(actual, optimizer, 60)
@@ -379,7 +355,7 @@ def test_float64_params_keep_float64_states():
 
 
 def test_grad_scaler_overflow_changes_nothing():
-    model = _net()
+    model = make_net(spare=False)
     optimizer = ChunkedAdamW(model.parameters(), lr=1e-2, state_dtype="8bit", amsgrad=True)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
     _train(model, optimizer, 3, scaler=scaler)
@@ -396,7 +372,7 @@ def test_grad_scaler_overflow_changes_nothing():
 
 
 def test_state_dict_round_trip_through_torch_adamw_and_chunk_sizes():
-    model = _net()
+    model = make_net(spare=False)
     optimizer = ChunkedAdamW(model.parameters(), lr=1e-2, state_dtype="8bit", amsgrad=True, chunk_size=600)
     _train(model, optimizer, 5)
     saved = optimizer.state_dict()
@@ -404,12 +380,12 @@ def test_state_dict_round_trip_through_torch_adamw_and_chunk_sizes():
     for p, entry in zip(model.parameters(), saved["state"].values()):
         assert set(entry) == {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
         assert entry["exp_avg"].dtype == torch.float32 and entry["exp_avg"].shape == p.shape
-    torch_model = _net()
+    torch_model = make_net(spare=False)
     torch_model.load_state_dict(model.state_dict())
     torch_opt = torch.optim.AdamW(torch_model.parameters(), lr=1e-2, amsgrad=True)
     torch_opt.load_state_dict(copy.deepcopy(saved))
     # back into 8-bit with another chunk size: identical decoded states
-    twin = _net()
+    twin = make_net(spare=False)
     twin.load_state_dict(model.state_dict())
     reloaded = ChunkedAdamW(twin.parameters(), lr=1e-2, state_dtype="8bit", amsgrad=True, chunk_size=1 << 20)
     reloaded.load_state_dict(torch_opt.state_dict())
@@ -430,7 +406,7 @@ def test_state_assigned_directly_is_encoded_like_load_state_dict():
     """`optimizer.state[p] = entry` (what ZeroRedundancyOptimizer.load_state_dict
     does) with torch's fp32 layout: encoded into the 8-bit chunks exactly as
     load_state_dict encodes it."""
-    model = _net()
+    model = make_net(spare=False)
     torch_opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _train(model, torch_opt, 3)
     loaded_model, assigned_model = copy.deepcopy(model), copy.deepcopy(model)
@@ -447,7 +423,7 @@ def test_state_assigned_directly_is_encoded_like_load_state_dict():
 
 
 def test_fp32_checkpoint_loads_into_8bit_within_quantization_error():
-    model = _net()
+    model = make_net(spare=False)
     torch_opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _train(model, torch_opt, 5)
     optimizer = ChunkedAdamW(model.parameters(), lr=1e-2, state_dtype="8bit")
@@ -463,7 +439,7 @@ def test_fp32_checkpoint_loads_into_8bit_within_quantization_error():
 def test_offload_cpu_matches_on_device_8bit(staged):
     """offload="cpu" with 8-bit states: the same C++ kernel on the same
     states, so the non-offloaded 8-bit optimizer's result to float32 rounding."""
-    expected, actual = _net(), _net()
+    expected, actual = make_net(spare=False), make_net(spare=False)
     _train(expected, ChunkedAdamW(expected.parameters(), lr=1e-2, amsgrad=True, state_dtype="8bit",
                                   chunk_size=600), 20)
     optimizer = ChunkedAdamW(actual.parameters(), lr=1e-2, amsgrad=True, state_dtype="8bit", offload="cpu",
@@ -480,7 +456,7 @@ def test_offload_cpu_matches_on_device_8bit(staged):
 
 @pytest.mark.gpu
 def test_offload_cuda_8bit_keeps_no_state_on_gpu():
-    expected, actual = _net().cuda(), _net().to("cuda", torch.bfloat16)
+    expected, actual = make_net(spare=False).cuda(), make_net(spare=False).to("cuda", torch.bfloat16)
     _train(expected, torch.optim.AdamW(expected.parameters(), lr=1e-2), 20)
     optimizer = ChunkedAdamW(actual.parameters(), lr=1e-2, offload="cpu", state_dtype="8bit")
     _train(actual, optimizer, 20)
@@ -491,7 +467,7 @@ def test_offload_cuda_8bit_keeps_no_state_on_gpu():
 
 def test_parameters_without_grad_in_some_steps():
     """A parameter that misses steps keeps its own step count and its blocks untouched."""
-    model = _net()
+    model = make_net(spare=False)
     optimizer = ChunkedAdam(model.parameters(), lr=1e-2, state_dtype="8bit", chunk_size=1 << 20)
     _train(model, optimizer, 2)
     frozen = model.body[2].weight
@@ -631,7 +607,7 @@ def test_a_nan_gradient_makes_its_block_nan_on_every_backend(adam8_device):
 
 # -- the Triton kernel on chunks of several parameters ----------------------------
 
-@pytest.fixture(params=TRITON_PARAMS)
+@pytest.fixture(params=backend_params("adam_step_8bit", backends=("triton",)))
 def triton8_device(request):
     """adam_step_8bit forced to the Triton kernel; yields the device."""
     yield from forced_backend(request, "adam_step_8bit")
@@ -678,16 +654,11 @@ def test_triton_multi_parameter_chunk_matches_reference(triton8_device, param_dt
             assert _unpad_mask(params).logical_not().logical_and(actual != 0).sum() == 0  # padding stays zero
         else:  # absmax per block
             torch.testing.assert_close(actual, wanted, rtol=1e-5, atol=0)
-    # atol 2e-5 (the updates are ~1e-2): on these inputs one fp32 element of
-    # 5356 ends 8e-6 from the reference (float32 rounding differences; the
-    # gather-based kernel this one replaced gave the same result bit for bit)
-    param_tol = {torch.float32: dict(rtol=1e-5, atol=2e-5), torch.float16: dict(rtol=1e-3, atol=2e-5),
-                 torch.bfloat16: dict(rtol=1e-2, atol=2e-5)}[param_dtype]
     for actual, wanted in zip(params, expected[0]):
         assert actual.stride() == wanted.stride()
-        torch.testing.assert_close(actual.cpu().float(), wanted.float(), **param_tol)
+        assert_close(actual.cpu().float(), wanted.float(), param_dtype, "adam_8bit_multi_param")
     if master_flat is not None:
-        torch.testing.assert_close(master_flat.cpu(), expected[2], rtol=1e-5, atol=2e-5)
+        assert_close(master_flat.cpu(), expected[2], torch.float32, "adam_8bit_multi_param")
 
 
 def test_triton_multi_parameter_chunk_skipped_step_writes_nothing(triton8_device):

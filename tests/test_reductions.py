@@ -20,18 +20,11 @@ import effilayers.functional as EF
 from effilayers import backends, memory
 from effilayers.ops.reductions import _reduce_op, as_three
 
-from .conftest import fake_cuda_autocast, far_apart_rows, forced_backend, peak_rss_growth, required_backend
+from .accuracy import assert_close, tolerance
+from .conftest import (backend_names, backend_params, fake_cuda_autocast, far_apart_rows, forced_backend,
+                       peak_rss_growth, required_backend)
 
-REDUCE_PARAMS = [
-    pytest.param(("reference", "cpu"), id="reference-cpu"),
-    pytest.param(("cpp", "cpu"), id="cpp-cpu"),
-    pytest.param(("triton", "cpu"), id="triton-interpreter"),
-    pytest.param(("triton", "cuda"), id="triton-cuda", marks=pytest.mark.gpu),
-    pytest.param(("reference", "cuda"), id="reference-cuda", marks=pytest.mark.gpu),
-]
-
-
-@pytest.fixture(params=REDUCE_PARAMS)
+@pytest.fixture(params=backend_params("reduce"))
 def backend(request):
     """Forces the reduce op onto one backend; yields (backend name, device)."""
     for device in forced_backend(request, "reduce"):
@@ -57,7 +50,6 @@ def kinds_for(backend):
     forms (mean and std share sum's and var's; test_matches_float64 still
     runs all five there)."""
     return ["sum", "var", "norm"] if interpreted(backend) else KINDS
-RTOL = {torch.float16: 1e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5, torch.float64: 1e-10}
 
 
 def ours(kind, x, dim=None, keepdim=False, dtype=None, correction=1):
@@ -92,8 +84,7 @@ def values(shape, dtype, device, seed=0, offset=2.0):
 
 def assert_matches(actual, expected, dtype):
     assert actual.dtype == dtype and actual.shape == expected.shape
-    rtol = RTOL[dtype]
-    torch.testing.assert_close(actual.double().cpu(), expected.cpu(), rtol=rtol, atol=rtol, equal_nan=True)
+    assert_close(actual.double().cpu(), expected.cpu(), dtype, "reduction", equal_nan=True)
 
 
 CASES = [
@@ -302,7 +293,8 @@ def test_overflow_table(backend, case):
     assert bool(torch.isfinite(mine).all()), f"ours gave {mine}"
     # the true result is representable in the output dtype
     assert bool(torch.isfinite(expected.to(mine.dtype)).all())
-    torch.testing.assert_close(mine.double().cpu(), expected.to(mine.dtype).double(), rtol=RTOL[mine.dtype], atol=0)
+    torch.testing.assert_close(mine.double().cpu(), expected.to(mine.dtype).double(),
+                               rtol=tolerance(mine.dtype, "reduction")["rtol"], atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
@@ -407,8 +399,8 @@ def test_integer_input_with_a_floating_dtype_like_torch(backend):
                     expected = getattr(torch, kind)(x.cpu().double(), () if dim is None else dim)
                     result = getattr(EF, kind)(x, dim, dtype=dtype)
                     assert result.dtype == dtype
-                    torch.testing.assert_close(result.cpu().double(), expected.to(dtype).double(), rtol=RTOL[dtype],
-                                               atol=0)
+                    torch.testing.assert_close(result.cpu().double(), expected.to(dtype).double(),
+                                               rtol=tolerance(dtype, "reduction")["rtol"], atol=0)
             with pytest.raises(TypeError, match="pass a floating dtype="):
                 getattr(EF, kind)(x)
         for kind in ("var", "std", "norm"):
@@ -601,7 +593,7 @@ def test_compile_fullgraph_matches_eager():
     torch.testing.assert_close(actual_grad, expected_grad)
 
 
-@pytest.mark.parametrize("backend_name", ["cpp", "triton"])
+@pytest.mark.parametrize("backend_name", backend_names("reduce", "cpu", without=["reference"]))
 def test_offsets_past_2_31_elements(backend_name):
     # Rows 2**30 + 1 elements apart in one uninitialised storage: the third
     # row starts past element 2**31, read in place as (outer, reduced, inner)

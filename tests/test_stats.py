@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 import effilayers
 from effilayers.ops import batch_stats, batch_stats_reference, combine_batch_stats
 
-from .helpers import STATS_RTOL, channel_varied, to_layout
+from .accuracy import tolerance
+from .helpers import channel_varied, to_layout
 
 SHAPES = [
     (2, 3),  # rank 2
@@ -40,7 +41,7 @@ def assert_stats_close(actual, expected, dtype, x):
     assert mean.dtype == acc and var.dtype == acc
     assert count.dtype == torch.int64 and count.dim() == 0
     assert int(count) == int(exp_count)
-    rtol = STATS_RTOL[dtype]
+    rtol = tolerance(dtype, "batch_stats")["rtol"]
     # Means near zero need an absolute floor tied to the data's spread.
     spread = (exp_var.nan_to_num(0.0).clamp_min(0).sqrt() + exp_mean.abs()).cpu()
     mean_error = (mean.double().cpu() - exp_mean.cpu()).abs()

@@ -1,0 +1,230 @@
+"""The bench's timing, plot and command line: CUDA events or the clock, the
+plot's panels, argument and model errors (exit 2), output paths, the README
+headline and the GPU session script."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from effilayers import bench
+
+from .bench_cases import HAVE_MATPLOTLIB, needs_matplotlib, run_bench
+
+# The bench on CPU, without the peer libraries (conftest.on_cpu_without_peers).
+pytestmark = pytest.mark.usefixtures("on_cpu_without_peers")
+
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+# ---- timing --------------------------------------------------------------------------------
+
+
+class FakeEvent:
+    recorded = []
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing
+
+    def record(self):
+        FakeEvent.recorded.append(self)
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end):
+        return 250.0  # milliseconds
+
+
+def test_time_call_uses_cuda_events_on_cuda_and_the_clock_on_cpu(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    FakeEvent.recorded = []
+    assert bench.time_call(lambda: calls.append(1), torch.device("cuda")) == pytest.approx(0.25)
+    assert len(FakeEvent.recorded) == 2 and calls == [1]
+    FakeEvent.recorded = []
+    seconds = bench.time_call(lambda: calls.append(2), torch.device("cpu"))
+    assert FakeEvent.recorded == [] and calls == [1, 2] and 0 <= seconds < 0.25
+
+
+# ---- the plot ------------------------------------------------------------------------------
+
+
+def fake_result(variant: str, activation: int, step: float, peak=None, max_batch=None, losses=None) -> bench.Result:
+    return bench.Result("resnet50", variant, True, activation, peak, [step], step, 2 / step, max_batch=max_batch,
+                        losses=losses)
+
+
+def with_ratios(results):
+    plain = results[0]
+    for r in results:
+        r.ratios = {"activation_bytes": r.activation_bytes / plain.activation_bytes,
+                    "step_time": r.step_time_s / plain.step_time_s,
+                    "cuda_peak_bytes": None if r.cuda_peak_bytes is None else r.cuda_peak_bytes / plain.cuda_peak_bytes,
+                    "max_batch": None if r.max_batch is None else r.max_batch / plain.max_batch}
+    return results
+
+
+@needs_matplotlib
+def test_plot_has_a_panel_per_measurement_with_ratio_labels(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as pyplot
+
+    results = with_ratios([
+        fake_result("plain PyTorch", 4 * 2**20, 0.1, peak=8 * 2**20, max_batch=100, losses=[3.0, 2.9]),
+        fake_result("effilayers InPlaceABN", 2 * 2**20, 0.12, peak=5 * 2**20, max_batch=250, losses=[3.0, 2.9]),
+    ])
+    results[1].loss_rel_errors, results[0].loss_tolerances = [1e-7, 2e-7], [1e-5, 1e-5]
+    figure = bench.plot(results, str(tmp_path / "plot.png"), pyplot)
+    try:
+        titles = [axis.get_title() for axis in figure.axes]
+        assert titles == ["activation MiB (one forward)", "median step time, ms", "CUDA peak MiB (one step)",
+                          "largest batch that trains", "training loss (same weights and data)",
+                          "|loss - float64 reference| / reference"]
+        for axis in figure.axes[:4]:
+            assert len(axis.patches) == 2
+        labels = {title: [text.get_text() for text in axis.texts] for title, axis in zip(titles, figure.axes)}
+        assert labels["largest batch that trains"] == ["1.00x", "2.50x"]
+        assert labels["activation MiB (one forward)"] == ["1.00x", "0.50x"]
+        assert [bar.get_height() for bar in figure.axes[3].patches] == [100, 250]
+        assert len(figure.axes[4].lines) == 2
+    finally:
+        pyplot.close(figure)
+    assert (tmp_path / "plot.png").read_bytes()[:8] == PNG_SIGNATURE
+
+    figure = bench.plot(with_ratios([fake_result("plain PyTorch", 1, 0.1), fake_result("effilayers", 1, 0.2)]),
+                        str(tmp_path / "small.png"), pyplot)
+    assert [axis.get_title() for axis in figure.axes] == ["activation MiB (one forward)", "median step time, ms"]
+    pyplot.close(figure)
+
+
+# ---- errors --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model, message", [
+    ("resnet9000", "expected one of resnet18, resnet34, resnet50, resnet101, resnet152, resnext50_32x4d, "
+                   "wide_resnet50_2, densenet121, densenet161, densenet169, densenet201, densenet264 "
+                   "or 'module:callable'"),
+    ("no_such_module_xyz:build", "cannot import 'no_such_module_xyz'"),
+    ("tests.test_bench:no_such_function", "has no attribute 'no_such_function'"),
+    ("tests.test_bench:not_a_module", "expected an nn.Module"),
+    ("tests.test_bench:raises_while_building",
+     "--model 'tests.test_bench:raises_while_building': building the model raised RuntimeError: boom at build"),
+])
+def test_bad_model_exits_2_with_a_message(model, message, capsys):
+    assert bench.main(["--model", model, "--size", "32", "--steps", "1"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_model_normalising_with_batch_statistics_in_eval_is_probed_with_two_images(tmp_path, capsys):
+    """The class-count probe (eval mode) used one image, which such a norm
+    refuses whatever --batch was."""
+    model = "tests.test_bench:tiny_model_with_batch_statistics_in_eval"
+    report = run_bench(tmp_path, "--model", model, "--size", "32", "--batch", "4", "--steps", "1")
+    assert report["results"][0]["variant"] == "as given"
+    assert all(r["activation_bytes"] > 0 for r in report["results"])
+    assert bench.main(["--model", model, "--size", "32", "--batch", "1", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "the model failed on a (1, 3, 32, 32) image batch" in err and "use a larger --batch" in err
+
+
+def test_channels_last_with_5d_weights_exits_2_with_a_message(capsys):
+    argv = ["--model", "tests.test_bench:tiny_model_with_a_conv3d", "--size", "32", "--steps", "1"]
+    assert bench.main([*argv, "--channels-last"]) == 2
+    err = capsys.readouterr().err
+    assert "effilayers-bench: error: --channels-last: the model has 5-D weights (1.weight)" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--dtype", "float16"], "float16 needs CUDA"),
+    (["--batch", "0"], "--batch must be >= 1"),
+    (["--size", "16"], "--size must be >= 32, got 16"),
+    (["--max-batch-limit", "64"], "--max-batch-limit needs --max-batch"),
+])
+def test_bad_settings_exit_2(argv, message, capsys):
+    assert bench.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_help_states_the_size_minimum():
+    assert "height and width, >= 32" in " ".join(bench.cli._parser().format_help().split())
+
+
+def output_path_cases():
+    yield pytest.param(["--json", "{tmp}/no/such/dir/out.json"], "does not exist", id="json-missing-dir")
+    yield pytest.param(["--json", "{tmp}"], "is a directory", id="json-is-a-directory")
+    yield pytest.param(["--plot", "{tmp}/missing/plot.png"], "does not exist", id="plot-missing-dir")
+    if HAVE_MATPLOTLIB:
+        yield pytest.param(["--plot", "{tmp}/plot.xyz"], "the file name must end in one of", id="plot-format")
+
+
+@pytest.mark.parametrize("argv, message", list(output_path_cases()))
+def test_unwritable_outputs_fail_before_the_benchmark(argv, message, tmp_path, capsys):
+    assert bench.main([arg.format(tmp=tmp_path) for arg in argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"effilayers-bench: error: {argv[0]} ") and message in captured.err
+    assert captured.out == ""  # nothing was benchmarked
+
+
+def test_both_kinds_of_error_share_one_prefix(capsys):
+    with pytest.raises(SystemExit) as exited:
+        bench.main(["--dtype", "int8"])
+    assert exited.value.code == 2
+    assert "effilayers-bench: error: argument --dtype: invalid choice" in capsys.readouterr().err
+    assert bench.main(["--batch", "0"]) == 2
+    assert capsys.readouterr().err.startswith("effilayers-bench: error: --batch")
+
+
+def test_readme_headline_is_generated_from_the_committed_results(monkeypatch):
+    """The README's headline table is exactly what benchmarks/headline.py makes
+    of the results files it names: nobody edits the numbers by hand."""
+    import re
+    from pathlib import Path
+
+    from benchmarks import headline
+
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    assert readme.count(headline.START) == 1 and readme.count(headline.END) == 1
+    section = readme.split(headline.START)[1].split(headline.END)[0]
+    sources = re.findall(r"^`(benchmarks/results/[^`]+\.json)`:", section, flags=re.MULTILINE)
+    assert sources, "the headline section names no results file"
+    monkeypatch.chdir(root)
+    for source in sources:
+        report = json.loads(Path(source).read_text())
+        assert {"command", "settings", "environment", "results"} <= set(report)
+    assert section.strip() == headline.render(sources).strip()
+
+
+def test_gpu_session_script_commands_are_valid():
+    """benchmarks/gpu_session.sh is what a session with a GPU runs; it can
+    only run there, so check here that every command it would run names
+    files that exist and options the bench command and pytest accept."""
+    import shlex
+    import subprocess
+
+    from effilayers.bench.cli import _parser
+
+    root = Path(__file__).resolve().parents[1]
+    listing = subprocess.run(["bash", str(root / "benchmarks" / "gpu_session.sh"), "--list"],
+                             capture_output=True, text=True, check=True).stdout
+    commands = [line for line in listing.splitlines() if line and not line.startswith("#")]
+    assert len(commands) >= 8, listing
+    for command in commands:
+        words = shlex.split(command)
+        assert words[:3] in (["python3", "-m", "pytest"], ["python3", "-m", "effilayers.bench"]), command
+        if words[2] == "effilayers.bench":
+            arguments = _parser().parse_args(words[3:])
+            assert arguments.device == "cuda" and arguments.json, command
+        else:
+            paths = [w for w in words[3:] if w.startswith(("tests", "benchmarks/"))]
+            assert paths and all((root / path).exists() for path in paths), command
+    bad = subprocess.run(["bash", str(root / "benchmarks" / "gpu_session.sh"), "nope"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "part must be one of" in bad.stderr
