@@ -7,7 +7,7 @@ results (never typed by hand).
 Prints one markdown table per results file (device, settings and the exact
 command above it); with ``--readme`` the text between
 ``<!-- headline:start -->`` and ``<!-- headline:end -->`` in that file is
-replaced by them. tests/test_bench.py checks that the README's table is what
+replaced by them. tests/test_bench_cli.py checks that the README's table is what
 this script makes of the files it names.
 """
 

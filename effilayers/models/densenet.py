@@ -28,7 +28,7 @@ A block computes each map's batch statistics once, when the map appears, and
 hands them to every later layer (their ``norm1`` layers differ only in
 ``weight`` and ``bias``). Measured with ``effilayers.memory`` on DenseNet-121
 at 1x3x224x224: 0.268x the naive model's activation bytes, 0.231x with
-``norm_act="inplace"`` (tests/test_densenet.py holds it at <= 0.33x; without
+``norm_act="inplace"`` (tests/test_densenet_memory.py holds it at <= 0.33x; without
 the block buffer it was 0.309x). The output of a memory-efficient block
 shares memory with the maps kept for backward: modifying it in place raises
 in backward.

@@ -52,7 +52,7 @@ narrowest buffer indexed per element, so every parameter's first state
 element is one too) and, when they hold, the kernels are specialised
 (``ALIGNED``) to assert them with ``tl.multiple_of``. Compiled for sm_90 on
 a machine without a GPU (Triton 3.9, ``triton.compile`` to PTX;
-tests/test_optim.py::test_triton_kernels_compile_to_vector_accesses), the
+tests/test_optim_kernel.py::test_triton_kernels_compile_to_vector_accesses), the
 aligned multi-parameter kernels have the same vector accesses as the
 one-parameter ones, and the unaligned ones one 32-bit or narrower access
 per parameter and gradient element (and per state element, except the 8-bit

@@ -97,7 +97,7 @@ Autocast
     returned in float32 before any rounding to the logits' dtype, so a sum
     over many rows does not overflow float16 (8000x1000 fp16 logits with
     ``reduction="sum"``: about 9e4 like torch, where rounding to fp16 gave
-    ``inf``; ``tests/test_cross_entropy.py::test_autocast_loss_dtype_follows_torch``).
+    ``inf``; ``tests/test_cross_entropy_autograd.py::test_autocast_loss_dtype_follows_torch``).
     Unlike torch, no float32 copy of the
     logits is made: the kernels accumulate in float32 anyway, and the saved
     gradient (and ``inplace_backward``'s) stays in the logits' dtype, which is

@@ -37,7 +37,7 @@ Kernels:
                     on small elements, so dz is not rounded to fp16/bf16
                     first: measured in fp16, the largest error relative to
                     |dx| + 1e-3 max |dx| is 4.8e-4 with the scratch buffer
-                    and was 1.6e-2 without (tests/test_densenet.py). The
+                    and was 1.6e-2 without (tests/test_densenet_ops.py). The
                     scratch costs 4 bytes per value of one layer's
                     concatenation, for the duration of the call.
 ``_grad_weight``    dW = dout^T @ y with y recomputed per tile, split over
