@@ -10,7 +10,7 @@ between them is only which kernels compute the passes.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -151,7 +151,8 @@ def normalizing_statistics(parts: Sequence[torch.Tensor], running_mean, running_
     return mean, invstd, count
 
 
-def backward_passes(reduce: Callable, elemt: Callable, grad: torch.Tensor, saved: torch.Tensor, args: tuple,
+def backward_passes(reduce: Union[str, Callable], elemt: Union[str, Callable], grad: torch.Tensor,
+                    saved: torch.Tensor, args: tuple,
                     count: int, *, need_sums: bool, need_elemt: bool, want_residual_grad: bool = False, group=None,
                     fused: Optional[Callable] = None):
     """BatchNorm's backward as its two kernel passes.
@@ -165,10 +166,14 @@ def backward_passes(reduce: Callable, elemt: Callable, grad: torch.Tensor, saved
     those as it does every other parameter's) and the input gradient using
     the sums over the whole synchronised batch. ``fused(grad, saved, *args,
     count, need_sums, need_elemt, want_residual_grad)``, when given, does
-    all of it in one call on a single rank.
+    all of it in one call on a single rank. ``reduce`` and ``elemt`` may be
+    op names, looked up only when the fused call does not serve (a lookup
+    is host time a small layer's backward would otherwise pay twice over).
     """
     if fused is not None and not distributed(group):
         return fused(grad, saved, *args, count, need_sums, need_elemt, want_residual_grad)
+    if isinstance(reduce, str):
+        reduce, elemt = registry.dispatch(reduce, saved), registry.dispatch(elemt, saved)
     local_dy = local_dy_xhat = None
     mean = args[0]
     if need_sums:

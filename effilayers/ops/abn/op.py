@@ -125,9 +125,9 @@ class _ActivatedBatchNorm(torch.autograd.Function):
         use_batch_stats, _, _, activation, activation_param, weight_eps, group, inplace = ctx.settings
         args = (mean, invstd, weight, bias, residual, activation, activation_param, weight_eps, inplace)
         grad_input, grad_residual, sum_dy, sum_dy_xhat = _batchnorm.backward_passes(
-            registry.dispatch("abn_backward_reduce", saved), registry.dispatch("abn_backward_elemt", saved),
-            grad_output, saved, args, ctx.count, need_sums=use_batch_stats or need_weight or need_bias,
-            need_elemt=need_input or want_residual_grad, want_residual_grad=want_residual_grad, group=group,
+            "abn_backward_reduce", "abn_backward_elemt", grad_output, saved, args, ctx.count,
+            need_sums=use_batch_stats or need_weight or need_bias, need_elemt=need_input or want_residual_grad,
+            want_residual_grad=want_residual_grad, group=group,
             fused=registry.eager("abn_backward", saved))
         # Straight through the weight clamp: where |weight| < weight_eps the
         # clamp is flat, and its true derivative (zero) would freeze a weight
