@@ -529,7 +529,7 @@ def test_compile_fullgraph_matches_eager():
                             decoupled_weight_decay=True, maximize=False)
 
     def step(params, states, step_count):
-        torch.ops.effilayers.adam_step_8bit_(params, grads, *states, None, step_count, None, None, *hyper)
+        torch.ops.effilayers.adam_step_8bit_(params, grads, *states, None, step_count, None, None, *hyper.values)
 
     step(eager[0], eager[1], torch.tensor([2.0]))
     torch.compile(step, fullgraph=True, backend="aot_eager")(params, states, torch.tensor([2.0]))
@@ -691,7 +691,7 @@ def test_triton_multi_parameter_chunk_allocates_no_padded_temporary():
         for step in (1.0, 2.0):
             adam_step_8bit_reference(expected[0], grads, *expected[1], None, torch.tensor([step]), None, None, hyper)
             with NewStorages() as recorder:
-                kernel(params, grads, *states, None, torch.tensor([step]), None, None, *hyper)
+                kernel(params, grads, *states, None, torch.tensor([step]), None, None, *hyper.values)
             assert not any("foreach" in op or "cat" in op for op in recorder.ops), recorder.ops
             calls.append(recorder.allocated)
         assert max(calls[0], default=0) <= 256 < padded_bytes // 64, calls[0]

@@ -340,7 +340,7 @@ def test_triton_multi_parameter_chunk_allocates_no_chunk_sized_temporary():
         calls = []
         for step, step_grads in ((1.0, grads), (2.0, grads), (3.0, new_grads)):
             with NewStorages() as recorder:
-                kernel(params, step_grads, *states, None, torch.tensor([step]), None, None, *hyper)
+                kernel(params, step_grads, *states, None, torch.tensor([step]), None, None, *hyper.values)
             calls.append(recorder)
             assert not any("cat" in op or "foreach" in op for op in recorder.ops), recorder.ops
         # first call: the tables (9 tiles x 16 bytes); second: nothing new
@@ -395,7 +395,7 @@ def test_triton_multi_parameter_chunk_under_torch_compile(triton_device):
     hyper = (1e-2, 0.9, 0.999, 1e-8, 0.1, True, False)
 
     def step(params, states, step_count):
-        torch.ops.effilayers.adam_step_(params, grads, *states, None, step_count, None, None, *hyper)
+        torch.ops.effilayers.adam_step_(params, grads, *states, None, step_count, None, None, *hyper.values)
 
     step(eager[0], eager[1], torch.tensor([2.0], device=device))
     torch.compile(step, fullgraph=True, backend="aot_eager")(params, states, torch.tensor([2.0], device=device))

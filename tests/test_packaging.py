@@ -26,7 +26,7 @@ def test_build_never_requires_torch():
 
 def test_declared_dependencies_and_extras():
     project = pyproject()["project"]
-    assert project["dependencies"] == ["torch>=2.4", "numpy"]
+    assert project["dependencies"] == ["torch>=2.11", "numpy"]
     extras = project["optional-dependencies"]
     assert any(req.startswith("triton") and "Linux" in req for req in extras["triton"])
     assert {"pytest", "pytest-benchmark", "hypothesis"} <= set(extras["test"])

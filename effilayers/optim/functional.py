@@ -84,7 +84,7 @@ def fused_update(quantized: bool, params: Sequence[torch.Tensor], grads: Sequenc
     device = states[0].device
     args = (params, grads, *states, master, steps[:1],
             None if grad_scale is None else grad_scale.to(device, torch.float32),
-            None if found_inf is None else found_inf.to(device, torch.float32), *hyper)
+            None if found_inf is None else found_inf.to(device, torch.float32), *hyper.values)
     if not registry.runs_eagerly(states[0]):
         (torch.ops.effilayers.adam_step_8bit_ if quantized else torch.ops.effilayers.adam_step_)(*args)
         return

@@ -96,10 +96,14 @@ class AdamHyperParams:
     def __post_init__(self) -> None:
         for name, kind in _FIELDS:
             object.__setattr__(self, name, kind(getattr(self, name)))
+        # A plain tuple for ``op(..., found_inf, *hyper.values)``: Dynamo of
+        # torch 2.11 cannot unpack a frozen dataclass, but reads a tuple
+        # attribute of one as constants.
+        object.__setattr__(self, "values", tuple(getattr(self, name) for name, _ in _FIELDS))
 
     def __iter__(self):
-        """The values in schema order: ``op(..., found_inf, *hyper)``."""
-        return (getattr(self, name) for name, _ in _FIELDS)
+        """The values in schema order (``values``)."""
+        return iter(self.values)
 
 
 # (name, type) of each field; the annotations are strings ("float", "bool")
