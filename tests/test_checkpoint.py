@@ -338,6 +338,44 @@ def test_compiled_checkpoint_updates_running_statistics_once():
         torch.testing.assert_close(parameter.grad, reference_parameter.grad, rtol=1e-10, atol=1e-12, msg=name)
 
 
+def test_only_the_input_is_kept_the_copy_is_not():
+    """A checkpointed block keeps exactly its input for backward; the copy
+    the function receives is not saved."""
+    torch.manual_seed(0)
+    block = conv_norm_relu("batchnorm", blocks=3)
+    x = torch.randn(3, 4, 5, 5, dtype=DTYPE, requires_grad=True)
+    assert memory.activation_bytes(lambda t: checkpoint(block, t), x, exclude=block) == x.numel() * x.element_size()
+    assert memory.activation_bytes(block, x) > 3 * x.numel() * x.element_size()
+
+
+class CountingContext:
+    def __init__(self):
+        self.entered = 0
+
+    def __enter__(self):
+        self.entered += 1
+
+    def __exit__(self, *exc_info):
+        return False
+
+
+def test_a_callers_context_fn_runs_beside_the_bookkeeping():
+    torch.manual_seed(0)
+    block = conv_norm_relu("batchnorm", blocks=2)
+    reference = copy.deepcopy(block)
+    forward_context, recompute_context = CountingContext(), CountingContext()
+    x = torch.randn(3, 4, 5, 5, dtype=DTYPE)
+    scale = torch.tensor(1.5, dtype=DTYPE)
+    out = checkpoint(lambda t, factor: block(t) * factor, x, factor=scale,
+                     context_fn=lambda: (forward_context, recompute_context))
+    out.square().mean().backward()
+    (reference(x) * scale).square().mean().backward()
+    assert (forward_context.entered, recompute_context.entered) == (1, 1)
+    assert_buffers_equal(block, reference)
+    for (name, parameter), reference_parameter in zip(block.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(parameter.grad, reference_parameter.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
 # ---- bad input -----------------------------------------------------------------------------
 
 
