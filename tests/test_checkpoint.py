@@ -320,14 +320,18 @@ def test_sqrt_segments_keep_under_a_third_of_the_activation_bytes():
     assert checkpointed >= 7 * x.numel() * x.element_size()
 
 
-def test_compiled_checkpoint_updates_running_statistics_once():
+@pytest.mark.parametrize("sequential", [False, True])
+def test_compiled_checkpoint_updates_running_statistics_once(sequential):
     """Under torch.compile the recomputation is AOTAutograd's (aot_eager:
     its partitioner without code generation); the buffers move once."""
     torch.manual_seed(0)
-    block = conv_norm_relu("batchnorm", blocks=2)
+    block = conv_norm_relu("batchnorm", blocks=3)
     reference = copy.deepcopy(block)
     x = torch.randn(3, 4, 5, 5, dtype=DTYPE, requires_grad=True)
-    compiled = torch.compile(lambda t: checkpoint(block, t), backend="aot_eager", fullgraph=True)
+    if sequential:
+        compiled = torch.compile(lambda t: checkpoint_sequential(block, "sqrt", t), backend="aot_eager", fullgraph=True)
+    else:
+        compiled = torch.compile(lambda t: checkpoint(block, t), backend="aot_eager", fullgraph=True)
     out = compiled(x)
     out.square().mean().backward()
     expected = reference(x)
