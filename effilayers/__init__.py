@@ -13,8 +13,12 @@ from .ops import batch_stats, combine_batch_stats
 # `from effilayers.convert import ConversionReport` still reaches the module.
 from .convert import convert, revert
 from . import models
+# A module (effilayers.checkpoint.checkpoint mirrors torch.utils.checkpoint.checkpoint).
+from . import checkpoint
+from .max_batch import MaxBatch, find_max_batch
 
 __version__ = "0.1.0.dev0"
 
 __all__ = ["backends", "functional", "memory", "nn", "ops", "optim", "models", "info", "use_backend", "convert", "revert",
-           "batch_stats", "combine_batch_stats", "__version__"]
+           "batch_stats", "combine_batch_stats", "__version__", "checkpoint",
+           "find_max_batch", "MaxBatch"]

@@ -1,6 +1,7 @@
-"""The bench's max-batch search (--max-batch): the bisection against a
-simulated memory limit, which errors count as "too large" or "cannot
-train", and the report of variants that run out of memory."""
+"""The max-batch search (effilayers.find_max_batch, which the bench's
+--max-batch runs): the bisection against a simulated memory limit, which
+errors count as "too large" or "cannot train", and the report of variants
+that run out of memory."""
 
 from __future__ import annotations
 
@@ -25,21 +26,27 @@ pytestmark = pytest.mark.usefixtures("on_cpu_without_peers")
 
 
 def simulated_memory(fits_up_to: int):
+    """A training step that runs out of memory above ``fits_up_to``, as CUDA
+    reports it, and the list of batches it was called with."""
     calls = []
 
-    def try_step(batch: int) -> bool:
+    def step(batch: int) -> None:
         calls.append(batch)
-        return batch <= fits_up_to
+        if batch > fits_up_to:
+            raise torch.OutOfMemoryError(f"CUDA out of memory at batch {batch} (simulated)")
 
-    return try_step, calls
+    return step, calls
 
 
 @pytest.mark.parametrize("start", [1, 2, 3, 32, 100])
 @pytest.mark.parametrize("fits_up_to", [0, 1, 2, 5, 31, 32, 33, 100, 777])
 def test_find_max_batch_finds_the_simulated_limit(start, fits_up_to):
     search_limit = 1000
-    try_step, calls = simulated_memory(fits_up_to)
-    assert bench.find_max_batch(try_step, start, search_limit) == fits_up_to
+    step, calls = simulated_memory(fits_up_to)
+    found = bench.find_max_batch(step, start, search_limit)
+    assert found.batch == fits_up_to
+    assert found.tries == len(calls)
+    assert found.peak_bytes is None  # no CUDA step measured
     assert max(calls) <= search_limit
     assert len(calls) == len(set(calls)), "tried a batch twice"
     assert len(calls) <= bench.max_tries(start, search_limit)
@@ -47,14 +54,14 @@ def test_find_max_batch_finds_the_simulated_limit(start, fits_up_to):
 
 @pytest.mark.parametrize("search_limit", [1, 7, 64, 100])
 def test_find_max_batch_never_exceeds_its_limit(search_limit):
-    try_step, calls = simulated_memory(10**6)
-    assert bench.find_max_batch(try_step, 3, search_limit) == search_limit
+    step, calls = simulated_memory(10**6)
+    assert bench.find_max_batch(step, 3, search_limit).batch == search_limit
     assert max(calls) <= search_limit
 
 
 def test_find_max_batch_rejects_nonpositive_arguments():
     with pytest.raises(ValueError, match="start and limit must be >= 1"):
-        bench.find_max_batch(lambda batch: True, 0, 10)
+        bench.find_max_batch(lambda batch: None, 0, 10)
 
 
 @pytest.mark.parametrize("error, out_of_memory", [
@@ -62,7 +69,7 @@ def test_find_max_batch_rejects_nonpositive_arguments():
     (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), True),
     (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), True),
     (RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a "
-                  "non-contiguous input."), False),  # search_max_batch decides (below)
+                  "non-contiguous input."), False),  # find_max_batch decides (below)
     (RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)"), False),
     (ValueError("out of memory"), False),
 ])
@@ -70,15 +77,15 @@ def test_is_out_of_memory(error, out_of_memory):
     assert bench.is_out_of_memory(error) is out_of_memory
 
 
-def test_search_max_batch_lets_other_errors_through():
+def test_find_max_batch_lets_other_errors_through():
     def step(batch):
         raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
 
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
-        bench.search_max_batch(step, lambda: None, 2, 64)
+        bench.find_max_batch(step, 2, 64)
 
 
-def test_search_max_batch_takes_cudnn_not_supported_as_too_large_only_after_a_batch_trained():
+def test_find_max_batch_takes_cudnn_not_supported_as_too_large_only_after_a_batch_trained():
     not_supported = "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a " \
                     "non-contiguous input."
 
@@ -86,35 +93,35 @@ def test_search_max_batch_takes_cudnn_not_supported_as_too_large_only_after_a_ba
         if batch > 20:
             raise RuntimeError(not_supported)
 
-    assert bench.search_max_batch(step, lambda: None, 2, 64) == 20
+    assert bench.find_max_batch(step, 2, 64).batch == 20
 
     def never(batch):
         raise RuntimeError(not_supported)
 
     # Unsupported at the first batch tried: a configuration problem, not a size.
     with pytest.raises(RuntimeError, match="NOT_SUPPORTED"):
-        bench.search_max_batch(never, lambda: None, 2, 64)
+        bench.find_max_batch(never, 2, 64)
 
 
-def test_search_max_batch_takes_batch_norms_one_value_error_as_not_training():
+def test_find_max_batch_takes_batch_norms_one_value_error_as_not_training():
     def step(batch):
         if batch == 1:
             raise ValueError("Expected more than 1 value per channel when training, got input size [1, 8, 1, 1]")
         if batch > 2:
             raise torch.OutOfMemoryError("CUDA out of memory")
 
-    assert bench.search_max_batch(step, lambda: None, 4, 64) == 2
+    assert bench.find_max_batch(step, 4, 64).batch == 2
 
     def only_batch_norm(batch):
         raise ValueError("Expected more than 1 value per channel when training, got input size [1, 8, 1, 1]")
 
-    assert bench.search_max_batch(only_batch_norm, lambda: None, 1, 64) == 0
+    assert bench.find_max_batch(only_batch_norm, 1, 64).batch == 0
 
     def other_value_error(batch):
         raise ValueError("a different problem")
 
     with pytest.raises(ValueError, match="different problem"):
-        bench.search_max_batch(other_value_error, lambda: None, 2, 64)
+        bench.find_max_batch(other_value_error, 2, 64)
 
 
 def _one_value_models():
@@ -130,7 +137,7 @@ def _one_value_models():
 
 
 @pytest.mark.parametrize("name", ["abn", "inplace_abn", "densenet"])
-def test_search_max_batch_takes_effilayers_one_value_errors_as_not_training(name):
+def test_find_max_batch_takes_effilayers_one_value_errors_as_not_training(name):
     model, shape, message = _one_value_models()[name]
     with pytest.raises(ValueError, match=message):  # effilayers' own error, not torch's
         model(torch.randn(1, *shape))
@@ -140,7 +147,7 @@ def test_search_max_batch_takes_effilayers_one_value_errors_as_not_training(name
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         model(torch.randn(batch, *shape)).sum().backward()
 
-    assert bench.search_max_batch(step, lambda: None, 2, 8) == 0
+    assert bench.find_max_batch(step, 2, 8).batch == 0
 
 
 def test_a_densenet_batch_the_bottleneck_cannot_train_exits_2_with_advice(capsys):
@@ -208,7 +215,7 @@ def test_max_batch_end_to_end_against_a_simulated_memory_limit(tmp_path, monkeyp
     bars = []
     monkeypatch.setattr(bench.cli, "MAX_BATCH_DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(bench.measure, "_train_step", step_with_a_memory_limit)
-    monkeypatch.setattr(bench.measure, "_empty_cache", count_empty_cache)
+    monkeypatch.setattr(effilayers.max_batch, "_empty_cache", count_empty_cache)
     monkeypatch.setattr(bench.cli, "_progress", lambda total: bars.append(RecordingBar(total)) or bars[-1])
     report = run_bench(tmp_path, "--model", "tests.test_bench:tiny_convertible_model", "--size", "32",
                        "--batch", "2", "--steps", "1", "--max-batch", "--max-batch-limit", "64")

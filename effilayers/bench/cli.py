@@ -22,6 +22,7 @@ from typing import Any, ContextManager, Optional
 
 import torch
 
+from ..max_batch import DEFAULT_LIMIT
 from .measure import LOSS_NOISE_FACTOR, Result, Setup, count_ticks, run_model
 from .report import format_losses, format_table, load_pyplot, loss_warnings, plot, write_json
 from .variants import BenchError, builtin_models, variants_for
@@ -34,7 +35,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # Where --max-batch may run: elsewhere nothing runs out of memory cleanly
 # (tests widen it to search on CPU against a simulated limit).
 MAX_BATCH_DEVICES = ("cuda",)
-DEFAULT_MAX_BATCH_LIMIT = 4096
+DEFAULT_MAX_BATCH_LIMIT = DEFAULT_LIMIT
 
 
 class _NoBar:

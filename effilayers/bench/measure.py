@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import gc
 import itertools
-import math
 import statistics
 import time
 from contextlib import nullcontext
@@ -31,10 +29,10 @@ from torch import nn
 
 from .. import memory
 from .._core.dtypes import accumulation_dtype
+from ..max_batch import find_max_batch, is_out_of_memory, max_tries, release_memory, too_small_for_batch_norm
 from .variants import BenchError, Variant
 
-__all__ = ["find_max_batch", "max_tries", "search_max_batch", "is_out_of_memory", "Setup", "Result", "time_call",
-           "SEED", "LOSS_NOISE_FACTOR", "LOSS_TOLERANCE_FLOOR", "count_ticks", "run_model"]
+__all__ = ["Setup", "Result", "time_call", "SEED", "LOSS_NOISE_FACTOR", "LOSS_TOLERANCE_FLOOR", "count_ticks", "run_model"]
 
 SEED = 0
 # --train: a variant's loss at step t may differ from its float64 reference by
@@ -44,118 +42,6 @@ SEED = 0
 # percents in float32), and by at least the per-dtype floor.
 LOSS_NOISE_FACTOR = 10.0
 LOSS_TOLERANCE_FLOOR = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
-
-
-# ---- the max-batch search ------------------------------------------------------------------
-
-
-def find_max_batch(try_step: Callable[[int], bool], start: int, limit: int) -> int:
-    """Largest batch in ``[1, limit]`` for which ``try_step(batch)`` succeeds.
-
-    Doubles from ``start`` until a failure (or ``limit``), then bisects
-    between the last success and the first failure. Assumes success is
-    monotone in the batch size, as memory use is. Never calls ``try_step``
-    above ``limit``. Returns 0 when even batch 1 fails.
-    """
-    if start < 1 or limit < 1:
-        raise ValueError(f"find_max_batch: start and limit must be >= 1, got start={start}, limit={limit}")
-    start = min(start, limit)
-    if try_step(start):
-        fits, fails = start, None
-        while fits < limit:
-            candidate = min(2 * fits, limit)
-            if try_step(candidate):
-                fits = candidate
-            else:
-                fails = candidate
-                break
-        if fails is None:
-            return fits
-    else:
-        fits, fails = 0, start
-    while fails - fits > 1:
-        middle = (fits + fails) // 2
-        if try_step(middle):
-            fits = middle
-        else:
-            fails = middle
-    return fits
-
-
-def max_tries(start: int, limit: int) -> int:
-    """An upper bound on the calls :func:`find_max_batch` makes (for the progress bar)."""
-    start = min(start, limit)
-    return 1 + math.ceil(math.log2(limit / start)) + math.ceil(math.log2(limit))
-
-
-# Allocation failures that do not raise torch.OutOfMemoryError: cuBLAS and
-# cuDNN report a failed workspace allocation as a plain RuntimeError.
-_OUT_OF_MEMORY_TEXT = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")
-# cuDNN also finds no algorithm ("not supported") for a batch too large for
-# its workspace or indexing: "does not fit" once a smaller batch has trained,
-# a configuration error when nothing has.
-_TOO_LARGE_TEXT = "CUDNN_STATUS_NOT_SUPPORTED"
-_OUT_OF_MEMORY_ERROR = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
-# BatchNorm in training refuses a batch with one value per channel: batch 1
-# does not train such a model, whatever the memory. torch says "Expected
-# more than 1 value per channel when training, ..."; effilayers' ABN and
-# DenseNet bottleneck say the same after their own name ("bottleneck:
-# expected ...").
-_ONE_VALUE_PER_CHANNEL = "expected more than 1 value per channel when training"
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    """Whether ``error`` means "this batch does not fit", not a bug."""
-    if isinstance(error, _OUT_OF_MEMORY_ERROR):
-        return True
-    return isinstance(error, RuntimeError) and any(text in str(error) for text in _OUT_OF_MEMORY_TEXT)
-
-
-def _too_small_for_batch_norm(error: BaseException) -> bool:
-    return isinstance(error, ValueError) and _ONE_VALUE_PER_CHANNEL in str(error).lower()
-
-
-def search_max_batch(step: Callable[[int], None], release: Callable[[], None], start: int, limit: int,
-                     tick: Callable[[], None] = lambda: None) -> int:
-    """:func:`find_max_batch` over ``step(batch)``, which trains one step and
-    may run out of memory (:func:`is_out_of_memory`; cuDNN's "not supported"
-    too once a smaller batch has trained; a batch BatchNorm refuses because it
-    leaves one value per channel does not train either; other errors
-    propagate). ``release()`` runs after every try, fitting or not, to free
-    what it left behind before the next one; ``tick()`` once per try."""
-    trained = False
-
-    def try_step(batch: int) -> bool:
-        nonlocal trained
-        tick()
-        try:
-            step(batch)
-            fits = trained = True
-        except RuntimeError as error:
-            if not (is_out_of_memory(error) or (trained and _TOO_LARGE_TEXT in str(error))):
-                raise
-            fits = False
-        except ValueError as error:
-            if not _too_small_for_batch_norm(error):
-                raise
-            fits = False
-        # The except block is over: the traceback, and with it the frames
-        # holding this try's tensors, are gone; release() can free them.
-        release()
-        return fits
-
-    return find_max_batch(try_step, start, limit)
-
-
-def _empty_cache(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def _collect(device: torch.device) -> None:
-    """Free what the tensors no longer referenced held, on the device too."""
-    gc.collect()
-    _empty_cache(device)
 
 
 # ---- one training step ---------------------------------------------------------------------
@@ -237,7 +123,7 @@ def _num_classes(model: nn.Module, setup: Setup) -> int:
         with torch.no_grad():
             logits = model(torch.zeros(shape))
     except Exception as error:  # the user's model may raise anything on a wrong input shape
-        advice = "; use a larger --batch or --size" if _too_small_for_batch_norm(error) else ""
+        advice = "; use a larger --batch or --size" if too_small_for_batch_norm(error) else ""
         raise BenchError(f"the model failed on a {shape} image batch: {type(error).__name__}: {error}"
                          f"{advice}") from error
     model.train(was_training)
@@ -277,7 +163,7 @@ def _measure(model: nn.Module, setup: Setup, num_classes: int, tick: Callable[[]
     try:
         return _measure_fitting(model, setup, num_classes, counted_tick, eager)
     except ValueError as error:
-        if not _too_small_for_batch_norm(error):
+        if not too_small_for_batch_norm(error):
             raise
         raise BenchError(f"batch {setup.batch} at {setup.size}x{setup.size} leaves BatchNorm one value per channel "
                          f"in training ({error}); use a larger --batch or --size") from None
@@ -285,7 +171,8 @@ def _measure(model: nn.Module, setup: Setup, num_classes: int, tick: Callable[[]
         if not is_out_of_memory(error):
             raise
     # Out of the except block: the frames holding the failed step's tensors are gone.
-    _release(model, setup.device)
+    # An out-of-memory error in backward leaves some gradients behind.
+    release_memory(model, setup.device)
     counted_tick.finish(1 + setup.steps)
     return {"activation_bytes": None, "cuda_peak_bytes": None, "step_times_s": [], "step_time_s": None,
             "images_per_s": None, "out_of_memory": True}
@@ -308,10 +195,6 @@ class _CountedTick:
             self.tick()
 
 
-def _release(model: nn.Module, device: torch.device) -> None:
-    # An out-of-memory error in backward leaves some gradients behind.
-    model.zero_grad(set_to_none=True)
-    _collect(device)
 
 
 def _measure_fitting(model: nn.Module, setup: Setup, num_classes: int, tick: Callable[[], None],
@@ -373,6 +256,7 @@ def _float64_curve(variant: Variant, pristine: nn.Module, setup: Setup, num_clas
 
 
 def _max_batch(model: nn.Module, setup: Setup, num_classes: int, limit: int, tick: Callable[[], None]) -> int:
+    """--max-batch: effilayers.find_max_batch over one training step, from --batch."""
     optimizer = _optimizer(model)
 
     def step(batch: int) -> None:
@@ -380,7 +264,9 @@ def _max_batch(model: nn.Module, setup: Setup, num_classes: int, limit: int, tic
         _train_step(model, optimizer, setup, images, labels)
         setup.synchronize()
 
-    return search_max_batch(step, lambda: _release(model, setup.device), setup.batch, limit, tick)
+    found = find_max_batch(step, setup.batch, limit, model=model, device=setup.device,
+                           on_try=lambda batch, fits: tick())
+    return found.batch
 
 
 # ---- driver --------------------------------------------------------------------------------
@@ -494,7 +380,7 @@ def run_model(variants: list[Variant], setup: Setup, max_batch_limit: Optional[i
         results.append(Result(variant.model, variant.name, same_weights, losses=losses, max_batch=max_batch,
                               notes=notes, **measured))
         del model, runner, initial_state
-        _collect(setup.device)
+        release_memory(None, setup.device)
     # float64 references no variant ran (each variant computing it did not fit)
     bar.update(setup.train_steps * len({v.function for v in variants} - set(float64_losses)))
     plain = results[0]

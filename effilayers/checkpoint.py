@@ -1,0 +1,309 @@
+"""Activation checkpointing that keeps BatchNorm's running statistics right.
+
+``checkpoint`` and ``checkpoint_sequential`` take the arguments of
+``torch.utils.checkpoint``'s functions of the same names and run on torch's
+non-reentrant checkpoint, with two differences:
+
+* **Running statistics move once per forward.** Torch's checkpoint runs a
+  segment's forward again in backward, so every BatchNorm in training mode
+  inside it updates ``running_mean``, ``running_var`` and
+  ``num_batches_tracked`` twice per step (with ``momentum=None`` the
+  cumulative average then counts each batch twice). Here the recomputation
+  puts back the running statistics it found, so they end where the plain
+  model leaves them. The normalisation itself needs no help: in training it
+  uses the batch's statistics, which the recomputation reproduces from the
+  same input. This covers every module with buffers named ``running_mean``,
+  ``running_var`` or ``num_batches_tracked`` that the checkpointed function
+  can reach: torch's ``_BatchNorm`` family (``SyncBatchNorm`` included),
+  ``InstanceNorm`` with ``track_running_stats``, effilayers' ``ABN``,
+  ``InPlaceABN``, ``InPlaceABNSync`` and the DenseNet bottleneck's
+  ``norm1``. "Reach" means: the function itself when it is a module, the
+  module of a bound method, the parts of a ``functools.partial``, the
+  modules a function (a lambda, a nested function) refers to through its
+  closure or as globals, and modules passed as arguments; ``checkpoint_sequential`` looks at each function of a
+  segment. Running statistics updated some other way (a functional call on
+  tensors the closure does not show) are not protected.
+* **In-place layers at a segment's start work.** A segment whose first layer
+  writes over its input (``InPlaceABN``, ``nn.ReLU(inplace=True)``) would
+  destroy the input the recomputation starts from; torch's checkpoint then
+  stops in backward with "modified by an inplace operation". Here the
+  function receives a copy of each tensor argument (parameters excepted),
+  so the saved input stays intact. The copy lives only while the segment's
+  first layers use it; it is never kept for backward.
+
+Dropout and other random ops replay the forward's draws as in torch
+(``preserve_rng_state=True``). ``use_reentrant`` may only be ``None`` or
+``False``. ``segments="sqrt"`` in ``checkpoint_sequential`` picks
+``ceil(sqrt(len(functions)))`` segments, the sublinear-memory choice of Chen
+et al. (2016, memonger): about ``2 sqrt(N)`` layers' activations are alive
+at once instead of ``N``.
+
+Under ``torch.compile`` the recomputation is the compiler's (the graph's
+buffer updates run once), so the compiled path calls torch's checkpoint
+with your ``context_fn`` and only the input copy added.
+
+Example::
+
+    from effilayers.checkpoint import checkpoint, checkpoint_sequential
+
+    y = checkpoint(block, x)                            # like torch.utils.checkpoint.checkpoint
+    y = checkpoint_sequential(model, "sqrt", x)         # model: an nn.Sequential
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from typing import Any, Callable, ContextManager, Iterable, Sequence, Union
+
+import torch
+from torch import nn
+from torch.utils import checkpoint as torch_checkpoint
+
+__all__ = ["checkpoint", "checkpoint_sequential", "sqrt_segments"]
+
+_RUNNING_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
+# The keywords checkpoint_sequential passes on to checkpoint (torch's own
+# checkpoint_sequential takes only preserve_rng_state).
+_SEQUENTIAL_KEYWORDS = ("preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop")
+
+
+def _modules_reached(objects: Iterable[Any]) -> list[nn.Module]:
+    """The modules a checkpointed function can call: see the module docstring."""
+    found: dict[int, nn.Module] = {}
+
+    def visit(obj: Any, depth: int) -> None:
+        if isinstance(obj, nn.Module):
+            found.setdefault(id(obj), obj)
+            return
+        # Two levels: a lambda over a list of modules, a partial of a method.
+        if depth > 2:
+            return
+        if isinstance(obj, (list, tuple)):
+            for item in obj:
+                visit(item, depth + 1)
+        elif isinstance(obj, dict):
+            for item in obj.values():
+                visit(item, depth + 1)
+        elif isinstance(obj, functools.partial):
+            visit(obj.func, depth + 1)
+            visit(obj.args, depth + 1)
+            visit(obj.keywords, depth + 1)
+        elif callable(obj):
+            owner = getattr(obj, "__self__", None)
+            if owner is not None:
+                visit(owner, depth + 1)
+            for cell in getattr(obj, "__closure__", None) or ():
+                try:
+                    contents = cell.cell_contents
+                except ValueError:  # a cell not yet filled
+                    continue
+                visit(contents, depth + 1)
+            # A lambda at a script's top level reads the model as a global.
+            code, names = getattr(obj, "__code__", None), getattr(obj, "__globals__", None)
+            if code is not None and isinstance(names, dict):
+                for name in code.co_names:
+                    if isinstance(names.get(name), nn.Module):
+                        visit(names[name], depth + 1)
+
+    for obj in objects:
+        visit(obj, 0)
+    return list(found.values())
+
+
+def _running_buffers(objects: Iterable[Any]) -> list[torch.Tensor]:
+    buffers: dict[int, torch.Tensor] = {}
+    for top in _modules_reached(objects):
+        for module in top.modules():
+            for name in _RUNNING_BUFFERS:
+                buffer = module._buffers.get(name)
+                if buffer is not None:
+                    buffers.setdefault(id(buffer), buffer)
+    return list(buffers.values())
+
+
+class _KeepRunningStatistics:
+    """Recomputation context: whatever the recomputed forward writes into the
+    running statistics is undone on the way out, also when torch stops the
+    recomputation early (it raises through this context)."""
+
+    def __init__(self, buffers: list[torch.Tensor]) -> None:
+        self.buffers = buffers
+        self.saved: list[torch.Tensor] = []
+
+    def __enter__(self) -> "_KeepRunningStatistics":
+        with torch.no_grad():
+            self.saved = [buffer.clone() for buffer in self.buffers]
+        return self
+
+    def __exit__(self, *exc_info: Any) -> bool:
+        with torch.no_grad():
+            for buffer, value in zip(self.buffers, self.saved):
+                buffer.copy_(value)
+        self.saved = []
+        return False
+
+
+class _Recompute:
+    """The recomputation's context: the running statistics kept around the
+    caller's own recompute context. Reusable, like torch's contexts: a
+    backward with ``retain_graph=True`` and a second one recompute twice."""
+
+    def __init__(self, keep: _KeepRunningStatistics, context: ContextManager) -> None:
+        self.keep, self.context = keep, context
+        self.stack = contextlib.ExitStack()
+
+    def __enter__(self) -> None:
+        self.stack = contextlib.ExitStack()
+        with self.stack:
+            self.stack.enter_context(self.keep)
+            self.stack.enter_context(self.context)
+            self.stack = self.stack.pop_all()
+
+    def __exit__(self, *exc_info: Any) -> bool:
+        return self.stack.__exit__(*exc_info)
+
+
+def _fresh(value: Any) -> Any:
+    # A copy the function may overwrite: the checkpoint keeps the original
+    # for the recomputation. Parameters are read, never written.
+    if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+        return value.clone()
+    return value
+
+
+def _on_copies(function: Callable) -> Callable:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return function(*(_fresh(arg) for arg in args), **kwargs)
+
+    return run
+
+
+def _check_use_reentrant(use_reentrant: Any, owner: str) -> None:
+    if use_reentrant is None or use_reentrant is False:
+        return
+    if use_reentrant is True:
+        raise ValueError(f"{owner}: use_reentrant=True is not supported; effilayers' checkpoint is built on torch's "
+                         "non-reentrant checkpoint (leave use_reentrant out or pass False), or call "
+                         "torch.utils.checkpoint directly")
+    raise TypeError(f"{owner}: use_reentrant must be None or False, got {use_reentrant!r}")
+
+
+def _checkpoint(function: Callable, args: tuple, kwargs: dict, reached: Iterable[Any], *,
+                use_reentrant: Any, context_fn: Callable, determinism_check: str, debug: bool,
+                early_stop: bool, preserve_rng_state: bool, owner: str) -> Any:
+    _check_use_reentrant(use_reentrant, owner)
+    if not callable(function):
+        raise TypeError(f"{owner}: function must be callable, got {type(function).__name__}")
+    if not callable(context_fn):
+        raise TypeError(f"{owner}: context_fn must be callable, got {type(context_fn).__name__}")
+    settings = dict(use_reentrant=False, determinism_check=determinism_check, debug=debug, early_stop=early_stop,
+                    preserve_rng_state=preserve_rng_state)
+    run = _on_copies(function)
+    # Compiled: the compiler recomputes from its graph, where the buffer
+    # updates happen once, and it accepts only dispatch-mode contexts.
+    buffers = [] if torch.compiler.is_compiling() else _running_buffers(reached)
+    if not buffers:
+        if context_fn is not torch_checkpoint.noop_context_fn:
+            settings["context_fn"] = context_fn
+        # Passed on only when given: dynamo's checkpoint accepts no other
+        # context_fn than a selective-checkpoint policy's.
+        return torch_checkpoint.checkpoint(run, *args, **settings, **kwargs)
+    if debug:
+        raise ValueError(f"{owner}: debug=True cannot be combined with the running-statistics bookkeeping (torch's "
+                         "debug mode replaces the recomputation context); debug with torch.utils.checkpoint")
+
+    def contexts() -> tuple[ContextManager, ContextManager]:
+        forward_context, recompute_context = context_fn()
+        return forward_context, _Recompute(_KeepRunningStatistics(buffers), recompute_context)
+
+    return torch_checkpoint.checkpoint(run, *args, context_fn=contexts, **settings, **kwargs)
+
+
+def checkpoint(function: Callable, *args: Any, use_reentrant: bool | None = None,
+               context_fn: Callable[[], tuple[ContextManager, ContextManager]] = torch_checkpoint.noop_context_fn,
+               determinism_check: str = torch_checkpoint._DEFAULT_DETERMINISM_MODE, debug: bool = False,
+               early_stop: bool = True, preserve_rng_state: bool = True, **kwargs: Any) -> Any:
+    """``function(*args, **kwargs)`` with its activations recomputed in
+    backward, as ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``,
+    with running statistics updated once and the tensor arguments copied for
+    the function (see :mod:`effilayers.checkpoint`)."""
+    return _checkpoint(function, args, kwargs, (function, args, kwargs), use_reentrant=use_reentrant,
+                       context_fn=context_fn, determinism_check=determinism_check, debug=debug,
+                       early_stop=early_stop, preserve_rng_state=preserve_rng_state, owner="checkpoint")
+
+
+def sqrt_segments(count: int) -> int:
+    """``ceil(sqrt(count))``: the number of segments ``segments="sqrt"`` picks for ``count`` functions."""
+    return math.isqrt(count - 1) + 1 if count > 0 else 0
+
+
+def _functions_list(functions: Any) -> list[Callable]:
+    if isinstance(functions, nn.Sequential):
+        return list(functions.children())
+    if isinstance(functions, nn.Module) or not isinstance(functions, Sequence) or isinstance(functions, str):
+        raise TypeError("checkpoint_sequential: functions must be an nn.Sequential or a list or tuple of callables, "
+                        f"got {type(functions).__name__}")
+    for index, function in enumerate(functions):
+        if not callable(function):
+            raise TypeError(f"checkpoint_sequential: functions[{index}] is not callable "
+                            f"({type(function).__name__})")
+    return list(functions)
+
+
+def _segment_count(segments: Union[int, str], count: int) -> int:
+    if isinstance(segments, str):
+        if segments != "sqrt":
+            raise ValueError(f"checkpoint_sequential: segments must be a positive int or 'sqrt', got {segments!r}")
+        return sqrt_segments(count)
+    if isinstance(segments, bool) or not isinstance(segments, int):
+        raise TypeError("checkpoint_sequential: segments must be a positive int or 'sqrt', "
+                        f"got {type(segments).__name__}")
+    if segments < 1:
+        raise ValueError(f"checkpoint_sequential: segments must be a positive int or 'sqrt', got {segments}")
+    if segments > count:
+        # torch raises ValueError here too (a zero step in range()).
+        raise ValueError(f"checkpoint_sequential: segments={segments} is more than the {count} functions; "
+                         "each segment needs at least one")
+    return segments
+
+
+def checkpoint_sequential(functions: Union[nn.Sequential, Sequence[Callable]], segments: Union[int, str],
+                          input: Any, use_reentrant: bool | None = None, **kwargs: Any) -> Any:
+    """Run ``functions`` in order on ``input``, checkpointing every segment
+    but the last, split as ``torch.utils.checkpoint.checkpoint_sequential``
+    splits them (``len(functions) // segments`` functions per checkpointed
+    segment, the rest in the last). ``segments``: a positive int, or
+    ``"sqrt"`` for ``ceil(sqrt(len(functions)))``. ``kwargs``: torch's
+    ``preserve_rng_state``, and :func:`checkpoint`'s ``context_fn``,
+    ``determinism_check``, ``debug``, ``early_stop``."""
+    functions = _functions_list(functions)
+    if not functions:
+        raise ValueError("checkpoint_sequential: functions is empty")
+    count = _segment_count(segments, len(functions))
+    _check_use_reentrant(use_reentrant, "checkpoint_sequential")
+    unexpected = [name for name in kwargs if name not in _SEQUENTIAL_KEYWORDS]
+    if unexpected:
+        raise ValueError(f"checkpoint_sequential: unexpected keyword arguments: {', '.join(unexpected)} "
+                         f"(accepted: use_reentrant, {', '.join(_SEQUENTIAL_KEYWORDS)})")
+    settings = dict(context_fn=torch_checkpoint.noop_context_fn, determinism_check=torch_checkpoint._DEFAULT_DETERMINISM_MODE,
+                    debug=False, early_stop=True, preserve_rng_state=True)
+    settings.update(kwargs)
+
+    def run_segment(segment: list[Callable]) -> Callable:
+        def forward(value: Any) -> Any:
+            for function in segment:
+                value = function(value)
+            return value
+
+        return forward
+
+    size = len(functions) // count
+    end = 0
+    for start in range(0, size * (count - 1), size):
+        end = start + size
+        segment = functions[start:end]
+        input = _checkpoint(run_segment(segment), (input,), {}, segment, use_reentrant=False,
+                            owner="checkpoint_sequential", **settings)
+    return run_segment(functions[end:])(input)
