@@ -289,3 +289,16 @@ def test_a_parameter_alias_saved_before_its_parameter_stops_counting():
     assert meter.bytes == nbytes(x) * 2
     assert [s.saved_by for s in meter.storages()] == [1, 1]
     del out
+
+
+def test_peak_bytes_under_torch_compile_match_eager():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    x = torch.randn(16, 64)
+    eager = memory.activation_bytes(model, x)
+    compiled = torch.compile(model, fullgraph=True)
+    with memory.track_activations(exclude=model) as meter:
+        loss = compiled(x).sum()
+        assert meter.bytes == eager
+        loss.backward()
+    assert (meter.bytes, meter.peak_bytes) == (0, eager)
