@@ -322,7 +322,8 @@ def track_activations(exclude: Excludable = None) -> ActivationMeter:
 
 
 def activation_bytes(fn: Callable, *args: Any, exclude: Excludable = None, **kwargs: Any) -> int:
-    """Activation bytes of one forward call ``fn(*args, **kwargs)``.
+    """Activation bytes of one forward call ``fn(*args, **kwargs)``: what
+    autograd keeps when it returns (the meter's ``bytes`` at that moment).
 
     Runs with gradients enabled and drops the result afterwards. When ``fn``
     is an ``nn.Module`` its parameters and buffers are excluded.
