@@ -1,12 +1,34 @@
 """Measure memory the way every effilayers claim is measured.
 
 Activation bytes
-    The total size of the distinct, non-parameter storages that autograd keeps
-    for backward after a forward pass. Counted through
-    ``torch.autograd.graph.saved_tensors_hooks`` and de-duplicated by storage,
-    so a tensor saved by several nodes, or a view of it, or the output of an
-    in-place op that shares its input's storage, counts once. Exact and
-    device-independent: it works on CPU, so tests can hold memory claims.
+    What autograd keeps for backward: the non-parameter tensors saved by the
+    graph, counted through ``torch.autograd.graph.saved_tensors_hooks`` and
+    de-duplicated per storage by the bytes the saved tensors *span*. A saved
+    tensor spans the bytes from its lowest- to its highest-addressed element;
+    the spans of all tensors saved on one storage are merged, so a tensor
+    saved by several nodes, or several views of one tensor, or the output of
+    an in-place op that shares its input's storage, counts once, and a saved
+    slice ``X[:32]`` of a large ``X`` counts its slice, not all of ``X``. The
+    whole storages that the saved tensors keep allocated (``X`` itself, in
+    that example) are reported beside it: ``SavedStorage.storage_bytes`` and
+    ``ActivationMeter.storage_bytes``. Exact and device-independent: it works
+    on CPU, so tests can hold memory claims.
+
+    The meter follows the saved tensors while they live. ``bytes`` is what
+    is saved *now*; ``peak_bytes`` the most that was saved at any moment
+    since the block began (updated as tensors are saved and as autograd
+    releases them). A ``backward()`` that frees the graph releases
+    everything it saved, so after ``loss.backward()`` inside or after the
+    block ``bytes`` reads 0 (or what other live graphs still hold) and
+    ``peak_bytes`` is the figure to read::
+
+        with track_activations(exclude=model) as meter:
+            loss = model(x).sum()          # meter.bytes == meter.peak_bytes here
+            loss.backward()                # meter.bytes == 0 now
+        print(meter.peak_bytes)            # what the forward kept for backward
+
+    Without a dropped graph in between, ``peak_bytes`` equals ``bytes`` at
+    the end of the forward; ``activation_bytes()`` returns that.
 
 CUDA peak bytes
     ``torch.cuda.reset_peak_memory_stats()`` then ``max_memory_allocated()``
@@ -29,6 +51,7 @@ Both come as a function and as a context manager::
 
 from __future__ import annotations
 
+import collections
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Union
@@ -71,15 +94,69 @@ def _excluded_keys(exclude: Excludable) -> set[tuple[str, int]]:
     return keys
 
 
+def _byte_span(tensor: torch.Tensor) -> tuple[int, int]:
+    """[start, end) byte offsets into its storage from the tensor's lowest-
+    to just past its highest-addressed element (empty for no elements)."""
+    itemsize = tensor.element_size()
+    start = tensor.storage_offset()
+    if tensor.numel() == 0:
+        return start * itemsize, start * itemsize
+    last = start + sum((size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride()))
+    return start * itemsize, (last + 1) * itemsize
+
+
+def _union_length(spans: Iterable[tuple[int, int]]) -> int:
+    total = 0
+    covered_to = None
+    for start, end in sorted(spans):
+        if covered_to is None or start > covered_to:
+            total += end - start
+            covered_to = end
+        elif end > covered_to:
+            total += end - covered_to
+            covered_to = end
+    return total
+
+
 @dataclass(frozen=True)
 class SavedStorage:
-    """One distinct storage that autograd keeps for backward."""
+    """One distinct storage that autograd keeps for backward.
 
-    nbytes: int
+    ``span_bytes`` is what counts as activation bytes: the union of the byte
+    ranges the saved tensors on this storage span. ``storage_bytes`` is the
+    whole storage they keep allocated (larger when only a slice is saved).
+    """
+
+    span_bytes: int
+    storage_bytes: int
     device: str
     dtype: torch.dtype
     shape: tuple[int, ...]  # of the first saved tensor seen on this storage
-    saved_by: int  # how many saved-tensor slots point into it
+    saved_by: int  # how many live saved-tensor slots point into it
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes that count: ``span_bytes``."""
+        return self.span_bytes
+
+
+class _StorageRecord:
+    """The live saved tensors on one storage: their spans and its counted bytes."""
+
+    __slots__ = ("key", "storage_bytes", "device", "dtype", "shape", "spans", "saved_by", "span_bytes", "counted")
+
+    def __init__(self, key: tuple[str, int], storage_bytes: int, tensor: torch.Tensor) -> None:
+        self.key = key
+        self.storage_bytes = storage_bytes
+        self.device = str(tensor.device)
+        self.dtype = tensor.dtype
+        self.shape = tuple(tensor.shape)
+        self.spans: collections.Counter = collections.Counter()  # (start, end) -> live saved tensors
+        self.saved_by = 0
+        self.span_bytes = 0
+        # False once the storage turns out to be a parameter's: its later
+        # releases then change nothing.
+        self.counted = True
 
 
 class _Saved:
@@ -92,16 +169,28 @@ class _Saved:
         self.version = version
 
 
+class _Release(weakref.ref):
+    """Weak reference to a holder that remembers what to take off the count
+    when autograd drops the holder (after backward, or with its graph)."""
+
+    __slots__ = ("record", "span")
+
+
 class ActivationMeter:
     """Context manager that records every tensor autograd saves inside it.
 
-    Only tensors that are still saved when you read ``bytes`` count: the
-    meter keeps weak references, so a graph you drop inside the block stops
-    counting, and the meter itself never keeps memory alive. Parameters
-    (``nn.Parameter``) never count, nor do views of them (the ``weight.t()``
-    a Linear saves) or anything else saved on a storage of a parameter
-    saved in the block; pass modules or tensors in ``exclude`` to leave out
-    their storages as well (a module: its parameters and buffers).
+    ``bytes`` counts the tensors saved in the block that autograd still
+    keeps when you read it; ``peak_bytes`` the most it kept at any moment
+    since the block began (see the module docstring: after ``backward()``
+    read ``peak_bytes``). The meter keeps weak references, so a graph you
+    drop stops counting, and the meter itself never keeps memory alive.
+    Parameters (``nn.Parameter``) never count, nor do views of them (the
+    ``weight.t()`` a Linear saves) or anything else saved on a storage of a
+    parameter saved in the block; pass modules or tensors in ``exclude`` to
+    leave out their storages as well (a module: its parameters and buffers).
+
+    Cost: one small holder and one weak reference per saved tensor; each
+    save or release re-merges the spans of that one storage only.
     """
 
     def __init__(self, exclude: Excludable = None) -> None:
@@ -109,7 +198,14 @@ class ActivationMeter:
         self._excluded: set[tuple[str, int]] = set()
         # Storages of the parameters seen saved, themselves or through a view.
         self._parameter_storages: set[tuple[str, int]] = set()
-        self._saved: list[weakref.ref] = []
+        self._records: dict[tuple[str, int], _StorageRecord] = {}
+        self._releases: set[_Release] = set()
+        # Weak-reference callbacks only queue the release: they can fire in
+        # the middle of _pack (a garbage collection) or on autograd's
+        # backward threads, and a deque append is atomic in both cases.
+        self._released: collections.deque = collections.deque()
+        self._current = 0
+        self._peak = 0
         self._hooks: Optional[torch.autograd.graph.saved_tensors_hooks] = None
 
     def _pack(self, tensor: torch.Tensor) -> "_Saved":
@@ -119,11 +215,54 @@ class ActivationMeter:
         # the graph would never be freed. The weak reference then lives
         # exactly as long as autograd keeps the saved tensor.
         saved = _Saved(tensor.detach(), tensor._version)
+        self._apply_releases()
+        storage = tensor.untyped_storage()
+        if storage.nbytes() == 0:
+            return saved
+        key = (str(tensor.device), storage.data_ptr())
         if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter):
-            self._parameter_storages.add(_storage_key(tensor))
-        else:
-            self._saved.append(weakref.ref(saved))
+            self._parameter_storages.add(key)
+            record = self._records.pop(key, None)
+            if record is not None:
+                # Saved before the parameter itself (a detached alias of it):
+                # counted no longer, though a peak already reached keeps it.
+                self._current -= record.span_bytes
+                record.counted = False
+            return saved
+        if key in self._excluded or key in self._parameter_storages:
+            return saved
+        record = self._records.get(key)
+        if record is None:
+            record = self._records[key] = _StorageRecord(key, storage.nbytes(), tensor)
+        release = _Release(saved, self._released.append)
+        release.record = record
+        release.span = _byte_span(tensor)
+        self._releases.add(release)
+        record.saved_by += 1
+        record.spans[release.span] += 1
+        self._recount(record)
+        self._peak = max(self._peak, self._current)
         return saved
+
+    def _recount(self, record: _StorageRecord) -> None:
+        span_bytes = _union_length(record.spans)
+        self._current += span_bytes - record.span_bytes
+        record.span_bytes = span_bytes
+
+    def _apply_releases(self) -> None:
+        while self._released:
+            release = self._released.popleft()
+            self._releases.discard(release)
+            record = release.record
+            record.saved_by -= 1
+            record.spans[release.span] -= 1
+            if not record.spans[release.span]:
+                del record.spans[release.span]
+            if not record.counted:
+                continue
+            self._recount(record)
+            if record.saved_by == 0 and self._records.get(record.key) is record:
+                del self._records[record.key]
 
     @staticmethod
     def _unpack(saved: "_Saved") -> torch.Tensor:
@@ -150,29 +289,28 @@ class ActivationMeter:
         self._hooks = None
 
     def storages(self) -> list[SavedStorage]:
-        """The distinct saved storages, largest first."""
-        found: dict[tuple[str, int], list] = {}
-        for ref in self._saved:
-            holder = ref()
-            if holder is None:
-                continue
-            tensor = holder.tensor
-            storage = tensor.untyped_storage()
-            if storage.nbytes() == 0:
-                continue
-            key = _storage_key(tensor)
-            if key in self._excluded or key in self._parameter_storages:
-                continue
-            if key in found:
-                found[key][4] += 1
-            else:
-                found[key] = [storage.nbytes(), str(tensor.device), tensor.dtype, tuple(tensor.shape), 1]
-        return sorted((SavedStorage(*entry) for entry in found.values()), key=lambda s: -s.nbytes)
+        """The distinct storages saved tensors still keep, largest span first."""
+        self._apply_releases()
+        found = [SavedStorage(r.span_bytes, r.storage_bytes, r.device, r.dtype, r.shape, r.saved_by)
+                 for r in self._records.values()]
+        return sorted(found, key=lambda s: (-s.span_bytes, -s.storage_bytes))
 
     @property
     def bytes(self) -> int:
-        """Activation bytes: total size of the distinct saved storages."""
-        return sum(s.nbytes for s in self.storages())
+        """Activation bytes saved now: merged spans of the saved tensors autograd still keeps."""
+        self._apply_releases()
+        return self._current
+
+    @property
+    def peak_bytes(self) -> int:
+        """The most activation bytes saved at any moment since the block began."""
+        self._apply_releases()
+        return self._peak
+
+    @property
+    def storage_bytes(self) -> int:
+        """The whole storages the saved tensors keep allocated now (>= ``bytes``)."""
+        return sum(s.storage_bytes for s in self.storages())
 
     def largest(self, n: int = 10) -> list[SavedStorage]:
         return self.storages()[:n]
@@ -184,7 +322,8 @@ def track_activations(exclude: Excludable = None) -> ActivationMeter:
 
 
 def activation_bytes(fn: Callable, *args: Any, exclude: Excludable = None, **kwargs: Any) -> int:
-    """Activation bytes of one forward call ``fn(*args, **kwargs)``.
+    """Activation bytes of one forward call ``fn(*args, **kwargs)``: what
+    autograd keeps when it returns (the meter's ``bytes`` at that moment).
 
     Runs with gradients enabled and drops the result afterwards. When ``fn``
     is an ``nn.Module`` its parameters and buffers are excluded.

@@ -303,7 +303,7 @@ def test_leaf_input_that_requires_grad_is_refused(device):
         (lambda: ABN(4, activation_param="big"), TypeError, "activation_param must be a float"),
         (lambda: ABN(4, activation_param=float("nan")), ValueError, "must be finite"),
         (lambda: ABN(0), ValueError, "num_features must be a positive int"),
-        (lambda: ABN(4, eps=0), ValueError, "eps must be a positive float"),
+        (lambda: ABN(4, eps=0), ValueError, "eps must be positive"),
         (lambda: ABN(4, momentum=1.5), ValueError, "momentum must be None or a float in"),
         (lambda: InPlaceABN(4, weight_eps=0), ValueError, "weight_eps must be a positive float"),
     ],
@@ -468,3 +468,73 @@ def test_double_backward_raises_instead_of_being_wrong(device):
     (grad,) = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
     with pytest.raises(RuntimeError):
         grad.sum().backward()
+
+
+# ---- torch's BatchNorm constructor forms ---------------------------------------------------------
+
+# The constructor arguments of torch's ModuleInfo samples for BatchNorm2d
+# (torch/testing/_internal/common_modules.py, module_inputs_torch_nn_BatchNorm2d).
+TORCH_BATCHNORM_FORMS = {
+    "default": ((3,), {}),
+    "simple_average": ((3, 1e-3, None), {}),
+    "momentum": ((3, 1e-3, 0.8), {}),
+    "not_affine": ((3, 1e-3, 0.8, False), {}),
+    "not_tracking_stats": ((3, 1e-3, 0.8, True, False), {}),
+    "affine_not_bias": ((3,), {"bias": False}),
+}
+
+
+@pytest.mark.parametrize("cls", [InPlaceABN, ABN], ids=["InPlaceABN", "ABN"])
+@pytest.mark.parametrize("form", list(TORCH_BATCHNORM_FORMS))
+def test_torch_batchnorm_constructor_forms(device, cls, form):
+    args, kwargs = TORCH_BATCHNORM_FORMS[form]
+    plain = nn.BatchNorm2d(*args, **kwargs).to(device=device, dtype=torch.float64)
+    ours = cls(*args, activation="identity", **kwargs).to(device=device, dtype=torch.float64)
+    if ours.affine:
+        generator = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            ours.weight.copy_(0.5 + torch.rand(3, generator=generator, dtype=torch.float64))
+            if ours.bias is not None:
+                ours.bias.copy_(torch.randn(3, generator=generator, dtype=torch.float64))
+    assert ours.state_dict().keys() == plain.state_dict().keys()
+    plain.load_state_dict(ours.state_dict())
+    for step, training in enumerate((True, True, False)):
+        ours.train(training), plain.train(training)
+        x = channel_varied((2, 3, 6, 6), torch.float64, device, seed=step).requires_grad_()
+        x_plain = x.detach().clone().requires_grad_()
+        out, expected = run_ours(ours, x), plain(x_plain)
+        torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+        grad = channel_varied(out.shape, torch.float64, device, seed=10 + step)
+        out.backward(grad)
+        expected.backward(grad)
+        torch.testing.assert_close(x.grad, x_plain.grad, rtol=1e-9, atol=1e-10)
+    for name, parameter in plain.named_parameters():
+        torch.testing.assert_close(getattr(ours, name).grad, parameter.grad, rtol=1e-9, atol=1e-10)
+    for name, buffer in plain.named_buffers():
+        torch.testing.assert_close(getattr(ours, name), buffer, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("cls", [InPlaceABN, ABN], ids=["InPlaceABN", "ABN"])
+def test_bias_false_is_batchnorm_with_the_bias_fixed_at_zero(device, cls):
+    ours = cls(4, activation="leaky_relu", activation_param=0.2, bias=False).to(device=device, dtype=torch.float64)
+    assert ours.bias is None and "bias" not in ours.state_dict() and "bias=False" in repr(ours)
+    plain = nn.BatchNorm2d(4).to(device=device, dtype=torch.float64)
+    with torch.no_grad():
+        ours.weight.copy_(torch.tensor([1.5, -0.7, 0.6, 2.0]))
+        plain.weight.copy_(ours.weight)
+    plain.bias.requires_grad_(False)
+    x = channel_varied((3, 4, 5, 5), torch.float64, device).requires_grad_()
+    x_plain = x.detach().clone().requires_grad_()
+    out, expected = run_ours(ours, x), F.leaky_relu(plain(x_plain), 0.2)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+    grad = channel_varied(out.shape, torch.float64, device, seed=5)
+    out.backward(grad)
+    expected.backward(grad)
+    torch.testing.assert_close(x.grad, x_plain.grad, rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(ours.weight.grad, plain.weight.grad, rtol=1e-9, atol=1e-10)
+    assert torch.equal(plain.bias, torch.zeros(4, dtype=torch.float64, device=device))
+
+
+def test_bias_must_be_a_bool():
+    with pytest.raises(TypeError, match="bias must be a bool"):
+        ABN(4, bias=None)

@@ -138,8 +138,14 @@ def test_forward_mode_ad_is_refused(ce_device):
 
 def test_input_errors():
     logits = make_logits((3, 5), torch.float32, "cpu")
-    with pytest.raises(TypeError, match="probability .* targets are not supported"):
-        cross_entropy(logits, torch.softmax(logits, 1))
+    with pytest.raises(ValueError, match=r"class probabilities and must have the logits' shape \(3, 5\)"):
+        cross_entropy(logits, torch.softmax(logits, 1)[:, :4])
+    with pytest.raises(ValueError, match="ignore_index is not supported for probability"):
+        cross_entropy(logits, torch.softmax(logits, 1), ignore_index=0)
+    with pytest.raises(ValueError, match="inplace_backward=True needs class-index targets"):
+        cross_entropy(logits * 1, torch.softmax(logits, 1), inplace_backward=True)
+    with pytest.raises(ValueError, match=r"weight must have shape \(5,\)"):
+        cross_entropy(logits, torch.softmax(logits, 1), weight=torch.ones(4))
     with pytest.raises(TypeError, match="target must be int64"):
         cross_entropy(logits, torch.tensor([0, 1, 2], dtype=torch.int16))
     with pytest.raises(ValueError, match=r"target must have shape \(3,\)"):

@@ -115,9 +115,10 @@ def _block(layers=3, start=6, growth=4, bn_size=2):
 
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 def test_block_keeps_its_maps_once(layout):
-    """Saved for backward: the block buffer (input and every new map, once,
-    which is also the output), each layer's norm2 input and the per-channel
-    statistics; nothing else."""
+    """Saved for backward: views of the block buffer (input and every new map
+    but the last, once: the last is only the output), each layer's norm2
+    input and the per-channel statistics; nothing else. The meter counts the
+    bytes the buffer views span, and the whole buffer as its storage."""
     layers, start, growth, bn_size = 3, 6, 4, 2
     block = _block(layers, start, growth, bn_size)
     memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
@@ -128,7 +129,15 @@ def test_block_keeps_its_maps_once(layout):
     inner = bn_size * growth
     pixels = 2 * 5 * 5
     statistics = sum(2 * (start + i * growth) + 2 * inner for i in range(layers)) * 4  # mean, invstd per norm
-    assert meter.bytes == (total + layers * inner) * pixels * 4 + statistics, meter.largest()
+    kept = start + (layers - 1) * growth  # channels 0..kept-1 of the buffer are saved
+    if layout == "contiguous":
+        # image 0 whole, then image 1 up to the end of channel kept-1
+        buffer_span = (total * 25 + kept * 25) * 4
+    else:
+        # (n, h, w, c) order: every pixel's channels, up to channel kept-1 of the last pixel
+        buffer_span = ((pixels - 1) * total + kept) * 4
+    assert meter.bytes == buffer_span + layers * inner * pixels * 4 + statistics, meter.largest()
+    assert meter.largest(1)[0].storage_bytes == total * pixels * 4
     assert out.shape == (2, total, 5, 5)
     assert out.is_contiguous(memory_format=memory_format)
     del out

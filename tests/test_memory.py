@@ -207,3 +207,98 @@ def test_meter_keeps_autograd_inplace_check():
     assert meter.bytes == 5 * 5 * 4
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         hidden.sum().backward()
+
+
+def test_a_saved_slice_counts_its_span_not_the_whole_storage():
+    # The user's report: a batch sliced out of a large dataset tensor.
+    big = torch.randn(10000, 512)
+    batch = big[:32]
+    assert memory.activation_bytes(nn.Linear(512, 8), batch) == nbytes(batch)
+    with memory.track_activations() as meter:
+        out = nn.Linear(512, 8)(batch)
+    [saved] = meter.storages()
+    assert (saved.span_bytes, saved.nbytes, saved.storage_bytes) == (nbytes(batch), nbytes(batch), nbytes(big))
+    assert meter.storage_bytes == nbytes(big)
+    del out
+
+
+def test_spans_of_views_of_one_storage_are_merged():
+    x = torch.randn(20, 16)
+    w = nn.Parameter(torch.randn(16, 3))
+    row = 16 * 4
+    # Rows 2..9 and 6..13 overlap on 6..9: together they span rows 2..13.
+    assert memory.activation_bytes(lambda t: t[2:10] @ w + t[6:14] @ w, x) == 12 * row
+    # Rows 0..3 and 10..12 leave a gap that does not count.
+    assert memory.activation_bytes(lambda t: (t[0:4] @ w).sum() + (t[10:13] @ w).sum(), x) == 7 * row
+
+
+def test_a_strided_view_spans_from_its_first_to_its_last_element():
+    x = torch.randn(8, 16)
+    w = nn.Parameter(torch.randn(1, 3))
+    column = x[:, 3:4]  # elements 3, 19, ..., 115 of the storage
+    assert memory.activation_bytes(lambda t: t @ w, column) == (7 * 16 + 1) * 4
+    transposed = x[1:3].t()  # rows 1 and 2, whatever the order
+    square = nn.Parameter(torch.randn(2, 3))
+    assert memory.activation_bytes(lambda t: t @ square, transposed) == 2 * 16 * 4
+
+
+def test_peak_bytes_survive_backward_inside_the_block():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10))
+    x = torch.randn(32, 512)
+    forward_bytes = memory.activation_bytes(model, x)
+    assert forward_bytes > 0
+    with memory.track_activations(exclude=model) as meter:
+        loss = model(x).sum()
+        assert meter.bytes == meter.peak_bytes == forward_bytes
+        loss.backward()
+        # backward freed every saved tensor
+        assert meter.bytes == 0 and meter.storages() == []
+    assert meter.bytes == 0
+    assert meter.peak_bytes == forward_bytes
+
+
+def test_peak_is_the_largest_moment_not_the_sum_of_steps():
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+    small, large = torch.randn(4, 64), torch.randn(16, 64)
+    with memory.track_activations(exclude=model) as meter:
+        for x in (small, large, small):
+            model(x).sum().backward()
+    assert meter.bytes == 0
+    assert meter.peak_bytes == memory.activation_bytes(model, large)
+
+
+def test_peak_keeps_a_graph_dropped_inside_the_block():
+    x = torch.randn(100, 100, requires_grad=True)
+    with memory.track_activations() as meter:
+        dropped = (x + 1).sin()  # saves its input: 40 kB
+        wide = torch.cat([x, x]).exp()  # saves its output: 80 kB
+        del dropped, wide
+        kept = x.exp()
+    assert meter.bytes == nbytes(kept)
+    assert meter.peak_bytes == nbytes(x) + 2 * nbytes(x)
+    del kept
+
+
+def test_a_parameter_alias_saved_before_its_parameter_stops_counting():
+    weight = nn.Parameter(torch.randn(8, 16))
+    x = torch.randn(8, 16)
+    with memory.track_activations() as meter:
+        alias = weight.detach().requires_grad_()
+        out = (x * alias) * weight  # saves x and the alias, then the product and weight
+    assert meter.bytes == nbytes(x) * 2
+    assert [s.saved_by for s in meter.storages()] == [1, 1]
+    del out
+
+
+def test_peak_bytes_under_torch_compile_match_eager():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    x = torch.randn(16, 64)
+    eager = memory.activation_bytes(model, x)
+    compiled = torch.compile(model, fullgraph=True)
+    with memory.track_activations(exclude=model) as meter:
+        loss = compiled(x).sum()
+        assert meter.bytes == eager
+        loss.backward()
+    assert (meter.bytes, meter.peak_bytes) == (0, eager)

@@ -321,6 +321,34 @@ def test_invalid_hyperparameters_are_named(kwargs, error, match):
         ChunkedAdamW(make_net().parameters(), **kwargs)
 
 
+@pytest.mark.parametrize("betas", [(torch.tensor(0.9), 0.999), (0.9, torch.tensor(0.999))], ids=["tensor-float",
+                                                                                               "float-tensor"])
+@pytest.mark.parametrize("optimizer", [torch.optim.AdamW, torch.optim.Adam, ChunkedAdamW, ChunkedAdam])
+def test_betas_mixing_float_and_tensor_raise_torchs_error(optimizer, betas):
+    # torch 2.13: ValueError "betas must be either both floats or both Tensors"
+    with pytest.raises(ValueError, match="betas must be either both floats or both Tensors"):
+        optimizer(make_net().parameters(), betas=betas)
+    if optimizer in (ChunkedAdamW, ChunkedAdam):
+        # torch checks only the defaults; a param group's betas are checked here too
+        model = make_net()
+        with pytest.raises(ValueError, match="betas must be either both floats or both Tensors"):
+            optimizer([dict(params=model.head.parameters(), betas=betas)])
+
+
+def test_betas_as_two_tensors_step_like_floats():
+    torch.manual_seed(0)
+    results = []
+    for betas in ((0.8, 0.99), (torch.tensor(0.8), torch.tensor(0.99))):
+        model = make_net(spare=False)
+        optimizer = ChunkedAdamW(model.parameters(), lr=1e-2, betas=betas)
+        train_steps(model, optimizer, 2)
+        results.append([p.detach().clone() for p in model.parameters()])
+    initial = [p.detach() for p in make_net(spare=False).parameters()]
+    for tensor_betas, float_betas, start in zip(results[1], results[0], initial):
+        torch.testing.assert_close(tensor_betas, float_betas)  # float32 betas: rounding apart
+        assert not torch.equal(float_betas, start)
+
+
 def test_invalid_group_hyperparameters_are_named():
     model = make_net()
     with pytest.raises(ValueError, match="betas\\[1\\] must be in"):

@@ -682,8 +682,8 @@ def test_norm_other_orders(backend, order):
     narrow = EF.norm(x, 1, ord=order, dtype=torch.float16)
     assert narrow.dtype == torch.float16
     torch.testing.assert_close(narrow.double(), torch.linalg.vector_norm(x.double(), order, 1), rtol=1e-3, atol=1e-3)
-    with pytest.raises(ValueError, match="ord must be 1, 2 or math.inf"):
-        EF.norm(x, ord=3)
+    with pytest.raises(ValueError, match="ord must be a real number"):
+        EF.norm(x, ord="max")
 
 
 @pytest.mark.parametrize("kind", ["sum", "mean"])

@@ -20,8 +20,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..ops.abn.contract import (DEFAULT_WEIGHT_EPS, check_activation, check_eps, check_in_place, check_input,
-                                check_momentum, check_weight_eps)
+from ..ops.abn.contract import (DEFAULT_WEIGHT_EPS, check_activation, check_eps, check_flag, check_in_place,
+                                check_input, check_momentum, check_weight_eps)
 from ..ops.abn.op import activated_batch_norm
 
 __all__ = ["ABN", "InPlaceABN", "InPlaceABNSync", "FusedActivation", "fused_norm", "PLAIN_TYPE_ATTR"]
@@ -35,7 +35,10 @@ class ABN(nn.Module):
 
     Args mirror ``torch.nn.BatchNorm2d`` (``num_features``, ``eps``,
     ``momentum`` (None: cumulative average), ``affine``,
-    ``track_running_stats``, ``device``, ``dtype``), plus ``activation``
+    ``track_running_stats``, ``device``, ``dtype`` and the keyword-only
+    ``bias``: ``bias=False`` with ``affine=True`` keeps a weight and no
+    bias, ``self.bias`` is None and the state dict has no ``bias``, as
+    BatchNorm2d(..., bias=False)), plus ``activation``
     (``"leaky_relu"``, ``"elu"``, ``"relu"`` or ``"identity"``) and
     ``activation_param`` (leaky_relu's negative slope or elu's alpha).
     Inputs of rank 2 to 5, any layout, float16/bfloat16/float32/float64;
@@ -46,7 +49,7 @@ class ABN(nn.Module):
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1, affine: bool = True,
                  track_running_stats: bool = True, activation: str = "leaky_relu", activation_param: float = 0.01,
-                 device=None, dtype=None) -> None:
+                 device=None, dtype=None, *, bias: bool = True) -> None:
         super().__init__()
         name = type(self).__name__
         if isinstance(num_features, bool) or not isinstance(num_features, int) or num_features <= 0:
@@ -54,6 +57,7 @@ class ABN(nn.Module):
         check_eps(eps, name)
         check_momentum(momentum, name)
         check_activation(activation, activation_param, inplace=self._inplace, where=name)
+        check_flag(bias, "bias", name)
         factory = {"device": device, "dtype": dtype}
         self.num_features = num_features
         self.eps = float(eps)
@@ -64,7 +68,10 @@ class ABN(nn.Module):
         self.activation_param = float(activation_param)
         if affine:
             self.weight = nn.Parameter(torch.ones(num_features, **factory))
-            self.bias = nn.Parameter(torch.zeros(num_features, **factory))
+            if bias:
+                self.bias = nn.Parameter(torch.zeros(num_features, **factory))
+            else:
+                self.register_parameter("bias", None)
         else:
             self.register_parameter("weight", None)
             self.register_parameter("bias", None)
@@ -87,7 +94,8 @@ class ABN(nn.Module):
         self.reset_running_stats()
         if self.affine:
             nn.init.ones_(self.weight)
-            nn.init.zeros_(self.bias)
+            if self.bias is not None:
+                nn.init.zeros_(self.bias)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # Checkpoints from before num_batches_tracked existed, as BatchNorm allows.
@@ -122,7 +130,8 @@ class ABN(nn.Module):
     def extra_repr(self) -> str:
         return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
                 f"track_running_stats={self.track_running_stats}, activation={self.activation!r}, "
-                f"activation_param={self.activation_param}")
+                f"activation_param={self.activation_param}" + (", bias=False" if self.affine and self.bias is None
+                                                               else ""))
 
 
 class InPlaceABN(ABN):
@@ -151,9 +160,9 @@ class InPlaceABN(ABN):
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1, affine: bool = True,
                  track_running_stats: bool = True, activation: str = "leaky_relu", activation_param: float = 0.01,
-                 weight_eps: float = DEFAULT_WEIGHT_EPS, device=None, dtype=None) -> None:
+                 weight_eps: float = DEFAULT_WEIGHT_EPS, device=None, dtype=None, *, bias: bool = True) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats, activation, activation_param,
-                         device=device, dtype=dtype)
+                         device=device, dtype=dtype, bias=bias)
         check_weight_eps(weight_eps, type(self).__name__)
         self.weight_eps = float(weight_eps)
 
@@ -174,9 +183,10 @@ class InPlaceABNSync(InPlaceABN):
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1, affine: bool = True,
                  track_running_stats: bool = True, activation: str = "leaky_relu", activation_param: float = 0.01,
-                 weight_eps: float = DEFAULT_WEIGHT_EPS, process_group=None, device=None, dtype=None) -> None:
+                 weight_eps: float = DEFAULT_WEIGHT_EPS, process_group=None, device=None, dtype=None, *,
+                 bias: bool = True) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats, activation, activation_param,
-                         weight_eps, device=device, dtype=dtype)
+                         weight_eps, device=device, dtype=dtype, bias=bias)
         self.process_group = process_group
 
     def _group(self):

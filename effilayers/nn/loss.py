@@ -29,8 +29,9 @@ class CrossEntropyLoss(nn.CrossEntropyLoss):
     never makes a float32 copy of the logits.
 
     ``forward(input, target)``: ``input`` ``(N, C)``, ``(N, C, d1, ...)`` or
-    ``(C,)``; ``target`` the class indices without the class dimension.
-    Probability targets are not supported.
+    ``(C,)``; ``target`` the class indices without the class dimension, or
+    class probabilities of the input's shape (torch's formula and memory;
+    see :func:`effilayers.functional.cross_entropy`).
     """
 
     __constants__ = ["ignore_index", "reduction", "label_smoothing", "inplace_backward"]

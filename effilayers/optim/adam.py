@@ -39,6 +39,7 @@ from torch.optim import Optimizer
 
 from .._core.layout import is_dense
 from ..ops.adam import PARAM_DTYPES, STATE_DTYPES, AdamHyperParams
+from ..ops.adam.contract import check_hyperparameters
 from .chunks import DEFAULT_CHUNK_SIZE, EIGHT_BIT, _Chunk
 from .offload import _Transfers
 from .state import _ChunkedState, _plain_state
@@ -112,7 +113,7 @@ class ChunkedAdam(_ChunkedState, Optimizer):
         chunk_size: int = DEFAULT_CHUNK_SIZE,
     ) -> None:
         name = type(self).__name__
-        _check_hyperparameters(name, lr, betas, eps, weight_decay)
+        check_hyperparameters(name, lr, betas, eps, weight_decay)
         if differentiable:
             raise ValueError(f"{name}: differentiable=True is not supported (the update runs in a fused kernel)")
         if not (state_dtype == EIGHT_BIT or state_dtype in STATE_DTYPES):
@@ -168,9 +169,9 @@ class ChunkedAdam(_ChunkedState, Optimizer):
         _check_listed_once(name, [item[1] if isinstance(item, tuple) else item for item in params],
                            f"param group {len(self.param_groups)}")
         group = dict(param_group, params=params)  # a generator is consumed by the checks above
-        _check_hyperparameters(name, group.get("lr", self.defaults["lr"]), group.get("betas", self.defaults["betas"]),
-                               group.get("eps", self.defaults["eps"]),
-                               group.get("weight_decay", self.defaults["weight_decay"]))
+        check_hyperparameters(name, group.get("lr", self.defaults["lr"]), group.get("betas", self.defaults["betas"]),
+                              group.get("eps", self.defaults["eps"]),
+                              group.get("weight_decay", self.defaults["weight_decay"]))
         super().add_param_group(group)
 
     def chunk_layout(self) -> list[dict[str, Any]]:
@@ -351,23 +352,3 @@ def _check_listed_once(name: str, params: list, where: str) -> None:
         if seen != position:
             raise ValueError(f"{name}: parameter {position} of {where} is the same tensor as parameter {seen} "
                              "(a parameter listed twice would be updated twice per step); list each parameter once")
-
-
-def _check_hyperparameters(name: str, lr, betas, eps, weight_decay) -> None:
-    if isinstance(lr, torch.Tensor):
-        if lr.numel() != 1:
-            raise ValueError(f"{name}: lr as a Tensor must have one element, got {lr.numel()}")
-        lr = float(lr)
-    if not isinstance(lr, (int, float)) or not 0.0 <= lr:
-        raise ValueError(f"{name}: lr must be a float >= 0, got {lr!r}")
-    if not 0.0 <= eps:
-        raise ValueError(f"{name}: eps must be >= 0, got {eps!r}")
-    try:
-        beta1, beta2 = betas
-    except (TypeError, ValueError):
-        raise ValueError(f"{name}: betas must be a pair (beta1, beta2), got {betas!r}") from None
-    for index, beta in enumerate((beta1, beta2)):
-        if not 0.0 <= float(beta) < 1.0:
-            raise ValueError(f"{name}: betas[{index}] must be in [0, 1), got {beta!r}")
-    if not 0.0 <= weight_decay:
-        raise ValueError(f"{name}: weight_decay must be >= 0, got {weight_decay!r}")

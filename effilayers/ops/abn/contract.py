@@ -13,7 +13,7 @@ import torch
 from .._activation import ACTIVATIONS, INVERTIBLE_ACTIVATIONS
 
 __all__ = ["DEFAULT_WEIGHT_EPS", "SUPPORTED_DTYPES", "check_activation", "check_input", "check_arguments",
-           "check_in_place", "check_eps", "check_momentum", "check_weight_eps"]
+           "check_in_place", "check_eps", "check_momentum", "check_weight_eps", "check_flag"]
 
 DEFAULT_WEIGHT_EPS = 1e-3
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -44,8 +44,14 @@ def check_activation(activation: str, activation_param: float, inplace: bool, wh
 
 
 def check_eps(eps, where: str) -> None:
+    # "eps must be positive" is the phrase torch's BatchNorm raises.
     if not (isinstance(eps, (int, float)) and eps > 0):
-        raise ValueError(f"{where}: eps must be a positive float, got {eps!r}")
+        raise ValueError(f"{where}: eps must be positive (a float > 0), got {eps!r}")
+
+
+def check_flag(value, name: str, where: str) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{where}: {name} must be a bool, got {type(value).__name__}")
 
 
 def check_momentum(momentum, where: str) -> None:

@@ -59,7 +59,7 @@ from ..._core.layout import is_dense, same_layout
 
 __all__ = ["AdamHyperParams", "PARAM_DTYPES", "STATE_DTYPES", "QUANT_PARAM_DTYPES", "QUANT_BLOCK", "EXP_AVG_LEVELS",
            "EXP_AVG_SQ_LEVELS", "padded_numel", "op_schema", "op_kernel", "check_adam_arguments",
-           "check_adam_8bit_arguments"]
+           "check_adam_8bit_arguments", "check_hyperparameters"]
 
 PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 STATE_DTYPES = (torch.float32, torch.bfloat16)
@@ -227,3 +227,29 @@ def check_adam_8bit_arguments(params, grads, exp_avg, exp_avg_absmax, exp_avg_sq
                              f"{total // QUANT_BLOCK} elements (one per block of {QUANT_BLOCK}), got "
                              f"{absmax.dtype} of shape {tuple(absmax.shape)}")
     _check_master_and_step(op, master, step, total, layout=" (the padded layout of the states)")
+
+
+def check_hyperparameters(name: str, lr, betas, eps, weight_decay) -> None:
+    """The optimizer's settings as torch.optim.Adam/AdamW check them (with
+    their messages' substance), once per param group."""
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"{name}: lr as a Tensor must have one element, got {lr.numel()}")
+        lr = float(lr)
+    if not isinstance(lr, (int, float)) or not 0.0 <= lr:
+        raise ValueError(f"{name}: lr must be a float >= 0, got {lr!r}")
+    if not 0.0 <= eps:
+        raise ValueError(f"{name}: eps must be >= 0, got {eps!r}")
+    try:
+        beta1, beta2 = betas
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: betas must be a pair (beta1, beta2), got {betas!r}") from None
+    if isinstance(beta1, torch.Tensor) != isinstance(beta2, torch.Tensor):
+        # torch.optim.Adam/AdamW refuse the mix with this message (torch 2.13).
+        raise ValueError(f"{name}: betas must be either both floats or both Tensors, got "
+                         f"({type(beta1).__name__}, {type(beta2).__name__})")
+    for index, beta in enumerate((beta1, beta2)):
+        if not 0.0 <= float(beta) < 1.0:
+            raise ValueError(f"{name}: betas[{index}] must be in [0, 1), got {beta!r}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"{name}: weight_decay must be >= 0, got {weight_decay!r}")

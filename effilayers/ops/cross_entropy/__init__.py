@@ -5,9 +5,13 @@ label_smoothing=0.0, reduction="mean", inplace_backward=False)`` computes
 what ``torch.nn.functional.cross_entropy`` computes for class-index targets:
 logits ``(N, C)`` with target ``(N,)``, or ``(N, C, d1, ...)`` with target
 ``(N, d1, ...)`` (the class dimension is 1), or unbatched ``(C,)`` with a
-0-dim target. Probability ("soft") targets are not supported. The loss is
-differentiable with respect to the logits only: a ``weight`` that requires
-grad is refused (``ValueError``) while grad mode is on, as torch refuses it.
+0-dim target. The loss is differentiable with respect to the logits only:
+a ``weight`` that requires grad is refused (``ValueError``) while grad mode
+is on, as torch refuses it. Probability ("soft") targets, a floating target
+of the logits' shape, run torch's own formula with torch's ops (with
+``label_smoothing`` the target becomes ``target * (1 - eps) + eps / C``; the
+mean divides by the number of rows): the same values and gradients
+(logits, target and weight) as torch, and torch's memory, not this op's.
 
 Numerics
     Each row's log-sum-exp is accumulated in float32 (float64 for float64

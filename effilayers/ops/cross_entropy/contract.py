@@ -32,10 +32,8 @@ def check_arguments(logits, target, weight, ignore_index, label_smoothing, reduc
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"cross_entropy: ignore_index must be an int, got {ignore_index!r}")
     if target.is_floating_point():
-        raise TypeError(
-            "cross_entropy: target must hold class indices (int64); probability (soft) targets "
-            f"are not supported, got a {target.dtype} target of shape {tuple(target.shape)}"
-        )
+        check_probability_target(logits, target, weight, ignore_index, inplace_backward)
+        return
     if target.dtype not in TARGET_DTYPES:
         raise TypeError(f"cross_entropy: target must be int64 (or int32/uint8) class indices, got {target.dtype}")
     if logits.dim() == 0:
@@ -87,6 +85,38 @@ def check_arguments(logits, target, weight, ignore_index, label_smoothing, reduc
             "cross_entropy: inplace_backward=True writes the gradient over the logits, but several of their "
             "elements share memory (an expanded tensor); pass logits.contiguous() or use inplace_backward=False"
         )
+
+
+def check_probability_target(logits, target, weight, ignore_index, inplace_backward) -> None:
+    """A floating target holds class probabilities (soft labels, mixup):
+    the logits' shape, as torch requires."""
+    if logits.dim() == 0:
+        raise ValueError("cross_entropy: logits must have at least 1 dimension (C,) or (N, C, ...)")
+    if target.dtype not in LOGIT_DTYPES:
+        raise TypeError(f"cross_entropy: a probability target must be float16, bfloat16, float32 or float64, "
+                        f"got {target.dtype}")
+    if tuple(target.shape) != tuple(logits.shape):
+        raise ValueError(
+            f"cross_entropy: a floating target holds class probabilities and must have the logits' shape "
+            f"{tuple(logits.shape)}, got {tuple(target.shape)} (class indices must be int64)"
+        )
+    if target.device != logits.device:
+        raise ValueError(f"cross_entropy: target is on {target.device} but logits are on {logits.device}")
+    if ignore_index != -100:
+        raise ValueError(f"cross_entropy: ignore_index is not supported for probability (floating) targets, "
+                         f"got ignore_index={ignore_index} (torch refuses it too)")
+    if inplace_backward:
+        raise ValueError("cross_entropy: inplace_backward=True needs class-index targets; probability targets run "
+                         "torch's formula, which keeps its log-softmax")
+    classes = logits.shape[0] if logits.dim() == 1 else logits.shape[1]
+    if weight is not None:
+        if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
+            raise TypeError("cross_entropy: weight must be a floating-point tensor of shape (C,) or None")
+        if tuple(weight.shape) != (classes,):
+            raise ValueError(f"cross_entropy: weight must have shape ({classes},) (one per class), "
+                             f"got {tuple(weight.shape)}")
+        if weight.device != logits.device:
+            raise ValueError(f"cross_entropy: weight is on {weight.device} but logits are on {logits.device}")
 
 
 def check_target_range(target: torch.Tensor, ignore_index: int, classes: int) -> None:

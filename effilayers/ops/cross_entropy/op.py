@@ -195,6 +195,42 @@ class _CrossEntropyFunction(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------------
+# Probability targets: torch's formula
+# ---------------------------------------------------------------------------
+
+
+def _probability_cross_entropy(logits, target, weight, label_smoothing, reduction):
+    """torch's cross-entropy against class probabilities, in torch's order of
+    operations (so float64 results are torch's to the bit): smoothed target
+    ``target * (1 - eps) + eps / C``, row loss ``-sum_c w[c] * target[c] *
+    log_softmax(x)[c]``, a mean over rows (not over weights). Plain torch
+    ops: autograd reaches the logits, the target and the weight, and the
+    memory is torch's (the log-softmax is kept)."""
+    class_dim = 0 if logits.dim() == 1 else 1
+    classes = logits.shape[class_dim]
+    if autocast_to_float32(logits, ("cpu", "cuda")):
+        # torch.autocast runs cross_entropy in float32, target included.
+        logits, target = logits.float(), target.float()
+        weight = None if weight is None else weight.float()
+    log_probabilities = torch.log_softmax(logits, class_dim)
+    if label_smoothing > 0:
+        target = target * (1 - label_smoothing) + label_smoothing / classes
+    terms = log_probabilities * target
+    if weight is not None:
+        shape = [1] * logits.dim()
+        shape[class_dim] = classes
+        terms = terms * weight.view(shape)
+    if reduction == "none":
+        return -terms.sum(class_dim)
+    total = -terms.sum()
+    if reduction == "sum":
+        return total
+    if logits.numel() == 0:
+        return total.fill_(math.nan)
+    return total / (logits.numel() // classes)
+
+
+# ---------------------------------------------------------------------------
 # The functional op
 # ---------------------------------------------------------------------------
 
@@ -217,6 +253,11 @@ def cross_entropy(
     values) instead of a log-softmax, and never making a float32 copy of the
     logits. See the package docstring for numerics and contracts.
 
+    A floating ``target`` of the logits' shape holds class probabilities
+    (soft labels, mixup, distillation): computed with torch's formula and
+    torch's ops, ``label_smoothing`` and ``weight`` included (no kernel of
+    ours, torch's memory; ``ignore_index`` and ``inplace_backward`` refused).
+
     ``size_average`` / ``reduce`` (keyword only) are torch's deprecated pair:
     when either is given it overrides ``reduction`` the way torch maps it,
     with torch's warning.
@@ -224,6 +265,8 @@ def cross_entropy(
     if size_average is not None or reduce is not None:
         reduction = _Reduction.legacy_get_string(size_average, reduce)
     check_arguments(logits, target, weight, ignore_index, label_smoothing, reduction, inplace_backward)
+    if target.is_floating_point():
+        return _probability_cross_entropy(logits, target, weight, float(label_smoothing), reduction)
     refuse_forward_ad("cross_entropy", logits, weight)
     unbatched = logits.dim() == 1
     if unbatched:

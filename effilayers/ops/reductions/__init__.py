@@ -1,10 +1,14 @@
 """Overflow-free sum, mean, var, std and vector 2-norm for fp16/bf16 (issue 5).
 
 ``sum(x, dim=None, keepdim=False, *, dtype=None)``, ``mean`` (same),
-``var(x, dim=None, *, correction=1, keepdim=False, dtype=None)``, ``std``
-(same) and ``norm(x, dim=None, keepdim=False, *, ord=2, dtype=None)`` (the
-vector norm ``torch.linalg.vector_norm(x, ord, dim)``; ord 2, 1 or inf, the
-2-norm being the op's own kernel) follow torch's semantics for
+``var(x, dim=None, unbiased=None, keepdim=False, *, correction=None,
+dtype=None)``, ``std`` (same; torch.var's two signatures: ``correction``
+any real, None meaning 1, or ``unbiased``) and ``norm(x, dim=None,
+keepdim=False, *, ord=None, p=None, dtype=None)`` (the vector norm
+``torch.linalg.vector_norm(x, ord, dim)``, any order torch takes, plus
+torch.norm's "fro" and "nuc"; the 2-norm is the op's own kernel, ord 1 its
+sum, and the docstring of ``norm`` says which orders torch computes) follow
+torch's semantics for
 ``dim`` (an int, a tuple, ``None`` or ``()`` for all dimensions, negative
 values) and ``keepdim``. The result has the input's dtype unless ``dtype`` is
 given (``dtype=torch.float32`` returns the float32 result of fp16/bf16 input

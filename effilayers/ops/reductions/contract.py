@@ -21,9 +21,59 @@ def check_kind(kind: str) -> None:
         raise ValueError(f"reduce: kind must be one of {', '.join(KINDS)}, got {kind!r}")
 
 
-def check_ord(ord) -> None:
-    if isinstance(ord, bool) or ord not in (1, 2, math.inf):
-        raise ValueError(f"norm: ord must be 1, 2 or math.inf, got {ord!r}")
+MATRIX_ORDERS = ("fro", "nuc")
+
+
+def norm_order(ord, p):
+    """The order of :func:`norm`: ``ord`` (torch.linalg's name) or ``p``
+    (torch.norm's), 2 when neither is given. Any real number
+    ``torch.linalg.vector_norm`` takes (inf, -inf, 0, fractional,
+    negative), or torch.norm's ``"fro"`` and ``"nuc"``."""
+    if ord is not None and p is not None:
+        raise TypeError(f"norm: pass ord or p, not both (ord={ord!r}, p={p!r})")
+    order = p if ord is None else ord
+    if order is None:
+        return 2
+    if isinstance(order, str) and order in MATRIX_ORDERS:
+        return order
+    if isinstance(order, bool) or not isinstance(order, (int, float)) or math.isnan(order):
+        raise ValueError(f"norm: ord must be a real number (inf, -inf, 0, 1, 2, fractional or negative), "
+                         f"'fro' or 'nuc', got {order!r}")
+    return order
+
+
+def norm_dims(x: torch.Tensor, dim, order) -> tuple[int, ...]:
+    """The reduced dims of ``norm``, with torch.norm's limits on the matrix
+    orders: "fro" over one or two dims (or all, for dim=None), "nuc" over
+    exactly two (dim=None: a 2-D input)."""
+    dims = reduced_dims("norm", x, dim)
+    if order == "nuc" and len(dims) != 2:
+        raise ValueError(f"norm: ord='nuc' is a matrix norm: dim must name two dims (or be None for a 2-D input), "
+                         f"got dim={dim!r} for a {x.dim()}-D input")
+    if order == "fro" and dim is not None and len(dims) > 2:
+        raise ValueError(f"norm: ord='fro' takes one or two dims (or dim=None for all), got dim={dim!r}")
+    return dims
+
+
+def variance_arguments(op: str, dim, unbiased, correction):
+    """``(dim, correction)`` from torch.var's two signatures:
+    ``var(x, dim=None, *, correction=None)`` (None: 1) and
+    ``var(x, dim, unbiased, keepdim)`` or ``var(x, unbiased)`` (True: 1,
+    False: 0). Naming both ``unbiased`` and ``correction`` is refused, as torch does."""
+    if isinstance(dim, bool):
+        # torch.var(x, False): the bool is unbiased, not a dim.
+        if unbiased is not None:
+            raise TypeError(f"{op}: got a bool dim ({dim}) and unbiased={unbiased!r}; dim must be an int, a "
+                            "sequence of ints or None")
+        dim, unbiased = None, dim
+    if unbiased is None:
+        return dim, 1 if correction is None else correction
+    if not isinstance(unbiased, bool):
+        raise TypeError(f"{op}: unbiased must be a bool, got {type(unbiased).__name__}")
+    if correction is not None:
+        raise TypeError(f"{op}: pass unbiased or correction, not both (unbiased={unbiased}, "
+                        f"correction={correction!r}); unbiased=True is correction=1, False is correction=0")
+    return dim, 1 if unbiased else 0
 
 
 def integer_input(op: str, x, dtype):

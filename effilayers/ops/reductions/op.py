@@ -11,7 +11,8 @@ import torch
 from ..._core import registry
 from ..._core.dtypes import accumulation_dtype
 from ..._core.layout import autocast_to_float32, refuse_forward_ad
-from .contract import check, check_kind, check_ord, integer_input, output_shape, reduced_dims, run_three
+from .contract import (check, check_kind, integer_input, norm_dims, norm_order, output_shape, reduced_dims,
+                       run_three, variance_arguments)
 from .reference import reduce_three_reference
 
 # Every backend's kernel has the signature of reduce_three_reference:
@@ -95,14 +96,15 @@ _reduce_op.register_autograd(_backward, setup_context=_setup_context)
 _AUTOCAST_FLOAT32_DEVICES = {"sum": ("cuda",), "norm": ("cuda",)}
 
 
-def _checked(op: str, x, dim, keepdim: bool, dtype, correction=0.0):
+def _checked(op: str, x, dim, keepdim: bool, dtype, correction=0.0, order=None):
     """``(x, dims, dtype)`` after the checks, with integer input converted
     and ``dtype`` set where autocast asks for float32."""
     x = integer_input(op, x, dtype)
     check(op, x, dtype, keepdim, correction)
     if dtype is None and autocast_to_float32(x, _AUTOCAST_FLOAT32_DEVICES.get(op, ())):
         dtype = torch.float32
-    return x, reduced_dims(op, x, dim), dtype
+    dims = norm_dims(x, dim, order) if op == "norm" else reduced_dims(op, x, dim)
+    return x, dims, dtype
 
 
 def _reduce(op: str, x, dim, correction: float, keepdim: bool, dtype) -> torch.Tensor:
@@ -121,41 +123,65 @@ def mean(x: torch.Tensor, dim=None, keepdim: bool = False, *, dtype: Optional[to
     return _reduce("mean", x, dim, 0, keepdim, dtype)
 
 
-def var(x: torch.Tensor, dim=None, *, correction: float = 1, keepdim: bool = False,
-        dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+def var(x: torch.Tensor, dim=None, unbiased: Optional[bool] = None, keepdim: bool = False, *,
+        correction: Optional[float] = None, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Variance over ``dim``: M2 / max(0, n - correction), two-pass in float32.
-    ``correction`` is any int or float, as in ``torch.var``."""
+
+    Both of ``torch.var``'s signatures: ``var(x, dim, correction=c,
+    keepdim=k)`` with any int or float ``c`` (None: 1), and ``var(x, dim,
+    unbiased, keepdim)`` or ``var(x, unbiased)`` (True: correction 1,
+    False: 0)."""
+    dim, correction = variance_arguments("var", dim, unbiased, correction)
     return _reduce("var", x, dim, correction, keepdim, dtype)
 
 
-def std(x: torch.Tensor, dim=None, *, correction: float = 1, keepdim: bool = False,
-        dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """Standard deviation over ``dim`` (the square root of :func:`var`)."""
+def std(x: torch.Tensor, dim=None, unbiased: Optional[bool] = None, keepdim: bool = False, *,
+        correction: Optional[float] = None, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Standard deviation over ``dim`` (the square root of :func:`var`, with
+    its arguments)."""
+    dim, correction = variance_arguments("std", dim, unbiased, correction)
     return _reduce("std", x, dim, correction, keepdim, dtype)
 
 
-def norm(x: torch.Tensor, dim=None, keepdim: bool = False, *, ord=2, dtype: Optional[torch.dtype] = None
+def norm(x: torch.Tensor, dim=None, keepdim: bool = False, *, ord=None, p=None, dtype: Optional[torch.dtype] = None
          ) -> torch.Tensor:
     """Vector norm over ``dim`` (``torch.linalg.vector_norm(x, ord, dim)``).
 
     The second positional argument is ``dim``, not an order as in
     ``torch.norm(x, p, dim)``: ``norm(x, 1)`` is the 2-norm over dimension 1;
-    ``ord`` is keyword-only.
+    the order is keyword-only, as ``ord=`` or (torch.norm's name) ``p=``.
+    Every order torch takes, computed as follows:
 
-    ``ord=2`` (default): this op, scaled by powers of two so the squares of
-    bf16 values do not overflow. ``ord=1``: the op's sum of ``x.abs()``
-    (overflow-free like :func:`sum`; costs an input-sized ``abs`` temporary,
-    which autograd keeps). ``ord=inf``: the largest magnitude, which cannot
-    overflow: ``torch.linalg.vector_norm`` itself.
+    * ``2`` (default) and ``"fro"`` (torch.norm's Frobenius norm: the 2-norm
+      over one or two dims, or all): this op's kernel, scaled by powers of
+      two so the squares of bf16 values do not overflow.
+    * ``1``: the op's sum of ``x.abs()`` (overflow-free like :func:`sum`;
+      costs an input-sized ``abs`` temporary, which autograd keeps).
+    * ``inf``, ``-inf`` (largest, smallest magnitude) and ``0`` (count of
+      non-zeros): ``torch.linalg.vector_norm`` in x's dtype, where they are
+      exact, then rounded once to ``dtype``.
+    * any other real order (3, fractional, negative): ``torch.linalg.vector_norm``
+      in float32 for fp16/bf16/fp32 input (float64 for float64), then rounded
+      once to the output dtype; no kernel of ours, as these orders are rare.
+    * ``"nuc"`` (nuclear norm, over exactly two dims, as in torch.norm):
+      ``torch.linalg.matrix_norm`` in float32 (float64 for float64): torch
+      itself refuses fp16/bf16 there.
     """
-    check_ord(ord)
-    if ord == 2:
-        return _reduce("norm", x, dim, 0.0, keepdim, dtype)
-    x, dims, dtype = _checked("norm", x, dim, keepdim, dtype)
-    if ord == 1:
+    order = norm_order(ord, p)
+    if order in (2, "fro"):
+        x, dims, dtype = _checked("norm", x, dim, keepdim, dtype, order=order)
+        refuse_forward_ad("norm", x)
+        return _reduce_op(x, list(dims), "norm", 0.0, keepdim, dtype)
+    x, dims, dtype = _checked("norm", x, dim, keepdim, dtype, order=order)
+    if order == 1:
         refuse_forward_ad("norm", x)
         return _reduce_op(x.abs(), list(dims), "sum", 0.0, keepdim, dtype)
-    # The largest magnitude is one of x's values: exact in x's dtype, then
-    # rounded once to ``dtype`` (torch's own dtype= refuses a narrower one).
-    result = torch.linalg.vector_norm(x, math.inf, dims, keepdim)
-    return result if dtype is None else result.to(dtype)
+    out_dtype = x.dtype if dtype is None else dtype
+    if order in (math.inf, -math.inf, 0):
+        # One of x's magnitudes, or a count: exact in x's dtype (torch's own
+        # dtype= refuses a narrower output dtype).
+        return torch.linalg.vector_norm(x, order, dims, keepdim).to(out_dtype)
+    acc = accumulation_dtype(x.dtype)
+    if order == "nuc":
+        return torch.linalg.matrix_norm(x.to(acc), "nuc", dims, keepdim).to(out_dtype)
+    return torch.linalg.vector_norm(x, order, dims, keepdim, dtype=acc).to(out_dtype)
