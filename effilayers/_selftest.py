@@ -40,13 +40,16 @@ TIERS = {
     # GEMM's inputs, so atol is relative to the tensor's largest value
     # (``SCALED``). tests/accuracy.py ("densenet_gemm") gives the measurement.
     "gemm": {f32: (1e-4, 1e-4), f16: (2e-3, 8e-4), bf16: (1.6e-2, 5e-3)},
+    # The same GEMMs in TF32 (float32 on a GPU whose convolutions may use it):
+    # each input rounded to 10 mantissa bits; atol relative to the largest value.
+    "gemm_tf32": {f32: (0.0, 4e-3)},
     # A reduction against float64: results that cancel to near zero while their terms are not.
     "reduction": {f64: (1e-10, 1e-10), f32: (1e-5, 1e-5), f16: (1e-3, 1e-3), bf16: (1e-2, 1e-2)},
     # 8-bit optimizer states against the reference's: a code one step off moves
     # an element's update by ~1e-6; codes themselves may differ by one.
     "adam_8bit": {f32: (1e-5, 2e-5), torch.int8: (0, 1), torch.uint8: (0, 1)},
 }
-SCALED = {"gemm": (f16, bf16)}
+SCALED = {"gemm": (f16, bf16), "gemm_tf32": (f32,)}
 
 
 @dataclass(frozen=True)
@@ -291,9 +294,21 @@ def _compare(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, t
     return float(error.max()), float(ratio.max())
 
 
+def _tier(case: Case, backend: str, dtype: torch.dtype) -> str:
+    """The case's tier, or its TF32 variant where the Triton GEMMs round
+    float32 inputs to TF32 (they follow PyTorch's flag for convolutions)."""
+    if backend == "triton" and dtype == f32 and f"{case.tier}_tf32" in TIERS and torch.cuda.is_available():
+        from .ops.densenet.triton import _allow_tf32
+
+        if _allow_tf32(dtype):
+            return f"{case.tier}_tf32"
+    return case.tier
+
+
 def run_case(op: str, backend: str, device: str, dtype: torch.dtype, kernel: Callable, case: Case,
              reference: Callable) -> Row:
     generator = torch.Generator().manual_seed(0)
+    tier = _tier(case, backend, dtype) if device == "cuda" else case.tier
     max_error = worst = 0.0
     for args in case.make(torch.device(device), dtype, generator):
         expected_args = _oracle_inputs(args, case.float64_oracle)
@@ -309,10 +324,11 @@ def run_case(op: str, backend: str, device: str, dtype: torch.dtype, kernel: Cal
                                      f"reference gives {'none' if e is None else 'one'}")
             if a is None:
                 continue
-            error, ratio = _compare(a, e, dtype, case.tier)
+            error, ratio = _compare(a, e, dtype, tier)
             max_error, worst = max(max_error, error), max(worst, ratio)
     status = "pass" if worst <= 1.0 else "FAIL"
-    return Row(op, backend, device, str(dtype).replace("torch.", ""), status, max_error, worst)
+    return Row(op, backend, device, str(dtype).replace("torch.", ""), status, max_error, worst,
+               "" if tier == case.tier else f"tolerance {tier}")
 
 
 def _device_of(backend: str) -> str:

@@ -86,7 +86,7 @@ TOLERANCES = {
     # interpreter's _round_f32_to_tf32 rounds, 5 seeds): max |error| / max
     # |expected| per output 3.5e-4 (out) to 5.7e-4 (grad_bias); the bound
     # leaves ~7x.
-    "densenet_gemm_tf32": {f32: (0.0, 4e-3)},
+    "densenet_gemm_tf32": dict(PACKAGE_TIERS["gemm_tf32"]),
     # Two float64 models (tests/equivalence.py: convert/revert, the model
     # builders), relative to each tensor's largest entry: the small ResNets
     # normalise some channels over only a few values (batch 2 at 1x1 in the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 
 import pytest
@@ -23,11 +24,22 @@ def without_cuda(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def cpu_rows():
-    """The self-test's rows on this machine as if it had no GPU."""
+def cpu_run():
+    """The self-test's rows on this machine as if it had no GPU, and the
+    Triton launches it made under guard bands (per kernel; empty without
+    the interpreter)."""
+    from . import guard_bands
+
+    before = collections.Counter(guard_bands.GUARDED)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch.cuda, "is_available", lambda: False)
-        return _selftest.selftest()
+        rows = _selftest.selftest()
+    return rows, guard_bands.GUARDED - before
+
+
+@pytest.fixture
+def cpu_rows(cpu_run):
+    return cpu_run[0]
 
 
 def test_every_registered_op_has_inputs():
@@ -61,6 +73,18 @@ def test_triton_rows_follow_the_interpreter(cpu_rows):
             _selftest.format_rows(triton_rows)
     else:
         assert all(row.status == "not run" and "TRITON_INTERPRET=1" in row.detail for row in triton_rows)
+
+
+@pytest.mark.skipif(not INTERPRETER, reason="the Triton kernels run on CPU only under TRITON_INTERPRET=1")
+def test_every_triton_kernel_ran_guarded(cpu_run):
+    """The self-test's inputs reach every Triton kernel of the package, and
+    each launch ran inside guard bands (tests/guard_bands.py), whatever else
+    the session ran."""
+    pytest.importorskip("triton")
+    from . import guard_bands
+
+    launched = {kernel for kernel, count in cpu_run[1].items() if count > 0}
+    assert set(guard_bands.package_kernels()) <= launched, sorted(set(guard_bands.package_kernels()) - launched)
 
 
 def test_cuda_kernels_are_reported_not_run_without_cuda(cpu_rows):
