@@ -315,7 +315,7 @@ def _whole_suite(session) -> bool:
     import pathlib
 
     here = pathlib.Path(__file__).parent
-    ran = {pathlib.Path(str(item.fspath)).name for item in session.items}
+    ran = {item.path.name for item in session.items}
     options = session.config.option
     return (not getattr(options, "keyword", "") and not getattr(options, "markexpr", "")
             and not getattr(options, "deselect", None)
