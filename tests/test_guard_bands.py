@@ -17,7 +17,7 @@ tl = pytest.importorskip("triton.language")
 
 from . import guard_bands  # noqa: E402
 
-TOY = f"{__name__}"
+TOY = __name__  # the toy kernels are named after this module
 
 
 @triton.jit
