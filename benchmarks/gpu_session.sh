@@ -4,7 +4,7 @@
 # session). None of these parts has run on a GPU so far: their durations are
 # guesses, so run `tests` first and time it before planning the rest.
 #
-#   benchmarks/gpu_session.sh tests     # every @pytest.mark.gpu test
+#   benchmarks/gpu_session.sh tests     # the kernel self-test, then every @pytest.mark.gpu test
 #   benchmarks/gpu_session.sh kernels   # softmax, cross-entropy, reductions (issue 5 targets)
 #   benchmarks/gpu_session.sh optim     # ChunkedAdamW vs torch fused at 100M and 1B (issue 6 targets)
 #   benchmarks/gpu_session.sh models    # ABN, DenseNet-121 step, effilayers-bench (issues 4, 7)
@@ -41,7 +41,8 @@ date=$(date +%F)
 bench_json() { echo "--benchmark-group-by=group --benchmark-json=$out/$1-$device-$date.json"; }
 
 declare -A commands
-commands[tests]="python3 -m pytest -m gpu tests -q -rfEs --timeout=240"
+commands[tests]="python3 -m effilayers.info --selftest
+python3 -m pytest -m gpu tests -q -rfEs --timeout=240"
 commands[kernels]="python3 -m pytest benchmarks/bench_softmax.py -k cuda $(bench_json softmax) -q
 python3 -m pytest benchmarks/bench_cross_entropy.py -k cuda $(bench_json cross_entropy) -q
 python3 -m pytest benchmarks/bench_reductions.py -k cuda $(bench_json reductions) -q"

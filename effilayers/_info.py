@@ -119,7 +119,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m effilayers.info", description=__doc__.splitlines()[0])
     parser.add_argument("--demo", action="store_true", help="also run a small memory and accuracy demo")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--selftest", action="store_true",
+                        help="run every compiled kernel once against its reference on this machine (exit 1 on a "
+                             "failure)")
     args = parser.parse_args(argv)
+    if args.selftest:
+        from . import _selftest
+
+        return _selftest.main()
     if args.json:
         import json
 

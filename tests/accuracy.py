@@ -18,10 +18,14 @@ from __future__ import annotations
 
 import torch
 
+from effilayers._selftest import TIERS as PACKAGE_TIERS
+from effilayers._selftest import TOLERANCES as PACKAGE_TOLERANCES
+
 f64, f32, f16, bf16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
 
 TOLERANCES = {
-    "default": {f64: (1e-10, 1e-12), f32: (1e-5, 1e-6), f16: (1e-3, 1e-3), bf16: (1e-2, 1e-2)},
+    # (the package's own table: python -m effilayers.info --selftest holds kernels to it)
+    "default": dict(PACKAGE_TOLERANCES),
     # One elementwise update (an Adam step) from the same inputs: the error
     # is the output's rounding, and the updates (~1e-2) are far above atol.
     "elementwise": {f64: (1e-12, 1e-14), f32: (1e-5, 1e-7), f16: (1e-3, 1e-5), bf16: (1e-2, 1e-5)},
@@ -44,7 +48,7 @@ TOLERANCES = {
     # Reductions (sum, mean, var, std, norm) against float64: the absolute
     # part equals the relative one, for results that cancel to near zero
     # while their terms are not.
-    "reduction": {f64: (1e-10, 1e-10), f32: (1e-5, 1e-5), f16: (1e-3, 1e-3), bf16: (1e-2, 1e-2)},
+    "reduction": dict(PACKAGE_TIERS["reduction"]),
     # Batch statistics are accumulated and returned in float32 whatever the
     # input dtype (float64 stays float64): one float32 bound for all three,
     # relative only (tests/test_stats.py adds a floor for means near zero).
@@ -75,14 +79,14 @@ TOLERANCES = {
     # reference, cpp, Triton under the interpreter in fp16) at most 0.96 of
     # (2e-3, 3e-4) in fp16 and 0.81 of (1.6e-2, 2e-3) in bf16; the bounds
     # leave ~2.5x.
-    "densenet_gemm": {f32: (1e-4, 1e-4), f16: (2e-3, 8e-4), bf16: (1.6e-2, 5e-3)},
+    "densenet_gemm": dict(PACKAGE_TIERS["gemm"]),
     # The same GEMMs in TF32 (a GPU with the cuDNN TF32 flag on), which
     # rounds each GEMM input to 10 mantissa bits. Measured by emulating it on
     # CPU for the same cases (float64 GEMMs over inputs rounded as the
     # interpreter's _round_f32_to_tf32 rounds, 5 seeds): max |error| / max
     # |expected| per output 3.5e-4 (out) to 5.7e-4 (grad_bias); the bound
     # leaves ~7x.
-    "densenet_gemm_tf32": {f32: (0.0, 4e-3)},
+    "densenet_gemm_tf32": dict(PACKAGE_TIERS["gemm_tf32"]),
     # Two float64 models (tests/equivalence.py: convert/revert, the model
     # builders), relative to each tensor's largest entry: the small ResNets
     # normalise some channels over only a few values (batch 2 at 1x1 in the

@@ -286,3 +286,65 @@ def on_cpu_without_peers(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for name in ("torchvision", "inplace_abn"):
         monkeypatch.setitem(sys.modules, name, None)
+
+
+# Guard bands around every Triton launch under the interpreter (tests/guard_bands.py):
+# out-of-bounds stores fail the test that made them, out-of-bounds loads read NaN.
+GUARD_BANDS = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def triton_guard_bands():
+    uninstall = None
+    if GUARD_BANDS:
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            pass
+        else:
+            from . import guard_bands
+
+            uninstall = guard_bands.install()
+    yield
+    if uninstall is not None:
+        uninstall()
+
+
+def _whole_suite(session) -> bool:
+    """Whether every test file of tests/ ran, unfiltered."""
+    import pathlib
+
+    here = pathlib.Path(__file__).parent
+    ran = {item.path.name for item in session.items}
+    options = session.config.option
+    return (not getattr(options, "keyword", "") and not getattr(options, "markexpr", "")
+            and not getattr(options, "deselect", None)
+            and {path.name for path in here.glob("test_*.py")} <= ran)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """On a whole run under the interpreter, every Triton kernel of the package
+    must have run with guard bands at least once."""
+    if not GUARD_BANDS or "tests.guard_bands" not in sys.modules or not _whole_suite(session):
+        return
+    from . import guard_bands
+
+    missing = [kernel for kernel in guard_bands.package_kernels() if not guard_bands.GUARDED[kernel]]
+    session.config._guard_bands_missing = missing
+    if missing and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if not GUARD_BANDS or "tests.guard_bands" not in sys.modules:
+        return
+    from . import guard_bands
+
+    counts = guard_bands.GUARDED
+    terminalreporter.write_line(
+        f"guard bands: {sum(counts.values())} Triton launches of {len(counts)} kernels ran guarded "
+        f"({sum(guard_bands.SPARSE.values())} sparse buffers, {sum(guard_bands.RAW_REGIONS.values())} regions "
+        f"through address tables)")
+    missing = getattr(config, "_guard_bands_missing", None)
+    if missing:
+        terminalreporter.write_line(f"FAILED: Triton kernels never launched under guard bands: {missing}", red=True)

@@ -113,6 +113,14 @@ def registered_ops() -> list[str]:
     return sorted(_state.ops)
 
 
+def op_kernels(op_name: str) -> OpKernels:
+    """What ``op_name`` declares: its reference and compiled backends."""
+    try:
+        return _state.ops[op_name]
+    except KeyError:
+        raise KeyError(f"unknown effilayers op {op_name!r}; registered: {registered_ops()}") from None
+
+
 def _triton_status(device_type: str) -> Optional[str]:
     """None when Triton kernels can run on this device type, else why not."""
     if device_type == "cpu":
