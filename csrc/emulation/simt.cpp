@@ -96,6 +96,7 @@ std::string instantiation(const char* pretty) {  // "... [with auto Kernel = k<f
 
 constexpr size_t kMaxGuarded = 1 << 16;
 constexpr unsigned char kSentinel = 0xa5;
+constexpr unsigned char kPoison = 0xff;
 
 // Read by the SIGSEGV handler without a lock: `base` is published last.
 struct GuardEntry {
@@ -653,6 +654,9 @@ void* guarded_alloc(size_t bytes) {
   }
   const uintptr_t data = base + kPage + body - bytes;
   memset(reinterpret_cast<void*>(base + kPage), kSentinel, data - (base + kPage));
+  // All bits set is a NaN in every float dtype: an output element no kernel
+  // writes fails the comparison with its reference.
+  memset(reinterpret_cast<void*>(data), kPoison, bytes);
   std::lock_guard<std::mutex> lock(g_guard_mutex);
   for (size_t tries = 0; tries < kMaxGuarded; ++tries) {
     const size_t i = (g_guard_hint + tries) % kMaxGuarded;

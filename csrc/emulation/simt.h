@@ -111,8 +111,9 @@ const char* last_error_detail();
 // Debug-mode buffers: `bytes` readable and writable bytes that end flush
 // against an inaccessible page, with another before them (the bytes between
 // that page and the start are filled with a sentinel checked after every
-// launch). The start is aligned to the largest power of two dividing bytes
-// (so to the element size of any tensor of that many bytes).
+// launch), filled with all bits set (NaN in every float dtype). The start is
+// aligned to the largest power of two dividing bytes (so to the element size
+// of any tensor of that many bytes).
 void* guarded_alloc(size_t bytes);
 void guarded_free(void* data);
 
