@@ -5,7 +5,9 @@ own: ``effilayers_cpu`` (csrc/cpu, always attempted) and ``effilayers_cuda``
 (csrc/cuda, only where torch itself was built with CUDA). Neither has a Python
 binding: they register their kernels with ``TORCH_LIBRARY`` under the
 ``effilayers_cpu`` / ``effilayers_cuda`` namespaces and are loaded with
-``torch.ops.load_library``.
+``torch.ops.load_library``. A third, ``effilayers_emulated`` (kind
+``"emulated"``, tests only), is the CUDA library built for the CPU over the
+SIMT emulator in csrc/emulation (ARCHITECTURE.md).
 
 Where a library comes from, in order:
 1. a copy built ahead of time by ``EFFILAYERS_BUILD_EXT=1 pip install
