@@ -215,6 +215,31 @@ def test_abn_forward_options(emulated, activation, residual, dtype):
     torch.testing.assert_close(out.double(), reference_forward(as64), **tolerance(dtype))
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_abn_forward_inplace_with_itself_as_residual(emulated, layout):
+    # x, residual and out are one buffer: each element is read before it is
+    # written, by the same thread (forward_kernel takes no __restrict__).
+    with simt(emulated, 6):
+        args, as64 = abn_case((2, 5, 9, 7), torch.float32, layout, 4, activation="leaky_relu")
+        x = args["x"].clone()
+        emulated.abn_forward_(x, *kernel_args({**args, "residual": x}))
+    torch.testing.assert_close(x.double(), reference_forward({**as64, "residual": as64["x"]}),
+                               **tolerance(torch.float32))
+
+
+def test_abn_empty_batch(emulated):
+    # No values: the sums are zeros (cudaMemsetAsync), the element kernels do not run.
+    with simt(emulated, 1):
+        args, _ = abn_case((0, 3, 4, 4), torch.float32, "contiguous", 2, activation="elu")
+        args["mean"], args["invstd"] = torch.zeros(3), torch.ones(3)
+        out = emulated.abn_forward(args["x"], *kernel_args(args))
+        sum_dy, sum_dy_xhat = emulated.abn_backward_reduce(args["x"], args["x"], *kernel_args(args), False)
+        grad_input, _ = emulated.abn_backward_elemt(args["x"], args["x"], *kernel_args(args), False, sum_dy,
+                                                    sum_dy_xhat, False)
+    assert out.shape == grad_input.shape == (0, 3, 4, 4)
+    assert torch.equal(sum_dy, torch.zeros(3)) and torch.equal(sum_dy_xhat, torch.zeros(3))
+
+
 def backward_case(shape, dtype, layout, seed, saved_is_output, index):
     """Inputs of the backward kernels. Rebuilding x_hat from the output
     divides by the weight, so those cases keep |weight| >= 0.5 (clamping to
