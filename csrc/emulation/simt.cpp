@@ -391,15 +391,20 @@ class BlockRunner {
   std::string error;
 
   void prepare(int threads) {
-    if (alternate_stack_ == nullptr) {
+    if (!alternate_stack_checked_) {
       // The SIGSEGV handler must have a stack of its own to report an
-      // overflowed fiber stack.
-      alternate_stack_ = static_cast<char*>(malloc(64 * 1024));
-      stack_t alt;
-      alt.ss_sp = alternate_stack_;
-      alt.ss_size = 64 * 1024;
-      alt.ss_flags = 0;
-      sigaltstack(&alt, nullptr);
+      // overflowed fiber stack; keep one already set (Python's faulthandler
+      // sets one on the main thread).
+      alternate_stack_checked_ = true;
+      stack_t current;
+      if (sigaltstack(nullptr, &current) == 0 && (current.ss_flags & SS_DISABLE)) {
+        alternate_stack_ = static_cast<char*>(malloc(64 * 1024));
+        stack_t alt;
+        alt.ss_sp = alternate_stack_;
+        alt.ss_size = 64 * 1024;
+        alt.ss_flags = 0;
+        sigaltstack(&alt, nullptr);
+      }
     }
     while (static_cast<int>(fibers_.size()) < threads) {
       Fiber fiber;
@@ -575,6 +580,7 @@ class BlockRunner {
   std::vector<int> ready_;
   int threads_ = 0;
   char* alternate_stack_ = nullptr;
+  bool alternate_stack_checked_ = false;
 };
 
 thread_local BlockRunner t_runner;
