@@ -404,6 +404,17 @@ def test_divergent_barrier_is_an_error(emulated):
         emulated.simt_toy_divergent_barrier()
 
 
+@pytest.mark.parametrize("mode, threads, message", [
+    (0, 64, r"deadlock: warp 0 lanes \{16,.*,31\} wait in __shfl_down_sync for lanes \{0,.*,15\} "
+            r"\(lane 0 waits at __syncthreads\)"),
+    (1, 48, r"__shfl_down_sync: mask 0xffffffff names lanes \{16,.*,31\} that this warp does not have"),
+    (2, 32, r"calls __(ballot|shfl_down)_sync with mask 0xffffffff while lanes .* wait in __(shfl_down|ballot)_sync"),
+], ids=["deadlock", "missing_lanes", "divergent"])
+def test_misused_warp_collective_is_an_error(emulated, mode, threads, message):
+    with simt(emulated, 1), pytest.raises(RuntimeError, match=message):
+        emulated.simt_toy_broken_warp(mode, threads)
+
+
 @pytest.mark.parametrize("threads", [32, 96])
 def test_warp_collectives(emulated, threads):
     with simt(emulated, 7):
@@ -470,6 +481,8 @@ def test_every_global_kernel_is_launched(emulated):
         emulated.simt_toy_warp_collectives(32)
         with pytest.raises(RuntimeError):
             emulated.simt_toy_divergent_barrier()
+        with pytest.raises(RuntimeError):
+            emulated.simt_toy_broken_warp(0, 32)
         emulated.simt_toy_shifted_load(torch.ones(4), torch.ones(4), 0)
         emulated.simt_toy_shifted_store(torch.ones(4), torch.ones(4), 0)
     launched = {}

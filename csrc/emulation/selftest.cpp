@@ -1,6 +1,7 @@
 // Toy kernels that test the SIMT emulator itself (tests/test_cuda_emulated.py):
-// that it catches a missing __syncthreads, a divergent barrier and accesses
-// next to a buffer, and that the warp collectives give CUDA's results. They
+// that it catches a missing __syncthreads, a divergent barrier, misused warp
+// collectives and accesses next to a buffer, and that the warp collectives
+// give CUDA's results. They
 // are written in CUDA, like csrc/cuda/*.cu, and exposed as ops of
 // effilayers_emulated on CPU tensors.
 
@@ -56,6 +57,28 @@ __global__ void toy_divergent_barrier(float* out) {
   out[threadIdx.x] = 1.0f;
 }
 
+// Warp collectives used wrongly, by `mode`: 0, half the lanes wait at a
+// barrier while the others shuffle; 1, a full mask in a block whose last
+// warp is partial; 2, even lanes shuffle while odd lanes vote.
+__global__ void toy_broken_warp(int mode, int* out) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  int v = static_cast<int>(threadIdx.x);
+  if (mode == 0) {
+    if (lane < 16) {
+      __syncthreads();
+    } else {
+      v = __shfl_down_sync(0xffffffffu, v, 1);
+    }
+  } else if (mode == 1) {
+    v = __shfl_down_sync(0xffffffffu, v, 1);
+  } else if (lane % 2 == 0) {
+    v = __shfl_down_sync(0xffffffffu, v, 1);
+  } else {
+    v = static_cast<int>(__ballot_sync(0xffffffffu, v > 3));
+  }
+  out[threadIdx.x] = v;
+}
+
 // out[i + shift] = in[i] for the n elements of `in` (shift 0 is in bounds).
 __global__ void toy_shifted_store(const float* in, float* out, int n, int shift) {
   for (int i = threadIdx.x; i < n; i += blockDim.x) out[i + shift] = in[i];
@@ -103,6 +126,16 @@ void divergent_barrier() {
   check(cudaGetLastError(), "toy_divergent_barrier");
 }
 
+void broken_warp(int64_t mode, int64_t threads) {
+  TORCH_CHECK_VALUE(mode >= 0 && mode <= 2, "simt_toy_broken_warp: mode must be 0, 1 or 2, got ", mode);
+  TORCH_CHECK_VALUE(threads > 0 && threads <= 1024, "simt_toy_broken_warp: threads must be in [1, 1024], got ",
+                    threads);
+  at::Tensor out = at::empty({threads}, at::TensorOptions().dtype(at::kInt));
+  EFFILAYERS_LAUNCH(1, static_cast<unsigned>(threads), nullptr, toy_broken_warp)(static_cast<int>(mode),
+                                                                                 out.mutable_data_ptr<int>());
+  check(cudaGetLastError(), "toy_broken_warp");
+}
+
 // Both ops copy `in` with an index shift; the caller sizes `out` to what the
 // shift keeps in bounds (or not).
 void shifted_store(const at::Tensor& in, at::Tensor& out, int64_t shift) {
@@ -129,6 +162,7 @@ TORCH_LIBRARY_FRAGMENT(effilayers_emulated, m) {
   m.def("simt_toy_block_sum(Tensor values, bool barrier) -> Tensor", &effilayers::emulation::block_sum);
   m.def("simt_toy_warp_collectives(int threads) -> Tensor", &effilayers::emulation::warp_collectives);
   m.def("simt_toy_divergent_barrier() -> ()", &effilayers::emulation::divergent_barrier);
+  m.def("simt_toy_broken_warp(int mode, int threads) -> ()", &effilayers::emulation::broken_warp);
   m.def("simt_toy_shifted_store(Tensor input, Tensor(a!) out, int shift) -> ()",
         &effilayers::emulation::shifted_store);
   m.def("simt_toy_shifted_load(Tensor input, Tensor(a!) out, int shift) -> ()", &effilayers::emulation::shifted_load);

@@ -225,7 +225,9 @@ std::string in_device_code(F&& work) {
   g_in_device_code.fetch_add(1);
   work();
   g_in_device_code.fetch_sub(1);
-  return g_debug.load() ? check_guards() : std::string();
+  // Faults are checked after debug mode was switched off too: a guarded
+  // buffer outlives the mode.
+  return g_debug.load() || g_fault_count.load() > 0 ? check_guards() : std::string();
 }
 
 // ---- context switching -----------------------------------------------------------------
@@ -408,8 +410,8 @@ class BlockRunner {
     }
     while (static_cast<int>(fibers_.size()) < threads) {
       Fiber fiber;
-      void* mapping = mmap(nullptr, kStackBytes + kPage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                           -1, 0);
+      void* mapping = mmap(nullptr, kStackBytes + kPage, PROT_READ | PROT_WRITE,
+                           MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
       if (mapping == MAP_FAILED) throw std::runtime_error("simt: no memory for a fiber stack");
       mprotect(mapping, kPage, PROT_NONE);
       const int slot = g_stack_guards.fetch_add(1);
@@ -566,7 +568,10 @@ class BlockRunner {
         for (int l = 0; l < 32; ++l) {
           if (!(missing & (1u << l))) continue;
           const State s = fibers_[warp * 32 + l].state;
-          out << " (lane " << l << (s == State::Done ? " has exited" : s == State::Barrier ? " waits at __syncthreads" : " waits in another collective") << ")";
+          const char* where = s == State::Done      ? " has exited"
+                              : s == State::Barrier ? " waits at __syncthreads"
+                                                    : " waits in another collective";
+          out << " (lane " << l << where << ")";
           break;
         }
         out << ";";
@@ -848,7 +853,7 @@ cudaError_t cudaMemsetAsync(void* destination, int value, size_t bytes, cudaStre
   return cudaSuccess;
 }
 
-cudaError_t cudaMemcpyAsync(void* destination, const void* source, size_t bytes, int, cudaStream_t) {
+cudaError_t cudaMemcpyAsync(void* destination, const void* source, size_t bytes, cudaMemcpyKind, cudaStream_t) {
   const std::string report = simt::in_device_code([&] { memcpy(destination, source, bytes); });
   if (!report.empty()) {
     simt::set_error(cudaErrorIllegalAddress, "cudaMemcpyAsync: " + report);

@@ -71,7 +71,11 @@ enum cudaError_t : int {
 using cudaError = cudaError_t;
 typedef struct CUstream_st* cudaStream_t;
 
-enum cudaDeviceAttr : int { cudaDevAttrMaxThreadsPerBlock = 1, cudaDevAttrWarpSize = 10, cudaDevAttrMultiProcessorCount = 16 };
+enum cudaDeviceAttr : int {
+  cudaDevAttrMaxThreadsPerBlock = 1,
+  cudaDevAttrWarpSize = 10,
+  cudaDevAttrMultiProcessorCount = 16,
+};
 
 cudaError_t cudaGetLastError();
 cudaError_t cudaPeekAtLastError();
@@ -80,7 +84,15 @@ const char* cudaGetErrorName(cudaError_t error);
 cudaError_t cudaGetDevice(int* device);
 cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attribute, int device);
 cudaError_t cudaMemsetAsync(void* destination, int value, size_t bytes, cudaStream_t stream = nullptr);
-cudaError_t cudaMemcpyAsync(void* destination, const void* source, size_t bytes, int kind,
+// One address space: every kind is a host memcpy.
+enum cudaMemcpyKind : int {
+  cudaMemcpyHostToHost,
+  cudaMemcpyHostToDevice,
+  cudaMemcpyDeviceToHost,
+  cudaMemcpyDeviceToDevice,
+  cudaMemcpyDefault,
+};
+cudaError_t cudaMemcpyAsync(void* destination, const void* source, size_t bytes, cudaMemcpyKind kind,
                             cudaStream_t stream = nullptr);
 cudaError_t cudaStreamSynchronize(cudaStream_t stream);
 cudaError_t cudaDeviceSynchronize();
