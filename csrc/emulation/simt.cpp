@@ -22,7 +22,7 @@
 #include <utility>
 #include <vector>
 
-#if !defined(__x86_64__)
+#if !defined(__x86_64__) || defined(SIMT_PORTABLE_CONTEXT)
 #include <ucontext.h>
 #endif
 
@@ -234,7 +234,7 @@ std::string in_device_code(F&& work) {
 
 void fiber_main();
 
-#if defined(__x86_64__)
+#if defined(__x86_64__) && !defined(SIMT_PORTABLE_CONTEXT)
 // Saves the callee-saved registers and the floating-point control words on
 // the current stack, stores its pointer in *save, and resumes the stack at
 // `load` (System V ABI: everything else is caller-saved). A new fiber's
@@ -304,7 +304,8 @@ void make_context(Context& context, char* stack_low, size_t bytes) {
 
 inline void switch_context(Context& from, Context& to) { simt_switch_context(&from.sp, to.sp); }
 #else
-// Portable fallback: ucontext (a signal-mask system call per switch, so slower).
+// Portable fallback: ucontext (a signal-mask system call per switch, so
+// slower); -DSIMT_PORTABLE_CONTEXT selects it on x86-64 too, to test it.
 struct Context {
   ucontext_t uc;
 };
