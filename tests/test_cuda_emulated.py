@@ -15,6 +15,7 @@ does not model.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 from pathlib import Path
@@ -240,6 +241,30 @@ def test_abn_empty_batch(emulated):
                                                     sum_dy_xhat, False)
     assert out.shape == grad_input.shape == (0, 3, 4, 4)
     assert torch.equal(sum_dy, torch.zeros(3)) and torch.equal(sum_dy_xhat, torch.zeros(3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_low_precision_rounding_matches_torch(emulated, dtype):
+    # The emulator's cuda_fp16.h / cuda_bf16.h conversions, bit for bit: with
+    # mean 0, invstd 1 and no affine, the forward computes float(x) + float(r)
+    # in float32 and rounds it once, as Tensor.to(dtype) does. Magnitudes
+    # from subnormal to past the largest finite value, and exact ties (half
+    # an ulp added to an even and to an odd mantissa).
+    finfo = torch.finfo(dtype)
+    half_ulp = finfo.eps / 2  # at 1.0
+    generator = torch.Generator().manual_seed(5)
+    magnitudes = torch.logspace(math.log10(finfo.smallest_normal * finfo.eps), math.log10(finfo.max * 1.01), 4000,
+                                dtype=torch.float64)
+    values = magnitudes * torch.where(torch.rand(4000, generator=generator) < 0.5, -1.0, 1.0).double()
+    tie_x = torch.tensor([1.0, 1.0 + 2 * half_ulp, -1.0, 3.0], dtype=torch.float64)
+    tie_r = torch.tensor([half_ulp, half_ulp, -half_ulp, 2 * half_ulp], dtype=torch.float64)
+    with simt(emulated, 1):
+        x = torch.cat([values, tie_x]).to(dtype).view(1, 1, -1)
+        r = torch.cat([values.roll(1) * 2.0 ** -9, tie_r]).to(dtype).view(1, 1, -1)
+        out = emulated.abn_forward(x, torch.zeros(1), torch.ones(1), None, None, r, "identity", 0.0, 0.0)
+    expected = (x.float() + r.float()).to(dtype)
+    assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+    assert torch.equal(out[0, 0, -4:].double(), torch.tensor([1.0, 1.0 + 4 * half_ulp, -1.0, 3.0], dtype=torch.float64))
 
 
 def backward_case(shape, dtype, layout, seed, saved_is_output, index):

@@ -618,14 +618,6 @@ void yield(Fiber& f) { switch_context(f.context, t_runner.scheduler); }
 
 // ---- public API ---------------------------------------------------------------------------
 
-Config config() {
-  Config c;
-  c.seed = g_seed.load();
-  c.debug = g_debug.load();
-  c.multiprocessors = g_multiprocessors.load();
-  return c;
-}
-
 void set_seed(uint64_t seed) { g_seed.store(seed); }
 
 void set_multiprocessors(int count) {

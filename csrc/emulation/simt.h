@@ -18,8 +18,9 @@
 //   * __shared__ variables are static thread_local: a block's fibers all run
 //     on one OS thread and one block runs at a time on it, so that is one
 //     copy per block;
-//   * debug mode (simt::Config::debug) backs every CPU tensor with guard
+//   * debug mode (set_debug) backs every CPU tensor with guard
 //     pages (simt.cpp); an access next to a buffer fails the launch.
+//     Debug mode, seed and multiprocessor count are process-wide settings.
 #pragma once
 
 #include <cmath>
@@ -101,17 +102,13 @@ namespace simt {
 
 // ---- configuration and reports ----------------------------------------------
 
-struct Config {
-  uint64_t seed = 1;          // thread and block order
-  bool debug = false;         // guard pages around every CPU allocation (set via set_debug)
-  int multiprocessors = 2;    // what cudaDevAttrMultiProcessorCount reports: sizes grid-stride launches
-};
-
-Config config();
+// Thread and block order.
 void set_seed(uint64_t seed);
+// What cudaDevAttrMultiProcessorCount reports: sizes grid-stride launches.
 void set_multiprocessors(int count);
-// Turning debug on installs the guard-page allocator (guarded_alloc) as the
-// place new buffers come from; the torch side does that (emulation/control.cpp).
+// Debug mode: the guard pages and sentinels are checked after every launch.
+// The buffers come from guarded_alloc, which emulation/control.cpp makes
+// torch's CPU allocator while the mode is on.
 void set_debug(bool on);
 
 // Launches per kernel since the last reset: lines "name<TAB>instantiation<TAB>count".
