@@ -118,8 +118,9 @@ def test_normalizing_statistics(emulated, dtype):
     shape = (3, 5, 7, 9)
     with simt(emulated, 3):
         x = channel_varied(shape, dtype, seed=4)
-        running_mean = torch.randn(5, dtype=acc_dtype(dtype))
-        running_var = torch.rand(5, dtype=acc_dtype(dtype)) + 0.5
+        generator = torch.Generator().manual_seed(11)
+        running_mean = torch.randn(5, generator=generator).to(acc_dtype(dtype))
+        running_var = (torch.rand(5, generator=generator) + 0.5).to(acc_dtype(dtype))
         tracked = torch.tensor(4)
         expected_mean = running_mean.double().clone()
         expected_var = running_var.double().clone()
