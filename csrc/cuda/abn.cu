@@ -27,6 +27,7 @@
 #include "abn.cuh"
 #include "common/activation.h"
 #include "elementwise.cuh"
+#include "launch.cuh"
 #include "reduce.cuh"
 
 namespace effilayers {
@@ -107,7 +108,7 @@ cudaError_t fold(const StatsPlan& plan, const AbnChannels& ch, acc_t* folded, cu
                  ChannelPtrs<acc_t>& p) {
   const int64_t C = plan.channels;
   const auto blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(C, kThreads), 1024));
-  fold_channels<acc_t><<<blocks, kThreads, 0, stream>>>(
+  EFFILAYERS_LAUNCH(blocks, kThreads, stream, fold_channels<acc_t>)(
       C, static_cast<const acc_t*>(ch.invstd), static_cast<const acc_t*>(ch.weight),
       static_cast<const acc_t*>(ch.bias), ch.weight_eps > 0.0, static_cast<acc_t>(ch.weight_eps), folded);
   p = {static_cast<const acc_t*>(ch.mean),
@@ -362,7 +363,7 @@ cudaError_t abn_forward(const void* x, const void* residual, void* out, const St
     using scalar_t = typename decltype(types)::scalar_t;
     using acc_t = typename decltype(types)::acc_t;
     return with_activation(channels.activation, [&](auto act) {
-      forward_kernel<decltype(act)::value, scalar_t, acc_t><<<blocks, kThreads, 0, stream>>>(
+      EFFILAYERS_LAUNCH(blocks, kThreads, stream, forward_kernel<decltype(act)::value, scalar_t, acc_t>)(
           static_cast<const scalar_t*>(x), static_cast<const scalar_t*>(residual), static_cast<scalar_t*>(out), w,
           p);
       return cudaGetLastError();
@@ -399,18 +400,18 @@ cudaError_t abn_backward_reduce(const void* grad, const void* saved, const void*
           // plan_batch_stats keeps chunks <= 65535 for grid.y.
           const dim3 block(kTileChannels, kTileRows);
           const dim3 grid(static_cast<unsigned>(ceil_div(C, kTileChannels)), static_cast<unsigned>(plan.chunks));
-          reduce_partial_channels_last<A, kFromOutput, scalar_t, acc_t>
-              <<<grid, block, 0, stream>>>(g, s, r, plan, p, part_dy, part_dy_xhat);
+          EFFILAYERS_LAUNCH(grid, block, stream, reduce_partial_channels_last<A, kFromOutput, scalar_t, acc_t>)(
+              g, s, r, plan, p, part_dy, part_dy_xhat);
         } else {
-          reduce_partial_channels_first<A, kFromOutput, scalar_t, acc_t>
-              <<<static_cast<unsigned>(C * plan.chunks), kChunkThreads, 0, stream>>>(g, s, r, plan, p, part_dy,
-                                                                                    part_dy_xhat);
+          EFFILAYERS_LAUNCH(static_cast<unsigned>(C * plan.chunks), kChunkThreads, stream,
+                            reduce_partial_channels_first<A, kFromOutput, scalar_t, acc_t>)(
+              g, s, r, plan, p, part_dy, part_dy_xhat);
         }
         return cudaGetLastError();
       });
     });
     if (err != cudaSuccess) return err;
-    reduce_merge<acc_t><<<static_cast<unsigned>(C), kChunkThreads, 0, stream>>>(
+    EFFILAYERS_LAUNCH(static_cast<unsigned>(C), kChunkThreads, stream, reduce_merge<acc_t>)(
         plan.chunks, C, part_dy, part_dy_xhat, static_cast<acc_t*>(sum_dy), static_cast<acc_t*>(sum_dy_xhat));
     return cudaGetLastError();
   });
@@ -426,8 +427,8 @@ cudaError_t abn_backward_elemt(const void* grad, const void* saved, const void* 
     using acc_t = typename decltype(types)::acc_t;
     return with_activation(channels.activation, [&](auto act) {
       return with_source(saved_is_output, [&](auto from_output) {
-        elemt_kernel<decltype(act)::value, decltype(from_output)::value, scalar_t, acc_t>
-            <<<blocks, kThreads, 0, stream>>>(
+        EFFILAYERS_LAUNCH(blocks, kThreads, stream,
+                          elemt_kernel<decltype(act)::value, decltype(from_output)::value, scalar_t, acc_t>)(
                 static_cast<const scalar_t*>(grad), static_cast<const scalar_t*>(saved),
                 static_cast<const scalar_t*>(residual), static_cast<scalar_t*>(grad_input),
                 static_cast<scalar_t*>(grad_residual), w, p, static_cast<const acc_t*>(mean_dy),

@@ -1,7 +1,8 @@
 // Torch binding of the activated-BatchNorm CUDA kernels in abn.cu:
 // effilayers_cuda::abn_forward, abn_forward_, abn_backward_reduce and
-// abn_backward_elemt, with the schemas of their CPU counterparts. Only built
-// where torch has CUDA.
+// abn_backward_elemt, with the schemas of their CPU counterparts. Built
+// where torch has CUDA, and on CPU tensors into the emulated test library
+// (binding.h).
 //
 // The kernels walk every full-size tensor of a call with one flat index, so
 // the binding makes them share one dense layout: x (or saved) is used in
@@ -12,9 +13,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -33,7 +31,8 @@ namespace {
 
 void check_cuda_input(const at::Tensor& x, const char* op, const char* name) {
   check_batch_input(x, op);
-  TORCH_CHECK(x.is_cuda(), op, " (cuda kernel): ", name, " must be a CUDA tensor, got ", x.device());
+  TORCH_CHECK(on_kernel_device(x), op, " (cuda kernel): ", name, " must be a ", kKernelDevice, " tensor, got ",
+              x.device());
 }
 
 // A (C,) vector in the accumulation dtype, contiguous, as the kernels read it.
@@ -93,7 +92,7 @@ at::Tensor forward(const at::Tensor& x_arg, const at::Tensor& mean, const at::Te
                    const std::optional<at::Tensor>& residual_arg, const std::string& activation,
                    double activation_param, double weight_eps, bool inplace, const char* op) {
   check_cuda_input(x_arg, op, "x");
-  const c10::cuda::CUDAGuard guard(x_arg.device());
+  const KernelDeviceGuard guard(x_arg.device());
   const at::Tensor x = readable_batch(x_arg);
   const at::Tensor out = inplace ? x : at::empty_like(x);
   const cuda::Activation act = parse_activation(activation, op);
@@ -102,8 +101,8 @@ at::Tensor forward(const at::Tensor& x_arg, const at::Tensor& mean, const at::Te
   if (x.numel() > 0) {
     const cuda::StatsPlan plan = plan_for(x);
     at::Tensor workspace = workspace_for(plan, x, /*reduce=*/false);
-    C10_CUDA_CHECK(cuda::abn_forward(x.const_data_ptr(), maybe_ptr(residual), out.mutable_data_ptr(), plan, ch.view,
-                                     workspace.mutable_data_ptr(), c10::cuda::getCurrentCUDAStream()));
+    EFFILAYERS_KERNEL_CHECK(cuda::abn_forward(x.const_data_ptr(), maybe_ptr(residual), out.mutable_data_ptr(), plan,
+                                              ch.view, workspace.mutable_data_ptr(), kernel_stream()));
   }
   if (inplace && !x.is_same(x_arg)) x_arg.copy_(x);
   return out;
@@ -155,7 +154,7 @@ std::tuple<at::Tensor, at::Tensor> abn_backward_reduce_cuda(
     double weight_eps, bool saved_is_output) {
   const char* op = "abn_backward_reduce";
   check_cuda_input(saved_arg, op, "saved");
-  const c10::cuda::CUDAGuard guard(saved_arg.device());
+  const KernelDeviceGuard guard(saved_arg.device());
   const BackwardInputs in = backward_inputs(grad_arg, saved_arg, mean, invstd, weight, bias, residual_arg, activation,
                                             activation_param, weight_eps, op);
   const cuda::StatsPlan plan = plan_for(in.saved);
@@ -163,10 +162,10 @@ std::tuple<at::Tensor, at::Tensor> abn_backward_reduce_cuda(
   at::Tensor sum_dy = at::empty({plan.channels}, acc_options);
   at::Tensor sum_dy_xhat = at::empty({plan.channels}, acc_options);
   at::Tensor workspace = workspace_for(plan, in.saved, /*reduce=*/true);
-  C10_CUDA_CHECK(cuda::abn_backward_reduce(in.grad.const_data_ptr(), in.saved.const_data_ptr(),
-                                           maybe_ptr(in.residual), saved_is_output, plan, in.ch.view,
-                                           sum_dy.mutable_data_ptr(), sum_dy_xhat.mutable_data_ptr(),
-                                           workspace.mutable_data_ptr(), c10::cuda::getCurrentCUDAStream()));
+  EFFILAYERS_KERNEL_CHECK(cuda::abn_backward_reduce(in.grad.const_data_ptr(), in.saved.const_data_ptr(),
+                                                    maybe_ptr(in.residual), saved_is_output, plan, in.ch.view,
+                                                    sum_dy.mutable_data_ptr(), sum_dy_xhat.mutable_data_ptr(),
+                                                    workspace.mutable_data_ptr(), kernel_stream()));
   return {sum_dy, sum_dy_xhat};
 }
 
@@ -178,7 +177,7 @@ std::tuple<at::Tensor, at::Tensor> abn_backward_elemt_cuda(
     bool want_residual_grad) {
   const char* op = "abn_backward_elemt";
   check_cuda_input(saved_arg, op, "saved");
-  const c10::cuda::CUDAGuard guard(saved_arg.device());
+  const KernelDeviceGuard guard(saved_arg.device());
   const BackwardInputs in = backward_inputs(grad_arg, saved_arg, mean, invstd, weight, bias, residual_arg, activation,
                                             activation_param, weight_eps, op);
   const at::Tensor mean_dy = channel_vector(mean_dy_arg, in.saved, op, "mean_dy");
@@ -188,11 +187,11 @@ std::tuple<at::Tensor, at::Tensor> abn_backward_elemt_cuda(
   if (in.saved.numel() > 0) {
     const cuda::StatsPlan plan = plan_for(in.saved);
     at::Tensor workspace = workspace_for(plan, in.saved, /*reduce=*/false);
-    C10_CUDA_CHECK(cuda::abn_backward_elemt(
+    EFFILAYERS_KERNEL_CHECK(cuda::abn_backward_elemt(
         in.grad.const_data_ptr(), in.saved.const_data_ptr(), maybe_ptr(in.residual), saved_is_output, plan,
         in.ch.view, mean_dy.const_data_ptr(), mean_dy_xhat.const_data_ptr(), grad_input.mutable_data_ptr(),
         want_residual_grad ? grad_residual.mutable_data_ptr() : nullptr, workspace.mutable_data_ptr(),
-        c10::cuda::getCurrentCUDAStream()));
+        kernel_stream()));
   }
   return {grad_input, grad_residual};
 }
@@ -200,7 +199,7 @@ std::tuple<at::Tensor, at::Tensor> abn_backward_elemt_cuda(
 }  // namespace
 }  // namespace effilayers
 
-TORCH_LIBRARY_FRAGMENT(effilayers_cuda, m) {
+TORCH_LIBRARY_FRAGMENT(EFFILAYERS_KERNEL_LIBRARY, m) {
   m.def(effilayers::schema::kAbnForward);
   m.def(effilayers::schema::kAbnForwardInplace);
   m.def(effilayers::schema::kAbnBackwardReduce);
@@ -208,7 +207,7 @@ TORCH_LIBRARY_FRAGMENT(effilayers_cuda, m) {
   m.def(effilayers::schema::kAbnBackward);
 }
 
-TORCH_LIBRARY_IMPL(effilayers_cuda, CUDA, m) {
+TORCH_LIBRARY_IMPL(EFFILAYERS_KERNEL_LIBRARY, EFFILAYERS_KERNEL_DISPATCH_KEY, m) {
   m.impl("abn_forward", &effilayers::abn_forward_cuda);
   m.impl("abn_forward_", &effilayers::abn_forward_inplace_cuda);
   m.impl("abn_backward_reduce", &effilayers::abn_backward_reduce_cuda);

@@ -17,6 +17,7 @@
 #include <cstdint>
 
 #include "elementwise.cuh"
+#include "launch.cuh"
 #include "reduce.cuh"
 #include "stats.cuh"
 
@@ -108,16 +109,16 @@ cudaError_t launch(const void* input, const StatsPlan& plan, int64_t correction,
   if (plan.channels_last) {
     const dim3 block(kTileChannels, kTileRows);
     const dim3 grid(static_cast<unsigned>(ceil_div(C, kTileChannels)), static_cast<unsigned>(plan.chunks));
-    partial_channels_last<scalar_t, acc_t><<<grid, block, 0, stream>>>(x, plan, part_mean, part_m2, part_count);
+    EFFILAYERS_LAUNCH(grid, block, stream, partial_channels_last<scalar_t, acc_t>)(x, plan, part_mean, part_m2,
+                                                                                  part_count);
   } else {
-    partial_channels_first<scalar_t, acc_t>
-        <<<static_cast<unsigned>(C * plan.chunks), kChunkThreads, 0, stream>>>(x, plan, part_mean, part_m2,
-                                                                               part_count);
+    EFFILAYERS_LAUNCH(static_cast<unsigned>(C * plan.chunks), kChunkThreads, stream,
+                      partial_channels_first<scalar_t, acc_t>)(x, plan, part_mean, part_m2, part_count);
   }
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  merge_chunks<acc_t><<<static_cast<unsigned>(C), kChunkThreads, 0, stream>>>(plan, correction, part_mean, part_m2,
-                                                                               part_count, mean, var);
+  EFFILAYERS_LAUNCH(static_cast<unsigned>(C), kChunkThreads, stream, merge_chunks<acc_t>)(
+      plan, correction, part_mean, part_m2, part_count, mean, var);
   return cudaGetLastError();
 }
 

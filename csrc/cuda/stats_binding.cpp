@@ -1,12 +1,10 @@
 // Torch binding of the batch-statistics CUDA kernels in stats.cu:
-// effilayers_cuda::batch_stats. Only built where torch has CUDA.
+// effilayers_cuda::batch_stats. Built where torch has CUDA, and on CPU
+// tensors into the emulated test library (binding.h).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/scalar_tensor.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -24,9 +22,9 @@ namespace {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_stats_cuda(const at::Tensor& input_arg, int64_t correction) {
   check_batch_input(input_arg, "batch_stats");
   TORCH_CHECK_VALUE(correction >= 0, "batch_stats: correction must be non-negative, got ", correction);
-  TORCH_CHECK(input_arg.is_cuda(), "batch_stats (cuda kernel): input must be a CUDA tensor, got ",
-              input_arg.device());
-  const c10::cuda::CUDAGuard guard(input_arg.device());
+  TORCH_CHECK(on_kernel_device(input_arg), "batch_stats (cuda kernel): input must be a ", kKernelDevice,
+              " tensor, got ", input_arg.device());
+  const KernelDeviceGuard guard(input_arg.device());
   const at::Tensor input = readable_batch(input_arg);
   const BatchGeometry g = batch_geometry(input);
   const auto acc_options = input.options().dtype(accumulation_type(input.scalar_type()));
@@ -37,9 +35,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_stats_cuda(const at::Tensor
   const cuda::StatsPlan plan = cuda::plan_batch_stats(g.batch, g.channels, g.spatial, g.channels_last);
   at::Tensor workspace =
       at::empty({std::max<int64_t>(1, cuda::batch_stats_workspace_elements(plan))}, acc_options);
-  C10_CUDA_CHECK(cuda::batch_stats(input.const_data_ptr(), kernel_dtype(input.scalar_type(), "batch_stats"), plan, correction,
-                                   mean.mutable_data_ptr(), var.mutable_data_ptr(), workspace.mutable_data_ptr(),
-                                   c10::cuda::getCurrentCUDAStream()));
+  EFFILAYERS_KERNEL_CHECK(cuda::batch_stats(input.const_data_ptr(), kernel_dtype(input.scalar_type(), "batch_stats"),
+                                            plan, correction, mean.mutable_data_ptr(), var.mutable_data_ptr(),
+                                            workspace.mutable_data_ptr(), kernel_stream()));
   return {mean, var, count};
 }
 
@@ -47,11 +45,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_stats_cuda(const at::Tensor
 }  // namespace effilayers
 
 // The stats kernel and the statistics with BatchNorm's running update built on it (common/batch_norm.h).
-TORCH_LIBRARY_FRAGMENT(effilayers_cuda, m) {
+TORCH_LIBRARY_FRAGMENT(EFFILAYERS_KERNEL_LIBRARY, m) {
   for (const char* schema : {effilayers::schema::kBatchStats, effilayers::schema::kNormalizingStatistics}) m.def(schema);
 }
 
-TORCH_LIBRARY_IMPL(effilayers_cuda, CUDA, m) {
+TORCH_LIBRARY_IMPL(EFFILAYERS_KERNEL_LIBRARY, EFFILAYERS_KERNEL_DISPATCH_KEY, m) {
   m.impl("batch_stats", &effilayers::batch_stats_cuda);
   m.impl("normalizing_statistics",
          &effilayers::normalizing_statistics<&effilayers::batch_stats_cuda, &effilayers::finish_statistics_aten>);

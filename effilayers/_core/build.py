@@ -5,7 +5,9 @@ own: ``effilayers_cpu`` (csrc/cpu, always attempted) and ``effilayers_cuda``
 (csrc/cuda, only where torch itself was built with CUDA). Neither has a Python
 binding: they register their kernels with ``TORCH_LIBRARY`` under the
 ``effilayers_cpu`` / ``effilayers_cuda`` namespaces and are loaded with
-``torch.ops.load_library``.
+``torch.ops.load_library``. A third, ``effilayers_emulated`` (kind
+``"emulated"``, tests only), is the CUDA library built for the CPU over the
+SIMT emulator in csrc/emulation (ARCHITECTURE.md).
 
 Where a library comes from, in order:
 1. a copy built ahead of time by ``EFFILAYERS_BUILD_EXT=1 pip install
@@ -35,6 +37,10 @@ from pathlib import Path
 # The package directory (this file sits in effilayers/_core/).
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
 KINDS = ("cpu", "cuda")
+# Built only for tests, never loaded by the registry: the CUDA kernels of
+# csrc/cuda compiled as C++ over the SIMT emulator (csrc/emulation), with
+# their bindings, as ops of ``effilayers_emulated`` on CPU tensors.
+TEST_KINDS = ("emulated",)
 
 
 class ExtensionUnavailable(RuntimeError):
@@ -64,8 +70,12 @@ def sources(kind: str, root: Path | None = None) -> list[str]:
         # The .cu files hold kernels and need only CUDA headers; the .cpp
         # files next to them bind those kernels to torch.
         patterns = ["cuda/*.cu", "cuda/*.cpp"]
+    elif kind == "emulated":
+        # emulation/*_kernels.cpp include the .cu files themselves (a .cu
+        # source would go to nvcc); the bindings are the CUDA library's own.
+        patterns = ["emulation/*.cpp", "cuda/*.cpp"]
     else:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        raise ValueError(f"kind must be one of {KINDS + TEST_KINDS}, got {kind!r}")
     files: list[str] = []
     for pattern in patterns:
         files.extend(sorted(glob.glob(str(root / pattern))))
@@ -85,10 +95,22 @@ def _cpu_isa_flags() -> list[str]:
 
 
 def cflags(kind: str) -> list[str]:
+    if kind == "emulated":
+        # -O1: the emulated kernels run small test shapes, and the many
+        # instantiations of abn.cu compile much faster than at -O3.
+        return ["-O1", "-DNDEBUG", "-DEFFILAYERS_SIMT_EMULATION"]
     flags = ["-O3", "-fopenmp", "-DNDEBUG"]
     if kind == "cpu":
         flags += _cpu_isa_flags()
     return flags
+
+
+def include_paths(kind: str) -> list[str]:
+    paths = [str(csrc_dir())]
+    if kind == "emulated":
+        # Its cuda_runtime.h, cuda_fp16.h and cuda_bf16.h stand in for the toolkit's.
+        paths.append(str(csrc_dir() / "emulation" / "include"))
+    return paths
 
 
 def ldflags(kind: str) -> list[str]:
@@ -114,6 +136,8 @@ def _fingerprint(kind: str, files: list[str]) -> str:
     # Headers are not in the source list but change the build all the same.
     headers = sorted(glob.glob(str(root / "**" / "*.h"), recursive=True))
     headers += sorted(glob.glob(str(root / "**" / "*.cuh"), recursive=True))
+    if kind == "emulated":  # included by emulation/*_kernels.cpp
+        headers += sorted(glob.glob(str(root / "cuda" / "*.cu")))
     for path in [*files, *headers]:
         digest.update(os.path.relpath(path, root).encode())
         digest.update(Path(path).read_bytes())
@@ -158,8 +182,8 @@ def build_and_load(kind: str) -> str:
     """
     import torch
 
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if kind not in KINDS + TEST_KINDS:
+        raise ValueError(f"kind must be one of {KINDS + TEST_KINDS}, got {kind!r}")
     if kind == "cuda" and torch.version.cuda is None:
         raise ExtensionUnavailable(f"this torch ({torch.__version__}) was built without CUDA")
 
@@ -255,7 +279,7 @@ def _jit_build(kind: str, files: list[str], build_dir: Path) -> None:
             extra_cflags=cflags(kind),
             extra_ldflags=ldflags(kind),
             extra_cuda_cflags=cuda_cflags() if kind == "cuda" else None,
-            extra_include_paths=[str(csrc_dir())],
+            extra_include_paths=include_paths(kind),
             build_directory=str(build_dir),
             is_python_module=False,
             verbose=verbose,
