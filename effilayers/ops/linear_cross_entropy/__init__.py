@@ -48,9 +48,13 @@ Memory: what is saved, and the peak
     logits' gradient by ``grad_output_i * s_i``: one more pass of matmuls,
     in exchange for exact gradients for any ``grad_output``. Either way
     nothing saved or allocated grows with tokens x classes: the peak above
-    the inputs is one chunk of logits (plus a float32 copy of it for
-    fp16/bf16 on CPU, which has no mixed-dtype GEMM) and the weight-sized
-    accumulators.
+    the inputs is one chunk of logits (one buffer, reused by every chunk;
+    plus a float32 copy of it for fp16/bf16 on CPU, which has no mixed-dtype
+    GEMM) and the weight-sized accumulators. Measured on CPU (4096 tokens,
+    hidden 128, 32768 classes, float32: 512 MiB of logits), the process's
+    peak resident set grows by about 35 MiB over forward + backward
+    (``tests/test_linear_cross_entropy_api.py::test_peak_memory_of_a_step_in_a_fresh_process``
+    holds it under 0.2x the logits).
 
 Numerics
     The logits of a chunk are rounded to the compute dtype, as

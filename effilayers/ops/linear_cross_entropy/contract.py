@@ -87,8 +87,8 @@ def check_arguments(input, weight, target, bias, ignore_index, label_smoothing, 
         raise ValueError(f"{OP}: target is on {target.device} but input is on {input.device}")
     if target.is_floating_point():
         if tuple(target.shape) != tokens + (classes,):
-            raise ValueError(f"{OP}: a probability target must have shape {tokens + (classes,)} (input's leading "
-                             f"dimensions, then the classes), got {tuple(target.shape)}")
+            raise ValueError(f"{OP}: target (class probabilities) must have shape {tokens + (classes,)} (input's "
+                             f"leading dimensions, then the classes), got {tuple(target.shape)}")
         if target.requires_grad and torch.is_grad_enabled():
             raise ValueError(f"{OP}: target requires grad, but the loss is not differentiated with respect to "
                              "it; pass target.detach()")

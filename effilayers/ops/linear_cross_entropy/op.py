@@ -55,17 +55,21 @@ def _soft_rows(logits, probs, class_weight, label_smoothing, grad_scale, write_g
     return rows
 
 
-def _accumulate_mm(accumulator: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """accumulator += a @ b, with the product kept in the accumulator's dtype
-    (never rounded to fp16/bf16 chunk by chunk)."""
-    if a.dtype == accumulator.dtype:
-        accumulator.addmm_(a, b)
+def _accumulate_weight_grad(accumulator: torch.Tensor, d_logits: torch.Tensor, x: torch.Tensor,
+                            scratch: Optional[torch.Tensor]) -> None:
+    """accumulator += d_logits^T @ x, the product kept in the accumulator's
+    dtype (never rounded to fp16/bf16 chunk by chunk). ``scratch``: a buffer
+    of at least d_logits' shape in the accumulator's dtype, for CPU, which has
+    no mixed-dtype GEMM."""
+    if d_logits.dtype == accumulator.dtype:
+        accumulator.addmm_(d_logits.t(), x)
     elif accumulator.device.type == "cuda":
-        # cuBLAS's fp16/bf16 GEMM with a float32 output (torch >= 2.9).
-        accumulator.add_(torch.mm(a, b, out_dtype=accumulator.dtype))
+        # cuBLAS's fp16/bf16 GEMM with a float32 output.
+        accumulator.add_(torch.mm(d_logits.t(), x, out_dtype=accumulator.dtype))
     else:
-        # CPU has no mixed-dtype GEMM: float32 copies of the chunk's operands.
-        accumulator.addmm_(a.to(accumulator.dtype), b.to(accumulator.dtype))
+        wide = scratch[:d_logits.shape[0]]
+        wide.copy_(d_logits)
+        accumulator.addmm_(wide.t(), x.to(accumulator.dtype))
 
 
 def _chunks(input, weight, target, bias, class_weight, ignore_index, label_smoothing, chunk_size, compute_dtype,
@@ -92,10 +96,22 @@ def _chunks(input, weight, target, bias, class_weight, ignore_index, label_smoot
     grad_bias = torch.zeros((classes,), dtype=acc, device=device) if needs[2] else None
     write_grad = any(needs)
     rows_kernel = None if soft else registry.kernel("cross_entropy", device)
+    # One logits buffer for every chunk: a fresh chunk-sized allocation per
+    # chunk costs page faults each time on CPU, and glibc keeps some of the
+    # freed chunks (its mmap threshold rises to their size), which grew the
+    # resident set to several chunks.
+    buffer = torch.empty((min(step, tokens), classes), dtype=compute_dtype, device=device)
+    scratch = None
+    if needs[1] and compute_dtype != acc and device.type != "cuda":
+        scratch = torch.empty(buffer.shape, dtype=acc, device=device)
     for start in range(0, tokens, step):
         stop = min(start + step, tokens)
         x = input[start:stop].to(compute_dtype)
-        logits = torch.mm(x, w.t()) if b is None else torch.addmm(b, x, w.t())
+        logits = buffer[:stop - start]
+        if b is None:
+            torch.mm(x, w.t(), out=logits)
+        else:
+            torch.addmm(b, x, w.t(), out=logits)
         if soft:
             rows = _soft_rows(logits, target[start:stop], kernel_weight, label_smoothing, grad_scale, write_grad)
         else:
@@ -110,9 +126,12 @@ def _chunks(input, weight, target, bias, class_weight, ignore_index, label_smoot
         if row_scale is not None:
             logits.mul_(row_scale[start:stop, None])
         if needs[0]:
-            grad_input[start:stop] = torch.mm(logits, w)
+            if grad_input.dtype == compute_dtype:
+                torch.mm(logits, w, out=grad_input[start:stop])
+            else:  # autocast: the input's own dtype differs from the matmuls'
+                grad_input[start:stop] = torch.mm(logits, w)
         if needs[1]:
-            _accumulate_mm(grad_weight, logits.t(), x)
+            _accumulate_weight_grad(grad_weight, logits, x, scratch)
         if needs[2]:
             grad_bias += logits.sum(0, dtype=acc)
     return loss_rows, grad_input, grad_weight, grad_bias
