@@ -24,7 +24,9 @@ CHUNK_LOGITS_BYTES = 16 << 20
 
 def chunk_tokens(tokens: int, classes: int, itemsize: int, input_bytes: int, chunk_size: Optional[int]) -> int:
     """Tokens per chunk: ``chunk_size`` when given, else the most whose
-    logits fit in ``max(CHUNK_LOGITS_BYTES, input_bytes)`` (at least one)."""
+    logits fit in ``max(CHUNK_LOGITS_BYTES, input_bytes)`` (at least one).
+    ``itemsize``: bytes per logit (6 for fp16/bf16 on CPU when the weight
+    gradient is wanted: the logits and their float32 copy)."""
     if chunk_size is not None:
         return max(1, min(chunk_size, tokens))
     budget = max(CHUNK_LOGITS_BYTES, input_bytes)
@@ -88,8 +90,14 @@ def _chunks(input, weight, target, bias, class_weight, ignore_index, label_smoot
     w = weight.to(compute_dtype)
     b = None if bias is None else bias.to(compute_dtype)
     kernel_weight = None if class_weight is None else class_weight.to(acc).contiguous()
-    step = chunk_tokens(tokens, classes, torch.empty((), dtype=compute_dtype).element_size(),
-                        input.numel() * input.element_size(), chunk_size)
+    # CPU has no fp16/bf16 GEMM with a float32 output: the weight gradient
+    # reads a float32 copy of each chunk's logits gradient, which counts
+    # against the chunk's bytes too.
+    needs_scratch = needs[1] and compute_dtype != acc and device.type != "cuda"
+    bytes_per_logit = torch.empty((), dtype=compute_dtype).element_size()
+    if needs_scratch:
+        bytes_per_logit += torch.empty((), dtype=acc).element_size()
+    step = chunk_tokens(tokens, classes, bytes_per_logit, input.numel() * input.element_size(), chunk_size)
     loss_rows = torch.empty(tokens, dtype=acc, device=device) if keep_rows else None
     grad_input = torch.empty((tokens, hidden), dtype=input.dtype, device=device) if needs[0] else None
     grad_weight = torch.zeros((classes, hidden), dtype=acc, device=device) if needs[1] else None
@@ -101,9 +109,7 @@ def _chunks(input, weight, target, bias, class_weight, ignore_index, label_smoot
     # freed chunks (its mmap threshold rises to their size), which grew the
     # resident set to several chunks.
     buffer = torch.empty((min(step, tokens), classes), dtype=compute_dtype, device=device)
-    scratch = None
-    if needs[1] and compute_dtype != acc and device.type != "cuda":
-        scratch = torch.empty(buffer.shape, dtype=acc, device=device)
+    scratch = torch.empty(buffer.shape, dtype=acc, device=device) if needs_scratch else None
     for start in range(0, tokens, step):
         stop = min(start + step, tokens)
         x = input[start:stop].to(compute_dtype)
@@ -339,8 +345,9 @@ def linear_cross_entropy(
     ``weight``); ``token_weight``: ``input.shape[:-1]``, one weight per token.
 
     ``chunk_size`` (tokens per chunk): by default the most tokens whose logits
-    take at most ``max(16 MiB, the input's bytes)`` in the compute dtype,
-    and at least one token. See the package docstring for the mean's
+    take at most ``max(16 MiB, the input's bytes)`` in the compute dtype
+    (counting, for fp16/bf16 on CPU, the float32 copy the weight gradient's
+    GEMM reads), and at least one token. See the package docstring for the mean's
     definition with token weights, numerics, autocast and memory.
     """
     autocasting = _autocasting(input)
