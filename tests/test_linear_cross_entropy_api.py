@@ -316,3 +316,16 @@ def test_peak_memory_of_a_step_in_a_fresh_process(reduction):
     measured = json.loads(result.stdout.strip().splitlines()[-1])
     assert measured["known"] >= 60 << 20, measured
     assert measured["growth"] <= 0.2 * measured["logits"], measured
+
+
+def test_readme_example_runs_and_matches_torch():
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("#### Linear + cross-entropy without the logits", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict = {}
+    exec(compile(code, "README.md (linear + cross-entropy)", "exec"), namespace)
+    h, labels, lm_head = namespace["h"], namespace["labels"], namespace["lm_head"]
+    expected = F.cross_entropy(lm_head(h).flatten(0, 1), labels.flatten())
+    assert_close(namespace["loss"].detach(), expected.detach(), torch.float32)
+    assert namespace["per_token"].shape == labels.shape
+    assert namespace["lm_head"].weight.grad is not None
