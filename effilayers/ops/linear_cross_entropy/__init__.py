@@ -79,6 +79,12 @@ Targets out of range
     no host check (it would synchronise), the row kernel makes that token's
     loss and gradient NaN (see the cross_entropy family).
 
+Vocabulary-parallel
+    A DTensor ``weight`` (and ``bias``) sharded over the classes
+    (``Shard(0)`` on a 1-D mesh) runs ``vocab_parallel.py``: the same chunks,
+    with the row statistics all-reduced across the mesh (its docstring says
+    what is supported).
+
 Not supported: double backward (a clear error), forward-mode AD, gradients
 with respect to ``target``, ``class_weight`` or ``token_weight`` (refused
 when they require grad).
