@@ -329,3 +329,38 @@ def test_readme_example_runs_and_matches_torch():
     assert_close(namespace["loss"].detach(), expected.detach(), torch.float32)
     assert namespace["per_token"].shape == labels.shape
     assert namespace["lm_head"].weight.grad is not None
+
+
+def test_fake_cuda_autocast_dtypes_follow_torch():
+    # Shapes and dtypes only (fake CUDA tensors): the loss is float32 under
+    # CUDA autocast, as F.linear + F.cross_entropy's is, for every input dtype
+    # autocast casts; float64 stays float64 (autocast leaves it alone).
+    from .conftest import fake_cuda_autocast
+
+    with fake_cuda_autocast(torch.bfloat16):
+        for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            x = torch.empty(6, 8, dtype=dtype, device="cuda")
+            w = torch.empty(11, 8, dtype=dtype, device="cuda")
+            target = torch.zeros(6, dtype=torch.int64, device="cuda")
+            for reduction in ("mean", "none"):
+                expected = F.cross_entropy(F.linear(x, w), target, reduction=reduction)
+                loss = linear_cross_entropy(x, w, target, reduction=reduction)
+                assert loss.dtype == expected.dtype and loss.shape == expected.shape, (dtype, reduction)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cuda_matches_float64_and_peak_stays_small(dtype):
+    # The GPU path: cuBLAS matmuls, the Triton row kernel in place, and (bf16)
+    # cuBLAS's GEMM with a float32 output for the weight gradient.
+    x, w, b, target = make_problem((301,), 64, 50257, dtype, "cuda", ignore_every=7)
+    options = dict(label_smoothing=0.05, chunk_size=64)
+    actual = fused(x, w, b, target, **options)
+    expected = unfused(x, w, b, target, **options)
+    assert_same(actual, expected, dtype, grad_tier="linear_cross_entropy")
+    # Peak over forward + backward at 4096 x 128 x 32768: at most 0.2x the fp32 logits.
+    x, w, b, target = make_problem((4096,), 128, 32768, dtype, "cuda")
+    leaves = [t.requires_grad_() for t in (x, w, b)]
+    with memory.track_cuda_peak() as meter:
+        linear_cross_entropy(leaves[0], leaves[1], target, leaves[2]).backward()
+    assert meter.step_bytes <= 0.2 * 4096 * 32768 * 4, meter.step_bytes
