@@ -58,21 +58,15 @@ def _soft_rows(logits, probs, class_weight, label_smoothing, grad_scale, write_g
     return rows
 
 
-def _accumulate_weight_grad(accumulator: torch.Tensor, d_logits: torch.Tensor, x: torch.Tensor,
-                            scratch: Optional[torch.Tensor]) -> None:
+def _accumulate_weight_grad(accumulator: torch.Tensor, d_logits: torch.Tensor, x: torch.Tensor) -> None:
     """accumulator += d_logits^T @ x, the product kept in the accumulator's
-    dtype (never rounded to fp16/bf16 chunk by chunk). ``scratch``: a buffer
-    of at least d_logits' shape in the accumulator's dtype, for CPU, which has
-    no mixed-dtype GEMM."""
+    dtype (never rounded to fp16/bf16 chunk by chunk). On CPU, which has no
+    mixed-dtype GEMM, ``d_logits`` arrives already in the accumulator's dtype."""
     if d_logits.dtype == accumulator.dtype:
-        accumulator.addmm_(d_logits.t(), x)
-    elif accumulator.device.type == "cuda":
+        accumulator.addmm_(d_logits.t(), x.to(accumulator.dtype))
+    else:
         # cuBLAS's fp16/bf16 GEMM with a float32 output.
         accumulator.add_(torch.mm(d_logits.t(), x, out_dtype=accumulator.dtype))
-    else:
-        wide = scratch[:d_logits.shape[0]]
-        wide.copy_(d_logits)
-        accumulator.addmm_(wide.t(), x.to(accumulator.dtype))
 
 
 def _chunks(input, weight, target, bias, class_weight, ignore_index, label_smoothing, chunk_size, compute_dtype,
@@ -94,7 +88,7 @@ def _chunks(input, weight, target, bias, class_weight, ignore_index, label_smoot
     # CPU has no fp16/bf16 GEMM with a float32 output: the weight gradient
     # reads a float32 copy of each chunk's logits gradient, which counts
     # against the chunk's bytes too.
-    needs_scratch = needs[1] and compute_dtype != acc and device.type != "cuda"
+    needs_scratch = (needs[1] or needs[2]) and compute_dtype != acc and device.type != "cuda"
     bytes_per_logit = torch.empty((), dtype=compute_dtype).element_size()
     if needs_scratch:
         bytes_per_logit += torch.empty((), dtype=acc).element_size()
@@ -137,10 +131,15 @@ def _chunks(input, weight, target, bias, class_weight, ignore_index, label_smoot
                 torch.mm(logits, w, out=grad_input[start:stop])
             else:  # autocast: the input's own dtype differs from the matmuls'
                 grad_input[start:stop] = torch.mm(logits, w)
-        if needs[1]:
-            _accumulate_weight_grad(grad_weight, logits, x, scratch)
-        if needs[2]:
-            grad_bias += logits.sum(0, dtype=acc)
+        if needs[1] or needs[2]:
+            wide = logits
+            if scratch is not None:  # one float32 copy serves both sums
+                wide = scratch[:stop - start]
+                wide.copy_(logits)
+            if needs[1]:
+                _accumulate_weight_grad(grad_weight, wide, x)
+            if needs[2]:
+                grad_bias += wide.sum(0, dtype=acc)
     return loss_rows, grad_input, grad_weight, grad_bias
 
 
