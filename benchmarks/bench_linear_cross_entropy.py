@@ -21,9 +21,11 @@ Recorded in ``extra_info``:
   held before, gradients included, and ``peak_ratio_vs_torch`` against the
   unfused eager computation measured in the same test. CUDA:
   ``max_memory_allocated`` after ``reset_peak_memory_stats``. CPU: the growth
-  of the process's peak resident set (VmHWM, reset through
-  /proc/self/clear_refs; Linux only), the first measured call of each
-  implementation after one warm-up call;
+  of the peak resident set (VmHWM, reset through /proc/self/clear_refs;
+  Linux only) over one call in a fresh process after a small warm-up call
+  (in this process, memory the allocator kept from earlier calls would hide
+  the growth); not for torch-compile (its compilation in a fresh process
+  would dominate);
 * ``time_ratio_vs_torch`` (CUDA: median of CUDA-event timings; CPU: fastest
   round, as in bench_cross_entropy.py) against the unfused eager computation.
 
@@ -120,9 +122,10 @@ def _high_water_mark():
 
 
 def peak_and_time(fn, device, inputs, repeats):
-    """(peak bytes above what was held before, time in ms) of forward +
-    backward: CUDA, the largest peak and the median time of `repeats` calls;
-    CPU, the peak of the first call and the fastest of `repeats`."""
+    """(peak bytes above what was held before or None, time in ms) of
+    forward + backward: CUDA, the largest peak and the median time of
+    `repeats` calls; CPU, no peak (see fresh_process_peak) and the fastest
+    of `repeats`."""
     step(fn, *inputs)  # warm-up (compilation, the C++ library, torch's kernels)
     peaks, times = [], []
     for _ in range(repeats):
@@ -138,17 +141,28 @@ def peak_and_time(fn, device, inputs, repeats):
             times.append(start.elapsed_time(end))
             peaks.append(torch.cuda.max_memory_allocated() - before)
         else:
-            with open("/proc/self/clear_refs", "w") as clear:
-                clear.write("5")
-            before = _high_water_mark()
             start = time.perf_counter()
             result = step(fn, *inputs)
             times.append((time.perf_counter() - start) * 1e3)
-            peaks.append(_high_water_mark() - before)
         del result
     if device == "cuda":
         return max(peaks), statistics.median(times)
-    return peaks[0], min(times)
+    return None, min(times)
+
+
+def fresh_process_peak(variant: str, dtype: torch.dtype, shape) -> int:
+    """CPU: measure_peak in a new Python process."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import json, sys; from benchmarks.bench_linear_cross_entropy import measure_peak; "
+            "print(json.dumps(measure_peak(sys.argv[1], sys.argv[2], tuple(map(int, sys.argv[3:])))))")
+    done = subprocess.run([sys.executable, "-c", code, variant, str(dtype)[6:], *map(str, shape)], cwd=root,
+                          check=True, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": root})
+    return json.loads(done.stdout.strip().splitlines()[-1])["growth"]
 
 
 @pytest.mark.parametrize("device, shape, dtype", list(cases()))
@@ -163,12 +177,14 @@ def test_forward_backward(benchmark, implementation, device, shape, dtype):
         ours_saved, torch_saved = saved_bytes(fn, *inputs), saved_bytes(unfused, *inputs)
         benchmark.extra_info.update(activation_bytes=ours_saved, activation_ratio_vs_torch=ours_saved / torch_saved)
     repeats = 3 if device == "cpu" else 10
-    # Ours first: its peak is the small one, and must not hide in memory the
-    # allocator kept from the unfused run.
     peak, ms = peak_and_time(fn, device, inputs, repeats)
     torch_peak, torch_ms = peak_and_time(unfused, device, inputs, repeats)
-    benchmark.extra_info.update(peak_bytes=peak, torch_peak_bytes=torch_peak, peak_ratio_vs_torch=peak / torch_peak,
-                                ms=ms, torch_ms=torch_ms, time_ratio_vs_torch=ms / torch_ms,
+    if device == "cpu" and implementation in MEMORY_VARIANTS:
+        peak, torch_peak = fresh_process_peak(implementation, dtype, shape), fresh_process_peak("torch", dtype, shape)
+    if peak is not None:
+        benchmark.extra_info.update(peak_bytes=peak, torch_peak_bytes=torch_peak,
+                                    peak_ratio_vs_torch=peak / torch_peak)
+    benchmark.extra_info.update(ms=ms, torch_ms=torch_ms, time_ratio_vs_torch=ms / torch_ms,
                                 threads=torch.get_num_threads())
     if device == "cuda":
         benchmark.extra_info.update(device_name=torch.cuda.get_device_name())
@@ -188,23 +204,28 @@ def test_forward_backward(benchmark, implementation, device, shape, dtype):
 # --------------------------------------------------------------------------
 
 MEMORY_SHAPE = (4096, 128, 32768)
-MEMORY_VARIANTS = {
-    "F.linear + F.cross_entropy": unfused,
-    "F.linear + effilayers cross_entropy(inplace_backward=True)": lambda x, weight, bias, target: __import__(
-        "effilayers.functional", fromlist=["cross_entropy"]).cross_entropy(
-        F.linear(x, weight, bias), target, inplace_backward=True),
-    "effilayers linear_cross_entropy": fused,
-}
 
 
-def measure_peak(variant: str, dtype_name: str) -> dict:
+def _unfused_inplace(x, weight, bias, target):
+    from effilayers.functional import cross_entropy
+
+    return cross_entropy(F.linear(x, weight, bias), target, inplace_backward=True)
+
+
+MEMORY_VARIANTS = {"torch": unfused, "effilayers-cross_entropy-inplace": _unfused_inplace, "effilayers": fused}
+MEMORY_LABELS = {"torch": "F.linear + F.cross_entropy",
+                 "effilayers-cross_entropy-inplace": "F.linear + effilayers cross_entropy(inplace_backward=True)",
+                 "effilayers": "effilayers linear_cross_entropy"}
+
+
+def measure_peak(variant: str, dtype_name: str, shape=MEMORY_SHAPE) -> dict:
     """In this process: one warm-up step on small tensors, then the growth of
-    the peak resident set over one forward + backward at MEMORY_SHAPE."""
+    the peak resident set over one forward + backward at ``shape``."""
     fn = MEMORY_VARIANTS[variant]
     dtype = getattr(torch, dtype_name)
-    tokens, hidden, classes = MEMORY_SHAPE
+    tokens, hidden, classes = shape
     step(fn, *make_inputs("cpu", (16, hidden, 100), dtype))
-    inputs = make_inputs("cpu", MEMORY_SHAPE, dtype)
+    inputs = make_inputs("cpu", shape, dtype)
     with open("/proc/self/clear_refs", "w") as clear:
         clear.write("5")
     before = _high_water_mark()
@@ -216,28 +237,20 @@ def measure_peak(variant: str, dtype_name: str) -> dict:
 
 
 def main() -> None:
-    import json
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     rows = []
-    for dtype_name in ("float32", "bfloat16"):
+    for dtype in (torch.float32, torch.bfloat16):
         for variant in MEMORY_VARIANTS:
-            code = ("import json, sys; from benchmarks.bench_linear_cross_entropy import measure_peak; "
-                    "print(json.dumps(measure_peak(sys.argv[1], sys.argv[2])))")
-            done = subprocess.run([sys.executable, "-c", code, variant, dtype_name], cwd=root, check=True,
-                                  capture_output=True, text=True, env={**os.environ, "PYTHONPATH": root})
-            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            growth = fresh_process_peak(variant, dtype, MEMORY_SHAPE)
+            rows.append((dtype, variant, growth))
     tokens, hidden, classes = MEMORY_SHAPE
     print(f"CPU peak RSS growth over forward + backward, {tokens} tokens x hidden {hidden} x {classes} classes, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}")
     print("| dtype | implementation | peak growth MiB | x logits (own dtype) | x fp32 logits |")
     print("| --- | --- | --- | --- | --- |")
-    for row in rows:
-        print(f"| {row['dtype']} | {row['variant']} | {row['growth'] / 2**20:.1f} | "
-              f"{row['growth'] / row['logits']:.3f} | {row['growth'] / row['logits_fp32']:.3f} |")
+    for dtype, variant, growth in rows:
+        logits = tokens * classes
+        print(f"| {str(dtype)[6:]} | {MEMORY_LABELS[variant]} | {growth / 2**20:.1f} | "
+              f"{growth / (logits * dtype.itemsize):.3f} | {growth / (logits * 4):.3f} |")
 
 
 if __name__ == "__main__":
