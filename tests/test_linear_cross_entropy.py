@@ -141,6 +141,15 @@ def test_vocabulary_sizes(ce_cpu_device, classes):
     assert_same(fused(x, w, b, target), unfused(x, w, b, target), torch.float64)  # the default chunk
 
 
+@pytest.mark.parametrize("target_dtype", [torch.int32, torch.uint8], ids=str)
+def test_narrow_integer_targets(ce_device, target_dtype):
+    x, w, b, target = make_problem((2, 5), 4, 9, torch.float64, ce_device)
+    for reduction in ("mean", "none"):
+        expected = unfused(x, w, b, target, reduction=reduction)
+        actual = fused(x, w, b, target.to(target_dtype), reduction=reduction, chunk_size=3)
+        assert_same(actual, expected, torch.float64)
+
+
 def test_unbatched_input():
     x, w, b, target = make_problem((), 5, 8, torch.float64)
     assert x.shape == (5,) and target.shape == ()

@@ -82,6 +82,8 @@ def _chunks(input, weight, target, bias, class_weight, ignore_index, label_smoot
     device = input.device
     acc = accumulation_dtype(compute_dtype)
     soft = target.is_floating_point()
+    if not soft:  # the row kernels read int64 class indices, row r at offset r
+        target = target.to(torch.int64).contiguous()
     w = weight.to(compute_dtype)
     b = None if bias is None else bias.to(compute_dtype)
     kernel_weight = None if class_weight is None else class_weight.to(acc).contiguous()
