@@ -150,6 +150,14 @@ def test_narrow_integer_targets(ce_device, target_dtype):
         assert_same(actual, expected, torch.float64)
 
 
+def test_no_tokens_like_torch(ce_cpu_device):
+    # A mean over nothing is NaN (0 / 0), a sum 0, "none" empty; empty input gradient, zero weight gradient.
+    x, w, b, target = make_problem((0,), 4, 6, torch.float64, ce_cpu_device)
+    for reduction in REDUCTIONS:
+        assert_same(fused(x, w, b, target, reduction=reduction), unfused(x, w, b, target, reduction=reduction),
+                    torch.float64)
+
+
 def test_unbatched_input():
     x, w, b, target = make_problem((), 5, 8, torch.float64)
     assert x.shape == (5,) and target.shape == ()
