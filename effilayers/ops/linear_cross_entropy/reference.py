@@ -1,0 +1,56 @@
+"""The unfused computation, written as the documented formula: the float64
+oracle of the tests (differentiable with torch's autograd). It materialises
+the whole ``(tokens, classes)`` logits, so it is never a fallback; the fused
+op's fallback is the cross_entropy family's reference row kernel, reached
+through the registry like its compiled kernels."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def linear_cross_entropy_reference(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    class_weight: Optional[torch.Tensor] = None,
+    token_weight: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``F.cross_entropy(F.linear(input, weight, bias), target, ...)`` with
+    per-token weights ``s``::
+
+        none: s_i * l_i        sum: sum_i s_i * l_i        mean: sum_i s_i * l_i / sum_i s_i * d_i
+
+    where ``l_i`` is torch's unreduced loss of token ``i`` (class weights and
+    label smoothing included) and ``d_i`` is what torch's mean divides by per
+    token: ``class_weight[t_i]`` (1 without class weights) for class indices,
+    0 for ignored tokens, and 1 for probability targets."""
+    classes = weight.shape[0]
+    logits = F.linear(input, weight, bias).reshape(-1, classes)
+    soft = target.is_floating_point()
+    rows_target = target.reshape(-1, classes) if soft else target.reshape(-1).long()
+    rows = F.cross_entropy(logits, rows_target, weight=class_weight, ignore_index=ignore_index,
+                           label_smoothing=label_smoothing, reduction="none")
+    if soft:
+        divisor = torch.ones_like(rows)
+    else:
+        valid = rows_target != ignore_index
+        safe = torch.where(valid, rows_target, 0)
+        per_class = torch.ones_like(rows) if class_weight is None else class_weight.to(rows.dtype)[safe]
+        divisor = torch.where(valid, per_class, 0.0)
+    if token_weight is not None:
+        scale = token_weight.reshape(-1).to(rows.dtype)
+        rows = rows * scale
+        divisor = divisor * scale
+    if reduction == "none":
+        return rows.reshape(input.shape[:-1])
+    if reduction == "sum":
+        return rows.sum()
+    return rows.sum() / divisor.sum()

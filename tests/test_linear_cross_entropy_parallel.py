@@ -1,0 +1,98 @@
+"""linear_cross_entropy with a weight sharded over the vocabulary (a DTensor,
+Shard(0)): two gloo processes, each holding part of the classes, give the
+loss and the gradients (input, the weight and bias shards) of the whole
+computation in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .accuracy import assert_close
+from .linear_cross_entropy_cases import make_positive, make_problem, unfused
+
+CLASSES = 13  # 7 + 6 over two ranks: uneven shards
+
+
+def _case(reduction_seed=0):
+    x, w, b, target = make_problem((3, 5), 6, CLASSES, torch.float64, ignore_every=4, seed=reduction_seed)
+    target.view(-1)[1] = 0
+    target.view(-1)[2] = CLASSES - 1  # a class of each rank
+    return x, w, b, target, make_positive(CLASSES, seed=6), make_positive((3, 5), seed=7)
+
+
+def _worker(rank, world, init_file, result_file, options):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from effilayers.functional import linear_cross_entropy
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        x, w, b, target, class_weight, token_weight = _case()
+        x.requires_grad_()
+        weight = distribute_tensor(w, mesh, [Shard(0)]).requires_grad_()
+        bias = distribute_tensor(b, mesh, [Shard(0)]).requires_grad_()
+        loss = linear_cross_entropy(x, weight, target, bias, class_weight=class_weight, token_weight=token_weight,
+                                    chunk_size=4, **options)
+        loss.backward()
+        torch.save({"loss": loss.detach(), "grad_input": x.grad, "grad_weight": weight.grad.full_tensor(),
+                    "grad_bias": bias.grad.full_tensor(), "local_rows": weight.grad.to_local().shape[0]},
+                   f"{result_file}.{rank}")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [dict(reduction="mean", label_smoothing=0.1), dict(reduction="sum")],
+                         ids=["mean-smoothed", "sum"])
+def test_two_gloo_ranks_match_the_whole_computation(tmp_path, options):
+    import torch.multiprocessing as mp
+
+    result_file = tmp_path / "result"
+    mp.start_processes(_worker, args=(2, str(tmp_path / "init"), str(result_file), options), nprocs=2, join=True,
+                       start_method="spawn")
+    results = [torch.load(f"{result_file}.{rank}") for rank in range(2)]
+    assert [r["local_rows"] for r in results] == [7, 6]
+    x, w, b, target, class_weight, token_weight = _case()
+    # The whole computation with token weights: the float64 formula, checked
+    # against torch in tests/test_linear_cross_entropy.py.
+    from effilayers.ops.linear_cross_entropy import linear_cross_entropy_reference
+
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    expected = linear_cross_entropy_reference(*leaves[:2], target, leaves[2], class_weight=class_weight,
+                                              token_weight=token_weight, **options)
+    expected_grads = torch.autograd.grad(expected, leaves)
+    for result in results:
+        assert_close(result["loss"], expected.detach(), torch.float64)
+        for name, want in zip(("grad_input", "grad_weight", "grad_bias"), expected_grads):
+            assert_close(result[name], want, torch.float64, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_one_rank_and_unsupported_sharded_options(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from effilayers.functional import linear_cross_entropy
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        x, w, b, target, _, _ = _case()
+        sharded = distribute_tensor(w, mesh, [Shard(0)])
+        with pytest.raises(NotImplementedError, match="reduction='none' is not supported"):
+            linear_cross_entropy(x, sharded, target, reduction="none")
+        with pytest.raises(ValueError, match=r"placements \(Shard\(0\),\)"):
+            linear_cross_entropy(x, distribute_tensor(w, mesh, [Replicate()]), target)
+        with pytest.raises(ValueError, match="bias must be a DTensor sharded the same way"):
+            linear_cross_entropy(x, sharded, target, b)
+        # One rank holding every class: the same as the unsharded op.
+        loss = linear_cross_entropy(x, sharded, target, label_smoothing=0.2)
+        assert_close(loss, unfused(x, w, None, target, label_smoothing=0.2)[0], torch.float64)
+    finally:
+        dist.destroy_process_group()
