@@ -41,6 +41,7 @@ from .._core.layout import is_dense
 from ..ops.adam import PARAM_DTYPES, STATE_DTYPES, AdamHyperParams
 from .chunks import DEFAULT_CHUNK_SIZE, EIGHT_BIT, _Chunk
 from .offload import _Transfers
+from .sharded import check_group_placement, local
 from .state import _ChunkedState, _plain_state
 
 __all__ = ["ChunkedAdam", "ChunkedAdamW", "DEFAULT_CHUNK_SIZE"]
@@ -161,12 +162,15 @@ class ChunkedAdam(_ChunkedState, Optimizer):
                                     "optimize torch.view_as_real(param) instead")
                 if p.dtype not in PARAM_DTYPES:
                     raise TypeError(f"{name}: parameters must be floating point, got {p.dtype}")
-                if not is_dense(p):
+                if not is_dense(local(p)):
                     raise ValueError(f"{name}: parameters must be dense, contiguous or a permutation of it like "
-                                     f"channels_last (got strides {p.stride()} for shape {tuple(p.shape)}); "
-                                     "call .contiguous() on the parameter's data")
-        _check_listed_once(name, [item[1] if isinstance(item, tuple) else item for item in params],
-                           f"param group {len(self.param_groups)}")
+                                     f"channels_last (got strides {local(p).stride()} for shape "
+                                     f"{tuple(local(p).shape)}); call .contiguous() on the parameter's data")
+        tensors = [item[1] if isinstance(item, tuple) else item for item in params]
+        where = f"param group {len(self.param_groups)}"
+        _check_listed_once(name, tensors, where)
+        check_group_placement(name, tensors, [item[0] if isinstance(item, tuple) else None for item in params],
+                              where)
         group = dict(param_group, params=params)  # a generator is consumed by the checks above
         _check_hyperparameters(name, group.get("lr", self.defaults["lr"]), group.get("betas", self.defaults["betas"]),
                                group.get("eps", self.defaults["eps"]),
