@@ -178,13 +178,40 @@ class InPlaceABNSync(InPlaceABN):
         super().__init__(num_features, eps, momentum, affine, track_running_stats, activation, activation_param,
                          weight_eps, device=device, dtype=dtype)
         self.process_group = process_group
+        # ids of the groups whose ranks were seen to agree on num_features
+        self._agreed: set[int] = set()
 
     def _group(self):
         # Like SyncBatchNorm: only training synchronises, so evaluation on one
         # rank (or uneven numbers of eval batches) never waits for the others.
         if not self.training or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             return None
-        return self.process_group if self.process_group is not None else torch.distributed.group.WORLD
+        group = self.process_group if self.process_group is not None else torch.distributed.group.WORLD
+        # (setdefault: a module pickled before this attribute existed)
+        if id(group) not in self.__dict__.setdefault("_agreed", set()) and not torch.compiler.is_compiling():
+            self._check_peers(group)
+        return group
+
+    def _check_peers(self, group) -> None:
+        """Once per process group: every rank's module has the same number of
+        channels. The statistics' all_gather with buffers of different sizes
+        aborts the process (gloo) or hangs (NCCL) instead of raising, so the
+        sizes are compared first, in one small collective."""
+        import torch.distributed as dist
+
+        device = self.running_mean.device if self.running_mean is not None else (
+            self.weight.device if self.weight is not None else torch.device("cpu"))
+        if dist.get_backend(group) == "nccl" and device.type != "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+        mine = torch.tensor([self.num_features], dtype=torch.int64, device=device)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(every, mine, group=group)
+        counts = [int(count) for count in every]
+        if len(set(counts)) > 1:
+            raise ValueError(f"InPlaceABNSync: the ranks of its process_group have different num_features "
+                             f"(by rank: {counts}); every rank must run the same model, or give this module a "
+                             "process_group of the ranks that share it")
+        self._agreed.add(id(group))
 
 
 class FusedActivation(nn.Identity):
