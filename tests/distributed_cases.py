@@ -59,3 +59,38 @@ def run_ranks(worker, tmp_path, *args, world: int = 2, deadline_s: float = RUN_D
                     process.kill()
             raise AssertionError(f"{worker.__name__}: ranks still running after {deadline_s} s (a hang)")
     return [torch.load(os.path.join(workdir, f"result.{rank}"), weights_only=False) for rank in range(world)]
+
+
+# -- a small FSDP2 model --------------------------------------------------------
+
+def small_model():
+    """Linear layers whose parameters shard unevenly over two ranks; the last
+    bias has one element, so rank 1 holds an empty shard of it."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(7, 33), nn.Tanh(), nn.Linear(33, 19), nn.Tanh(), nn.Linear(19, 1))
+
+
+def shard(model, mixed=False):
+    """``fully_shard`` on each Linear and on the root (FSDP2), optionally with
+    bf16 compute and fp32 gradient reduction."""
+    from torch import nn
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if mixed else {}
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def rank_batch(step: int, rank: int, world: int, seed: int = 1):
+    """Rank ``rank``'s slice of step ``step``'s global batch of 16 samples:
+    with FSDP averaging gradients, any number of ranks sees the same
+    gradients as one rank with the whole batch."""
+    generator = torch.Generator().manual_seed(seed * 1000 + step)
+    x, y = torch.randn(16, 7, generator=generator), torch.randn(16, 1, generator=generator)
+    size = 16 // world
+    return x[rank * size:(rank + 1) * size], y[rank * size:(rank + 1) * size]

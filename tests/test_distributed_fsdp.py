@@ -13,30 +13,11 @@ from effilayers.optim import ChunkedAdamW
 
 from .accuracy import tolerance
 from .conftest import activate_backend
-from .distributed_cases import gloo, run_ranks, save
+from .distributed_cases import gloo, run_ranks, save, shard, small_model
 
 pytestmark = pytest.mark.slow
 
 STEPS = 20
-
-
-def small_model():
-    """Linear layers whose parameters shard unevenly over two ranks; the last
-    bias has one element, so rank 1 holds an empty shard of it."""
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(7, 33), nn.Tanh(), nn.Linear(33, 19), nn.Tanh(), nn.Linear(19, 1))
-
-
-def shard(model, mixed=False):
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else None
-    kwargs = {} if policy is None else {"mp_policy": policy}
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
-    return model
 
 
 def train(model, optimizer, rank, steps, *, clip=None, seed=1):
