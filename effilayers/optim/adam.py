@@ -25,8 +25,10 @@ The rest of the package, one concern a module: :mod:`.state` keeps
 ``optimizer.state`` and the chunks in step (entries written from outside,
 parameters and param groups that change; torch's state-dict layout),
 :mod:`.chunks` the chunks themselves (8-bit states, chunk size),
-:mod:`.offload` the CPU offload pipeline and :mod:`.functional` the
-functional core that runs the kernels (steps without host synchronisation).
+:mod:`.offload` the CPU offload pipeline, :mod:`.sharded` DTensor
+parameters (FSDP2: the chunks hold each rank's local shards) and
+:mod:`.functional` the functional core that runs the kernels (steps without
+host synchronisation).
 """
 
 from __future__ import annotations
@@ -84,7 +86,9 @@ class ChunkedAdam(_ChunkedState, Optimizer):
     Works with ``torch.amp.GradScaler`` (``scaler.step(opt)`` hands the scale
     and the overflow flag to the kernel), LR schedulers,
     ``zero_grad(set_to_none=True)`` and parameters without a gradient in a
-    step. Not supported, with an error: sparse gradients, complex parameters,
+    step, DTensor parameters (FSDP2 ``fully_shard``, tensor parallel; one
+    mesh per param group, see :mod:`effilayers.optim.sharded`) and
+    ``ZeroRedundancyOptimizer``. Not supported, with an error: sparse gradients, complex parameters,
     parameters that are not dense (strided views), a parameter listed twice
     (torch.optim warns that this is deprecated and updates it twice per
     step), ``differentiable=True``.
