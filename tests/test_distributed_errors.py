@@ -89,3 +89,27 @@ def _like(param, value):
     from torch.distributed.tensor import distribute_tensor
 
     return distribute_tensor(value, param.device_mesh, param.placements)
+
+
+@pytest.mark.parametrize("options,param_dtype,keys", [
+    (dict(), torch.bfloat16, ["exp_avg", "exp_avg_sq", "master_param", "step"]),
+    (dict(state_dtype="8bit", amsgrad=True), torch.float32, ["exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"]),
+], ids=["bf16-params-fp32-master", "8bit-amsgrad"])
+def test_dtensor_state_dict_entries_round_trip(one_rank, options, param_dtype, keys):
+    """fp32 masters and decoded 8-bit states of DTensor parameters export as
+    DTensors placed like the parameter, and load back to the same values."""
+    p = nn.Parameter(dtensor_param((4, 300)).detach().to(param_dtype))
+    optimizer = ChunkedAdamW([p], lr=0.1, **options)
+    p.grad = _like(p, torch.randn(4, 300, generator=torch.Generator().manual_seed(0)).to(param_dtype))
+    optimizer.step()
+    saved = optimizer.state_dict()
+    entry = saved["state"][0]
+    assert sorted(entry) == keys
+    for key in keys[:-1]:
+        assert type(entry[key]).__name__ == "DTensor" and entry[key].placements == p.placements, key
+    assert type(entry["step"]) is torch.Tensor and float(entry["step"]) == 1.0
+    expected = {key: entry[key].full_tensor().clone() for key in keys[:-1]}
+    optimizer.load_state_dict(saved)
+    again = optimizer.state_dict()["state"][0]
+    for key, value in expected.items():
+        torch.testing.assert_close(again[key].full_tensor(), value, rtol=0, atol=0, msg=key)
