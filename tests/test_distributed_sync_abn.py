@@ -50,16 +50,20 @@ def steps(model, x, grad, count=2):
     return outs
 
 
-def _ddp_worker(rank, world, workdir, sizes):
+def _ddp_worker(rank, world, workdir, sizes, order):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     with gloo(rank, world, workdir):
         group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=60))
         model = plain_net()
-        # the documented path: torch's converter first, then effilayers.convert
-        # fuses each SyncBatchNorm + activation into an InPlaceABNSync
-        report = effilayers.convert(nn.SyncBatchNorm.convert_sync_batchnorm(model, group))
+        if order == "sync-first":
+            # torch's converter first, then effilayers.convert fuses each
+            # SyncBatchNorm + activation into an InPlaceABNSync
+            report = effilayers.convert(nn.SyncBatchNorm.convert_sync_batchnorm(model, group))
+        else:  # a model converted already: its InPlaceABNs become InPlaceABNSync
+            report = effilayers.convert(model)
+            assert InPlaceABNSync.convert_sync_abn(model, group) is model
         fused = [m for m in model.modules() if isinstance(m, InPlaceABN)]
         kinds = [type(m).__name__ for m in fused]
         groups_kept = all(m.process_group is group for m in fused)
@@ -75,10 +79,12 @@ def _ddp_worker(rank, world, workdir, sizes):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sizes", [[3, 5], [0, 4]], ids=["3+5", "0+4"])
-def test_ddp_sync_abn_matches_inplace_abn_on_whole_batch(tmp_path, sizes):
+@pytest.mark.parametrize("sizes,order", [([3, 5], "sync-first"), ([0, 4], "sync-first"), ([3, 5], "abn-first")],
+                         ids=["3+5-SyncBatchNorm-then-convert", "0+4-SyncBatchNorm-then-convert",
+                              "3+5-convert-then-convert_sync_abn"])
+def test_ddp_sync_abn_matches_inplace_abn_on_whole_batch(tmp_path, sizes, order):
     activate_backend("abn_forward", "cpp", "cpu").__exit__(None, None, None)
-    results = run_ranks(_ddp_worker, tmp_path, sizes)
+    results = run_ranks(_ddp_worker, tmp_path, sizes, order)
     reference = plain_net()
     effilayers.convert(reference)
     assert [type(m) for m in reference.modules() if isinstance(m, InPlaceABN)] == [InPlaceABN, InPlaceABN]
@@ -115,6 +121,25 @@ def test_convert_sync_batchnorm_on_converted_model_keeps_the_activation():
     assert not any(isinstance(m, (nn.SyncBatchNorm, InPlaceABNSync)) for m in model.modules())
     torch.testing.assert_close(model(x.clone()), expected, rtol=0, atol=0)
     assert (expected < 0).any()  # leaky_relu still applied: negative outputs scaled, not dropped or clamped
+
+
+def test_convert_sync_abn_shares_the_tensors_and_refuses_plain_abn():
+    model = plain_net()
+    effilayers.convert(model)
+    before = {name: tensor for name, tensor in model.state_dict(keep_vars=True).items()}
+    x = channel_varied((4, 3, 6, 6), torch.float64)
+    expected = copy.deepcopy(model)(x.clone())
+    InPlaceABNSync.convert_sync_abn(model)
+    assert [type(m) for m in model.modules() if isinstance(m, InPlaceABN)] == [InPlaceABNSync, InPlaceABNSync]
+    after = model.state_dict(keep_vars=True)
+    assert list(after) == list(before) and all(after[name] is before[name] for name in before)
+    # without a process group it computes what InPlaceABN did
+    torch.testing.assert_close(model(x.clone()), expected, rtol=0, atol=0)
+    assert type(InPlaceABNSync.convert_sync_abn(InPlaceABN(3))) is InPlaceABNSync
+    not_in_place = plain_net()
+    effilayers.convert(not_in_place, mode="abn")
+    with pytest.raises(TypeError, match="'1' is an ABN \\(not in place\\), which has no synchronised form"):
+        InPlaceABNSync.convert_sync_abn(not_in_place)
 
 
 def _mismatch_worker(rank, world, workdir, case):

@@ -429,7 +429,8 @@ def convert(model: nn.Module, mode: str = "inplace", *, activation_param: float 
     SyncBatchNorm + activation becomes an ``InPlaceABNSync`` on ``group``.
     ``convert_sync_batchnorm`` applied after ``convert`` leaves the fused
     modules as they are (they are not ``_BatchNorm`` subclasses): the model
-    keeps its activations and does not synchronise.
+    keeps its activations and does not synchronise; use
+    ``effilayers.nn.InPlaceABNSync.convert_sync_abn(model, group)`` there.
     """
     _check_arguments(model, mode, activation_param)
     return _Converter(model, mode, float(activation_param)).run()

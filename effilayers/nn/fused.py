@@ -181,6 +181,42 @@ class InPlaceABNSync(InPlaceABN):
         # ids of the groups whose ranks were seen to agree on num_features
         self._agreed: set[int] = set()
 
+    @classmethod
+    def convert_sync_abn(cls, module: nn.Module, process_group=None) -> nn.Module:
+        """``nn.SyncBatchNorm.convert_sync_batchnorm`` for fused modules: every
+        :class:`InPlaceABN` in ``module`` becomes an :class:`InPlaceABNSync` on
+        ``process_group`` holding the same parameters and buffers (nothing is
+        copied; an optimizer built before keeps working). Returns ``module``,
+        or the new module when ``module`` itself is an InPlaceABN. A
+        non-in-place :class:`ABN` has no synchronised form: TypeError naming
+        it. torch's own converter cannot do this: it replaces only
+        ``_BatchNorm`` subclasses and returns fused modules unchanged."""
+        for path, child in module.named_modules():
+            if isinstance(child, ABN) and not isinstance(child, InPlaceABN):
+                raise TypeError(f"InPlaceABNSync.convert_sync_abn: {path or 'the module'!r} is an ABN (not in place), "
+                                "which has no synchronised form; convert with effilayers.convert(model, "
+                                "mode='inplace'), or make the BatchNorms SyncBatchNorm before effilayers.convert")
+        if type(module) is InPlaceABN:
+            return cls._synced(module, process_group)
+        for parent in list(module.modules()):
+            for name, child in list(parent._modules.items()):
+                if type(child) is InPlaceABN:
+                    parent._modules[name] = cls._synced(child, process_group)
+        return module
+
+    @classmethod
+    def _synced(cls, module: InPlaceABN, process_group) -> "InPlaceABNSync":
+        synced = cls(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats,
+                     module.activation, module.activation_param, module.weight_eps, process_group=process_group,
+                     device="meta")
+        # the same tensor objects, in the same slots: nothing moves
+        synced._parameters.update(module._parameters)
+        synced._buffers.update(module._buffers)
+        if hasattr(module, PLAIN_TYPE_ATTR):
+            setattr(synced, PLAIN_TYPE_ATTR, getattr(module, PLAIN_TYPE_ATTR))
+        synced.train(module.training)
+        return synced
+
     def _group(self):
         # Like SyncBatchNorm: only training synchronises, so evaluation on one
         # rank (or uneven numbers of eval batches) never waits for the others.
