@@ -423,6 +423,14 @@ def convert(model: nn.Module, mode: str = "inplace", *, activation_param: float 
         A :class:`ConversionReport`: every fused pair with its path and
         whether its function changed, and every BatchNorm left alone with the
         reason. ``print(report)`` gives a summary.
+
+    Synchronised across a process group: convert the BatchNorms first,
+    ``convert(nn.SyncBatchNorm.convert_sync_batchnorm(model, group))``; each
+    SyncBatchNorm + activation becomes an ``InPlaceABNSync`` on ``group``.
+    ``convert_sync_batchnorm`` applied after ``convert`` leaves the fused
+    modules as they are (they are not ``_BatchNorm`` subclasses): the model
+    keeps its activations and does not synchronise; use
+    ``effilayers.nn.InPlaceABNSync.convert_sync_abn(model, group)`` there.
     """
     _check_arguments(model, mode, activation_param)
     return _Converter(model, mode, float(activation_param)).run()

@@ -188,13 +188,76 @@ class InPlaceABNSync(InPlaceABN):
         super().__init__(num_features, eps, momentum, affine, track_running_stats, activation, activation_param,
                          weight_eps, device=device, dtype=dtype, bias=bias)
         self.process_group = process_group
+        # ids of the groups whose ranks were seen to agree on num_features
+        self._agreed: set[int] = set()
+
+    @classmethod
+    def convert_sync_abn(cls, module: nn.Module, process_group=None) -> nn.Module:
+        """``nn.SyncBatchNorm.convert_sync_batchnorm`` for fused modules: every
+        :class:`InPlaceABN` in ``module`` becomes an :class:`InPlaceABNSync` on
+        ``process_group`` holding the same parameters and buffers (nothing is
+        copied; an optimizer built before keeps working). Returns ``module``,
+        or the new module when ``module`` itself is an InPlaceABN. A
+        non-in-place :class:`ABN` has no synchronised form: TypeError naming
+        it. torch's own converter cannot do this: it replaces only
+        ``_BatchNorm`` subclasses and returns fused modules unchanged."""
+        for path, child in module.named_modules():
+            if isinstance(child, ABN) and not isinstance(child, InPlaceABN):
+                raise TypeError(f"InPlaceABNSync.convert_sync_abn: {path or 'the module'!r} is an ABN (not in place), "
+                                "which has no synchronised form; convert with effilayers.convert(model, "
+                                "mode='inplace'), or make the BatchNorms SyncBatchNorm before effilayers.convert")
+        if type(module) is InPlaceABN:
+            return cls._synced(module, process_group)
+        for parent in list(module.modules()):
+            for name, child in list(parent._modules.items()):
+                if type(child) is InPlaceABN:
+                    parent._modules[name] = cls._synced(child, process_group)
+        return module
+
+    @classmethod
+    def _synced(cls, module: InPlaceABN, process_group) -> "InPlaceABNSync":
+        synced = cls(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats,
+                     module.activation, module.activation_param, module.weight_eps, process_group=process_group,
+                     device="meta")
+        # the same tensor objects, in the same slots: nothing moves
+        synced._parameters.update(module._parameters)
+        synced._buffers.update(module._buffers)
+        if hasattr(module, PLAIN_TYPE_ATTR):
+            setattr(synced, PLAIN_TYPE_ATTR, getattr(module, PLAIN_TYPE_ATTR))
+        synced.train(module.training)
+        return synced
 
     def _group(self):
         # Like SyncBatchNorm: only training synchronises, so evaluation on one
         # rank (or uneven numbers of eval batches) never waits for the others.
         if not self.training or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             return None
-        return self.process_group if self.process_group is not None else torch.distributed.group.WORLD
+        group = self.process_group if self.process_group is not None else torch.distributed.group.WORLD
+        # (setdefault: a module pickled before this attribute existed)
+        if id(group) not in self.__dict__.setdefault("_agreed", set()) and not torch.compiler.is_compiling():
+            self._check_peers(group)
+        return group
+
+    def _check_peers(self, group) -> None:
+        """Once per process group: every rank's module has the same number of
+        channels. The statistics' all_gather with buffers of different sizes
+        aborts the process (gloo) or hangs (NCCL) instead of raising, so the
+        sizes are compared first, in one small collective."""
+        import torch.distributed as dist
+
+        device = self.running_mean.device if self.running_mean is not None else (
+            self.weight.device if self.weight is not None else torch.device("cpu"))
+        if dist.get_backend(group) == "nccl" and device.type != "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+        mine = torch.tensor([self.num_features], dtype=torch.int64, device=device)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(every, mine, group=group)
+        counts = [int(count) for count in every]
+        if len(set(counts)) > 1:
+            raise ValueError(f"InPlaceABNSync: the ranks of its process_group have different num_features "
+                             f"(by rank: {counts}); every rank must run the same model, or give this module a "
+                             "process_group of the ranks that share it")
+        self._agreed.add(id(group))
 
 
 class FusedActivation(nn.Identity):

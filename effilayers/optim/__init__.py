@@ -2,7 +2,8 @@
 
 ``ChunkedAdam`` / ``ChunkedAdamW`` replace ``torch.optim.Adam`` / ``AdamW``
 with no other change; see :mod:`effilayers.optim.adam`. Imports go one way:
-adam (the classes) -> offload, state -> chunks -> functional -> effilayers.ops.
+adam (the classes) -> offload, state -> chunks -> functional -> effilayers.ops;
+sharded (DTensor helpers) is imported by adam, state and chunks.
 """
 
 from ..ops.adam import AdamHyperParams

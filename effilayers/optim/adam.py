@@ -25,8 +25,10 @@ The rest of the package, one concern a module: :mod:`.state` keeps
 ``optimizer.state`` and the chunks in step (entries written from outside,
 parameters and param groups that change; torch's state-dict layout),
 :mod:`.chunks` the chunks themselves (8-bit states, chunk size),
-:mod:`.offload` the CPU offload pipeline and :mod:`.functional` the
-functional core that runs the kernels (steps without host synchronisation).
+:mod:`.offload` the CPU offload pipeline, :mod:`.sharded` DTensor
+parameters (FSDP2: the chunks hold each rank's local shards) and
+:mod:`.functional` the functional core that runs the kernels (steps without
+host synchronisation).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from ..ops.adam import PARAM_DTYPES, STATE_DTYPES, AdamHyperParams
 from ..ops.adam.contract import check_hyperparameters
 from .chunks import DEFAULT_CHUNK_SIZE, EIGHT_BIT, _Chunk
 from .offload import _Transfers
+from .sharded import check_group_placement, local
 from .state import _ChunkedState, _plain_state
 
 __all__ = ["ChunkedAdam", "ChunkedAdamW", "DEFAULT_CHUNK_SIZE"]
@@ -84,7 +87,9 @@ class ChunkedAdam(_ChunkedState, Optimizer):
     Works with ``torch.amp.GradScaler`` (``scaler.step(opt)`` hands the scale
     and the overflow flag to the kernel), LR schedulers,
     ``zero_grad(set_to_none=True)`` and parameters without a gradient in a
-    step. Not supported, with an error: sparse gradients, complex parameters,
+    step, DTensor parameters (FSDP2 ``fully_shard``, tensor parallel; one
+    mesh per param group, see :mod:`effilayers.optim.sharded`) and
+    ``ZeroRedundancyOptimizer``. Not supported, with an error: sparse gradients, complex parameters,
     parameters that are not dense (strided views), a parameter listed twice
     (torch.optim warns that this is deprecated and updates it twice per
     step), ``differentiable=True``.
@@ -162,12 +167,15 @@ class ChunkedAdam(_ChunkedState, Optimizer):
                                     "optimize torch.view_as_real(param) instead")
                 if p.dtype not in PARAM_DTYPES:
                     raise TypeError(f"{name}: parameters must be floating point, got {p.dtype}")
-                if not is_dense(p):
+                if not is_dense(local(p)):
                     raise ValueError(f"{name}: parameters must be dense, contiguous or a permutation of it like "
-                                     f"channels_last (got strides {p.stride()} for shape {tuple(p.shape)}); "
-                                     "call .contiguous() on the parameter's data")
-        _check_listed_once(name, [item[1] if isinstance(item, tuple) else item for item in params],
-                           f"param group {len(self.param_groups)}")
+                                     f"channels_last (got strides {local(p).stride()} for shape "
+                                     f"{tuple(local(p).shape)}); call .contiguous() on the parameter's data")
+        tensors = [item[1] if isinstance(item, tuple) else item for item in params]
+        where = f"param group {len(self.param_groups)}"
+        _check_listed_once(name, tensors, where)
+        check_group_placement(name, tensors, [item[0] if isinstance(item, tuple) else None for item in params],
+                              where)
         group = dict(param_group, params=params)  # a generator is consumed by the checks above
         check_hyperparameters(name, group.get("lr", self.defaults["lr"]), group.get("betas", self.defaults["betas"]),
                               group.get("eps", self.defaults["eps"]),

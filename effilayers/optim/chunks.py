@@ -65,6 +65,7 @@ from .._core.layout import memory_flat, same_layout
 from ..ops.adam import (QUANT_BLOCK, AdamHyperParams, dequantize_exp_avg, dequantize_exp_avg_sq, gather_padded,
                         padded_numel, quantize_exp_avg, quantize_exp_avg_sq)
 from .functional import fused_update
+from .sharded import is_sharded, local, local_grad, shard_like, local_value
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "EIGHT_BIT", "refuse_sparse"]
 
@@ -82,9 +83,14 @@ def refuse_sparse(owner: str, grad: torch.Tensor) -> None:
 class _Chunk:
     """The states of a run of parameters of one group, device and dtype."""
 
-    def __init__(self, params: list[torch.Tensor], state_device: torch.device, state_dtype, master: bool,
+    def __init__(self, owners: list[torch.Tensor], state_device: torch.device, state_dtype, master: bool,
                  amsgrad: bool, staged: bool, pin: bool) -> None:
-        self.params = params
+        # `owners`: the optimizer's parameters (the keys of its state);
+        # `params`: the tensors the kernels update, the owners themselves or,
+        # for DTensors, their local shards (sharded.py)
+        self.owners = owners
+        self.sharded = any(is_sharded(p) for p in owners)
+        params = self.params = [local(p) for p in owners] if self.sharded else owners
         self.sizes = [p.numel() for p in params]
         # 8-bit states: every parameter starts on a quantization block, so a
         # block (one absmax) never mixes parameters; all flat buffers of the
@@ -149,14 +155,15 @@ class _Chunk:
         self.versions: Optional[list[int]] = None
         self.record_versions()
 
+    def find_shards(self) -> None:
+        """The DTensor owners' local shards as they are now: FSDP2 may give a
+        sharded parameter a new local tensor (``reset_sharded_param``), which
+        the storage-address checks then treat like ``p.data = t``."""
+        self.params = [local(p) for p in self.owners]
+
     def record_versions(self) -> None:
         if self.master is not None:
-            self.versions = [p._version for p in self.params]
-
-    def repointed(self, param: torch.Tensor) -> bool:
-        """``param`` (one of the chunk's) has a new storage address: see
-        :meth:`repoint`."""
-        return self.repoint(next(i for i, member in enumerate(self.params) if member is param))
+            self.versions = [p._version for p in self.owners]
 
     def repoint(self, index: int) -> bool:
         """Parameter ``index`` has a new storage address. True when it kept
@@ -189,10 +196,12 @@ class _Chunk:
             return True
         fits = True
         if pointers:
+            if self.sharded:
+                self.find_shards()
             for index, (p, pointer) in enumerate(zip(self.params, self.pointers)):
                 if p.data_ptr() != pointer and not self.repoint(index):
                     fits = False
-        now = [p._version for p in self.params]
+        now = [p._version for p in self.owners]
         if now != self.versions:
             for index, (old, new) in enumerate(zip(self.versions, now)):
                 if old != new:
@@ -209,11 +218,11 @@ class _Chunk:
         the old parameter keeps the master's bits), else the new value."""
         master = self.view(self.master, index)
         param = self.params[index]
-        if param.data_ptr() == self.pointers[index]:
-            return master
-        value = param.detach().to(master.device)
-        unchanged = value.to(self.param_dtype) == master.to(self.param_dtype)
-        return torch.where(unchanged, master, value.to(torch.float32))
+        if param.data_ptr() != self.pointers[index]:
+            value = param.detach().to(master.device)
+            unchanged = value.to(self.param_dtype) == master.to(self.param_dtype)
+            master = torch.where(unchanged, master, value.to(torch.float32))
+        return shard_like(self.owners[index], master)
 
     def seed_copy(self, index: int) -> None:
         """The chunk's copy of parameter ``index`` from the parameter."""
@@ -285,7 +294,15 @@ class _Chunk:
             entry[name] = out
         if self.master_is_fp32:
             entry["master_param"] = self.view(self.master, index)
-        return entry
+        return self._placed(index, entry)
+
+    def _placed(self, index: int, entry: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """torch's entry for a DTensor parameter: the tensors shaped like the
+        parameter as DTensors placed like it (``step`` stays a plain tensor)."""
+        if not self.sharded:
+            return entry
+        owner = self.owners[index]
+        return {key: value if key == "step" else shard_like(owner, value) for key, value in entry.items()}
 
     def import_state(self, index: int, name: str, value: torch.Tensor) -> None:
         """Encode a float state tensor shaped like parameter ``index`` into its blocks."""
@@ -329,15 +346,19 @@ class _Chunk:
         """One value of a state entry (torch's layout, or this class's raw
         8-bit payload) into the chunk; unknown keys are ignored, as torch does."""
         if key == "step":
+            if is_sharded(value):  # a step saved as a DTensor (replicated): its local copy
+                value = value.to_local()
             self.steps[index].copy_(torch.as_tensor(value, dtype=torch.float32))
             return
         if key == "master_param":
             if self.master_is_fp32:
-                self.view(self.master, index).copy_(value)
+                self.view(self.master, index).copy_(local_value(self.owners[index], value, key))
             return
         name, part, _ = key.partition("_codes") if key.endswith("_codes") else key.partition("_absmax")
         if name not in _MOMENTS or (part and not self.quantized):
             return
+        if not part:  # a float tensor shaped like the parameter (the raw 8-bit ranges are local already)
+            value = local_value(self.owners[index], value, key)
         if name == "max_exp_avg_sq":
             self.ensure_amsgrad()
         lo, hi = self.offsets[index], self.offsets[index + 1]
@@ -360,7 +381,7 @@ class _Chunk:
                 state[name + "_codes"] = getattr(self, name)[lo:hi]
                 state[name + "_absmax"] = getattr(self, name + "_absmax")[lo // QUANT_BLOCK:hi // QUANT_BLOCK]
             if self.master_is_fp32:
-                state["master_param"] = self.view(self.master, index)
+                state["master_param"] = shard_like(self.owners[index], self.view(self.master, index))
             return state
         state = {
             "step": self.steps[index],
@@ -371,7 +392,7 @@ class _Chunk:
             state["max_exp_avg_sq"] = self.view(self.max_exp_avg_sq, index)
         if self.master_is_fp32:
             state["master_param"] = self.view(self.master, index)
-        return state
+        return self._placed(index, state)
 
     def runs(self, grads: list[Optional[torch.Tensor]], complete: bool) -> list[tuple[int, int]]:
         """Maximal ranges of parameters that have a gradient now and share a
@@ -431,14 +452,18 @@ class _Chunk:
         ``owner``: the optimizer's name, for the error messages."""
         grads = []
         complete = True
-        for p, contiguous, pointer in zip(self.params, self.contiguous, self.pointers):
-            g = p.grad
+        if self.sharded:
+            self.find_shards()
+        for index, (p, contiguous, pointer) in enumerate(zip(self.params, self.contiguous, self.pointers)):
+            g = self.owners[index].grad
             if g is None:
                 complete = False
             else:
+                if self.sharded:
+                    g = local_grad(self.owners[index], g)
                 # a new storage address is the one cheap sign of `p.data = t`
                 # and of a changed dtype, device or memory order (a copy)
-                if p.data_ptr() != pointer and not self.repointed(p):
+                if p.data_ptr() != pointer and not self.repoint(index):
                     return None
                 if not (contiguous and g.is_contiguous()):  # (a sparse tensor is not contiguous)
                     refuse_sparse(owner, g)

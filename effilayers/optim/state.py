@@ -79,6 +79,7 @@ import torch
 
 from ..ops.adam import PARAM_DTYPES, padded_numel
 from .chunks import EIGHT_BIT, _Chunk, refuse_sparse
+from .sharded import local
 
 __all__ = ["_ChunkedState", "_OptimizerState", "_ParamState", "_plain_state"]
 
@@ -256,7 +257,7 @@ class _ChunkedState:
         state = value if type(value) is _OptimizerState else _OptimizerState(value)
         # parameters that have a chunk but no entry in the new mapping start afresh, as in torch
         for chunk, index in getattr(self, "_location", {}).values():
-            state.mark(chunk.params[index])
+            state.mark(chunk.owners[index])
         self.__dict__["state"] = state
         return state
 
@@ -292,7 +293,7 @@ class _ChunkedState:
             owned = {address for chunks in self._chunks.values() for chunk in chunks for address in chunk.storages()}
             for values in imported:
                 for key, value in values.items():
-                    if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in owned:
+                    if isinstance(value, torch.Tensor) and local(value).untyped_storage().data_ptr() in owned:
                         values[key] = value.clone()
         # the user's writes to parameters reach the chunks' copies before
         # anything is imported over them (and before versions are recorded)
@@ -347,7 +348,7 @@ class _ChunkedState:
         with torch.no_grad():
             chunk.reseed_changed()
         state = self.state
-        for index, p in enumerate(chunk.params):
+        for index, p in enumerate(chunk.owners):
             entry = dict.get(state, p)
             if isinstance(entry, _ParamState) and entry.owner is state and entry.param is p:
                 entry.reinstall(chunk.param_state(index), chunk)
@@ -376,7 +377,7 @@ class _ChunkedState:
         state = self.state
         for chunks in self._chunks.values():
             for chunk in chunks:
-                for index, p in enumerate(chunk.params):
+                for index, p in enumerate(chunk.owners):
                     # views of the old chunk in its layout, until imported
                     exported = chunk.torch_entry(index)
                     if chunk.master_is_fp32:
@@ -419,7 +420,7 @@ class _ChunkedState:
                 group_of[key] = group_index
         self._unlocated.clear()
         if any(group_of.get(id(p)) != group_index
-               for (group_index, _, _), chunks in self._chunks.items() for chunk in chunks for p in chunk.params):
+               for (group_index, _, _), chunks in self._chunks.items() for chunk in chunks for p in chunk.owners):
             self._rechunk()
         # parameters without a chunk that hold an entry (back in a group
         # after a removal, or given one while in no group): import it
@@ -460,12 +461,13 @@ class _ChunkedState:
                 if current:
                     chunk = _Chunk(list(current), state_device, state_dtype, master, group["amsgrad"], staged, pin)
                     self._chunks[(group_index, device, dtype)].append(chunk)
-                    for index, member in enumerate(chunk.params):
+                    for index, member in enumerate(chunk.owners):
                         self._location[id(member)] = (chunk, index)
                     self._refresh_state(chunk)
 
             for p in members:
-                span = padded_numel(p.numel()) if state_dtype == EIGHT_BIT else p.numel()
+                numel = local(p).numel()  # a DTensor's chunk holds its local shard
+                span = padded_numel(numel) if state_dtype == EIGHT_BIT else numel
                 if current and filled + span > self.chunk_size:
                     close()
                     current, filled = [], 0
