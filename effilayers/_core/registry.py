@@ -294,7 +294,10 @@ def eager(op_name: str, like: torch.Tensor) -> Optional[Callable]:
     would call the custom op (see :func:`runs_eagerly`); for kernels that
     have no custom op, used only in eager mode."""
     if runs_eagerly(like):
-        resolved = _state.choices.get((op_name, like.device.type))
+        # is_cpu / is_cuda are flags; building ``like.device`` costs more than
+        # the rest of this lookup.
+        device_type = "cpu" if like.is_cpu else "cuda" if like.is_cuda else like.device.type
+        resolved = _state.choices.get((op_name, device_type))
         return resolved.kernel if resolved is not None and resolved.kernel is not None else kernel(op_name, like.device)
     return None
 
