@@ -119,7 +119,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m effilayers.info", description=__doc__.splitlines()[0])
     parser.add_argument("--demo", action="store_true", help="also run a small memory and accuracy demo")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--kernels", action="store_true",
+                        help="compile every GPU kernel for sm_90 and sm_80 (no GPU needed) and report registers, "
+                             "spills, shared memory and access widths; exit 1 on a failure, a spill or a narrow "
+                             "access")
     args = parser.parse_args(argv)
+    if args.kernels:
+        from . import _kernel_report
+
+        return _kernel_report.main(json_output=args.json)
     if args.json:
         import json
 
