@@ -465,15 +465,19 @@ def collect(jobs: int = 0, families: Optional[tuple[str, ...]] = None, cuda: boo
         raise RuntimeError("the kernel report compiles real GPU code: run it without TRITON_INTERPRET=1")
     work = [(family, index, capability) for family, index in triton_jobs(families) for capability in TARGETS]
     workers = jobs or min(8, os.cpu_count() or 1)
+    cuda_targets = TARGETS if cuda else ()
     if workers > 1:
         import multiprocessing
 
+        # spawned, not forked: the parent may hold Triton or CUDA state
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            cuda_parts = [pool.submit(cuda_rows, capability) for capability in cuda_targets]
             rows = list(pool.map(triton_row, *zip(*work))) if work else []
+            for part in cuda_parts:
+                rows.extend(part.result())
     else:
         rows = [triton_row(*job) for job in work]
-    if cuda:
-        for capability in TARGETS:
+        for capability in cuda_targets:
             rows.extend(cuda_rows(capability))
     for row in rows:
         row["problems"] = problems(row)

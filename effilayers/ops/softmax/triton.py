@@ -549,7 +549,11 @@ def kernel_specialisations():
                       sm3=1, so0=heads * length * length, so1=length * length, so2=length, so3=1, n_cols=length,
                       scale=length ** -0.5)
         moved, roofline = bytes_per_element("forward", size, single, False)
+        mask_bytes = block // (32 * _row_warps(block))  # a thread's share of a row of one-byte mask values
+        narrow = {} if mask_bytes >= 16 else {
+            "mask_ptr": f"{mask_bytes} mask bytes per thread ({block} over {_row_warps(block)} warps): one "
+                        f"{8 * mask_bytes}-bit load is the whole share"}
         yield KernelSpec(_row_forward, masked, dict(MASK_KIND=1, CAUSAL=True, LOG=False, SINGLE=single, ACC=acc,
                                                     BLOCK=block), _row_warps(block),
                          f"{str(dtype)[6:]} causal+bool mask {'x'.join(map(str, BENCHMARK_ATTENTION))}",
-                         moved + 1, roofline)
+                         moved + 1, roofline, narrow)
