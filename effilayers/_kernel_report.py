@@ -48,6 +48,7 @@ TARGETS = (90, 80)
 # the modules whose kernel_specialisations() cover the package's Triton kernels
 TRITON_FAMILIES = ("softmax", "cross_entropy", "reductions", "adam", "densenet")
 WIDE = 128
+REGISTER_CAP = 255  # per thread on sm_80 and sm_90: one more live value and ptxas spills
 
 
 # -- PTX: global accesses and their widths -------------------------------------------------
@@ -196,8 +197,10 @@ def compile_triton(spec: KernelSpec, capability: int) -> dict[str, Any]:
 
 
 def _cubin_resources(cubin: bytes, ptx: str, capability: int) -> dict[str, int]:
-    """Registers and local memory from the cubin (cuobjdump); when it uses
-    local memory, the spill bytes from ptxas -v on the same PTX."""
+    """Registers, static shared and local memory from the cubin (cuobjdump);
+    when it uses local memory, the spill bytes from ptxas -v on the same PTX
+    (with Triton's own ptxas; a log without them counts all local memory as
+    spilled)."""
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(scratch) / "kernel.cubin"
         path.write_bytes(cubin)
@@ -209,7 +212,7 @@ def _cubin_resources(cubin: bytes, ptx: str, capability: int) -> dict[str, int]:
         if local:
             (Path(scratch) / "kernel.ptx").write_text(ptx)
             arch = f"sm_{capability}a" if capability == 90 else f"sm_{capability}"
-            log = subprocess.run([_tool("ptxas"), "-v", "--regAllocOptLevel=2", f"--gpu-name={arch}",
+            log = subprocess.run([_tool("ptxas"), "-v", f"--gpu-name={arch}",
                                   str(Path(scratch) / "kernel.ptx"), "-o", str(Path(scratch) / "out.cubin")],
                                  capture_output=True, text=True).stderr
             spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
@@ -241,20 +244,17 @@ def spec_row(family: str, spec: KernelSpec, capability: int) -> dict[str, Any]:
         row["error"] = f"{type(error).__name__}: {str(error).strip()[-2000:]}"
         return row
     resources = _cubin_resources(compiled["cubin"], compiled["ptx"], capability)
-    row.update(resources)
-    row["shared"] = compiled["shared"] + resources.pop("static_shared")
-    row.pop("static_shared", None)
+    row.update(resources, shared=compiled["shared"] + resources.pop("static_shared"))
     accesses = global_accesses(compiled["ptx"])
     parameters = compiled["parameters"]
-    exempt = {parameters.index(name) for name in spec.narrow if name in parameters}
-    if "*" in spec.narrow:
-        exempt = set(range(len(parameters)))
     row["loads"], row["stores"] = _widths(accesses, "ld"), _widths(accesses, "st")
-    pointers = [parameters[p] for p in range(len(parameters)) if parameters[p] in compiled["pointers"]]
+    narrow = [] if "*" in spec.narrow else \
+        _narrow(accesses, {parameters.index(name) for name in spec.narrow if name in parameters})
+    # named by the pointer arguments their addresses derive from
     row["narrow_per_thread"] = [
         f"{a.op}{a.bits}:" + ",".join(parameters[p] for p in sorted(a.params)
-                                      if p < len(parameters) and parameters[p] in pointers)
-        for a in _narrow(accesses, exempt)]
+                                      if p < len(parameters) and parameters[p] in compiled["pointers"])
+        for a in narrow]
     return row
 
 
@@ -525,6 +525,7 @@ def summary(rows: list[dict[str, Any]]) -> str:
     return (f"{len(rows)} rows, {len(kernels)} kernels, {len(rows) - len(compiled)} compile failures, "
             f"{pending} rows narrower than the layout allows, pending (allowed for now), "
             f"{sum(1 for r in compiled if r['spill_stores'] or r['spill_loads'])} with spills, "
+            f"{sum(1 for r in compiled if r['registers'] >= REGISTER_CAP)} at the {REGISTER_CAP}-register cap, "
             f"max registers {most['registers'] if most else '-'}"
             f"{' (' + most['family'] + ':' + most['kernel'] + ' ' + most['target'] + ' ' + most['config'] + ')' if most else ''}; "
             f"{len(failing)} rows failing")

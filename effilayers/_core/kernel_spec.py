@@ -66,8 +66,10 @@ def specialise(spec: KernelSpec) -> tuple[dict, dict, list]:
     names = spec.kernel.arg_names
     missing = [n for n in names if n not in spec.arguments and n not in spec.constexprs]
     extra = [n for n in (*spec.arguments, *spec.constexprs) if n not in names]
-    if missing or extra:
-        raise ValueError(f"{spec.name}: arguments missing {missing}, unknown {extra}")
+    unexplained = [n for n in spec.narrow if n != "*" and n not in names]
+    if missing or extra or unexplained:
+        raise ValueError(f"{spec.name}: arguments missing {missing}, unknown {extra}, narrow reasons for "
+                         f"unknown arguments {unexplained}")
     signature, constexprs, divisible = {}, {}, []
     for name in names:
         if name in spec.constexprs:
