@@ -97,6 +97,7 @@ import triton
 import triton.language as tl
 
 from ..._core.cache import TableCache
+from ..._core.kernel_spec import KernelSpec
 from ..._core.layout import memory_flat
 from .contract import QUANT_BLOCK, AdamHyperParams, op_kernel, padded_numel
 
@@ -524,13 +525,11 @@ def kernel_specialisations():
     of aligned and of unaligned parameters; with the benchmark's AdamW
     settings and with every optional branch (amsgrad, grad scaler, skip on
     inf). The constexprs come from the launcher's ``_specialisation``."""
-    from ..._core.kernel_spec import KernelSpec
-
     kinds = ((torch.float32, torch.float32, False), (torch.float32, torch.bfloat16, False),
              (torch.bfloat16, torch.float32, True), (torch.float32, "8bit", False), (torch.bfloat16, "8bit", True))
     for param_dtype, state_dtype, has_master in kinds:
         quantized = state_dtype == "8bit"
-        param_size = torch.empty((), dtype=param_dtype).element_size()
+        param_size = param_dtype.itemsize
         narrowest = param_size if quantized else min(param_size, state_dtype.itemsize)
         vector = 16 // narrowest
         for layout in ("single", "aligned", "unaligned"):

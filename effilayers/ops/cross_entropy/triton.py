@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ..._core.dtypes import accumulation_dtype
+from ..._core.kernel_spec import KernelSpec
 
 # Classes per block. 4096 fp32 values over 8 warps is 16 per thread for each
 # live vector (x, exp, gradient): enough loads in flight to saturate memory
@@ -184,11 +185,9 @@ def bytes_per_element(size: int, write_grad: bool) -> tuple[float, float]:
 def kernel_specialisations():
     """Every (dtype, branch) of the kernel at the benchmark shapes, with
     the launcher's block and warp choice (``_block_and_warps``)."""
-    from ..._core.kernel_spec import KernelSpec
-
     for dtype in REPORT_DTYPES:
         acc = accumulation_dtype(dtype)
-        size = torch.empty((), dtype=dtype).element_size()
+        size = dtype.itemsize
         seen = set()
         for rows, classes in BENCHMARK_SHAPES:
             block, warps = _block_and_warps(classes)

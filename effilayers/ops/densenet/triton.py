@@ -64,6 +64,7 @@ import triton
 import triton.language as tl
 
 from ..._core.cache import TableCache
+from ..._core.kernel_spec import KernelSpec
 from . import reference
 from .contract import in_layout, is_pointwise, layout_of
 
@@ -316,16 +317,24 @@ def _tables(features: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tenso
     return _TABLES.get((device, stream, BLOCK_K, tuple(rows)), build)
 
 
-def _pixel_splits(device: torch.device, rows: int, programs: int) -> int:
-    """How many pixel ranges dW's reduction is split into: enough programs
-    for about four per multiprocessor on a GPU (two under the interpreter,
-    so the tests exercise the partial sums), never more than one per block
-    of rows."""
+def _pixel_splits(device: torch.device, rows: int, programs: int) -> tuple[int, int]:
+    """(splits, rows per split) of dW's reduction over the pixels: enough
+    programs for about four per multiprocessor on a GPU (two under the
+    interpreter, so the tests exercise the partial sums), never more than
+    one split per block of rows."""
     if device.type == "cuda":
         target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
     else:
         target = 2 * programs
-    return max(1, min(triton.cdiv(rows, BLOCK_M), triton.cdiv(target, programs)))
+    return _split_rows(rows, programs, target)
+
+
+def _split_rows(rows: int, programs: int, target: int) -> tuple[int, int]:
+    """(splits, rows per split, a multiple of BLOCK_M) for about ``target``
+    programs in all."""
+    splits = max(1, min(triton.cdiv(rows, BLOCK_M), triton.cdiv(target, programs)))
+    rows_per_split = triton.cdiv(triton.cdiv(rows, splits), BLOCK_M) * BLOCK_M
+    return triton.cdiv(rows, rows_per_split), rows_per_split
 
 
 def _allow_tf32(dtype: torch.dtype) -> bool:
@@ -439,9 +448,7 @@ def bottleneck_backward(grad_out: torch.Tensor, features: Sequence[torch.Tensor]
     if need_conv:
         if total > 0 and c_out > 0:
             output_tiles = triton.cdiv(c_out, BLOCK_N)
-            splits = _pixel_splits(first.device, total, output_tiles * num_tiles)
-            rows_per_split = triton.cdiv(triton.cdiv(total, splits), BLOCK_M) * BLOCK_M
-            splits = triton.cdiv(total, rows_per_split)
+            splits, rows_per_split = _pixel_splits(first.device, total, output_tiles * num_tiles)
             partial = torch.zeros((splits, c_out, k), device=first.device, dtype=torch.float32)
             _grad_weight[(output_tiles, num_tiles, splits)](
                 table, tiles, mean, scale, bias, grad_out, partial, matrix, total, hw, k, c_out, *go_strides,
@@ -513,15 +520,13 @@ def kernel_specialisations():
     """The four kernels in each dtype (float32 with and without TF32) for
     the benchmark's first dense layer, with the block sizes and warps the
     launchers use."""
-    from ..._core.kernel_spec import KernelSpec
-
     layer = BENCHMARK_LAYER
     hw = layer["height"] * layer["width"]
     m, k, c_out = layer["batch"] * hw, layer["channels"], layer["out_channels"]
     blocks = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
     narrow = {"*": _TABLE_NARROW}
     for dtype in REPORT_DTYPES:
-        size = torch.empty((), dtype=dtype).element_size()
+        size = dtype.itemsize
         for allow_tf32 in ((False, True) if dtype == torch.float32 else (False,)):
             label = f"{str(dtype)[6:]}{' tf32' if allow_tf32 else ''} {layer['batch']}x{k}x{layer['height']}x" \
                     f"{layer['width']} -> {c_out}"
@@ -550,8 +555,8 @@ def kernel_specialisations():
                 yield KernelSpec(_finish_grad_input, finish, dict(BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K), NUM_WARPS,
                                  f"{str(dtype)[6:]} {layer['batch']}x{k}x{layer['height']}x{layer['width']}",
                                  *bytes_per_element(size, c_out, "finish"), narrow)
-            splits = 2 * 132  # _pixel_splits on an H100 (132 SMs), C_out tiles x K tiles = 4 programs
-            rows_per_split = triton.cdiv(triton.cdiv(m, splits), BLOCK_M) * BLOCK_M
+            # _pixel_splits on an H100 (132 SMs)
+            _, rows_per_split = _split_rows(m, triton.cdiv(c_out, BLOCK_N) * triton.cdiv(k, BLOCK_K), 4 * 132)
             weight_grad = dict(table=torch.int64, tiles=torch.int64, mean=torch.float32, scale=torch.float32,
                                bias=torch.float32, grad_out=dtype, partial_grad_weight=torch.float32,
                                dtype_ptr=dtype, M=m, HW=hw, K=k, C_OUT=c_out, **go, ROWS_PER_SPLIT=rows_per_split)

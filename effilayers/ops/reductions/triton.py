@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from ..._core.dtypes import accumulation_dtype
+from ..._core.kernel_spec import KernelSpec
 
 # One tile holds at most 4096 values: 16 KiB of float32 spread over 4 warps
 # (32 values per thread), enough loads in flight to keep a memory-bound loop
@@ -237,15 +238,13 @@ def kernel_specialisations():
     """sum (partial 0), norm (1) and var (2) of each dtype along each
     benchmark dimension, with the launcher's view (``_tile_view``) and tile
     and split choice (``_config``)."""
-    from ..._core.kernel_spec import KernelSpec
-
     rows, cols = BENCHMARK_SHAPE
     # (outer, reduced, inner) and strides of a contiguous (rows, cols) tensor
     views = {"rows": ((rows, cols, 1), (cols, 1, 1)), "columns": ((1, rows, cols), (rows * cols, cols, 1)),
              "all": ((1, rows * cols, 1), (rows * cols, 1, 1))}
     for dtype in REPORT_DTYPES:
         acc = accumulation_dtype(dtype)
-        size = torch.empty((), dtype=dtype).element_size()
+        size = dtype.itemsize
         scaled = dtype in (torch.bfloat16, torch.float32)
         for dim_name, ((outer, reduced, inner), strides) in views.items():
             outer, inner, (stride_o, stride_r, stride_i) = _tile_view(outer, reduced, inner, strides)

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from ..._core.dtypes import accumulation_dtype
+from ..._core.kernel_spec import KernelSpec
 from ..._core.layout import three_groups
 from .contract import output_like, wrap_dim
 
@@ -497,10 +498,8 @@ def kernel_specialisations():
     """Every (kernel, dtype, configuration) the launchers pick at the
     benchmark shapes, through the launchers' own block and warp choices
     (``_row_block``, ``_row_warps``, ``_tile_blocks``, ``_tile_warps``)."""
-    from ..._core.kernel_spec import KernelSpec
-
     for dtype in REPORT_DTYPES:
-        size = torch.empty((), dtype=dtype).element_size()
+        size = dtype.itemsize
         acc = _acc(dtype)
         seen = set()
         for n_cols in BENCHMARK_ROWS:
