@@ -532,7 +532,12 @@ def summary(rows: list[dict[str, Any]]) -> str:
 
 
 def main(json_output: bool = False, jobs: int = 0) -> int:
-    rows = collect(jobs=jobs)
+    """Prints the report; 1 when a row fails it, 2 when it cannot run here."""
+    try:
+        rows = collect(jobs=jobs)
+    except RuntimeError as error:
+        print(f"python -m effilayers.info --kernels: {error}", file=sys.stderr)
+        return 2
     if json_output:
         print(json.dumps({"rows": rows, "summary": summary(rows)}, indent=1))
     else:

@@ -117,6 +117,37 @@ def test_problems_flag_spills_failures_and_narrow_rows():
     assert _kernel_report.problems({"error": "ptxas failed"}) == ["compile failed"]
 
 
+def test_exit_status_and_json(monkeypatch, capsys):
+    """main() prints every row (JSON with --json) and fails when one row does."""
+    good = dict(kind="triton", family="f", kernel="k", target="sm_90", config="c", registers=32, spill_stores=0,
+                spill_loads=0, shared=0, loads={128: 2}, stores={128: 1}, narrow_per_thread=[], bytes_per_element=8,
+                roofline_bytes=8, narrow_reason="")
+    spilling = dict(good, kernel="spiller", spill_stores=16, spill_loads=16)
+
+    def fake_collect(rows):
+        def collect(jobs=0):
+            for row in rows:
+                row["problems"] = _kernel_report.problems(row)
+            return rows
+        return collect
+
+    monkeypatch.setattr(_kernel_report, "collect", fake_collect([dict(good)]))
+    assert _kernel_report.main() == 0
+    assert "f:k" in capsys.readouterr().out
+    monkeypatch.setattr(_kernel_report, "collect", fake_collect([dict(good), dict(spilling)]))
+    assert _kernel_report.main(json_output=True) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert [row["kernel"] for row in report["rows"]] == ["k", "spiller"]
+    assert report["rows"][1]["problems"] == ["spills 16/16 bytes"]
+    assert "1 rows failing" in report["summary"]
+
+
+def test_refuses_to_run_under_the_interpreter(monkeypatch, capsys):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert _kernel_report.main() == 2
+    assert "TRITON_INTERPRET" in capsys.readouterr().err
+
+
 needs_nvcc = pytest.mark.skipif(_kernel_report.cuda_home() is None, reason="nvcc not found (CI has it)")
 
 
