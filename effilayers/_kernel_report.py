@@ -20,7 +20,11 @@ may be narrower says why).
 
 A global access is per-thread when its address depends on the thread index
 (a data flow through the PTX from ``%tid``): the loads of a row's target or
-of a table entry, the same address for every thread, may be narrow.
+of a table entry, the same address for every thread, may be narrow. The flow
+does not follow values through memory: a value loaded back from shared
+memory depends on that load's address instead (the thread index, mostly), so
+the reading errs towards calling an access per-thread, and towards naming
+fewer arguments for it, which can fail a row but not pass a narrow one.
 """
 
 from __future__ import annotations
