@@ -521,12 +521,15 @@ def bytes_per_element(param_size: int, state_size: float, master: bool, amsgrad:
 
 def kernel_specialisations():
     """Both kernels for each parameter/state dtype pair of the benchmarks
-    (and bf16 parameters with fp32 masters), for a chunk of one parameter,
-    of aligned and of unaligned parameters; with the benchmark's AdamW
+    (and 16-bit parameters with fp32 masters, or bf16 throughout), for a
+    chunk of one parameter, of aligned and of unaligned parameters; with the
+    benchmark's AdamW
     settings and with every optional branch (amsgrad, grad scaler, skip on
     inf). The constexprs come from the launcher's ``_specialisation``."""
     kinds = ((torch.float32, torch.float32, False), (torch.float32, torch.bfloat16, False),
-             (torch.bfloat16, torch.float32, True), (torch.float32, "8bit", False), (torch.bfloat16, "8bit", True))
+             (torch.bfloat16, torch.float32, True), (torch.float16, torch.float32, True),
+             (torch.bfloat16, torch.bfloat16, False), (torch.float32, "8bit", False), (torch.bfloat16, "8bit", True),
+             (torch.float16, "8bit", True))
     for param_dtype, state_dtype, has_master in kinds:
         quantized = state_dtype == "8bit"
         param_size = param_dtype.itemsize
