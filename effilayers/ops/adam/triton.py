@@ -523,9 +523,9 @@ def kernel_specialisations():
     """Both kernels for each parameter/state dtype pair of the benchmarks
     (and 16-bit parameters with fp32 masters, or bf16 throughout), for a
     chunk of one parameter, of aligned and of unaligned parameters; with the
-    benchmark's AdamW
-    settings and with every optional branch (amsgrad, grad scaler, skip on
-    inf). The constexprs come from the launcher's ``_specialisation``."""
+    benchmark's AdamW settings and with every optional branch (amsgrad, grad
+    scaler, skip on inf). The constexprs come from the launcher's
+    ``_specialisation``."""
     kinds = ((torch.float32, torch.float32, False), (torch.float32, torch.bfloat16, False),
              (torch.bfloat16, torch.float32, True), (torch.float16, torch.float32, True),
              (torch.bfloat16, torch.bfloat16, False), (torch.float32, "8bit", False), (torch.bfloat16, "8bit", True),
