@@ -40,6 +40,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 import warnings
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
@@ -296,19 +297,13 @@ def launched_kernels() -> dict[str, Any]:
     called = set()
     for key, function in functions.items():
         module = sys.modules[function.fn.__module__]
-        tree = ast.parse(_dedented(function))
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function.fn)))
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
                 target = getattr(module, node.func.id, None)
                 if isinstance(target, _jit_type()):
                     called.add(f"{target.fn.__module__}:{target.fn.__name__}")
     return {key: f for key, f in functions.items() if key not in called}
-
-
-def _dedented(function) -> str:
-    import textwrap
-
-    return textwrap.dedent(inspect.getsource(function.fn))
 
 
 # -- CUDA -------------------------------------------------------------------------------------
