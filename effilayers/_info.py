@@ -122,11 +122,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--selftest", action="store_true",
                         help="run every compiled kernel once against its reference on this machine (exit 1 on a "
                              "failure)")
+    parser.add_argument("--kernels", action="store_true",
+                        help="compile every GPU kernel for sm_90 and sm_80 (no GPU needed) and report registers, "
+                             "spills, shared memory and access widths; exit 1 on a failure, a spill or a narrow "
+                             "access")
     args = parser.parse_args(argv)
     if args.selftest:
         from . import _selftest
 
         return _selftest.main()
+    if args.kernels:
+        from . import _kernel_report
+
+        return _kernel_report.main(json_output=args.json)
     if args.json:
         import json
 

@@ -1,5 +1,6 @@
 """``python -m effilayers.info [--demo] [--json]``: versions, devices and the
-backend each op uses. The function form is ``effilayers.info()``."""
+backend each op uses. The function form is ``effilayers.info()``.
+``--kernels``: the GPU kernels compiled for sm_90 and sm_80 (``_kernel_report``)."""
 
 from ._info import main
 

@@ -97,6 +97,7 @@ import triton
 import triton.language as tl
 
 from ..._core.cache import TableCache
+from ..._core.kernel_spec import KernelSpec
 from ..._core.layout import memory_flat
 from .contract import QUANT_BLOCK, AdamHyperParams, op_kernel, padded_numel
 
@@ -343,13 +344,26 @@ def _launch(kernel, operands: _Operands, states: Sequence[torch.Tensor], master:
     kernel[(operands.programs,)](
         *operands[:5], *states, master if master is not None else stand_in,
         step, grad_scale if grad_scale is not None else step, found_inf if found_inf is not None else step,
-        hyper.lr, _log(hyper.beta1), _log(hyper.beta2), hyper.beta2, 1.0 - hyper.beta1, 1.0 - hyper.beta2,
-        hyper.eps, hyper.weight_decay, 1.0 - hyper.lr * hyper.weight_decay,
-        SINGLE=operands.single, ALIGNED=operands.aligned, VECTOR=operands.vector, HAS_MASTER=master is not None,
-        AMSGRAD=amsgrad, SCALED=grad_scale is not None, CHECK_INF=found_inf is not None,
-        DECOUPLED=hyper.decoupled_weight_decay, MAXIMIZE=hyper.maximize, HAS_WEIGHT_DECAY=hyper.weight_decay != 0,
+        *_scalars(hyper),
+        **_specialisation(operands.single, operands.aligned, operands.vector, master is not None, amsgrad,
+                          grad_scale is not None, found_inf is not None, hyper),
         num_warps=NUM_WARPS, **constants,
     )
+
+
+def _scalars(hyper: AdamHyperParams) -> tuple[float, ...]:
+    """The kernels' float arguments, lr to decay_factor."""
+    return (hyper.lr, _log(hyper.beta1), _log(hyper.beta2), hyper.beta2, 1.0 - hyper.beta1, 1.0 - hyper.beta2,
+            hyper.eps, hyper.weight_decay, 1.0 - hyper.lr * hyper.weight_decay)
+
+
+def _specialisation(single: bool, aligned: bool, vector: int, has_master: bool, amsgrad: bool, scaled: bool,
+                    check_inf: bool, hyper: AdamHyperParams) -> dict:
+    """The constexprs both kernels are specialised on (also what the kernel
+    report compiles, ``kernel_specialisations``)."""
+    return dict(SINGLE=single, ALIGNED=aligned, VECTOR=vector, HAS_MASTER=has_master, AMSGRAD=amsgrad,
+                SCALED=scaled, CHECK_INF=check_inf, DECOUPLED=hyper.decoupled_weight_decay,
+                MAXIMIZE=hyper.maximize, HAS_WEIGHT_DECAY=hyper.weight_decay != 0)
 
 
 @op_kernel
@@ -478,3 +492,77 @@ def adam_step_8bit_triton(params, grads, exp_avg, exp_avg_absmax, exp_avg_sq, ex
     _launch(_adam_8bit_kernel, _operands(params, grads, exp_avg.dtype, padded=True), states, master,
             exp_avg_absmax, step, grad_scale, found_inf, amsgrad, hyper, QBLOCK=QUANT_BLOCK,
             ROWS=BLOCKS_PER_PROGRAM)
+
+
+# -- kernel report ---------------------------------------------------------------
+
+_FLOATS = ("lr", "log_beta1", "log_beta2", "beta2", "one_minus_beta1", "one_minus_beta2", "eps", "weight_decay",
+           "decay_factor")
+# benchmarks/bench_optim.py: AdamW(lr=1e-3, weight_decay=0.01), one 4096x1024
+# matrix per chunk of one parameter
+BENCHMARK_HYPER = AdamHyperParams(1e-3, 0.9, 0.999, 1e-8, 0.01, True, False)
+BENCHMARK_NUMEL = 4096 * 1024
+_UNALIGNED = ("a chunk whose parameters are not all 16-byte aligned with numels multiple of VECTOR: one "
+              "access per element, by design (ALIGNED=False)")
+_BLOCK_SCALES = f"{BLOCKS_PER_PROGRAM} block scales per program (not bandwidth-bound)"
+_CODES = (f"one-byte codes: {BLOCK} per program over {NUM_WARPS * 32} threads is {BLOCK // (NUM_WARPS * 32)} bytes "
+          "per thread, 64 bits at most")
+
+
+def bytes_per_element(param_size: int, state_size: float, master: bool, amsgrad: bool) -> float:
+    """Bytes a one-pass update moves per parameter: g read; p read (or the
+    master) and written (and the master written); m and v (and amsgrad's
+    max) read and written; an 8-bit state is its byte plus a float32 scale
+    per QUANT_BLOCK elements. A perfect kernel moves the same, so this is
+    both the kernel's traffic and the family's roofline."""
+    moved = param_size + (4 + 4 + param_size if master else 2 * param_size)
+    return moved + 2 * (3 if amsgrad else 2) * state_size
+
+
+def kernel_specialisations():
+    """Both kernels for each parameter/state dtype pair of the benchmarks
+    (and 16-bit parameters with fp32 masters, or bf16 throughout), for a
+    chunk of one parameter, of aligned and of unaligned parameters; with the
+    benchmark's AdamW settings and with every optional branch (amsgrad, grad
+    scaler, skip on inf). The constexprs come from the launcher's
+    ``_specialisation``."""
+    kinds = ((torch.float32, torch.float32, False), (torch.float32, torch.bfloat16, False),
+             (torch.bfloat16, torch.float32, True), (torch.float16, torch.float32, True),
+             (torch.bfloat16, torch.bfloat16, False), (torch.float32, "8bit", False), (torch.bfloat16, "8bit", True),
+             (torch.float16, "8bit", True))
+    for param_dtype, state_dtype, has_master in kinds:
+        quantized = state_dtype == "8bit"
+        param_size = param_dtype.itemsize
+        narrowest = param_size if quantized else min(param_size, state_dtype.itemsize)
+        vector = 16 // narrowest
+        for layout in ("single", "aligned", "unaligned"):
+            single = layout == "single"
+            for amsgrad, scaled, check_inf in ((False, False, False), (True, True, True)):
+                constants = _specialisation(single, layout == "aligned", vector, has_master, amsgrad, scaled,
+                                            check_inf, BENCHMARK_HYPER)
+                arguments = dict(parameter_table=torch.int64, tile_table=torch.int64, first_param=param_dtype,
+                                 first_grad=param_dtype, n=BENCHMARK_NUMEL if single else 0,
+                                 master_ptr=torch.float32 if has_master else param_dtype, step_ptr=torch.float32,
+                                 grad_scale_ptr=torch.float32, found_inf_ptr=torch.float32,
+                                 **dict(zip(_FLOATS, _scalars(BENCHMARK_HYPER))))
+                options = "amsgrad+scaler+inf" if amsgrad else "adamw"
+                config = (f"{str(param_dtype)[6:]} params{' +fp32 master' if has_master else ''}, "
+                          f"{state_dtype if quantized else str(state_dtype)[6:]} states, {layout}, {options}")
+                narrow = {"*": _UNALIGNED} if layout == "unaligned" else {}
+                if quantized:
+                    arguments.update(exp_avg_ptr=torch.int8, exp_avg_absmax_ptr=torch.float32,
+                                     exp_avg_sq_ptr=torch.uint8, exp_avg_sq_absmax_ptr=torch.float32,
+                                     max_exp_avg_sq_ptr=torch.uint8, max_exp_avg_sq_absmax_ptr=torch.float32)
+                    moved = bytes_per_element(param_size, 1 + 4 / QUANT_BLOCK, has_master, amsgrad)
+                    narrow = narrow or {"exp_avg_absmax_ptr": _BLOCK_SCALES, "exp_avg_sq_absmax_ptr": _BLOCK_SCALES,
+                                        "max_exp_avg_sq_absmax_ptr": _BLOCK_SCALES, "exp_avg_ptr": _CODES,
+                                        "exp_avg_sq_ptr": _CODES, "max_exp_avg_sq_ptr": _CODES}
+                    yield KernelSpec(_adam_8bit_kernel, arguments,
+                                     dict(constants, QBLOCK=QUANT_BLOCK, ROWS=BLOCKS_PER_PROGRAM), NUM_WARPS, config,
+                                     moved, moved, narrow)
+                else:
+                    arguments.update(exp_avg_ptr=state_dtype, exp_avg_sq_ptr=state_dtype,
+                                     max_exp_avg_sq_ptr=state_dtype)
+                    moved = bytes_per_element(param_size, state_dtype.itemsize, has_master, amsgrad)
+                    yield KernelSpec(_adam_kernel, arguments, dict(constants, BLOCK=BLOCK), NUM_WARPS, config, moved,
+                                     moved, narrow)

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ..._core.dtypes import accumulation_dtype
+from ..._core.kernel_spec import KernelSpec
 
 # Classes per block. 4096 fp32 values over 8 warps is 16 per thread for each
 # live vector (x, exp, gradient): enough loads in flight to saturate memory
@@ -161,3 +162,51 @@ def cross_entropy_rows_triton(logits, target, weight, grad, grad_scale, ignore_i
         HAS_WEIGHT=weight is not None, SMOOTHING=eps > 0.0, WRITE_GRAD=write_grad, BLOCK=block, num_warps=warps,
     )
     return loss
+
+
+# -- kernel report ---------------------------------------------------------------
+
+# benchmarks/bench_cross_entropy.py's GPU shapes (rows, classes)
+BENCHMARK_SHAPES = ((16384, 131072), (8192, 32000))
+REPORT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def bytes_per_element(size: int, write_grad: bool) -> tuple[float, float]:
+    """(bytes this kernel moves per logit, the roofline). The loss alone
+    reads each logit once; with the gradient the second pass reads it again
+    and writes the gradient, where a perfect kernel would read once and write
+    once (the per-row target, loss and class weights are below 0.01 byte
+    per logit at these sizes)."""
+    if write_grad:
+        return 3 * size, 2 * size
+    return size, size
+
+
+def kernel_specialisations():
+    """Every (dtype, branch) of the kernel at the benchmark shapes, with
+    the launcher's block and warp choice (``_block_and_warps``)."""
+    for dtype in REPORT_DTYPES:
+        acc = accumulation_dtype(dtype)
+        size = dtype.itemsize
+        seen = set()
+        for rows, classes in BENCHMARK_SHAPES:
+            block, warps = _block_and_warps(classes)
+            if (block, warps) in seen:
+                continue
+            seen.add((block, warps))
+            for write_grad in (True, False):
+                for has_weight, smoothing in ((False, False), (True, False), (False, True), (True, True)):
+                    grad_strides = (classes, 1, 1) if write_grad else (0, 0, 0)
+                    # (rows, classes) logits seen as (rows, classes, 1)
+                    arguments = dict(
+                        logits_ptr=dtype, target_ptr=torch.int64, weight_ptr=acc if has_weight else dtype,
+                        grad_ptr=dtype, grad_scale_ptr=acc, loss_ptr=acc, classes=classes, inner=1,
+                        outer_stride=classes, class_stride=1, inner_stride=1, grad_outer_stride=grad_strides[0],
+                        grad_class_stride=grad_strides[1], grad_inner_stride=grad_strides[2], ignore_index=-100,
+                        eps_ptr=acc)
+                    config = (f"{str(dtype)[6:]} {rows}x{classes} BLOCK={block}"
+                              f"{' grad' if write_grad else ''}{' weight' if has_weight else ''}"
+                              f"{' smoothing' if smoothing else ''}")
+                    yield KernelSpec(_cross_entropy_rows_kernel, arguments,
+                                     dict(HAS_WEIGHT=has_weight, SMOOTHING=smoothing, WRITE_GRAD=write_grad,
+                                          BLOCK=block), warps, config, *bytes_per_element(size, write_grad))

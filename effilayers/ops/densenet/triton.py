@@ -64,6 +64,7 @@ import triton
 import triton.language as tl
 
 from ..._core.cache import TableCache
+from ..._core.kernel_spec import KernelSpec
 from . import reference
 from .contract import in_layout, is_pointwise, layout_of
 
@@ -316,16 +317,24 @@ def _tables(features: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tenso
     return _TABLES.get((device, stream, BLOCK_K, tuple(rows)), build)
 
 
-def _pixel_splits(device: torch.device, rows: int, programs: int) -> int:
-    """How many pixel ranges dW's reduction is split into: enough programs
-    for about four per multiprocessor on a GPU (two under the interpreter,
-    so the tests exercise the partial sums), never more than one per block
-    of rows."""
+def _pixel_splits(device: torch.device, rows: int, programs: int) -> tuple[int, int]:
+    """(splits, rows per split) of dW's reduction over the pixels: enough
+    programs for about four per multiprocessor on a GPU (two under the
+    interpreter, so the tests exercise the partial sums), never more than
+    one split per block of rows."""
     if device.type == "cuda":
         target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
     else:
         target = 2 * programs
-    return max(1, min(triton.cdiv(rows, BLOCK_M), triton.cdiv(target, programs)))
+    return _split_rows(rows, programs, target)
+
+
+def _split_rows(rows: int, programs: int, target: int) -> tuple[int, int]:
+    """(splits, rows per split, a multiple of BLOCK_M) for about ``target``
+    programs in all."""
+    splits = max(1, min(triton.cdiv(rows, BLOCK_M), triton.cdiv(target, programs)))
+    rows_per_split = triton.cdiv(triton.cdiv(rows, splits), BLOCK_M) * BLOCK_M
+    return triton.cdiv(rows, rows_per_split), rows_per_split
 
 
 def _allow_tf32(dtype: torch.dtype) -> bool:
@@ -439,9 +448,7 @@ def bottleneck_backward(grad_out: torch.Tensor, features: Sequence[torch.Tensor]
     if need_conv:
         if total > 0 and c_out > 0:
             output_tiles = triton.cdiv(c_out, BLOCK_N)
-            splits = _pixel_splits(first.device, total, output_tiles * num_tiles)
-            rows_per_split = triton.cdiv(triton.cdiv(total, splits), BLOCK_M) * BLOCK_M
-            splits = triton.cdiv(total, rows_per_split)
+            splits, rows_per_split = _pixel_splits(first.device, total, output_tiles * num_tiles)
             partial = torch.zeros((splits, c_out, k), device=first.device, dtype=torch.float32)
             _grad_weight[(output_tiles, num_tiles, splits)](
                 table, tiles, mean, scale, bias, grad_out, partial, matrix, total, hw, k, c_out, *go_strides,
@@ -475,3 +482,83 @@ def backward(grad_out, features, mean, invstd, weight, bias, conv_weight, batch_
     if not need_input:
         return reference.nothing(mean), reference.nothing(mean), reference.nothing(mean), grad_conv
     return grad_input, grad_bias, grad_weight, grad_conv
+
+
+# ---- kernel report ----------------------------------------------------------------------------------
+
+# The first dense layer of DenseNet-121's first block in benchmarks/bench_densenet.py's
+# step (batch 64 at 224x224: 56x56 maps, 64 input channels, 128 = 4 x 32
+# bottleneck channels), NCHW; the kernels themselves take any size.
+BENCHMARK_LAYER = dict(batch=64, channels=64, height=56, width=56, out_channels=128)
+REPORT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# What the K loop reads through the map table: pointers, strides and channel
+# numbers known only at run time, so no load of a map (nor of a per-channel
+# vector, weight column or gradient indexed by those channel numbers) can be
+# proven contiguous and aligned. A layout-specialised variant (NCHW: unit
+# pixel stride; channels_last: unit channel stride) could be; not written
+# without a GPU to measure it on. (Also seen: with TF32 on sm_90 the dout
+# tile of _grad_input is loaded 32 bits at a time, 128 on sm_80.)
+_TABLE_NARROW = "pending: map pointers, strides and channel numbers come from the map table at run time"
+
+
+def bytes_per_element(size: int, c_out: int, kernel: str) -> tuple[float, float]:
+    """(bytes per element of the concatenated input, the roofline). The
+    forward reads the input once per BLOCK_N tile of output channels and
+    writes c_out / K outputs per input element (counted against K = c_out,
+    the ratio of DenseNet's wider layers is lower); the backward kernels
+    read the input and dout and write dx; a perfect bottleneck reads x once
+    and writes its output once per pass."""
+    tiles = triton.cdiv(c_out, BLOCK_N)
+    if kernel == "forward":
+        return (tiles + 1) * size, 2 * size
+    if kernel == "grad_weight":
+        return 2 * size, 2 * size
+    return 3 * size, 3 * size
+
+
+def kernel_specialisations():
+    """The four kernels in each dtype (float32 with and without TF32) for
+    the benchmark's first dense layer, with the block sizes and warps the
+    launchers use."""
+    layer = BENCHMARK_LAYER
+    hw = layer["height"] * layer["width"]
+    m, k, c_out = layer["batch"] * hw, layer["channels"], layer["out_channels"]
+    blocks = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    narrow = {"*": _TABLE_NARROW}
+    for dtype in REPORT_DTYPES:
+        size = dtype.itemsize
+        for allow_tf32 in ((False, True) if dtype == torch.float32 else (False,)):
+            label = f"{str(dtype)[6:]}{' tf32' if allow_tf32 else ''} {layer['batch']}x{k}x{layer['height']}x" \
+                    f"{layer['width']} -> {c_out}"
+            vectors = dict(mean=torch.float32, scale=torch.float32, bias=torch.float32)
+            out_strides = dict(out_stride_n=c_out * hw, out_stride_c=hw, out_stride_hw=1)
+            forward = dict(table=torch.int64, tiles=torch.int64, num_tiles=triton.cdiv(k, BLOCK_K), **vectors,
+                           weight=dtype, out=dtype, M=m, HW=hw, K=k, C_OUT=c_out, **out_strides)
+            yield KernelSpec(_forward, forward, dict(ALLOW_TF32=allow_tf32, **blocks), NUM_WARPS, label,
+                             *bytes_per_element(size, c_out, "forward"), narrow)
+            go = dict(go_stride_n=c_out * hw, go_stride_c=hw, go_stride_hw=1)
+            grad = dict(g_stride_n=k * hw, g_stride_c=hw, g_stride_hw=1)
+            for batch_stats in (True, False):
+                # dz goes to a float32 scratch buffer for 16-bit maps with batch statistics
+                grad_dtype = torch.float32 if batch_stats else dtype
+                arguments = dict(table=torch.int64, tiles=torch.int64, **vectors, invstd=torch.float32, weight=dtype,
+                                 grad_out=dtype, partial_dz=torch.float32, partial_dz_xhat=torch.float32,
+                                 grad=grad_dtype, M=m, HW=hw, K=k, C_OUT=c_out, **go, **grad)
+                yield KernelSpec(_grad_input, arguments, dict(BATCH_STATS=batch_stats, ALLOW_TF32=allow_tf32,
+                                                              **blocks), NUM_WARPS,
+                                 label + (" batch stats" if batch_stats else " running stats"),
+                                 *bytes_per_element(size, c_out, "grad_input"), narrow)
+            finish = dict(table=torch.int64, tiles=torch.int64, mean=torch.float32, invstd=torch.float32,
+                          scale=torch.float32, mean_dz=torch.float32, mean_dz_xhat=torch.float32,
+                          grad_z_buffer=torch.float32, grad=dtype, M=m, HW=hw, **grad, dtype_ptr=dtype)
+            if not allow_tf32:
+                yield KernelSpec(_finish_grad_input, finish, dict(BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K), NUM_WARPS,
+                                 f"{str(dtype)[6:]} {layer['batch']}x{k}x{layer['height']}x{layer['width']}",
+                                 *bytes_per_element(size, c_out, "finish"), narrow)
+            # _pixel_splits on an H100 (132 SMs)
+            _, rows_per_split = _split_rows(m, triton.cdiv(c_out, BLOCK_N) * triton.cdiv(k, BLOCK_K), 4 * 132)
+            weight_grad = dict(table=torch.int64, tiles=torch.int64, mean=torch.float32, scale=torch.float32,
+                               bias=torch.float32, grad_out=dtype, partial_grad_weight=torch.float32,
+                               dtype_ptr=dtype, M=m, HW=hw, K=k, C_OUT=c_out, **go, ROWS_PER_SPLIT=rows_per_split)
+            yield KernelSpec(_grad_weight, weight_grad, dict(ALLOW_TF32=allow_tf32, **blocks), NUM_WARPS, label,
+                             *bytes_per_element(size, c_out, "grad_weight"), narrow)

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from ..._core.dtypes import accumulation_dtype
+from ..._core.kernel_spec import KernelSpec
 
 # One tile holds at most 4096 values: 16 KiB of float32 spread over 4 warps
 # (32 values per thread), enough loads in flight to keep a memory-bound loop
@@ -146,18 +147,24 @@ def _config(outer: int, reduced: int, inner: int):
     return block_r, block_i, splits, rows_per_split
 
 
-def reduce_triton(x: torch.Tensor, out: torch.Tensor, kind: str, correction: float) -> None:
-    outer, reduced, inner = x.shape
-    stride_o, stride_r, stride_i = x.stride()
-    if out.numel() == 0:
-        return
+def _tile_view(outer: int, reduced: int, inner: int, strides) -> tuple[int, int, tuple[int, int, int]]:
+    """(outer, inner, strides) as the kernel walks them."""
+    stride_o, stride_r, stride_i = strides
     if inner == 1 and outer > 1 and (stride_r != 1 or reduced < SHORT_ROW):
         # Make the outer index the tile's columns: adjacent outputs sit next
         # to each other along it (a transposed matrix), or the rows are so
         # short that one program per row would idle most of its lanes (a
         # tile of 64 short contiguous rows is one contiguous chunk).
         # Output order is unchanged.
-        outer, inner, stride_o, stride_i = 1, outer, 0, stride_o
+        return 1, outer, (0, stride_r, stride_o)
+    return outer, inner, (stride_o, stride_r, stride_i)
+
+
+def reduce_triton(x: torch.Tensor, out: torch.Tensor, kind: str, correction: float) -> None:
+    outer, reduced, inner = x.shape
+    if out.numel() == 0:
+        return
+    outer, inner, (stride_o, stride_r, stride_i) = _tile_view(outer, reduced, inner, x.stride())
     partial = _PARTIAL[kind]
     if reduced == 0:
         wide = torch.zeros(out.shape, dtype=torch.float64, device=x.device)
@@ -206,3 +213,48 @@ def _finish(kind: str, value: torch.Tensor, m2: torch.Tensor, count: int, correc
         return torch.full_like(value, float("nan"))
     var = m2 / max(0, count - correction)
     return var if kind == "var" else var.sqrt()
+
+
+# -- kernel report ---------------------------------------------------------------
+
+# benchmarks/bench_reductions.py's GPU shape, reduced along rows, columns and all
+BENCHMARK_SHAPE = (16384, 16384)
+REPORT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# one float32 per output column and split: at most BLOCK_I (64) values over
+# NUM_WARPS * 32 threads, so under 16 bytes per thread
+_PARTIALS_NARROW = "one partial per output and split, under 16 bytes per thread (not bandwidth-bound)"
+
+
+def bytes_per_element(size: int) -> tuple[float, float]:
+    """(bytes this kernel moves per input element, the roofline): every
+    element is read once; the partials written are one per output and
+    split, under 0.01 byte per element at the benchmark shape."""
+    return size, size
+
+
+def kernel_specialisations():
+    """sum (partial 0), norm (1) and var (2) of each dtype along each
+    benchmark dimension, with the launcher's view (``_tile_view``) and tile
+    and split choice (``_config``)."""
+    rows, cols = BENCHMARK_SHAPE
+    # (outer, reduced, inner) and strides of a contiguous (rows, cols) tensor
+    views = {"rows": ((rows, cols, 1), (cols, 1, 1)), "columns": ((1, rows, cols), (rows * cols, cols, 1)),
+             "all": ((1, rows * cols, 1), (rows * cols, 1, 1))}
+    for dtype in REPORT_DTYPES:
+        acc = accumulation_dtype(dtype)
+        size = dtype.itemsize
+        scaled = dtype in (torch.bfloat16, torch.float32)
+        for dim_name, ((outer, reduced, inner), strides) in views.items():
+            outer, inner, (stride_o, stride_r, stride_i) = _tile_view(outer, reduced, inner, strides)
+            block_r, block_i, splits, rows_per_split = _config(outer, reduced, inner)
+            for kind, partial in (("sum", 0), ("norm", 1), ("var", 2)):
+                arguments = dict(x_ptr=dtype, a_ptr=acc, b_ptr=acc, e_ptr=torch.int32 if scaled else acc, R=reduced,
+                                 I=inner, stride_o=stride_o, stride_r=stride_r, stride_i=stride_i,
+                                 rows_per_split=rows_per_split, splits=splits)
+                yield KernelSpec(_reduce_kernel, arguments, dict(PARTIAL=partial, SCALED=scaled, BLOCK_R=block_r,
+                                                                 BLOCK_I=block_i), NUM_WARPS,
+                                 f"{str(dtype)[6:]} {kind} {dim_name} of {rows}x{cols} BLOCK={block_r}x{block_i} "
+                                 f"splits={splits}", *bytes_per_element(size),
+                                 {name: _PARTIALS_NARROW for name in ("a_ptr", "b_ptr", "e_ptr")})

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from ..._core.dtypes import accumulation_dtype
+from ..._core.kernel_spec import KernelSpec
 from ..._core.layout import three_groups
 from .contract import output_like, wrap_dim
 
@@ -469,3 +470,89 @@ def scaled_masked_softmax_forward(x: torch.Tensor, mask, scale: float, causal: b
 __all__ = ["softmax_forward", "softmax_backward", "scaled_masked_softmax_forward", "MAX_FUSED_BLOCK",
            "ONLINE_BLOCK", "MAX_TILE"]
 
+
+
+# --------------------------------------------------------------------------- kernel report
+
+# Row lengths of benchmarks/bench_softmax.py's GPU cases (4096 x 32768 and the
+# 2**27-element sweep), its NCHW dim=1 case and its causal attention rows.
+BENCHMARK_ROWS = (1024, 4096, 16384, 32768, 65536, 262144)
+BENCHMARK_TILE = (64, 256, 64 * 64)  # (outer, reduced, inner) of 64x256x64x64, dim=1
+BENCHMARK_ATTENTION = (16, 32, 1024, 1024)
+REPORT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def bytes_per_element(direction: str, size: int, single: bool, log: bool) -> tuple[float, float]:
+    """(bytes this kernel moves per input element, the roofline). Forward
+    reads x and writes y; backward reads g and y and writes dx. A row that
+    does not fit one block is read twice (the online pass, then the writing
+    pass); the backward's first pass of softmax reads y too."""
+    if direction == "forward":
+        return (2 if single else 3) * size, 2 * size
+    if single:
+        return 3 * size, 3 * size
+    return (4 if log else 5) * size, 3 * size
+
+
+def kernel_specialisations():
+    """Every (kernel, dtype, configuration) the launchers pick at the
+    benchmark shapes, through the launchers' own block and warp choices
+    (``_row_block``, ``_row_warps``, ``_tile_blocks``, ``_tile_warps``)."""
+    for dtype in REPORT_DTYPES:
+        size = dtype.itemsize
+        acc = _acc(dtype)
+        seen = set()
+        for n_cols in BENCHMARK_ROWS:
+            block, single = _row_block(n_cols)
+            if (block, single) in seen:
+                continue
+            seen.add((block, single))
+            for log in (False, True):
+                config = f"{str(dtype)[6:]} cols={n_cols} BLOCK={block}{'' if single else ' online'}" + \
+                         (" log" if log else "")
+                # a contiguous (rows, n_cols) tensor, as the launcher passes it
+                forward = dict(x_ptr=dtype, mask_ptr=dtype, out_ptr=dtype, size1=1, size2=1, sx0=n_cols, sx1=0,
+                               sx2=0, sx3=1, sm0=0, sm1=0, sm2=0, sm3=0, so0=n_cols, so1=0, so2=0, so3=1,
+                               n_cols=n_cols, scale=1.0)
+                yield KernelSpec(_row_forward, forward, dict(MASK_KIND=0, CAUSAL=False, LOG=log, SINGLE=single,
+                                                             ACC=acc, BLOCK=block), _row_warps(block), config,
+                                 *bytes_per_element("forward", size, single, log))
+                backward = dict(g_ptr=dtype, y_ptr=dtype, out_ptr=dtype, sgo=n_cols, sgr=1, syo=n_cols, syr=1,
+                                soo=n_cols, sor=1, n_cols=n_cols, scale=1.0)
+                yield KernelSpec(_row_backward, backward, dict(LOG=log, SINGLE=single, ACC=acc, BLOCK=block),
+                                 _row_warps(block), config, *bytes_per_element("backward", size, single, log))
+        outer, reduced, inner = BENCHMARK_TILE
+        block_r, block_i, single = _tile_blocks(reduced, inner)
+        inner_blocks = triton.cdiv(inner, block_i)
+        warps = _tile_warps(block_r * block_i)
+        for log in (False, True):
+            config = f"{str(dtype)[6:]} dim=1 of 64x256x64x64 BLOCK={block_r}x{block_i}" + (" log" if log else "")
+            strides = dict(reduced=reduced, inner=inner, inner_blocks=inner_blocks)
+            forward = dict(x_ptr=dtype, out_ptr=dtype, **strides, sxo=reduced * inner, sxr=inner, sxi=1,
+                           soo=reduced * inner, sor=inner, soi=1)
+            yield KernelSpec(_tile_forward, forward, dict(LOG=log, SINGLE=single, ACC=acc, BLOCK_R=block_r,
+                                                          BLOCK_I=block_i), warps, config,
+                             *bytes_per_element("forward", size, single, log))
+            backward = dict(g_ptr=dtype, y_ptr=dtype, out_ptr=dtype, **strides, sgo=reduced * inner, sgr=inner,
+                            sgi=1, syo=reduced * inner, syr=inner, syi=1, soo=reduced * inner, sor=inner, soi=1,
+                            scale=1.0)
+            yield KernelSpec(_tile_backward, backward, dict(LOG=log, SINGLE=single, ACC=acc, BLOCK_R=block_r,
+                                                            BLOCK_I=block_i), warps, config,
+                             *bytes_per_element("backward", size, single, log))
+        # scaled_masked_softmax, causal, with a (L, L) bool mask broadcast over
+        # batch and heads (read through the cache: one byte per element at most)
+        batch, heads, length, _ = BENCHMARK_ATTENTION
+        block, single = _row_block(length)
+        masked = dict(x_ptr=dtype, mask_ptr=torch.uint8, out_ptr=dtype, size1=heads, size2=length,
+                      sx0=heads * length * length, sx1=length * length, sx2=length, sx3=1, sm0=0, sm1=0, sm2=length,
+                      sm3=1, so0=heads * length * length, so1=length * length, so2=length, so3=1, n_cols=length,
+                      scale=length ** -0.5)
+        moved, roofline = bytes_per_element("forward", size, single, False)
+        mask_bytes = block // (32 * _row_warps(block))  # a thread's share of a row of one-byte mask values
+        narrow = {} if mask_bytes >= 16 else {
+            "mask_ptr": f"{mask_bytes} mask bytes per thread ({block} over {_row_warps(block)} warps): one "
+                        f"{8 * mask_bytes}-bit load is the whole share"}
+        yield KernelSpec(_row_forward, masked, dict(MASK_KIND=1, CAUSAL=True, LOG=False, SINGLE=single, ACC=acc,
+                                                    BLOCK=block), _row_warps(block),
+                         f"{str(dtype)[6:]} causal+bool mask {'x'.join(map(str, BENCHMARK_ATTENTION))}",
+                         moved + 1, roofline, narrow)

@@ -1,0 +1,166 @@
+"""``python -m effilayers.info --kernels``: every GPU kernel of the package is
+in the report, compiles for sm_90 and sm_80 without spilling, and the width
+check can fail. The full sweep (every dtype and configuration) is the
+command itself, which CI runs; these tests compile one specialisation of
+every Triton kernel and every CUDA kernel."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from effilayers import _kernel_report
+from effilayers._core import build
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _without_interpreter(module: str, tmp_path=None) -> dict:
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", module], env=env, capture_output=True, text=True, cwd=ROOT,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def representative():
+    return _without_interpreter("tests.kernel_report_checks")
+
+
+def test_every_launched_triton_kernel_has_specialisations():
+    """A kernel added to the package without a kernel_specialisations()
+    entry next to its launcher fails here."""
+    launched = set(_kernel_report.launched_kernels())
+    reported = {f"{spec.kernel.fn.__module__}:{spec.name}" for _, spec in _kernel_report.iter_specs()}
+    assert launched, "no Triton kernel found in the package"
+    assert launched == reported, (launched - reported, reported - launched)
+    # the helpers the kernels inline are not launched kernels
+    helpers = set(_kernel_report.package_jit_functions()) - launched
+    assert "effilayers.ops.softmax.triton:_online_step" in helpers
+
+
+def test_specs_use_the_launchers_signature_rules():
+    """Ints equal to 1 become constants, multiples of 16 and tensors are
+    marked divisible (Triton's own launcher rule)."""
+    import torch
+
+    from effilayers._core.kernel_spec import specialise
+
+    spec = next(spec for _, spec in _kernel_report.iter_specs() if spec.name == "_row_forward")
+    signature, constexprs, divisible = specialise(spec._replace(arguments=dict(spec.arguments, sx3=1, n_cols=17)))
+    assert signature["sx3"] == "constexpr" and constexprs["sx3"] == 1
+    assert signature["n_cols"] == "i32" and "n_cols" not in divisible
+    assert signature["x_ptr"] == "*" + {torch.float32: "fp32", torch.float16: "fp16",
+                                        torch.bfloat16: "bf16"}[spec.arguments["x_ptr"]]
+    assert "x_ptr" in divisible and "sx0" in divisible
+    with pytest.raises(ValueError, match="missing"):
+        specialise(spec._replace(arguments={k: v for k, v in spec.arguments.items() if k != "sx0"}))
+
+
+def test_representative_triton_rows_compile_without_spills(representative):
+    rows = representative["rows"]
+    kernels = {row["kernel"] for row in rows}
+    assert kernels == {name.split(":")[1] for name in _kernel_report.launched_kernels()}
+    assert {row["target"] for row in rows} == {"sm_90", "sm_80"}
+    for row in rows:
+        assert "error" not in row, row
+        assert row["registers"] > 0 and row["problems"] == [], row
+        assert row["loads"] and row["stores"], row  # the PTX was read
+
+
+def test_width_check_fails_on_a_narrow_toy_kernel(representative):
+    wide, narrow = representative["toys"]
+    assert wide["loads"] == {"128": 2} and wide["problems"] == [], wide
+    assert "128" not in narrow["loads"] and narrow["narrow_per_thread"], narrow
+    assert any("under 128 bits" in problem for problem in narrow["problems"]), narrow
+
+
+PTX = """
+.visible .entry toy(.param .u64 toy_param_0, .param .u64 toy_param_1)
+{
+    ld.param.u64 %rd1, [toy_param_0];
+    ld.param.u64 %rd2, [toy_param_1];
+    mov.u32 %r1, %tid.x;
+    mul.wide.u32 %rd3, %r1, 4;
+$L__BB0_1:
+    add.s64 %rd4, %rd1, %rd3;
+    ld.global.b32 %r2, [ %rd2 + 0 ];
+    @%p1 ld.global.v4.b32 { %r3, %r4, %r5, %r6 }, [ %rd4 + 0 ];
+    .loc 1 2 3
+    st.global.b16 [ %rd4 + 16 ], %rs1;
+    cp.async.cg.shared.global [ %r7 + 0 ], [ %rd4 + 0 ], 0x10, %r8;
+    ret;
+}
+"""
+
+
+def test_ptx_reader_tells_per_thread_from_uniform_accesses():
+    accesses = _kernel_report.global_accesses(PTX)
+    assert [(a.op, a.bits, a.per_thread, sorted(a.params)) for a in accesses] == [
+        ("ld", 32, False, [1]), ("ld", 128, True, [0]), ("st", 16, True, [0]), ("ld", 128, True, [0])]
+    assert _kernel_report._narrow(accesses, set()) == [accesses[2]]
+    assert _kernel_report._narrow(accesses, {0}) == []
+
+
+def test_problems_flag_spills_failures_and_narrow_rows():
+    clean = dict(spill_stores=0, spill_loads=0, narrow_per_thread=[])
+    assert _kernel_report.problems(clean) == []
+    assert _kernel_report.problems(dict(clean, spill_stores=8))
+    assert _kernel_report.problems(dict(clean, narrow_per_thread=["ld32:x_ptr"]))
+    assert _kernel_report.problems({"error": "ptxas failed"}) == ["compile failed"]
+
+
+def test_exit_status_and_json(monkeypatch, capsys):
+    """main() prints every row (JSON with --json) and fails when one row does."""
+    good = dict(kind="triton", family="f", kernel="k", target="sm_90", config="c", registers=32, spill_stores=0,
+                spill_loads=0, shared=0, loads={128: 2}, stores={128: 1}, narrow_per_thread=[], bytes_per_element=8,
+                roofline_bytes=8, narrow_reason="")
+    spilling = dict(good, kernel="spiller", spill_stores=16, spill_loads=16)
+
+    def fake_collect(rows):
+        def collect(jobs=0):
+            for row in rows:
+                row["problems"] = _kernel_report.problems(row)
+            return rows
+        return collect
+
+    monkeypatch.setattr(_kernel_report, "collect", fake_collect([dict(good)]))
+    assert _kernel_report.main() == 0
+    assert "f:k" in capsys.readouterr().out
+    monkeypatch.setattr(_kernel_report, "collect", fake_collect([dict(good), dict(spilling)]))
+    assert _kernel_report.main(json_output=True) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert [row["kernel"] for row in report["rows"]] == ["k", "spiller"]
+    assert report["rows"][1]["problems"] == ["spills 16/16 bytes"]
+    assert "1 rows failing" in report["summary"]
+
+
+def test_refuses_to_run_under_the_interpreter(monkeypatch, capsys):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert _kernel_report.main() == 2
+    assert "TRITON_INTERPRET" in capsys.readouterr().err
+
+
+needs_nvcc = pytest.mark.skipif(_kernel_report.cuda_home() is None, reason="nvcc not found (CI has it)")
+
+
+@needs_nvcc
+def test_every_cuda_global_is_reported_without_spills():
+    declared = set()
+    for source in (build.csrc_dir() / "cuda").glob("*.cu"):
+        text = source.read_text()
+        declared |= set(re.findall(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(", text))
+    assert declared
+    rows = _kernel_report.cuda_rows(90)
+    assert all("error" not in row for row in rows), [row.get("error") for row in rows]
+    assert {row["kernel"] for row in rows} == declared
+    for row in rows:
+        assert row["spill_stores"] == 0 and row["spill_loads"] == 0, row
+        assert row["loads"] and row["stores"] and _kernel_report.problems(row) == [], row
