@@ -59,11 +59,13 @@ std::string launch_log() { return simt::launch_log(); }
 void reset_launch_log() { simt::reset_launch_log(); }
 
 }  // namespace
+
+// Called from the library's one registration block (selftest.cpp).
+void register_controls(torch::Library& m) {
+  m.def("simt_configure(int seed, bool debug, int multiprocessors) -> ()", &configure);
+  m.def("simt_launch_log() -> str", &launch_log);
+  m.def("simt_reset_launch_log() -> ()", &reset_launch_log);
+}
+
 }  // namespace emulation
 }  // namespace effilayers
-
-TORCH_LIBRARY_FRAGMENT(effilayers_emulated, m) {
-  m.def("simt_configure(int seed, bool debug, int multiprocessors) -> ()", &effilayers::emulation::configure);
-  m.def("simt_launch_log() -> str", &effilayers::emulation::launch_log);
-  m.def("simt_reset_launch_log() -> ()", &effilayers::emulation::reset_launch_log);
-}

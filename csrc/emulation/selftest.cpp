@@ -138,27 +138,38 @@ void broken_warp(int64_t mode, int64_t threads) {
 
 // Both ops copy `in` with an index shift; the caller sizes `out` to what the
 // shift keeps in bounds (or not).
-void shifted_store(const at::Tensor& in, at::Tensor& out, int64_t shift) {
-  check_float_vector(in, "simt_toy_shifted_store");
-  check_float_vector(out, "simt_toy_shifted_store");
-  EFFILAYERS_LAUNCH(1, 64, nullptr, toy_shifted_store)(in.const_data_ptr<float>(), out.mutable_data_ptr<float>(),
-                                                       static_cast<int>(in.numel()), static_cast<int>(shift));
-  check(cudaGetLastError(), "toy_shifted_store");
+void shifted_copy(const at::Tensor& in, at::Tensor& out, int64_t shift, bool store) {
+  const char* op = store ? "simt_toy_shifted_store" : "simt_toy_shifted_load";
+  check_float_vector(in, op);
+  check_float_vector(out, op);
+  const float* source = in.const_data_ptr<float>();
+  float* target = out.mutable_data_ptr<float>();
+  if (store) {
+    EFFILAYERS_LAUNCH(1, 64, nullptr, toy_shifted_store)(source, target, static_cast<int>(in.numel()),
+                                                         static_cast<int>(shift));
+  } else {
+    EFFILAYERS_LAUNCH(1, 64, nullptr, toy_shifted_load)(source, target, static_cast<int>(out.numel()),
+                                                        static_cast<int>(shift));
+  }
+  check(cudaGetLastError(), store ? "toy_shifted_store" : "toy_shifted_load");
 }
 
-void shifted_load(const at::Tensor& in, at::Tensor& out, int64_t shift) {
-  check_float_vector(in, "simt_toy_shifted_load");
-  check_float_vector(out, "simt_toy_shifted_load");
-  EFFILAYERS_LAUNCH(1, 64, nullptr, toy_shifted_load)(in.const_data_ptr<float>(), out.mutable_data_ptr<float>(),
-                                                      static_cast<int>(out.numel()), static_cast<int>(shift));
-  check(cudaGetLastError(), "toy_shifted_load");
-}
+void shifted_store(const at::Tensor& in, at::Tensor& out, int64_t shift) { shifted_copy(in, out, shift, true); }
+
+void shifted_load(const at::Tensor& in, at::Tensor& out, int64_t shift) { shifted_copy(in, out, shift, false); }
 
 }  // namespace
 }  // namespace emulation
 }  // namespace effilayers
 
+namespace effilayers {
+namespace emulation {
+void register_controls(torch::Library& m);  // control.cpp
+}  // namespace emulation
+}  // namespace effilayers
+
 TORCH_LIBRARY_FRAGMENT(effilayers_emulated, m) {
+  effilayers::emulation::register_controls(m);
   m.def("simt_toy_block_sum(Tensor values, bool barrier) -> Tensor", &effilayers::emulation::block_sum);
   m.def("simt_toy_warp_collectives(int threads) -> Tensor", &effilayers::emulation::warp_collectives);
   m.def("simt_toy_divergent_barrier() -> ()", &effilayers::emulation::divergent_barrier);

@@ -100,6 +100,19 @@ cudaError_t cudaDeviceSynchronize();
 
 namespace simt {
 
+// A float's bits and back (what the half/bfloat16 stand-ins convert through).
+inline uint32_t float_bits(float value) {
+  uint32_t word;
+  std::memcpy(&word, &value, sizeof(word));
+  return word;
+}
+
+inline float bits_float(uint32_t word) {
+  float value;
+  std::memcpy(&value, &word, sizeof(value));
+  return value;
+}
+
 // ---- configuration and reports ----------------------------------------------
 
 // Thread and block order.

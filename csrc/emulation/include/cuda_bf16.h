@@ -12,15 +12,11 @@ struct __nv_bfloat16 {
 };
 
 inline float __bfloat162float(__nv_bfloat16 h) {
-  const uint32_t word = static_cast<uint32_t>(h.bits) << 16;
-  float out;
-  std::memcpy(&out, &word, sizeof(out));
-  return out;
+  return simt::bits_float(static_cast<uint32_t>(h.bits) << 16);
 }
 
 inline __nv_bfloat16 __float2bfloat16_rn(float value) {
-  uint32_t word;
-  std::memcpy(&word, &value, sizeof(word));
+  uint32_t word = simt::float_bits(value);
   if ((word & 0x7fffffffu) > 0x7f800000u) return {static_cast<uint16_t>(((word >> 16) & 0x8000u) | 0x7fc0u)};
   word += 0x7fffu + ((word >> 16) & 1u);
   return {static_cast<uint16_t>(word >> 16)};

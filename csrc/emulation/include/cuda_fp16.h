@@ -17,22 +17,17 @@ inline float __half2float(__half h) {
   const uint32_t exponent = (h.bits >> 10) & 0x1fu, mantissa = h.bits & 0x3ffu;
   uint32_t word;
   if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24, exact in float
-    float magnitude = static_cast<float>(mantissa) * 5.9604644775390625e-8f;
-    std::memcpy(&word, &magnitude, sizeof(word));
-    word |= sign;
+    word = sign | simt::float_bits(static_cast<float>(mantissa) * 5.9604644775390625e-8f);
   } else if (exponent == 0x1f) {  // inf, NaN (payload kept)
     word = sign | 0x7f800000u | (mantissa << 13);
   } else {
     word = sign | ((exponent + 112u) << 23) | (mantissa << 13);
   }
-  float out;
-  std::memcpy(&out, &word, sizeof(out));
-  return out;
+  return simt::bits_float(word);
 }
 
 inline __half __float2half_rn(float value) {
-  uint32_t word;
-  std::memcpy(&word, &value, sizeof(word));
+  const uint32_t word = simt::float_bits(value);
   const uint16_t sign = static_cast<uint16_t>((word >> 16) & 0x8000u);
   uint32_t magnitude = word & 0x7fffffffu;
   if (magnitude > 0x7f800000u) return {static_cast<uint16_t>(sign | 0x7e00u)};  // NaN
@@ -41,11 +36,7 @@ inline __half __float2half_rn(float value) {
     // Below the smallest normal half: adding 0.5 puts the value's multiple
     // of 2^-24 (the subnormal step) in the low mantissa bits, rounded to
     // nearest even by the FPU.
-    float shifted;
-    std::memcpy(&shifted, &magnitude, sizeof(shifted));
-    shifted += 0.5f;
-    uint32_t bits;
-    std::memcpy(&bits, &shifted, sizeof(bits));
+    const uint32_t bits = simt::float_bits(simt::bits_float(magnitude) + 0.5f);
     return {static_cast<uint16_t>(sign | (bits - 0x3f000000u))};
   }
   // Rebias the exponent (127 -> 15) and round the 13 dropped bits to even.

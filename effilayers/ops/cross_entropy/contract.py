@@ -48,13 +48,7 @@ def check_arguments(logits, target, weight, ignore_index, label_smoothing, reduc
         raise ValueError(f"cross_entropy: target is on {target.device} but logits are on {logits.device}")
     classes = logits.shape[0] if logits.dim() == 1 else logits.shape[1]
     if weight is not None:
-        if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
-            raise TypeError("cross_entropy: weight must be a floating-point tensor of shape (C,) or None")
-        if tuple(weight.shape) != (classes,):
-            raise ValueError(f"cross_entropy: weight must have shape ({classes},) (one per class), "
-                             f"got {tuple(weight.shape)}")
-        if weight.device != logits.device:
-            raise ValueError(f"cross_entropy: weight is on {weight.device} but logits are on {logits.device}")
+        _check_class_weight(weight, classes, logits.device)
         if weight.requires_grad and torch.is_grad_enabled():
             # torch's nll_loss refuses it too (not differentiable w.r.t. weight):
             # no gradient would reach it, and a silently missing weight.grad is worse.
@@ -110,22 +104,30 @@ def check_probability_target(logits, target, weight, ignore_index, inplace_backw
                          "torch's formula, which keeps its log-softmax")
     classes = logits.shape[0] if logits.dim() == 1 else logits.shape[1]
     if weight is not None:
-        if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
-            raise TypeError("cross_entropy: weight must be a floating-point tensor of shape (C,) or None")
-        if tuple(weight.shape) != (classes,):
-            raise ValueError(f"cross_entropy: weight must have shape ({classes},) (one per class), "
-                             f"got {tuple(weight.shape)}")
-        if weight.device != logits.device:
-            raise ValueError(f"cross_entropy: weight is on {weight.device} but logits are on {logits.device}")
+        _check_class_weight(weight, classes, logits.device)
 
 
-def check_target_range(target: torch.Tensor, ignore_index: int, classes: int) -> None:
-    """On CPU only (no device sync there) and not while compiling."""
-    if target.device.type != "cpu" or torch.compiler.is_compiling() or target.numel() == 0 or is_fake(target):
+def _check_class_weight(weight, classes: int, device: torch.device) -> None:
+    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
+        raise TypeError("cross_entropy: weight must be a floating-point tensor of shape (C,) or None")
+    if tuple(weight.shape) != (classes,):
+        raise ValueError(f"cross_entropy: weight must have shape ({classes},) (one per class), "
+                         f"got {tuple(weight.shape)}")
+    if weight.device != device:
+        raise ValueError(f"cross_entropy: weight is on {weight.device} but logits are on {device}")
+
+
+def check_target_range(target: torch.Tensor, ignore_index: int, classes: int, where: str = "cross_entropy",
+                       classes_are: str = "") -> None:
+    """Class indices in [0, classes) or ignore_index; on CPU only (no device
+    synchronisation there) and not while compiling. ``classes_are`` says,
+    in the error, where the classes come from."""
+    if (target.is_floating_point() or target.device.type != "cpu" or torch.compiler.is_compiling()
+            or target.numel() == 0 or is_fake(target)):
         return
     t = target.to(torch.int64)
     bad = (t != ignore_index) & ((t < 0) | (t >= classes))
     if bool(bad.any()):
         value = int(t[bad][0])
-        raise IndexError(f"cross_entropy: target {value} is out of bounds for {classes} classes "
-                         f"(and is not ignore_index={ignore_index})")
+        raise IndexError(f"{where}: target {value} is out of bounds for {classes} classes{classes_are}, "
+                         f"and is not ignore_index={ignore_index}")

@@ -6,9 +6,8 @@ Every error names the argument it is about."""
 from __future__ import annotations
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
-from ..cross_entropy.contract import REDUCTIONS, TARGET_DTYPES
+from ..cross_entropy.contract import REDUCTIONS, TARGET_DTYPES, check_target_range as _check_range
 
 OP = "linear_cross_entropy"
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -107,15 +106,5 @@ def check_arguments(input, weight, target, bias, ignore_index, label_smoothing, 
 
 
 def check_target_range(target: torch.Tensor, ignore_index: int, classes: int) -> None:
-    """Class indices in [0, classes) or ignore_index; on CPU only (no device
-    synchronisation there) and not while compiling."""
-    if (target.is_floating_point() or target.device.type != "cpu" or torch.compiler.is_compiling()
-            or target.numel() == 0 or is_fake(target)):
-        return
-    t = target.to(torch.int64)
-    bad = (t != ignore_index) & ((t < 0) | (t >= classes))
-    if bool(bad.any()):
-        value = int(t[bad][0])
-        raise IndexError(f"{OP}: target {value} is out of bounds for {classes} classes (the rows of weight), "
-                         f"and is not ignore_index={ignore_index}")
-
+    """The cross_entropy family's range check, in this op's words."""
+    _check_range(target, ignore_index, classes, OP, " (the rows of weight)")
