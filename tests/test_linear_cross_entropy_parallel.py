@@ -1,7 +1,7 @@
-"""linear_cross_entropy with a weight sharded over the vocabulary (a DTensor,
-Shard(0)): two gloo processes, each holding part of the classes, give the
-loss and the gradients (input, the weight and bias shards) of the whole
-computation in float64."""
+"""linear_cross_entropy with a DTensor weight: sharded over the vocabulary
+(Shard(0), the vocabulary-parallel loss) or over the hidden dimension
+(Shard(1), gathered), two gloo processes give the loss and the gradients
+(input, the weight and bias shards) of the whole computation in float64."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def _case(reduction_seed=0):
 def _worker(rank, world, init_file, result_file, options):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from effilayers.functional import linear_cross_entropy
 
@@ -34,8 +34,10 @@ def _worker(rank, world, init_file, result_file, options):
         mesh = init_device_mesh("cpu", (world,))
         x, w, b, target, class_weight, token_weight = _case()
         x.requires_grad_()
-        weight = distribute_tensor(w, mesh, [Shard(0)]).requires_grad_()
-        bias = distribute_tensor(b, mesh, [Shard(0)]).requires_grad_()
+        options = dict(options)
+        over_hidden = options.pop("placement") == "hidden"
+        weight = distribute_tensor(w, mesh, [Shard(1) if over_hidden else Shard(0)]).requires_grad_()
+        bias = distribute_tensor(b, mesh, [Replicate() if over_hidden else Shard(0)]).requires_grad_()
         loss = linear_cross_entropy(x, weight, target, bias, class_weight=class_weight, token_weight=token_weight,
                                     chunk_size=4, **options)
         loss.backward()
@@ -48,8 +50,10 @@ def _worker(rank, world, init_file, result_file, options):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("options", [dict(reduction="mean", label_smoothing=0.1), dict(reduction="sum")],
-                         ids=["mean-smoothed", "sum"])
+@pytest.mark.parametrize("options", [dict(reduction="mean", label_smoothing=0.1, placement="vocab"),
+                                     dict(reduction="sum", placement="vocab"),
+                                     dict(reduction="mean", label_smoothing=0.1, placement="hidden")],
+                         ids=["mean-smoothed", "sum", "hidden-sharded-gathered"])
 def test_two_gloo_ranks_match_the_whole_computation(tmp_path, options):
     import torch.multiprocessing as mp
 
@@ -57,7 +61,9 @@ def test_two_gloo_ranks_match_the_whole_computation(tmp_path, options):
     mp.start_processes(_worker, args=(2, str(tmp_path / "init"), str(result_file), options), nprocs=2, join=True,
                        start_method="spawn")
     results = [torch.load(f"{result_file}.{rank}") for rank in range(2)]
-    assert [r["local_rows"] for r in results] == [7, 6]
+    options = dict(options)
+    over_hidden = options.pop("placement") == "hidden"
+    assert [r["local_rows"] for r in results] == ([CLASSES, CLASSES] if over_hidden else [7, 6])
     x, w, b, target, class_weight, token_weight = _case()
     # The whole computation with token weights: the float64 formula, checked
     # against torch in tests/test_linear_cross_entropy.py.
@@ -85,12 +91,16 @@ def test_one_rank_and_unsupported_sharded_options(tmp_path):
         mesh = init_device_mesh("cpu", (1,))
         x, w, b, target, _, _ = _case()
         sharded = distribute_tensor(w, mesh, [Shard(0)])
-        with pytest.raises(NotImplementedError, match="reduction='none' is not supported"):
-            linear_cross_entropy(x, sharded, target, reduction="none")
-        with pytest.raises(ValueError, match=r"placements \(Shard\(0\),\)"):
-            linear_cross_entropy(x, distribute_tensor(w, mesh, [Replicate()]), target)
-        with pytest.raises(ValueError, match="bias must be a DTensor sharded the same way"):
-            linear_cross_entropy(x, sharded, target, b)
+        # What the vocabulary-parallel loss does not serve gathers the weight:
+        # the same loss as the whole computation, not an error.
+        gathered = [(dict(weight=sharded, reduction="none"), dict(reduction="none")),
+                    (dict(weight=distribute_tensor(w, mesh, [Replicate()])), {}),
+                    (dict(weight=sharded, bias=b), dict(bias=b))]
+        for given, expected in gathered:
+            loss = linear_cross_entropy(x, given["weight"], target, given.get("bias"),
+                                        reduction=given.get("reduction", "mean"))
+            assert_close(loss, unfused(x, w, expected.get("bias"), target,
+                                       reduction=expected.get("reduction", "mean"))[0], torch.float64)
         # One rank holding every class: the same as the unsharded op.
         loss = linear_cross_entropy(x, sharded, target, label_smoothing=0.2)
         assert_close(loss, unfused(x, w, None, target, label_smoothing=0.2)[0], torch.float64)

@@ -83,7 +83,9 @@ Vocabulary-parallel
     A DTensor ``weight`` (and ``bias``) sharded over the classes
     (``Shard(0)`` on a 1-D mesh) runs ``vocab_parallel.py``: the same chunks,
     with the row statistics all-reduced across the mesh (its docstring says
-    what is supported).
+    what is supported). Any other DTensor weight or bias (sharded over the
+    hidden dimension, replicated, a 2-D mesh) and the options the
+    vocabulary-parallel loss does not serve gather the parameters first.
 
 Not supported: double backward (a clear error), forward-mode AD, gradients
 with respect to ``target``, ``class_weight`` or ``token_weight`` (refused

@@ -14,7 +14,7 @@ from ..._core.layout import refuse_forward_ad
 # Importing the family registers the "cross_entropy" row kernels this op runs on each chunk.
 from ..cross_entropy import op as _cross_entropy_op  # noqa: F401
 from .contract import INPUT_DTYPES, OP, check_arguments, check_target_range
-from .vocab_parallel import is_sharded, vocab_parallel_linear_cross_entropy
+from .vocab_parallel import is_sharded, runs_vocab_parallel, vocab_parallel_linear_cross_entropy
 
 # A chunk of logits takes at most this many bytes, or the input's own size
 # when that is larger: a large input (many tokens, a wide hidden size) gets
@@ -368,12 +368,15 @@ def linear_cross_entropy(
     else:
         compute_dtype = loss_dtype = input.dtype
     rows_target = target.reshape(-1, classes) if target.is_floating_point() else target.reshape(-1)
-    if is_sharded(weight):
-        if autocasting:
-            raise NotImplementedError(f"{OP}: autocast is not supported with a vocabulary-sharded weight")
-        return vocab_parallel_linear_cross_entropy(
-            input.reshape(-1, hidden), weight, rows_target, bias, ignore_index, label_smoothing, reduction,
-            class_weight, None if token_weight is None else token_weight.reshape(-1), chunk_size, chunk_tokens)
+    if is_sharded(weight) or is_sharded(bias):
+        if runs_vocab_parallel(weight, bias, target, reduction, autocasting):
+            return vocab_parallel_linear_cross_entropy(
+                input.reshape(-1, hidden), weight, rows_target, bias, ignore_index, label_smoothing, reduction,
+                class_weight, None if token_weight is None else token_weight.reshape(-1), chunk_size, chunk_tokens)
+        # Any other placement or option: whole parameters, as F.linear would
+        # need them; DTensor's autograd shards their gradients back.
+        weight = weight.full_tensor() if is_sharded(weight) else weight
+        bias = bias.full_tensor() if is_sharded(bias) else bias
     settings = (int(ignore_index), float(label_smoothing), reduction, chunk_size, torch.is_grad_enabled(),
                 compute_dtype, loss_dtype)
     loss = _LinearCrossEntropyFunction.apply(

@@ -14,11 +14,13 @@ all-reduced once after the last chunk. Three collectives per chunk.
 
 No row kernel takes an external log-sum-exp, so each chunk runs in torch ops
 in float32 (float64 for float64 input): chunk-sized temporaries, never the
-whole logits. Supported: class-index targets, ``ignore_index``,
+whole logits. Served here: class-index targets, ``ignore_index``,
 ``label_smoothing``, ``class_weight`` (the full ``(classes,)`` vector on every
-rank), ``token_weight``, reductions ``"mean"`` and ``"sum"``. Not supported
-(a clear error): ``reduction="none"``, probability targets, other
-placements or meshes of more than one dimension, autocast.
+rank), ``token_weight``, reductions ``"mean"`` and ``"sum"``. Every other case
+(``reduction="none"``, probability targets, autocast, other placements such
+as a weight sharded over the hidden dimension, meshes of more than one
+dimension) gathers the weight and bias (``full_tensor()``, whose backward
+shards the gradients back) and runs the ordinary chunked op.
 """
 
 from __future__ import annotations
@@ -40,21 +42,19 @@ def is_sharded(tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
-def check_sharded(weight, bias, target, reduction) -> None:
+def runs_vocab_parallel(weight, bias, target, reduction, autocasting: bool) -> bool:
+    """Whether this module's vocabulary-parallel loss serves the call: a
+    weight sharded over the classes (``Shard(0)`` on a 1-D mesh), a bias
+    sharded the same way or None, class-index targets, ``"mean"``/``"sum"``,
+    no autocast. Anything else gathers the parameters (the caller)."""
     from torch.distributed.tensor import DTensor, Shard
 
-    if weight.device_mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
-        raise ValueError(f"{OP}: a DTensor weight must be sharded over the classes, placements (Shard(0),) on a "
-                         f"1-D mesh, got {tuple(weight.placements)} on a {weight.device_mesh.ndim}-D mesh")
+    if not isinstance(weight, DTensor) or weight.device_mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
+        return False
     if bias is not None and (not isinstance(bias, DTensor) or tuple(bias.placements) != (Shard(0),)
                              or bias.device_mesh != weight.device_mesh):
-        raise ValueError(f"{OP}: with a sharded weight, bias must be a DTensor sharded the same way "
-                         "(placements (Shard(0),) on the weight's mesh) or None")
-    if reduction == "none":
-        raise NotImplementedError(f"{OP}: reduction='none' is not supported with a vocabulary-sharded weight "
-                                  "(use 'mean' or 'sum')")
-    if target.is_floating_point():
-        raise NotImplementedError(f"{OP}: probability targets are not supported with a vocabulary-sharded weight")
+        return False
+    return reduction != "none" and not target.is_floating_point() and not autocasting
 
 
 def _class_offset(rows: int, group) -> int:
@@ -155,7 +155,6 @@ def vocab_parallel_linear_cross_entropy(input, weight, target, bias, ignore_inde
                                         class_weight, token_weight, chunk_size, chunk_tokens):
     """``input`` (tokens, hidden) and ``target`` (tokens,) are the same on every
     rank; ``weight`` / ``bias`` are DTensors sharded over the classes."""
-    check_sharded(weight, bias, target, reduction)
     group = weight.device_mesh.get_group()
     local_weight = weight.to_local()  # differentiable: its gradient comes back as a DTensor, sharded alike
     local_bias = None if bias is None else bias.to_local()
