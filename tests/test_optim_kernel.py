@@ -395,7 +395,7 @@ def test_triton_multi_parameter_chunk_under_torch_compile(triton_device):
     hyper = (1e-2, 0.9, 0.999, 1e-8, 0.1, True, False)
 
     def step(params, states, step_count):
-        torch.ops.effilayers.adam_step_(params, grads, *states, None, step_count, None, None, *hyper.values)
+        torch.ops.effilayers.adam_step_(params, grads, *states, None, step_count, None, None, *hyper)
 
     step(eager[0], eager[1], torch.tensor([2.0], device=device))
     torch.compile(step, fullgraph=True, backend="aot_eager")(params, states, torch.tensor([2.0], device=device))
