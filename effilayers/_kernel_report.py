@@ -327,7 +327,8 @@ def cuda_home() -> Optional[Path]:
 # element backward reads dy and the saved tensor, writes dx; the reductions
 # read two tensors (abn) or one (stats) and write per-channel partials.
 CUDA_MODELS = {
-    "forward_kernel": (2, 2), "elemt_kernel": (3, 3), "reduce_partial_channels_first": (2, 2),
+    "forward_kernel": (2, 2), "elemt_kernel": (3, 3), "forward_vec_kernel": (2, 2), "elemt_vec_kernel": (3, 3),
+    "reduce_partial_channels_first": (2, 2),
     "reduce_partial_channels_last": (2, 2), "partial_channels_first": (1, 1), "partial_channels_last": (1, 1),
     "fold_channels": (0, 0), "reduce_merge": (0, 0), "merge_chunks": (0, 0),
 }
@@ -346,11 +347,15 @@ CUDA_NARROW = {
                               "bounds in multiples of 16 bytes)",
     "reduce_partial_channels_first": "pending: chunks start anywhere in a plane (vector loads need S and the "
                                      "chunk bounds in multiples of 16 bytes)",
-    "forward_kernel": "pending: scalar grid-stride loop (vectors need S, or C in channels_last, a multiple "
-                      "of 16 bytes)",
-    "elemt_kernel": "pending: scalar grid-stride loop (vectors need S, or C in channels_last, a multiple of "
-                    "16 bytes)",
+    "forward_kernel": "scalar fallback of forward_vec_kernel, for tensors not 16-byte aligned or S "
+                      "(C in channels_last) not a multiple of 16 bytes",
+    "elemt_kernel": "scalar fallback of elemt_vec_kernel, for tensors not 16-byte aligned or S "
+                    "(C in channels_last) not a multiple of 16 bytes",
 }
+# Parameters of a CUDA kernel whose per-thread loads may be narrow: the
+# vector element loops read per-channel constants (ChannelPtrs, the means of
+# the backward) one value per element, from C-sized cached arrays.
+CUDA_CHANNEL_PARAMS = {"forward_vec_kernel": {4}, "elemt_vec_kernel": {6, 7, 8}}
 _SCALAR_BYTES = {"__half": 2, "__nv_bfloat16": 2, "float": 4, "double": 8}
 _ACTIVATIONS = ("identity", "leaky_relu", "elu", "relu")  # csrc/common/activation.h's enum order
 
@@ -409,7 +414,8 @@ def cuda_rows(capability: int) -> list[dict[str, Any]]:
                    "num_warps": None, "bytes_per_element": moved * size, "roofline_bytes": roofline * size,
                    "narrow_reason": reason, **resources,
                    "loads": _widths(accesses, "ld"), "stores": _widths(accesses, "st")}
-            row["narrow_per_thread"] = [] if reason else [f"{a.op}{a.bits}" for a in _narrow(accesses, set())]
+            exempt = CUDA_CHANNEL_PARAMS.get(kernel, set())
+            row["narrow_per_thread"] = [] if reason else [f"{a.op}{a.bits}" for a in _narrow(accesses, exempt)]
             rows.append(row)
     return rows
 

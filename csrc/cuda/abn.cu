@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <type_traits>
 
 #include "abn.cuh"
@@ -121,15 +122,10 @@ cudaError_t fold(const StatsPlan& plan, const AbnChannels& ch, acc_t* folded, cu
   return cudaGetLastError();
 }
 
-// dy and x_hat of element i, from the saved output z or the saved input x
-// (_dy_and_xhat). Without a residual r is 0: subtracting or adding a zero
-// changes no comparison the activations make.
-template <Activation A, bool kFromOutput, typename scalar_t, typename acc_t>
-__device__ __forceinline__ void dy_and_xhat(const scalar_t* grad, const scalar_t* saved, const scalar_t* residual,
-                                            int64_t i, const ChannelValues<acc_t>& v, acc_t param, acc_t& dy,
-                                            acc_t& x_hat) {
-  const acc_t g = load<scalar_t, acc_t>(grad + i), value = load<scalar_t, acc_t>(saved + i);
-  const acc_t r = residual != nullptr ? load<scalar_t, acc_t>(residual + i) : acc_t(0);
+// dy and x_hat from the loaded values (grad g, saved value, residual r).
+template <Activation A, bool kFromOutput, typename acc_t>
+__device__ __forceinline__ void dy_and_xhat_of(acc_t g, acc_t value, acc_t r, const ChannelValues<acc_t>& v,
+                                               acc_t param, acc_t& dy, acc_t& x_hat) {
   if constexpr (kFromOutput) {
     const acc_t y = invert<A>(value, param);
     x_hat = (y - r - v.shift) * v.inv_scale;
@@ -139,6 +135,18 @@ __device__ __forceinline__ void dy_and_xhat(const scalar_t* grad, const scalar_t
     const acc_t y = x_hat * v.scale + v.shift + r;
     dy = g * derivative<A>(y, param);
   }
+}
+
+// dy and x_hat of element i, from the saved output z or the saved input x
+// (_dy_and_xhat). Without a residual r is 0: subtracting or adding a zero
+// changes no comparison the activations make.
+template <Activation A, bool kFromOutput, typename scalar_t, typename acc_t>
+__device__ __forceinline__ void dy_and_xhat(const scalar_t* grad, const scalar_t* saved, const scalar_t* residual,
+                                            int64_t i, const ChannelValues<acc_t>& v, acc_t param, acc_t& dy,
+                                            acc_t& x_hat) {
+  const acc_t g = load<scalar_t, acc_t>(grad + i), value = load<scalar_t, acc_t>(saved + i);
+  const acc_t r = residual != nullptr ? load<scalar_t, acc_t>(residual + i) : acc_t(0);
+  dy_and_xhat_of<A, kFromOutput>(g, value, r, v, param, dy, x_hat);
 }
 
 // ---- element loops ---------------------------------------------------------------
@@ -151,6 +159,13 @@ struct FlatWalk {
   int64_t step = 0;          // threads in the grid
   int64_t step_inner = 0;    // step % inner
   int64_t step_channel = 0;  // (step / inner) % channels
+  // The vector kernels walk vectors of V elements: the first channel of
+  // vector k is cursor.c * channel_scale, lane j's is that plus
+  // j * lane_step (channels_first: scale 1, step 0; channels_last: V, 1).
+  // lane_step is an int so the per-lane offsets stay 32-bit (64-bit ones
+  // made ptxas spill in the unrolled 8-lane half loops).
+  int64_t channel_scale = 1;
+  int lane_step = 0;
 };
 
 struct ChannelCursor {
@@ -192,6 +207,32 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The vector path of forward_kernel (with_element_loop picks it): each
+// thread moves Vec<scalar_t>::kSize consecutive elements per 16-byte load
+// and store; per element, the same operations in the same order.
+template <Activation A, typename scalar_t, typename acc_t>
+__global__ void __launch_bounds__(kThreads)
+    forward_vec_kernel(const scalar_t* x, const scalar_t* residual, scalar_t* out, FlatWalk w, ChannelPtrs<acc_t> p) {
+  constexpr int V = Vec<scalar_t>::kSize;
+  int64_t k = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
+  ChannelCursor cursor(k, w);
+  for (; k < w.numel; k += w.step, cursor.advance(w)) {
+    const int64_t c0 = cursor.c * w.channel_scale;
+    const Vec<scalar_t> xv = load_vec(x + k * V);
+    Vec<scalar_t> rv = xv;
+    if (residual != nullptr) rv = load_vec(residual + k * V);
+    Vec<scalar_t> yv;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const int64_t c = c0 + j * w.lane_step;
+      acc_t y = (load<scalar_t, acc_t>(&xv.v[j]) - __ldg(p.mean + c)) * __ldg(p.gain + c) + __ldg(p.shift + c);
+      if (residual != nullptr) y += load<scalar_t, acc_t>(&rv.v[j]);
+      yv.v[j] = to_scalar<scalar_t, acc_t>(activate<A>(y, p.param));
+    }
+    store_vec(out + k * V, yv);
+  }
+}
+
 template <Activation A, bool kFromOutput, typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kThreads)
     elemt_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ saved,
@@ -211,15 +252,51 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-cudaError_t plan_flat_walk(const StatsPlan& plan, FlatWalk& w, unsigned& blocks) {
+// The vector path of elemt_kernel, as forward_vec_kernel is of forward_kernel.
+template <Activation A, bool kFromOutput, typename scalar_t, typename acc_t>
+__global__ void __launch_bounds__(kThreads)
+    elemt_vec_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ saved,
+                     const scalar_t* __restrict__ residual, scalar_t* __restrict__ grad_input,
+                     scalar_t* __restrict__ grad_residual, FlatWalk w, ChannelPtrs<acc_t> p,
+                     const acc_t* __restrict__ mean_dy, const acc_t* __restrict__ mean_dy_xhat) {
+  constexpr int V = Vec<scalar_t>::kSize;
+  int64_t k = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
+  ChannelCursor cursor(k, w);
+  for (; k < w.numel; k += w.step, cursor.advance(w)) {
+    const int64_t c0 = cursor.c * w.channel_scale;
+    const Vec<scalar_t> gv = load_vec(grad + k * V), sv = load_vec(saved + k * V);
+    Vec<scalar_t> rv = sv;
+    if (residual != nullptr) rv = load_vec(residual + k * V);
+    Vec<scalar_t> gi, gr;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const int64_t c = c0 + j * w.lane_step;
+      const ChannelValues<acc_t> v = load_channel<kFromOutput>(p, c);
+      const acc_t r = residual != nullptr ? load<scalar_t, acc_t>(&rv.v[j]) : acc_t(0);
+      acc_t dy, x_hat;
+      dy_and_xhat_of<A, kFromOutput>(load<scalar_t, acc_t>(&gv.v[j]), load<scalar_t, acc_t>(&sv.v[j]), r, v,
+                                     p.param, dy, x_hat);
+      gi.v[j] = to_scalar<scalar_t, acc_t>(__ldg(p.gain + c) *
+                                           (dy - __ldg(mean_dy + c) - x_hat * __ldg(mean_dy_xhat + c)));
+      gr.v[j] = to_scalar<scalar_t, acc_t>(dy);
+    }
+    store_vec(grad_input + k * V, gi);
+    if (grad_residual != nullptr) store_vec(grad_residual + k * V, gr);
+  }
+}
+
+// The walk in units of `vec` elements (1: the scalar kernels).
+cudaError_t plan_flat_walk(const StatsPlan& plan, int64_t vec, FlatWalk& w, unsigned& blocks) {
   int device = 0, sms = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
   err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) return err;
-  w.numel = plan.batch * plan.channels * plan.spatial;
-  w.inner = plan.channels_last ? 1 : plan.spatial;
-  w.channels = plan.channels;
+  w.numel = plan.batch * plan.channels * plan.spatial / vec;
+  w.inner = plan.channels_last ? 1 : plan.spatial / vec;
+  w.channels = plan.channels_last ? plan.channels / vec : plan.channels;
+  w.channel_scale = plan.channels_last ? vec : 1;
+  w.lane_step = plan.channels_last ? 1 : 0;
   const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(ceil_div(w.numel, kThreads),
                                                               static_cast<int64_t>(std::max(sms, 1)) * kBlocksPerSm));
   blocks = static_cast<unsigned>(grid);
@@ -324,23 +401,37 @@ __global__ void __launch_bounds__(kChunkThreads)
 
 // ---- dispatch ------------------------------------------------------------------------
 
+// Whether the vector kernels can run: every tensor 16-byte aligned and each
+// vector of `vec` elements in one channel (channels_first) or in `vec`
+// consecutive channels (channels_last). Else the scalar kernels run.
+bool vectorizable(const StatsPlan& plan, int64_t vec, std::initializer_list<const void*> tensors) {
+  for (const void* t : tensors) {
+    if (reinterpret_cast<uintptr_t>(t) % 16 != 0) return false;
+  }
+  return plan.channels_last ? plan.channels % vec == 0 : plan.spatial % vec == 0;
+}
+
 // The setup of the element loops (forward, backward_elemt): folds the
-// per-channel constants and plans the flat walk, then returns
-// launch(types, w, blocks, p) for the dtype's Types.
+// per-channel constants and plans the flat walk (in vectors where
+// vectorizable), then returns launch(types, w, blocks, p, vector) for the
+// dtype's Types. `tensors`: the full-size tensors' pointers (null: absent).
 template <typename Launch>
 cudaError_t with_element_loop(const StatsPlan& plan, const AbnChannels& channels, void* workspace,
-                              cudaStream_t stream, Launch&& launch) {
+                              cudaStream_t stream, std::initializer_list<const void*> tensors, Launch&& launch) {
   if (plan.batch * plan.channels * plan.spatial == 0) return cudaSuccess;
   return with_types(channels.dtype, [&](auto types) {
     using acc_t = typename decltype(types)::acc_t;
     ChannelPtrs<acc_t> p;
     cudaError_t err = fold<acc_t>(plan, channels, static_cast<acc_t*>(workspace), stream, p);
     if (err != cudaSuccess) return err;
+    using scalar_t = typename decltype(types)::scalar_t;
+    constexpr int64_t kVec = Vec<scalar_t>::kSize;
+    const bool vector = vectorizable(plan, kVec, tensors);
     FlatWalk w;
     unsigned blocks = 0;
-    err = plan_flat_walk(plan, w, blocks);
+    err = plan_flat_walk(plan, vector ? kVec : 1, w, blocks);
     if (err != cudaSuccess) return err;
-    return launch(types, w, blocks, p);
+    return launch(types, w, blocks, p, vector);
   });
 }
 
@@ -358,14 +449,21 @@ int64_t abn_workspace_elements(const StatsPlan& plan, bool reduce) {
 
 cudaError_t abn_forward(const void* x, const void* residual, void* out, const StatsPlan& plan,
                         const AbnChannels& channels, void* workspace, cudaStream_t stream) {
-  return with_element_loop(plan, channels, workspace, stream, [&](auto types, const FlatWalk& w, unsigned blocks,
-                                                                  const auto& p) {
+  return with_element_loop(plan, channels, workspace, stream, {x, residual, out},
+                           [&](auto types, const FlatWalk& w, unsigned blocks, const auto& p, bool vector) {
     using scalar_t = typename decltype(types)::scalar_t;
     using acc_t = typename decltype(types)::acc_t;
     return with_activation(channels.activation, [&](auto act) {
-      EFFILAYERS_LAUNCH(blocks, kThreads, stream, forward_kernel<decltype(act)::value, scalar_t, acc_t>)(
-          static_cast<const scalar_t*>(x), static_cast<const scalar_t*>(residual), static_cast<scalar_t*>(out), w,
-          p);
+      const auto* xs = static_cast<const scalar_t*>(x);
+      const auto* rs = static_cast<const scalar_t*>(residual);
+      auto* outs = static_cast<scalar_t*>(out);
+      if (vector) {
+        EFFILAYERS_LAUNCH(blocks, kThreads, stream, forward_vec_kernel<decltype(act)::value, scalar_t, acc_t>)(
+            xs, rs, outs, w, p);
+      } else {
+        EFFILAYERS_LAUNCH(blocks, kThreads, stream, forward_kernel<decltype(act)::value, scalar_t, acc_t>)(
+            xs, rs, outs, w, p);
+      }
       return cudaGetLastError();
     });
   });
@@ -421,18 +519,28 @@ cudaError_t abn_backward_elemt(const void* grad, const void* saved, const void* 
                                const StatsPlan& plan, const AbnChannels& channels, const void* mean_dy,
                                const void* mean_dy_xhat, void* grad_input, void* grad_residual, void* workspace,
                                cudaStream_t stream) {
-  return with_element_loop(plan, channels, workspace, stream, [&](auto types, const FlatWalk& w, unsigned blocks,
-                                                                  const auto& p) {
+  return with_element_loop(plan, channels, workspace, stream, {grad, saved, residual, grad_input, grad_residual},
+                           [&](auto types, const FlatWalk& w, unsigned blocks, const auto& p, bool vector) {
     using scalar_t = typename decltype(types)::scalar_t;
     using acc_t = typename decltype(types)::acc_t;
     return with_activation(channels.activation, [&](auto act) {
       return with_source(saved_is_output, [&](auto from_output) {
-        EFFILAYERS_LAUNCH(blocks, kThreads, stream,
-                          elemt_kernel<decltype(act)::value, decltype(from_output)::value, scalar_t, acc_t>)(
-                static_cast<const scalar_t*>(grad), static_cast<const scalar_t*>(saved),
-                static_cast<const scalar_t*>(residual), static_cast<scalar_t*>(grad_input),
-                static_cast<scalar_t*>(grad_residual), w, p, static_cast<const acc_t*>(mean_dy),
-                static_cast<const acc_t*>(mean_dy_xhat));
+        constexpr Activation A = decltype(act)::value;
+        constexpr bool kFromOutput = decltype(from_output)::value;
+        const auto* g = static_cast<const scalar_t*>(grad);
+        const auto* s = static_cast<const scalar_t*>(saved);
+        const auto* r = static_cast<const scalar_t*>(residual);
+        auto* gi = static_cast<scalar_t*>(grad_input);
+        auto* gr = static_cast<scalar_t*>(grad_residual);
+        const auto* mdy = static_cast<const acc_t*>(mean_dy);
+        const auto* mdyx = static_cast<const acc_t*>(mean_dy_xhat);
+        if (vector) {
+          EFFILAYERS_LAUNCH(blocks, kThreads, stream, elemt_vec_kernel<A, kFromOutput, scalar_t, acc_t>)(
+              g, s, r, gi, gr, w, p, mdy, mdyx);
+        } else {
+          EFFILAYERS_LAUNCH(blocks, kThreads, stream, elemt_kernel<A, kFromOutput, scalar_t, acc_t>)(
+              g, s, r, gi, gr, w, p, mdy, mdyx);
+        }
         return cudaGetLastError();
       });
     });

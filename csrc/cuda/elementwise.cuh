@@ -4,6 +4,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_runtime.h>
 
 #include <cstdint>
 
@@ -39,6 +40,27 @@ __device__ __forceinline__ __half to_scalar<__half, float>(float v) {
 template <>
 __device__ __forceinline__ __nv_bfloat16 to_scalar<__nv_bfloat16, float>(float v) {
   return __float2bfloat16_rn(v);
+}
+
+// kVecSize consecutive elements moved as one 16-byte (128-bit) global access;
+// the pointer must be 16-byte aligned. Copies go through uint4 so the
+// compiler emits one vector instruction whatever scalar_t is.
+template <typename scalar_t>
+struct alignas(16) Vec {
+  static constexpr int kSize = 16 / static_cast<int>(sizeof(scalar_t));
+  scalar_t v[kSize];
+};
+
+template <typename scalar_t>
+__device__ __forceinline__ Vec<scalar_t> load_vec(const scalar_t* p) {
+  Vec<scalar_t> r;
+  *reinterpret_cast<uint4*>(&r) = *reinterpret_cast<const uint4*>(p);
+  return r;
+}
+
+template <typename scalar_t>
+__device__ __forceinline__ void store_vec(scalar_t* p, const Vec<scalar_t>& r) {
+  *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(&r);
 }
 
 template <typename scalar_type, typename acc_type>
