@@ -355,6 +355,70 @@ def test_abn_backward(emulated, shape, dtype, layout, saved_is_output, seed):
         assert grad_residual.numel() == 0
 
 
+def launched_kernels(ops):
+    return {line.split("\t")[0] for line in ops.simt_launch_log().splitlines()}
+
+
+def unaligned(t):
+    """t's values and layout, its data one element past a 16-byte boundary,
+    so the element loops take their scalar path. One element spare at each
+    end: debug-mode buffers end, rather than start, at a page boundary."""
+    if t is None:
+        return None
+    flat = torch.empty(t.numel() + 2, dtype=t.dtype)[1:-1]
+    if t.is_contiguous():
+        moved = flat.view(t.shape)
+    else:  # channels_last
+        moved = flat.view(t.shape[0], *t.shape[2:], t.shape[1]).movedim(-1, 1)
+    moved.copy_(t)
+    assert moved.stride() == t.stride() and moved.data_ptr() % 16 != 0
+    return moved
+
+
+# (2, 16, 4, 8): S = 32 and C = 16 are multiples of 16 bytes in every dtype,
+# so both layouts take the 128-bit kernels; (2, 3, 5, 7) never does.
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(2, 16, 4, 8), (2, 3, 5, 7)], ids=shape_id)
+def test_abn_vector_path_matches_scalar_path(emulated, shape, dtype, layout):
+    # The 128-bit element loops where the shape allows them, else the scalar
+    # ones; the same inputs 16-byte misaligned take the scalar loops, and
+    # both give the same bits (same operations per element).
+    lanes = 16 // torch.empty(0, dtype=dtype).element_size()
+    vector = (shape[1] if layout == "channels_last" else math.prod(shape[2:])) % lanes == 0
+    with simt(emulated, 3):
+        args, as64 = abn_case(shape, dtype, layout, 3, activation="elu", residual=True)
+        moved = {**args, "x": unaligned(args["x"]), "residual": unaligned(args["residual"])}
+        emulated.simt_reset_launch_log()
+        out = emulated.abn_forward(args["x"], *kernel_args(args))
+        forward = launched_kernels(emulated)
+        emulated.simt_reset_launch_log()
+        out_scalar = emulated.abn_forward(moved["x"], *kernel_args(moved))
+        forward_scalar = launched_kernels(emulated)
+        grads = {}
+        for saved_is_output in (False, True):
+            bargs, _, saved, grad = backward_case(shape, dtype, layout, 4, saved_is_output, 1)
+            mean_dy = torch.randn(shape[1], generator=torch.Generator().manual_seed(7)).to(acc_dtype(dtype))
+            mean_dy_xhat = torch.randn(shape[1], generator=torch.Generator().manual_seed(8)).to(acc_dtype(dtype))
+            emulated.simt_reset_launch_log()
+            grads[saved_is_output] = emulated.abn_backward_elemt(grad, saved, *kernel_args(bargs), saved_is_output,
+                                                                 mean_dy, mean_dy_xhat, True)
+            backward = launched_kernels(emulated)
+            mbargs = {**bargs, "residual": unaligned(bargs["residual"])}
+            emulated.simt_reset_launch_log()
+            scalar = emulated.abn_backward_elemt(unaligned(grad), unaligned(saved), *kernel_args(mbargs),
+                                                 saved_is_output, mean_dy, mean_dy_xhat, True)
+            backward_scalar = launched_kernels(emulated)
+            assert ("elemt_vec_kernel" in backward) == vector and ("elemt_kernel" in backward) != vector
+            assert "elemt_kernel" in backward_scalar and "elemt_vec_kernel" not in backward_scalar
+            for a, b in zip(grads[saved_is_output], scalar):
+                assert torch.equal(a, b)
+    assert ("forward_vec_kernel" in forward) == vector and ("forward_kernel" in forward) != vector
+    assert "forward_kernel" in forward_scalar and "forward_vec_kernel" not in forward_scalar
+    torch.testing.assert_close(out.double(), reference_forward(as64), **tolerance(dtype))
+    assert torch.equal(out, out_scalar)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_abn_backward_one_call(emulated, layout):
     # abn_backward (common/batch_norm.h): reduce, means and element pass in one
