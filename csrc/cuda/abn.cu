@@ -10,7 +10,11 @@
 //     layout, whatever C and S are. Each thread finds its channel with one
 //     division when it starts and then follows it with adds. Per-channel
 //     values are separate arrays, so the 32 channels a channels_last warp
-//     reads form one cache line per value.
+//     reads form one cache line per value. Where every tensor is 16-byte
+//     aligned and a 16-byte vector lies in one channel (S a multiple of it)
+//     or spans whole consecutive channels (channels_last, C a multiple of
+//     it), forward_vec_kernel / elemt_vec_kernel move one vector per access
+//     instead; the scalar loops are the fallback.
 //   * backward_reduce: the chunk plan of batch_stats (stats.cu). Partial
 //     (sum dy, sum dy*x_hat) per (chunk, channel) in acc_t, then one block per
 //     channel adds its chunks in double. Fixed partition and fixed order: the
