@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from .accuracy import assert_close
+from .distributed_cases import gloo, run_ranks, save
 from .linear_cross_entropy_cases import make_positive, make_problem, unfused
 
 CLASSES = 13  # 7 + 6 over two ranks: uneven shards
@@ -21,16 +22,13 @@ def _case(reduction_seed=0):
     return x, w, b, target, make_positive(CLASSES, seed=6), make_positive((3, 5), seed=7)
 
 
-def _worker(rank, world, init_file, result_file, options):
-    import torch.distributed as dist
+def _worker(rank, world, workdir, options):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from effilayers.functional import linear_cross_entropy
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
+    with gloo(rank, world, workdir):
         mesh = init_device_mesh("cpu", (world,))
         x, w, b, target, class_weight, token_weight = _case()
         x.requires_grad_()
@@ -41,12 +39,8 @@ def _worker(rank, world, init_file, result_file, options):
         loss = linear_cross_entropy(x, weight, target, bias, class_weight=class_weight, token_weight=token_weight,
                                     chunk_size=4, **options)
         loss.backward()
-        torch.save({"loss": loss.detach(), "grad_input": x.grad, "grad_weight": weight.grad.full_tensor(),
-                    "grad_bias": bias.grad.full_tensor(), "local_rows": weight.grad.to_local().shape[0]},
-                   f"{result_file}.{rank}")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+        save(workdir, rank, {"loss": loss.detach(), "grad_input": x.grad, "grad_weight": weight.grad.full_tensor(),
+                             "grad_bias": bias.grad.full_tensor(), "local_rows": weight.grad.to_local().shape[0]})
 
 
 @pytest.mark.slow
@@ -55,12 +49,7 @@ def _worker(rank, world, init_file, result_file, options):
                                      dict(reduction="mean", label_smoothing=0.1, placement="hidden")],
                          ids=["mean-smoothed", "sum", "hidden-sharded-gathered"])
 def test_two_gloo_ranks_match_the_whole_computation(tmp_path, options):
-    import torch.multiprocessing as mp
-
-    result_file = tmp_path / "result"
-    mp.start_processes(_worker, args=(2, str(tmp_path / "init"), str(result_file), options), nprocs=2, join=True,
-                       start_method="spawn")
-    results = [torch.load(f"{result_file}.{rank}") for rank in range(2)]
+    results = run_ranks(_worker, tmp_path, options)
     options = dict(options)
     over_hidden = options.pop("placement") == "hidden"
     assert [r["local_rows"] for r in results] == ([CLASSES, CLASSES] if over_hidden else [7, 6])
