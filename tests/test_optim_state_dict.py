@@ -14,6 +14,7 @@ from effilayers.optim import ChunkedAdamW
 
 from .accuracy import assert_close, tolerance
 from .conftest import activate_backend
+from .distributed_cases import gloo, run_ranks, save
 from .optim_cases import assert_same_params, make_net, train_steps
 
 
@@ -147,16 +148,10 @@ def test_state_dict_hooks_see_and_edit_torch_layout(optimizer_class, kwargs):
 
 # -- ZeroRedundancyOptimizer ----------------------------------------------------
 
-def _zero_worker(rank, world, init_file, result_file):
-    import datetime
-
-    import torch.distributed as dist
+def _zero_worker(rank, world, workdir):
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
+    with gloo(rank, world, workdir):
         runs = {}
         for name, optimizer_class, kwargs in (("ours", ChunkedAdamW, dict(chunk_size=300)),
                                               ("torch", torch.optim.AdamW, {})):
@@ -174,10 +169,7 @@ def _zero_worker(rank, world, init_file, result_file):
                 trajectory.append([p.detach().clone() for p in model.parameters()])
             optimizer.consolidate_state_dict(to=0)
             runs[name] = {"trajectory": trajectory, "state": optimizer.state_dict() if rank == 0 else None}
-        torch.save(runs, f"{result_file}.{rank}")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+        save(workdir, rank, runs)
 
 
 @pytest.mark.slow
@@ -185,13 +177,8 @@ def test_zero_redundancy_optimizer_two_gloo_processes(tmp_path):
     """ZeroRedundancyOptimizer(optimizer_class=ChunkedAdamW) follows
     optimizer_class=torch.optim.AdamW step by step on both ranks, and its
     consolidated state has torch's entries."""
-    import torch.multiprocessing as mp
-
     activate_backend("adam_step", "cpp", "cpu").__exit__(None, None, None)  # build once, before the workers
-    result_file = tmp_path / "result"
-    mp.start_processes(_zero_worker, args=(2, str(tmp_path / "init"), str(result_file)), nprocs=2, join=True,
-                       start_method="spawn")
-    results = [torch.load(f"{result_file}.{rank}") for rank in range(2)]
+    results = run_ranks(_zero_worker, tmp_path)
     for rank, result in enumerate(results):
         for step, (ours, theirs) in enumerate(zip(result["ours"]["trajectory"], result["torch"]["trajectory"])):
             for index, (p, q) in enumerate(zip(ours, theirs)):
