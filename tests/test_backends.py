@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -133,7 +134,18 @@ def test_bad_environment_variable_fails_at_import(tmp_path):
 
 @pytest.mark.slow
 def test_two_processes_building_at_once(tmp_path):
-    """Both processes get a working library from one build into an empty cache."""
+    """Both processes get a working library from one build into a cache that
+    holds only an older build, and that build seeds the new one: ninja links
+    the library from its objects instead of compiling them again."""
+    from effilayers._core import build as _build
+
+    if REQUIRE_COMPILED:
+        _build.build_and_load("cpu")
+    current = _build.cache_root() / f"{_build.library_name('cpu')}-{_build._fingerprint('cpu', _build.sources('cpu'))}"
+    if not (current / f"{_build.library_name('cpu')}.so").exists():
+        pytest.skip("no finished build of the cpu library in this session's cache to seed from")
+    seed = tmp_path / "cache" / f"{_build.library_name('cpu')}-seed"
+    shutil.copytree(current, seed, ignore=shutil.ignore_patterns("*.lock", "lock"))
     code = """
         import torch, effilayers
         from effilayers import backends
@@ -165,6 +177,27 @@ def test_two_processes_building_at_once(tmp_path):
     assert lines[0][2] == lines[1][2]
     expected = effilayers.ops.batch_stats_reference(torch.arange(24, dtype=torch.float32).view(4, 3, 2), 1)
     assert lines[0][2] == f"{expected[0].tolist()} {expected[1].tolist()} 8"
+    # Seeded, not compiled: every object is the seed's, untouched by ninja.
+    # A seed from another ninja version (a cache shared by environments) has
+    # a log this ninja discards, so there every object is compiled again.
+    objects = sorted(seed.glob("*.o"))
+    assert objects
+    same_ninja = _ninja_log_header(seed) == _ninja_log_header(_probe_ninja(tmp_path / "probe", env))
+    for path in objects:
+        reused = (tmp_path / "cache" / current.name / path.name).stat().st_mtime == path.stat().st_mtime
+        assert reused is same_ninja, (path.name, same_ninja)
+
+
+def _ninja_log_header(build_dir: Path) -> str:
+    return (build_dir / ".ninja_log").read_text().splitlines()[0]
+
+
+def _probe_ninja(directory: Path, env: dict) -> Path:
+    """A one-rule build with the ninja a build in ``env`` would run."""
+    directory.mkdir()
+    (directory / "build.ninja").write_text("rule touch\n  command = touch $out\nbuild out: touch\n")
+    subprocess.run(["ninja"], cwd=directory, env=env, check=True, capture_output=True, timeout=60)
+    return directory
 
 
 def test_info_command_prints_backend_table(tmp_path):
