@@ -14,6 +14,7 @@ from effilayers.nn import ABN, InPlaceABN, InPlaceABNSync
 
 from .accuracy import assert_close, tolerance
 from .conftest import activate_backend, backend_names, backend_params, forced_backend
+from .distributed_cases import gloo, run_ranks, save
 from .helpers import channel_varied, to_layout
 
 ACTIVATIONS = [("leaky_relu", 0.1), ("elu", 0.8), ("identity", 0.0)]
@@ -400,46 +401,31 @@ def test_sync_without_process_group_is_inplace_abn():
     torch.testing.assert_close(sync(x.clone()), local(x.clone()))
 
 
-def _sync_worker(rank, world, init_file, sizes, backend, result_file):
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)  # two ranks on two cores: no intra-op threads to oversubscribe or tear down
-    with effilayers.use_backend(backend):
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-        try:
-            torch.manual_seed(0)
-            module = InPlaceABNSync(3, activation="leaky_relu", activation_param=0.1).double()
-            randomize(module)
-            whole = channel_varied((sum(sizes), 3, 4, 4), torch.float64, seed=11)
-            grad = torch.randn(whole.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(12))
-            start = sum(sizes[:rank])
-            part = whole[start:start + sizes[rank]].clone().requires_grad_()
-            results = []
-            for _ in range(2):  # two steps: running statistics too
-                out = module(part.clone())
-                out.backward(grad[start:start + sizes[rank]])
-                results.append(out.detach())
-            torch.save({"out": results, "grad": part.grad, "weight_grad": module.weight.grad,
-                        "bias_grad": module.bias.grad, "state": module.state_dict()}, f"{result_file}.{rank}")
-            # Tear down together: a rank that destroys its gloo group while
-            # its peer still uses the connection can abort the process.
-            dist.barrier()
-        finally:
-            dist.destroy_process_group()
+def _sync_worker(rank, world, workdir, sizes, backend):
+    with effilayers.use_backend(backend), gloo(rank, world, workdir):
+        torch.manual_seed(0)
+        module = InPlaceABNSync(3, activation="leaky_relu", activation_param=0.1).double()
+        randomize(module)
+        whole = channel_varied((sum(sizes), 3, 4, 4), torch.float64, seed=11)
+        grad = torch.randn(whole.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(12))
+        start = sum(sizes[:rank])
+        part = whole[start:start + sizes[rank]].clone().requires_grad_()
+        results = []
+        for _ in range(2):  # two steps: running statistics too
+            out = module(part.clone())
+            out.backward(grad[start:start + sizes[rank]])
+            results.append(out.detach())
+        save(workdir, rank, {"out": results, "grad": part.grad, "weight_grad": module.weight.grad,
+                             "bias_grad": module.bias.grad, "state": module.state_dict()})
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sizes", [[3, 5], [0, 4]], ids=["3+5", "0+4"])
 @pytest.mark.parametrize("backend", backend_names("abn_forward", "cpu"))
 def test_sync_two_gloo_processes_match_whole_batch(tmp_path, sizes, backend):
-    import torch.multiprocessing as mp
-
     if backend == "cpp":
         activate_backend("abn_forward", "cpp", "cpu").__exit__(None, None, None)
-    result_file = tmp_path / "result"
-    mp.start_processes(_sync_worker, args=(2, str(tmp_path / "init"), sizes, backend, str(result_file)), nprocs=2,
-                       join=True, start_method="spawn")
-    results = [torch.load(f"{result_file}.{rank}") for rank in range(2)]
+    results = run_ranks(_sync_worker, tmp_path, sizes, backend)
 
     torch.manual_seed(0)
     reference = nn.BatchNorm2d(3).double()
