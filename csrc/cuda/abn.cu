@@ -13,11 +13,15 @@
 //     reads form one cache line per value. Where every tensor is 16-byte
 //     aligned and a 16-byte vector lies in one channel (S a multiple of it)
 //     or spans whole consecutive channels (channels_last, C a multiple of
-//     it), forward_vec_kernel / elemt_vec_kernel move one vector per access
-//     instead; the scalar loops are the fallback.
+//     it), forward_kernel / elemt_kernel take V = Vec<scalar_t>::kSize and
+//     move one vector per access; V = 1 is the scalar fallback, the same
+//     template, so both give the same bits.
 //   * backward_reduce: the chunk plan of batch_stats (stats.cu). Partial
 //     (sum dy, sum dy*x_hat) per (chunk, channel) in acc_t, then one block per
-//     channel adds its chunks in double. Fixed partition and fixed order: the
+//     channel adds its chunks in double. channels_first chunks are read in
+//     16-byte vectors under vector_chunks' rule (reduce.cuh), else one
+//     element at a time; the two sum in different orders (equal to
+//     rounding, not to the bit). Fixed partition and fixed order: the
 //     result does not depend on scheduling (no atomics).
 
 #include <cuda_bf16.h>

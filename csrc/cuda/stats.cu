@@ -3,6 +3,8 @@
 //   1. partial: each block reduces one chunk of one or more channels to
 //      (mean, M2) with per-thread Welford updates and Chan merges across the
 //      block; results go to a small workspace laid out [chunk][channel].
+//      channels_first chunks are read in 16-byte vectors where vector_chunks
+//      (reduce.cuh) allows it, one element per load otherwise.
 //   2. merge: one block per channel combines that channel's chunks, in
 //      double, and writes mean and var.
 // Welford per element keeps the variance of large-mean data (1e4 +- 1 in
