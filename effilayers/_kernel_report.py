@@ -327,14 +327,12 @@ def cuda_home() -> Optional[Path]:
 # element backward reads dy and the saved tensor, writes dx; the reductions
 # read two tensors (abn) or one (stats) and write per-channel partials.
 CUDA_MODELS = {
-    "forward_kernel": (2, 2), "elemt_kernel": (3, 3), "forward_vec_kernel": (2, 2), "elemt_vec_kernel": (3, 3),
+    "forward_kernel": (2, 2), "elemt_kernel": (3, 3),
     "reduce_partial_channels_first": (2, 2),
     "reduce_partial_channels_last": (2, 2), "partial_channels_first": (1, 1), "partial_channels_last": (1, 1),
     "fold_channels": (0, 0), "reduce_merge": (0, 0), "merge_chunks": (0, 0),
 }
-# Why a CUDA kernel's per-thread accesses are not 128 bits wide. "pending:"
-# marks where a vectorised version is possible but was not written without a
-# GPU to check it on (issue 16).
+# Why a CUDA kernel's per-thread accesses are not 128 bits wide.
 CUDA_NARROW = {
     "fold_channels": "per-channel constants, C values (not bandwidth-bound)",
     "reduce_merge": "per-channel partials, chunks x C values (not bandwidth-bound)",
@@ -343,19 +341,24 @@ CUDA_NARROW = {
                              "one element each)",
     "reduce_partial_channels_last": "one channel per thread: a warp reads 32 adjacent channels of a row "
                                     "(coalesced, one element each)",
-    "partial_channels_first": "pending: chunks start anywhere in a plane (vector loads need S and the chunk "
-                              "bounds in multiples of 16 bytes)",
-    "reduce_partial_channels_first": "pending: chunks start anywhere in a plane (vector loads need S and the "
-                                     "chunk bounds in multiples of 16 bytes)",
-    "forward_kernel": "scalar fallback of forward_vec_kernel, for tensors not 16-byte aligned or S "
+}
+# Kernels templated on their vector width (the first template argument):
+# 16 bytes per access, or 1 element in the scalar fallback, whose rows carry
+# this reason; the vector rows must be 128 bits wide.
+CUDA_SCALAR_FALLBACK = {
+    "forward_kernel": "scalar fallback of the element loops (width 1), for tensors not 16-byte aligned or S "
                       "(C in channels_last) not a multiple of 16 bytes",
-    "elemt_kernel": "scalar fallback of elemt_vec_kernel, for tensors not 16-byte aligned or S "
+    "elemt_kernel": "scalar fallback of the element loops (width 1), for tensors not 16-byte aligned or S "
                     "(C in channels_last) not a multiple of 16 bytes",
+    "partial_channels_first": "scalar fallback of the plane chunks (width 1), for tensors not 16-byte aligned or S "
+                              "not a multiple of 16 bytes",
+    "reduce_partial_channels_first": "scalar fallback of the plane chunks (width 1), for tensors not 16-byte "
+                                     "aligned or S not a multiple of 16 bytes",
 }
 # Parameters of a CUDA kernel whose per-thread loads may be narrow: the
 # vector element loops read per-channel constants (ChannelPtrs, the means of
 # the backward) one value per element, from C-sized cached arrays.
-CUDA_CHANNEL_PARAMS = {"forward_vec_kernel": {4}, "elemt_vec_kernel": {6, 7, 8}}
+CUDA_CHANNEL_PARAMS = {"forward_kernel": {4}, "elemt_kernel": {6, 7, 8}}
 _SCALAR_BYTES = {"__half": 2, "__nv_bfloat16": 2, "float": 4, "double": 8}
 _ACTIVATIONS = ("identity", "leaky_relu", "elu", "relu")  # csrc/common/activation.h's enum order
 
@@ -408,6 +411,8 @@ def cuda_rows(capability: int) -> list[dict[str, Any]]:
             moved, roofline = CUDA_MODELS.get(kernel, (0, 0))
             accesses = global_accesses(functions.get(mangled, ""))
             reason = CUDA_NARROW.get(kernel, "")
+            if kernel in CUDA_SCALAR_FALLBACK and config.split(",")[0].strip() == "1":
+                reason = CUDA_SCALAR_FALLBACK[kernel]
             config = re.sub(r"\(effilayers::Activation\)(\d)", lambda m: _ACTIVATIONS[int(m.group(1))], config)
             row = {"kind": "cuda", "family": source.name, "kernel": kernel, "target": f"sm_{capability}",
                    "config": config.replace("true", "from output").replace("false", "from input"),

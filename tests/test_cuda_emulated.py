@@ -311,6 +311,21 @@ def xhat_error(as64, saved, saved_is_output, x_hat, dtype):
     return error
 
 
+def check_backward_sums(sum_dy, sum_dy_xhat, as64, saved, grad, saved_is_output, dtype):
+    """The reduce's per-channel sums against float64, each within the
+    rounding its terms allow; returns what the element checks reuse."""
+    ref_args = (grad.double(), saved.double(), as64["mean"], as64["invstd"], as64["weight"], as64["bias"],
+                as64["residual"], as64["activation"], as64["param"], as64["weight_eps"], saved_is_output)
+    ref_sum_dy, ref_sum_dy_xhat = abn_reference.backward_reduce(*ref_args)
+    dy, x_hat, scale = abn_reference._dy_and_xhat(*ref_args)
+    x_hat_error = xhat_error(as64, saved, saved_is_output, x_hat, dtype)
+    dims = [0] + list(range(2, saved.dim()))
+    rtol = tolerance(acc_dtype(dtype), "reduction")["rtol"]
+    assert_sums_close(sum_dy, ref_sum_dy, rtol * dy.abs().sum(dims), dtype)
+    assert_sums_close(sum_dy_xhat, ref_sum_dy_xhat, (dy.abs() * (rtol * x_hat.abs() + x_hat_error)).sum(dims), dtype)
+    return ref_args, dy, x_hat, x_hat_error, scale
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("saved_is_output", [False, True], ids=["saved_input", "saved_output"])
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -326,15 +341,8 @@ def test_abn_backward(emulated, shape, dtype, layout, saved_is_output, seed):
         mean_dy, mean_dy_xhat = sum_dy / count, sum_dy_xhat / count
         grad_input, grad_residual = emulated.abn_backward_elemt(grad, saved, *kernel_args(args), saved_is_output,
                                                                 mean_dy, mean_dy_xhat, want_residual_grad)
-    ref_args = (grad.double(), saved.double(), as64["mean"], as64["invstd"], as64["weight"], as64["bias"],
-                as64["residual"], as64["activation"], as64["param"], as64["weight_eps"], saved_is_output)
-    ref_sum_dy, ref_sum_dy_xhat = abn_reference.backward_reduce(*ref_args)
-    dy, x_hat, scale = abn_reference._dy_and_xhat(*ref_args)
-    x_hat_error = xhat_error(as64, saved, saved_is_output, x_hat, dtype)
-    dims = [0] + list(range(2, saved.dim()))
-    rtol = tolerance(acc_dtype(dtype), "reduction")["rtol"]
-    assert_sums_close(sum_dy, ref_sum_dy, rtol * dy.abs().sum(dims), dtype)
-    assert_sums_close(sum_dy_xhat, ref_sum_dy_xhat, (dy.abs() * (rtol * x_hat.abs() + x_hat_error)).sum(dims), dtype)
+    ref_args, dy, x_hat, x_hat_error, scale = check_backward_sums(sum_dy, sum_dy_xhat, as64, saved, grad,
+                                                                  saved_is_output, dtype)
     # The element pass from the kernel's own means (the reduce is checked above).
     ref_grad_input, ref_grad_residual = abn_reference.backward_elemt(
         *ref_args, mean_dy.double(), mean_dy_xhat.double(), want_residual_grad)
@@ -355,8 +363,15 @@ def test_abn_backward(emulated, shape, dtype, layout, saved_is_output, seed):
         assert grad_residual.numel() == 0
 
 
-def launched_kernels(ops):
-    return {line.split("\t")[0] for line in ops.simt_launch_log().splitlines()}
+def launched_widths(ops, kernel):
+    """The vector widths (first template argument: elements per access, 1
+    for the scalar path) `kernel` was launched with since the log's reset."""
+    widths = set()
+    for line in ops.simt_launch_log().splitlines():
+        name, instance, _ = line.split("\t")
+        if name == kernel:
+            widths.add(int(instance.split("<", 1)[1].split(",")[0]))
+    return widths
 
 
 def unaligned(t):
@@ -365,7 +380,11 @@ def unaligned(t):
     end: debug-mode buffers end, rather than start, at a page boundary."""
     if t is None:
         return None
-    flat = torch.empty(t.numel() + 2, dtype=t.dtype)[1:-1]
+    spare = torch.empty(t.numel() + 2, dtype=t.dtype)
+    # debug-mode buffers end at a page: where the start is then 8 bytes off
+    # 16, a float64 buffer is misaligned from its first element
+    start = next(k for k in (1, 0) if (spare.data_ptr() + k * t.element_size()) % 16)
+    flat = spare[start:start + t.numel()]
     if t.is_contiguous():
         moved = flat.view(t.shape)
     else:  # channels_last
@@ -385,16 +404,16 @@ def test_abn_vector_path_matches_scalar_path(emulated, shape, dtype, layout):
     # ones; the same inputs 16-byte misaligned take the scalar loops, and
     # both give the same bits (same operations per element).
     lanes = 16 // torch.empty(0, dtype=dtype).element_size()
-    vector = (shape[1] if layout == "channels_last" else math.prod(shape[2:])) % lanes == 0
+    width = lanes if (shape[1] if layout == "channels_last" else math.prod(shape[2:])) % lanes == 0 else 1
     with simt(emulated, 3):
         args, as64 = abn_case(shape, dtype, layout, 3, activation="elu", residual=True)
         moved = {**args, "x": unaligned(args["x"]), "residual": unaligned(args["residual"])}
         emulated.simt_reset_launch_log()
         out = emulated.abn_forward(args["x"], *kernel_args(args))
-        forward = launched_kernels(emulated)
+        forward = launched_widths(emulated, "forward_kernel")
         emulated.simt_reset_launch_log()
         out_scalar = emulated.abn_forward(moved["x"], *kernel_args(moved))
-        forward_scalar = launched_kernels(emulated)
+        forward_scalar = launched_widths(emulated, "forward_kernel")
         grads = {}
         for saved_is_output in (False, True):
             bargs, _, saved, grad = backward_case(shape, dtype, layout, 4, saved_is_output, 1)
@@ -403,20 +422,68 @@ def test_abn_vector_path_matches_scalar_path(emulated, shape, dtype, layout):
             emulated.simt_reset_launch_log()
             grads[saved_is_output] = emulated.abn_backward_elemt(grad, saved, *kernel_args(bargs), saved_is_output,
                                                                  mean_dy, mean_dy_xhat, True)
-            backward = launched_kernels(emulated)
+            backward = launched_widths(emulated, "elemt_kernel")
             mbargs = {**bargs, "residual": unaligned(bargs["residual"])}
             emulated.simt_reset_launch_log()
             scalar = emulated.abn_backward_elemt(unaligned(grad), unaligned(saved), *kernel_args(mbargs),
                                                  saved_is_output, mean_dy, mean_dy_xhat, True)
-            backward_scalar = launched_kernels(emulated)
-            assert ("elemt_vec_kernel" in backward) == vector and ("elemt_kernel" in backward) != vector
-            assert "elemt_kernel" in backward_scalar and "elemt_vec_kernel" not in backward_scalar
+            backward_scalar = launched_widths(emulated, "elemt_kernel")
+            assert backward == {width} and backward_scalar == {1}
             for a, b in zip(grads[saved_is_output], scalar):
                 assert torch.equal(a, b)
-    assert ("forward_vec_kernel" in forward) == vector and ("forward_kernel" in forward) != vector
-    assert "forward_kernel" in forward_scalar and "forward_vec_kernel" not in forward_scalar
+    assert forward == {width} and forward_scalar == {1}
     torch.testing.assert_close(out.double(), reference_forward(as64), **tolerance(dtype))
     assert torch.equal(out, out_scalar)
+
+
+# The plane-chunk reductions (stats.cu partial_channels_first, abn.cu
+# reduce_partial_channels_first) read 16-byte vectors where S and the chunk
+# bounds are multiples of one: (3, 5, 2, 8) in every dtype, and
+# (1, 1, 129, 136), a plane of two chunks (pieces rounded up to 8776 and
+# 8768 elements); S = 15 never.
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(3, 5, 2, 8), (3, 5, 3, 5), (1, 1, 129, 136)], ids=shape_id)
+def test_plane_chunks_vector_path(emulated, shape, dtype, seed):
+    # The same inputs 16-byte misaligned take the scalar path. Where the
+    # vector path runs it feeds each thread's sums in another order, so the
+    # two agree to rounding: both are held to the float64 reference's bound.
+    # Where it cannot run, both launches are the scalar path: the same bits.
+    lanes = 16 // torch.empty(0, dtype=dtype).element_size()
+    width = lanes if math.prod(shape[2:]) % lanes == 0 else 1
+    results = []
+    with simt(emulated, seed):
+        x = channel_varied(shape, dtype, seed=seed)
+        emulated.simt_reset_launch_log()
+        stats = emulated.batch_stats(x, 0)
+        stats_widths = launched_widths(emulated, "partial_channels_first")
+        emulated.simt_reset_launch_log()
+        stats_scalar = emulated.batch_stats(unaligned(x), 0)
+        stats_scalar_widths = launched_widths(emulated, "partial_channels_first")
+        for saved_is_output in (False, True):
+            args, as64, saved, grad = backward_case(shape, dtype, "contiguous", seed, saved_is_output,
+                                                    1 + 2 * saved_is_output)
+            emulated.simt_reset_launch_log()
+            sums = emulated.abn_backward_reduce(grad, saved, *kernel_args(args), saved_is_output)
+            widths = launched_widths(emulated, "reduce_partial_channels_first")
+            moved = {**args, "residual": unaligned(args["residual"])}
+            emulated.simt_reset_launch_log()
+            sums_scalar = emulated.abn_backward_reduce(unaligned(grad), unaligned(saved), *kernel_args(moved),
+                                                       saved_is_output)
+            scalar_widths = launched_widths(emulated, "reduce_partial_channels_first")
+            results.append((saved_is_output, as64, saved, grad, sums, sums_scalar, widths, scalar_widths))
+    assert stats_widths == {width} and stats_scalar_widths == {1}
+    reference = batch_stats_reference(x.double(), 0)
+    assert_stats_close(stats, reference, dtype, x)
+    assert_stats_close(stats_scalar, reference, dtype, x)
+    for saved_is_output, as64, saved, grad, sums, sums_scalar, widths, scalar_widths in results:
+        assert as64["residual"] is not None and widths == {width} and scalar_widths == {1}
+        check_backward_sums(*sums, as64, saved, grad, saved_is_output, dtype)
+        check_backward_sums(*sums_scalar, as64, saved, grad, saved_is_output, dtype)
+        if width == 1:
+            assert all(torch.equal(a, b) for a, b in zip(sums, sums_scalar))
+    if width == 1:
+        assert all(torch.equal(a, b) for a, b in zip(stats, stats_scalar))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -13,11 +13,15 @@
 //     reads form one cache line per value. Where every tensor is 16-byte
 //     aligned and a 16-byte vector lies in one channel (S a multiple of it)
 //     or spans whole consecutive channels (channels_last, C a multiple of
-//     it), forward_vec_kernel / elemt_vec_kernel move one vector per access
-//     instead; the scalar loops are the fallback.
+//     it), forward_kernel / elemt_kernel take V = Vec<scalar_t>::kSize and
+//     move one vector per access; V = 1 is the scalar fallback, the same
+//     template, so both give the same bits.
 //   * backward_reduce: the chunk plan of batch_stats (stats.cu). Partial
 //     (sum dy, sum dy*x_hat) per (chunk, channel) in acc_t, then one block per
-//     channel adds its chunks in double. Fixed partition and fixed order: the
+//     channel adds its chunks in double. channels_first chunks are read in
+//     16-byte vectors under vector_chunks' rule (reduce.cuh), else one
+//     element at a time; the two sum in different orders (equal to
+//     rounding, not to the bit). Fixed partition and fixed order: the
 //     result does not depend on scheduling (no atomics).
 
 #include <cuda_bf16.h>
@@ -193,85 +197,52 @@ struct ChannelCursor {
   }
 };
 
+// The element loops walk vectors of V elements (V = Vec<scalar_t>::kSize:
+// one 16-byte load or store per tensor; V = 1: the scalar fallback, see
+// with_element_loop). Per element both do the same operations in the same
+// order, so they give the same bits.
+//
 // x, residual and out may all be the same memory (in place, residual=x):
 // no __restrict__, and each element is read before it is written, by the
 // same thread.
-template <Activation A, typename scalar_t, typename acc_t>
+template <int V, Activation A, typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kThreads)
     forward_kernel(const scalar_t* x, const scalar_t* residual, scalar_t* out, FlatWalk w, ChannelPtrs<acc_t> p) {
-  int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
-  ChannelCursor cursor(i, w);
-  for (; i < w.numel; i += w.step, cursor.advance(w)) {
-    const int64_t c = cursor.c;
-    // (x - mean) * (s * invstd) + beta, grouped as in the reference: x - mean
-    // is exact for large-mean data, where x * a + (beta - mean * a) is not.
-    acc_t y = (load<scalar_t, acc_t>(x + i) - __ldg(p.mean + c)) * __ldg(p.gain + c) + __ldg(p.shift + c);
-    if (residual != nullptr) y += load<scalar_t, acc_t>(residual + i);
-    out[i] = to_scalar<scalar_t, acc_t>(activate<A>(y, p.param));
-  }
-}
-
-// The vector path of forward_kernel (with_element_loop picks it): each
-// thread moves Vec<scalar_t>::kSize consecutive elements per 16-byte load
-// and store; per element, the same operations in the same order.
-template <Activation A, typename scalar_t, typename acc_t>
-__global__ void __launch_bounds__(kThreads)
-    forward_vec_kernel(const scalar_t* x, const scalar_t* residual, scalar_t* out, FlatWalk w, ChannelPtrs<acc_t> p) {
-  constexpr int V = Vec<scalar_t>::kSize;
   int64_t k = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
   ChannelCursor cursor(k, w);
   for (; k < w.numel; k += w.step, cursor.advance(w)) {
     const int64_t c0 = cursor.c * w.channel_scale;
-    const Vec<scalar_t> xv = load_vec(x + k * V);
-    Vec<scalar_t> rv = xv;
-    if (residual != nullptr) rv = load_vec(residual + k * V);
-    Vec<scalar_t> yv;
+    const Vec<scalar_t, V> xv = load_vec<V>(x + k * V);
+    Vec<scalar_t, V> rv = xv;
+    if (residual != nullptr) rv = load_vec<V>(residual + k * V);
+    Vec<scalar_t, V> yv;
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       const int64_t c = c0 + j * w.lane_step;
+      // (x - mean) * (s * invstd) + beta, grouped as in the reference: x - mean
+      // is exact for large-mean data, where x * a + (beta - mean * a) is not.
       acc_t y = (load<scalar_t, acc_t>(&xv.v[j]) - __ldg(p.mean + c)) * __ldg(p.gain + c) + __ldg(p.shift + c);
       if (residual != nullptr) y += load<scalar_t, acc_t>(&rv.v[j]);
       yv.v[j] = to_scalar<scalar_t, acc_t>(activate<A>(y, p.param));
     }
-    store_vec(out + k * V, yv);
+    store_vec<V>(out + k * V, yv);
   }
 }
 
-template <Activation A, bool kFromOutput, typename scalar_t, typename acc_t>
+template <int V, Activation A, bool kFromOutput, typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kThreads)
     elemt_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ saved,
                  const scalar_t* __restrict__ residual, scalar_t* __restrict__ grad_input,
                  scalar_t* __restrict__ grad_residual, FlatWalk w, ChannelPtrs<acc_t> p,
                  const acc_t* __restrict__ mean_dy, const acc_t* __restrict__ mean_dy_xhat) {
-  int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
-  ChannelCursor cursor(i, w);
-  for (; i < w.numel; i += w.step, cursor.advance(w)) {
-    const int64_t c = cursor.c;
-    const ChannelValues<acc_t> v = load_channel<kFromOutput>(p, c);
-    acc_t dy, x_hat;
-    dy_and_xhat<A, kFromOutput>(grad, saved, residual, i, v, p.param, dy, x_hat);
-    grad_input[i] =
-        to_scalar<scalar_t, acc_t>(__ldg(p.gain + c) * (dy - __ldg(mean_dy + c) - x_hat * __ldg(mean_dy_xhat + c)));
-    if (grad_residual != nullptr) grad_residual[i] = to_scalar<scalar_t, acc_t>(dy);
-  }
-}
-
-// The vector path of elemt_kernel, as forward_vec_kernel is of forward_kernel.
-template <Activation A, bool kFromOutput, typename scalar_t, typename acc_t>
-__global__ void __launch_bounds__(kThreads)
-    elemt_vec_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ saved,
-                     const scalar_t* __restrict__ residual, scalar_t* __restrict__ grad_input,
-                     scalar_t* __restrict__ grad_residual, FlatWalk w, ChannelPtrs<acc_t> p,
-                     const acc_t* __restrict__ mean_dy, const acc_t* __restrict__ mean_dy_xhat) {
-  constexpr int V = Vec<scalar_t>::kSize;
   int64_t k = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
   ChannelCursor cursor(k, w);
   for (; k < w.numel; k += w.step, cursor.advance(w)) {
     const int64_t c0 = cursor.c * w.channel_scale;
-    const Vec<scalar_t> gv = load_vec(grad + k * V), sv = load_vec(saved + k * V);
-    Vec<scalar_t> rv = sv;
-    if (residual != nullptr) rv = load_vec(residual + k * V);
-    Vec<scalar_t> gi, gr;
+    const Vec<scalar_t, V> gv = load_vec<V>(grad + k * V), sv = load_vec<V>(saved + k * V);
+    Vec<scalar_t, V> rv = sv;
+    if (residual != nullptr) rv = load_vec<V>(residual + k * V);
+    Vec<scalar_t, V> gi, gr;
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       const int64_t c = c0 + j * w.lane_step;
@@ -284,8 +255,8 @@ __global__ void __launch_bounds__(kThreads)
                                            (dy - __ldg(mean_dy + c) - x_hat * __ldg(mean_dy_xhat + c)));
       gr.v[j] = to_scalar<scalar_t, acc_t>(dy);
     }
-    store_vec(grad_input + k * V, gi);
-    if (grad_residual != nullptr) store_vec(grad_residual + k * V, gr);
+    store_vec<V>(grad_input + k * V, gi);
+    if (grad_residual != nullptr) store_vec<V>(grad_residual + k * V, gr);
   }
 }
 
@@ -322,34 +293,54 @@ __device__ __forceinline__ Pair<T> operator+(const Pair<T>& a, const Pair<T>& b)
   return {a.dy + b.dy, a.dy_xhat + b.dy_xhat};
 }
 
-template <Activation A, bool kFromOutput, typename scalar_t, typename acc_t>
-__global__ void __launch_bounds__(kChunkThreads)
+// V: as in the element loops, vectors of 16 bytes or single elements
+// (vector_chunks, reduce.cuh, says when a plan's chunks allow vectors).
+//
+// The second launch bound (two resident blocks, so at most 128 registers)
+// only steers ptxas: without it, it spilled a few bytes in the double ELU
+// vector instance while using 64 registers; with it, none and 52.
+template <int V, Activation A, bool kFromOutput, typename scalar_t, typename acc_t>
+__global__ void __launch_bounds__(kChunkThreads, 2)
     reduce_partial_channels_first(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ saved,
                                   const scalar_t* __restrict__ residual, StatsPlan plan, ChannelPtrs<acc_t> p,
                                   acc_t* __restrict__ part_dy, acc_t* __restrict__ part_dy_xhat) {
   const int64_t C = plan.channels, S = plan.spatial, plane_stride = C * S;
   const PlaneChunk chunk = plane_chunk(plan);
-  const int64_t c = chunk.c, width = chunk.width;
+  const int64_t c = chunk.c;
+  // A row's width in vectors; as in partial_channels_first, a chunk's
+  // vectors (planes * width <= kChunkElements) count in 32 bits: with 64-bit
+  // counters ptxas spilled in the unrolled 8-lane fp16 loops.
+  const uint32_t width = static_cast<uint32_t>(chunk.width / V);
   const ChannelValues<acc_t> v = load_channel<kFromOutput>(p, c);
   Pair<acc_t> sum{};
   if (width > 0) {
-    // Element e of the chunk is (plane e / width, position e % width); the
-    // thread steps e by kChunkThreads, carrying like ChannelCursor, so the
-    // loop has no division.
-    const int64_t plane_step = kChunkThreads / width, pos_step = kChunkThreads - plane_step * width;
-    int64_t plane = threadIdx.x / width, pos = threadIdx.x - plane * width;
-    int64_t offset = (chunk.plane0 * C + c) * S + chunk.s0 + plane * plane_stride + pos;
-    const int64_t len = chunk.planes * width;
-    for (int64_t e = threadIdx.x; e < len; e += kChunkThreads) {
-      acc_t dy, x_hat;
-      dy_and_xhat<A, kFromOutput>(grad, saved, residual, offset, v, p.param, dy, x_hat);
-      sum.dy += dy;
-      sum.dy_xhat += dy * x_hat;
+    // Vector e of the chunk is (plane e / width, vector e % width of its
+    // row); the thread steps e by kChunkThreads, carrying like
+    // ChannelCursor, so the loop has no division. offset counts elements.
+    const uint32_t plane_step = kChunkThreads / width, pos_step = kChunkThreads - plane_step * width;
+    uint32_t plane = threadIdx.x / width, pos = threadIdx.x - plane * width;
+    int64_t offset = (chunk.plane0 * C + c) * S + chunk.s0 + plane * plane_stride + static_cast<int64_t>(pos) * V;
+    const int64_t jump = plane_step * plane_stride + static_cast<int64_t>(pos_step) * V,
+                  wrap = plane_stride - static_cast<int64_t>(width) * V;
+    const uint32_t len = static_cast<uint32_t>(chunk.planes * width);
+    for (uint32_t e = threadIdx.x; e < len; e += kChunkThreads) {
+      const Vec<scalar_t, V> gv = load_vec<V>(grad + offset), sv = load_vec<V>(saved + offset);
+      Vec<scalar_t, V> rv = sv;
+      if (residual != nullptr) rv = load_vec<V>(residual + offset);
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const acc_t r = residual != nullptr ? load<scalar_t, acc_t>(&rv.v[j]) : acc_t(0);
+        acc_t dy, x_hat;
+        dy_and_xhat_of<A, kFromOutput>(load<scalar_t, acc_t>(&gv.v[j]), load<scalar_t, acc_t>(&sv.v[j]), r, v,
+                                       p.param, dy, x_hat);
+        sum.dy += dy;
+        sum.dy_xhat += dy * x_hat;
+      }
       pos += pos_step;
-      offset += plane_step * plane_stride + pos_step;
+      offset += jump;
       if (pos >= width) {
         pos -= width;
-        offset += plane_stride - width;
+        offset += wrap;
       }
     }
   }
@@ -405,14 +396,11 @@ __global__ void __launch_bounds__(kChunkThreads)
 
 // ---- dispatch ------------------------------------------------------------------------
 
-// Whether the vector kernels can run: every tensor 16-byte aligned and each
-// vector of `vec` elements in one channel (channels_first) or in `vec`
-// consecutive channels (channels_last). Else the scalar kernels run.
+// Whether the vector element loops can run: every tensor 16-byte aligned
+// and each vector of `vec` elements in one channel (channels_first) or in
+// `vec` consecutive channels (channels_last). Else the scalar loops run.
 bool vectorizable(const StatsPlan& plan, int64_t vec, std::initializer_list<const void*> tensors) {
-  for (const void* t : tensors) {
-    if (reinterpret_cast<uintptr_t>(t) % 16 != 0) return false;
-  }
-  return plan.channels_last ? plan.channels % vec == 0 : plan.spatial % vec == 0;
+  return aligned_16(tensors) && (plan.channels_last ? plan.channels % vec == 0 : plan.spatial % vec == 0);
 }
 
 // The setup of the element loops (forward, backward_elemt): folds the
@@ -461,14 +449,12 @@ cudaError_t abn_forward(const void* x, const void* residual, void* out, const St
       const auto* xs = static_cast<const scalar_t*>(x);
       const auto* rs = static_cast<const scalar_t*>(residual);
       auto* outs = static_cast<scalar_t*>(out);
-      if (vector) {
-        EFFILAYERS_LAUNCH(blocks, kThreads, stream, forward_vec_kernel<decltype(act)::value, scalar_t, acc_t>)(
+      return with_width<scalar_t>(vector, [&](auto width) {
+        EFFILAYERS_LAUNCH(blocks, kThreads, stream,
+                          forward_kernel<decltype(width)::value, decltype(act)::value, scalar_t, acc_t>)(
             xs, rs, outs, w, p);
-      } else {
-        EFFILAYERS_LAUNCH(blocks, kThreads, stream, forward_kernel<decltype(act)::value, scalar_t, acc_t>)(
-            xs, rs, outs, w, p);
-      }
-      return cudaGetLastError();
+        return cudaGetLastError();
+      });
     });
   });
 }
@@ -505,9 +491,12 @@ cudaError_t abn_backward_reduce(const void* grad, const void* saved, const void*
           EFFILAYERS_LAUNCH(grid, block, stream, reduce_partial_channels_last<A, kFromOutput, scalar_t, acc_t>)(
               g, s, r, plan, p, part_dy, part_dy_xhat);
         } else {
-          EFFILAYERS_LAUNCH(static_cast<unsigned>(C * plan.chunks), kChunkThreads, stream,
-                            reduce_partial_channels_first<A, kFromOutput, scalar_t, acc_t>)(
-              g, s, r, plan, p, part_dy, part_dy_xhat);
+          return with_width<scalar_t>(vector_chunks(plan, Vec<scalar_t>::kSize, {g, s, r}), [&](auto width) {
+            EFFILAYERS_LAUNCH(static_cast<unsigned>(C * plan.chunks), kChunkThreads, stream,
+                              reduce_partial_channels_first<decltype(width)::value, A, kFromOutput, scalar_t, acc_t>)(
+                g, s, r, plan, p, part_dy, part_dy_xhat);
+            return cudaGetLastError();
+          });
         }
         return cudaGetLastError();
       });
@@ -538,14 +527,12 @@ cudaError_t abn_backward_elemt(const void* grad, const void* saved, const void* 
         auto* gr = static_cast<scalar_t*>(grad_residual);
         const auto* mdy = static_cast<const acc_t*>(mean_dy);
         const auto* mdyx = static_cast<const acc_t*>(mean_dy_xhat);
-        if (vector) {
-          EFFILAYERS_LAUNCH(blocks, kThreads, stream, elemt_vec_kernel<A, kFromOutput, scalar_t, acc_t>)(
+        return with_width<scalar_t>(vector, [&](auto width) {
+          EFFILAYERS_LAUNCH(blocks, kThreads, stream,
+                            elemt_kernel<decltype(width)::value, A, kFromOutput, scalar_t, acc_t>)(
               g, s, r, gi, gr, w, p, mdy, mdyx);
-        } else {
-          EFFILAYERS_LAUNCH(blocks, kThreads, stream, elemt_kernel<A, kFromOutput, scalar_t, acc_t>)(
-              g, s, r, gi, gr, w, p, mdy, mdyx);
-        }
-        return cudaGetLastError();
+          return cudaGetLastError();
+        });
       });
     });
   });

@@ -7,6 +7,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <initializer_list>
+#include <type_traits>
 
 #include "stats.cuh"
 
@@ -42,25 +44,55 @@ __device__ __forceinline__ __nv_bfloat16 to_scalar<__nv_bfloat16, float>(float v
   return __float2bfloat16_rn(v);
 }
 
-// kVecSize consecutive elements moved as one 16-byte (128-bit) global access;
-// the pointer must be 16-byte aligned. Copies go through uint4 so the
-// compiler emits one vector instruction whatever scalar_t is.
-template <typename scalar_t>
-struct alignas(16) Vec {
-  static constexpr int kSize = 16 / static_cast<int>(sizeof(scalar_t));
-  scalar_t v[kSize];
+// N consecutive elements moved as one access. The vector paths take
+// N = Vec<scalar_t>::kSize (the default): 16 bytes as one 128-bit global
+// access through uint4, whatever scalar_t is, so the pointer must be
+// 16-byte aligned. The scalar fallbacks take N = 1, one element per access:
+// one kernel template serves both, and per element they do the same
+// operations in the same order.
+template <typename scalar_t, int N = 16 / static_cast<int>(sizeof(scalar_t))>
+struct alignas(sizeof(scalar_t) * N) Vec {
+  static constexpr int kSize = N;
+  scalar_t v[N];
 };
 
-template <typename scalar_t>
-__device__ __forceinline__ Vec<scalar_t> load_vec(const scalar_t* p) {
-  Vec<scalar_t> r;
-  *reinterpret_cast<uint4*>(&r) = *reinterpret_cast<const uint4*>(p);
+template <int N, typename scalar_t>
+__device__ __forceinline__ Vec<scalar_t, N> load_vec(const scalar_t* p) {
+  Vec<scalar_t, N> r;
+  if constexpr (sizeof(r) == 16) {
+    *reinterpret_cast<uint4*>(&r) = *reinterpret_cast<const uint4*>(p);
+  } else {
+    static_assert(N == 1, "vectors are 16 bytes or one element");
+    r.v[0] = *p;
+  }
   return r;
 }
 
-template <typename scalar_t>
-__device__ __forceinline__ void store_vec(scalar_t* p, const Vec<scalar_t>& r) {
-  *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(&r);
+template <int N, typename scalar_t>
+__device__ __forceinline__ void store_vec(scalar_t* p, const Vec<scalar_t, N>& r) {
+  if constexpr (sizeof(r) == 16) {
+    *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(&r);
+  } else {
+    static_assert(N == 1, "vectors are 16 bytes or one element");
+    *p = r.v[0];
+  }
+}
+
+// Whether every tensor (null: absent) is 16-byte aligned, the first
+// condition of a vector path.
+inline bool aligned_16(std::initializer_list<const void*> tensors) {
+  for (const void* t : tensors) {
+    if (reinterpret_cast<uintptr_t>(t) % 16 != 0) return false;
+  }
+  return true;
+}
+
+// f(std::integral_constant<int, N>{}) with N = Vec<scalar_t>::kSize when
+// `vector`, else N = 1: the launch of a kernel templated on its width.
+template <typename scalar_t, typename F>
+cudaError_t with_width(bool vector, F&& f) {
+  if (vector) return f(std::integral_constant<int, Vec<scalar_t>::kSize>{});
+  return f(std::integral_constant<int, 1>{});
 }
 
 template <typename scalar_type, typename acc_type>

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "elementwise.cuh"
 #include "stats.cuh"
 
 namespace effilayers {
@@ -138,6 +139,16 @@ __device__ __forceinline__ PlaneChunk plane_chunk(const StatsPlan& plan) {
   }
   const int64_t plane0 = j * plan.planes_per_chunk;  // a chunk holds several planes
   return {c, j, plane0, min(plan.planes_per_chunk, plan.batch - plane0), 0, plan.spatial};
+}
+
+// Whether the channels_first chunks of `plan` can be read in vectors of
+// `vec` elements (16 bytes): every tensor 16-byte aligned, and each chunk's
+// rows start and end on vector boundaries: S a multiple of vec (so every
+// plane starts on one) and, where a plane holds several chunks, piece_len
+// too (plan_batch_stats rounds it to kPieceAlign elements, a multiple of
+// every dtype's vec). Else the kernels read one element per access.
+inline bool vector_chunks(const StatsPlan& plan, int64_t vec, std::initializer_list<const void*> tensors) {
+  return aligned_16(tensors) && !plan.channels_last && plan.spatial % vec == 0 && plan.piece_len % vec == 0;
 }
 
 // What the thread of a channels_last partial launch (grid: channel tiles x

@@ -3,6 +3,8 @@
 //   1. partial: each block reduces one chunk of one or more channels to
 //      (mean, M2) with per-thread Welford updates and Chan merges across the
 //      block; results go to a small workspace laid out [chunk][channel].
+//      channels_first chunks are read in 16-byte vectors where vector_chunks
+//      (reduce.cuh) allows it, one element per load otherwise.
 //   2. merge: one block per channel combines that channel's chunks, in
 //      double, and writes mean and var.
 // Welford per element keeps the variance of large-mean data (1e4 +- 1 in
@@ -30,7 +32,11 @@ namespace {
 constexpr int64_t kChunkElements = 16384;
 constexpr int64_t kMaxChunksPerChannel = 1024;
 
-template <typename scalar_t, typename acc_t>
+// V elements per load: 16 bytes (Vec<scalar_t>::kSize) where vector_chunks
+// allows it, else 1 (the scalar fallback). The vector path feeds the same
+// values to Welford in another order (each thread takes V consecutive ones
+// per step), so the two paths agree to rounding, not to the bit.
+template <int V, typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kChunkThreads)
     partial_channels_first(const scalar_t* __restrict__ x, StatsPlan plan, acc_t* __restrict__ part_mean,
                            acc_t* __restrict__ part_m2, acc_t* __restrict__ part_count) {
@@ -38,12 +44,15 @@ __global__ void __launch_bounds__(kChunkThreads)
   const PlaneChunk chunk = plane_chunk(plan);
   const int64_t c = chunk.c, j = chunk.j;
   const scalar_t* base = x + (chunk.plane0 * C + c) * S + chunk.s0;
-  // len <= kChunkElements fits 32 bits, so the index split is a 32-bit divide.
-  const uint32_t len = static_cast<uint32_t>(chunk.planes * chunk.width), w = static_cast<uint32_t>(chunk.width);
+  // len <= kChunkElements fits 32 bits, so the index split is a 32-bit
+  // divide; i counts vectors, w is a row's width in vectors.
+  const uint32_t w = static_cast<uint32_t>(chunk.width / V), len = static_cast<uint32_t>(chunk.planes * w);
   Moments<acc_t> m{};
   for (uint32_t i = threadIdx.x; i < len; i += kChunkThreads) {
     const uint32_t p = i / w, s = i - p * w;
-    welford(m, load<scalar_t, acc_t>(base + static_cast<int64_t>(p) * C * S + s));
+    const Vec<scalar_t, V> v = load_vec<V>(base + static_cast<int64_t>(p) * C * S + static_cast<int64_t>(s) * V);
+#pragma unroll
+    for (int k = 0; k < V; ++k) welford(m, load<scalar_t, acc_t>(&v.v[k]));
   }
   m = block_reduce<kChunkThreads>(m, MergeMoments{});
   if (threadIdx.x == 0) {
@@ -112,8 +121,14 @@ cudaError_t launch(const void* input, const StatsPlan& plan, int64_t correction,
     EFFILAYERS_LAUNCH(grid, block, stream, partial_channels_last<scalar_t, acc_t>)(x, plan, part_mean, part_m2,
                                                                                   part_count);
   } else {
-    EFFILAYERS_LAUNCH(static_cast<unsigned>(C * plan.chunks), kChunkThreads, stream,
-                      partial_channels_first<scalar_t, acc_t>)(x, plan, part_mean, part_m2, part_count);
+    const cudaError_t err =
+        with_width<scalar_t>(vector_chunks(plan, Vec<scalar_t>::kSize, {x}), [&](auto width) {
+          EFFILAYERS_LAUNCH(static_cast<unsigned>(C * plan.chunks), kChunkThreads, stream,
+                            partial_channels_first<decltype(width)::value, scalar_t, acc_t>)(x, plan, part_mean,
+                                                                                              part_m2, part_count);
+          return cudaGetLastError();
+        });
+    if (err != cudaSuccess) return err;
   }
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
@@ -142,8 +157,10 @@ StatsPlan plan_batch_stats(int64_t batch, int64_t channels, int64_t spatial, boo
   }
   const int64_t chunk = std::max(kChunkElements, ceil_div(per_channel, kMaxChunksPerChannel));
   if (spatial >= chunk) {
-    plan.pieces_per_plane = ceil_div(spatial, chunk);
-    plan.piece_len = ceil_div(spatial, plan.pieces_per_plane);
+    // Pieces of about equal length, rounded up to kPieceAlign elements (the
+    // count again from the rounded length, so that no piece is empty).
+    plan.piece_len = ceil_div(ceil_div(spatial, ceil_div(spatial, chunk)), kPieceAlign) * kPieceAlign;
+    plan.pieces_per_plane = ceil_div(spatial, plan.piece_len);
     plan.chunks = batch * plan.pieces_per_plane;
   } else {
     plan.planes_per_chunk = std::max<int64_t>(1, chunk / spatial);

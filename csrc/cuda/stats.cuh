@@ -21,10 +21,14 @@ struct StatsPlan {
   // channels_first: a chunk is planes [j*planes_per_chunk, ...) when a plane
   // is shorter than a chunk, else piece (j % pieces_per_plane) of plane
   // j / pieces_per_plane.
+  // piece_len is a multiple of kPieceAlign elements, so the pieces of a
+  // plane start on 16-byte boundaries when the plane does (vector_chunks).
   int64_t planes_per_chunk = 0, pieces_per_plane = 0, piece_len = 0;
   // channels_last: a chunk is rows [j*rows_per_chunk, ...).
   int64_t rows_per_chunk = 0;
 };
+
+constexpr int64_t kPieceAlign = 8;  // 16 bytes of the narrowest dtype (fp16, bf16)
 
 StatsPlan plan_batch_stats(int64_t batch, int64_t channels, int64_t spatial, bool channels_last);
 

@@ -498,6 +498,14 @@ REPORT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # pixel stride; channels_last: unit channel stride) could be; not written
 # without a GPU to measure it on. (Also seen: with TF32 on sm_90 the dout
 # tile of _grad_input is loaded 32 bits at a time, 128 on sm_80.)
+# Checked since (Triton 3.9, sm_90, float32 _forward at BENCHMARK_LAYER): in
+# a copy of _tile_of_map with the pixel stride fixed at 1 (NCHW) and
+# tl.multiple_of(base, 16), tl.multiple_of(stride_n / stride_c, 4) on the
+# table's values, the map tile's loads become 128-bit (8 x ld.v4 instead of
+# 32-bit ones); mean/scale/bias and the weight tile, indexed by the table's
+# channel numbers, stay 32-bit. So the variant is possible: it needs the
+# launcher to check those facts per table (else the general kernel) and is
+# not written yet.
 _TABLE_NARROW = "pending: map pointers, strides and channel numbers come from the map table at run time"
 
 
