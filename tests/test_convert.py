@@ -310,7 +310,8 @@ def test_norm_subclass_with_its_own_forward_is_not_a_batchnorm():
 
     model = nn.Sequential(nn.Conv2d(3, 4, 1), ScaledBN(4), nn.ReLU())
     report = convert(model, mode="abn")
-    assert not report.fused and not report.left_alone
+    assert not report.fused and report.left_alone_paths == ["1"]
+    assert "ScaledBN overrides BatchNorm's forward" in report.reason("1")  # reported, not skipped silently
     assert type(model[1]) is ScaledBN
 
 
@@ -643,3 +644,4 @@ def test_report_types_and_exports():
     assert isinstance(report, ConversionReport) and report.mode == "inplace"
     assert effilayers.revert is revert
     assert "effilayers.convert(mode='inplace'" in str(report)
+

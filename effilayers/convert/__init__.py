@@ -82,6 +82,7 @@ import math
 from typing import Optional
 
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..models import resnet
 from ..nn import ABN, InPlaceABN, MaxPool2d
@@ -235,6 +236,9 @@ class _Converter:
                     f"inside {type(parent).__name__}, whose forward decides what follows it: only nn.Sequential "
                     "chains and recognised ResNet blocks / stems are converted"))
                 continue
+            elif isinstance(child, _BatchNorm):
+                self.leave(child, path, f"{type(child).__name__} overrides BatchNorm's forward, so what it computes "
+                                        "is not known to be BatchNorm")
             self.visit(child, path)
 
     def record(self, norm_path, activation_path, pattern, details) -> None:
