@@ -33,9 +33,23 @@ What is recognised (anything else is left alone and reported, with why):
   exactly once, right after ``bn1``, so ``bn1`` is fused and ``relu`` made a
   pass-through. In place, ``maxpool`` becomes :class:`effilayers.nn.MaxPool2d`
   (same function, no int64 indices kept for backward).
+* **timm's ResNet family** (``timm.models.resnet``: resnet*, resnext*,
+  seresnet*, the "d" variants): the stem's ``bn1``/``act1`` and each block's
+  ``bn1``/``act1`` (and ``bn2``/``act2`` in a Bottleneck) are fused where
+  nothing but an Identity ``drop_block`` runs between them; the last norm
+  takes the shortcut sum and ``act2``/``act3`` when neither ``se`` nor
+  ``drop_path`` reads its output first. That tail needs another forward, so
+  the block's class becomes a run-time subclass of its own timm class
+  (``timm_blocks.fused_class``: same children and state dict, still an
+  instance of timm's class; it pickles and deep-copies) that ``revert``
+  turns back. timm is never imported: classes are recognised by module path
+  and children.
 * **timm's BatchNormAct2d** (a ``BatchNorm2d`` subclass that applies its own
-  ``drop`` (Identity) and ``act``): replaced by an ``ABN`` with its
-  activation, never in place (the layer cannot know who else holds its input).
+  ``drop`` (Identity) and ``act``): replaced by a fused module with its
+  activation, in place where its input is known to be a fresh convolution
+  output (after a convolution in a Sequential, DenseLayer's ``norm2``,
+  ConvNormAct's ``bn``), else an ``ABN`` (DenseLayer's ``norm1`` reads the
+  concatenated features). ``revert`` gives timm's class back.
 
 An activation module object may be shared by several slots (one ``ReLU``
 reused along a Sequential, say): only the slot is replaced, so its other
@@ -56,7 +70,7 @@ Modes:
                is converted in place only where that input is known to be a
                fresh convolution or linear output (the previous module of a
                Sequential, or inside a recognised block or stem). Elsewhere
-               (first in a Sequential, after a pooling, inside BatchNormAct2d
+               (first in a Sequential, after a pooling, a BatchNormAct2d
                whose input is unknown) it gets an ``ABN`` with its original
                activation: fused, exact, not in place, and the report says so.
 
