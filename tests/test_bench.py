@@ -179,6 +179,7 @@ def test_model_that_does_not_convert_has_one_variant(tmp_path):
     report = run_bench(tmp_path, "--model", "tests.test_bench:tiny_model_without_norm", "--size", "32",
                        "--batch", "2", "--steps", "1")
     assert [r["variant"] for r in report["results"]] == ["as given"]
+    assert any("convert(inplace) row dropped" in line and "has no BatchNorm" in line for line in report["skipped"])
 
 
 # ---- --train: losses against a float64 reference within a measured tolerance --------------

@@ -310,7 +310,8 @@ def test_norm_subclass_with_its_own_forward_is_not_a_batchnorm():
 
     model = nn.Sequential(nn.Conv2d(3, 4, 1), ScaledBN(4), nn.ReLU())
     report = convert(model, mode="abn")
-    assert not report.fused and not report.left_alone
+    assert not report.fused and report.left_alone_paths == ["1"]
+    assert "ScaledBN overrides BatchNorm's forward" in report.reason("1")  # reported, not skipped silently
     assert type(model[1]) is ScaledBN
 
 
@@ -391,19 +392,26 @@ def test_timm_style_norm_act_layers():
     keys = list(original.state_dict())
     converted = copy.deepcopy(original)
     report = convert(converted, mode="inplace")
-    # Its input's origin is unknown to the layer, so it is fused but not in place.
-    assert type(converted[1]) is ABN and converted[1].activation == "relu"
+    # A convolution's fresh output feeds it in this Sequential: in place, relu made leaky.
+    assert type(converted[1]) is InPlaceABN and converted[1].activation == "leaky_relu"
     assert report.fused[0].pattern == "norm_act" and report.fused[0].activation is None
     assert "SiLU" in report.reason("3") and "Identity" in report.reason("4")
     assert list(converted.state_dict()) == keys
     x = inputs((2, 3, 6, 6))
-    assert_same_results(forward_backward(converted, x), forward_backward(original, x))
+    leaky = relu_to_leaky(copy.deepcopy(original))
+    assert_same_results(forward_backward(converted, x), forward_backward(leaky, x))
 
     revert_report = revert(converted)
-    assert type(converted[1]) is BatchNormAct and type(converted[1].act) is nn.ReLU
+    assert type(converted[1]) is BatchNormAct and type(converted[1].act) is nn.LeakyReLU
     assert revert_report.restored_paths == ["1"]
     assert list(converted.state_dict()) == keys
-    assert_same_results(forward_backward(converted, x), forward_backward(original, x))
+    assert_same_results(forward_backward(converted, x), forward_backward(leaky, x))
+
+    # First in its Sequential, its input comes from outside: fused, not in place, relu kept.
+    first = nn.Sequential(BatchNormAct2d(3, nn.ReLU()), nn.Conv2d(3, 4, 1)).double()
+    report = convert(first, mode="inplace")
+    assert type(first[0]) is ABN and first[0].activation == "relu"
+    assert "first module" in report.fused[0].note or "outside" in report.fused[0].note
 
 
 # ---- torchvision-style ResNets ----------------------------------------------------------------
@@ -636,3 +644,4 @@ def test_report_types_and_exports():
     assert isinstance(report, ConversionReport) and report.mode == "inplace"
     assert effilayers.revert is revert
     assert "effilayers.convert(mode='inplace'" in str(report)
+

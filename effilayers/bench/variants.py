@@ -248,9 +248,15 @@ def _custom_variants(spec: str) -> tuple[list[Variant], list[str]]:
     try:
         report = convert(copy.deepcopy(probe), mode="inplace")
         converts, function_changed = bool(report.fused), report.function_changed
-    except (TypeError, ValueError, RuntimeError):
+        first = report.left_alone[0] if report.left_alone else None
+        why_not = "it fused no BatchNorm + activation pair" + (
+            f": {len(report.left_alone)} norm(s) left alone, the first ({first.path or 'the model'}) because "
+            f"{first.reason}" if first else ": the model has no BatchNorm")
+    except (TypeError, ValueError, RuntimeError) as error:
         converts = function_changed = False
+        why_not = f"convert raised {type(error).__name__}: {error}"
     del probe
+    skipped = [] if converts else [f"{spec}: effilayers convert(inplace) row dropped: {why_not}"]
     variants = [Variant(spec, AS_GIVEN, build_given)]
     if converts:
         def build_converted() -> nn.Module:
@@ -263,7 +269,7 @@ def _custom_variants(spec: str) -> tuple[list[Variant], list[str]]:
         variants.append(Variant(spec, "effilayers convert(inplace)", build_converted, load_reference=False,
                                 function=LEAKY if function_changed else None,
                                 plain_equivalent=_reverted if function_changed else None))
-    return variants, []
+    return variants, skipped
 
 
 def variants_for(spec: str) -> tuple[list[Variant], list[str]]:

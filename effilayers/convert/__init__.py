@@ -33,9 +33,23 @@ What is recognised (anything else is left alone and reported, with why):
   exactly once, right after ``bn1``, so ``bn1`` is fused and ``relu`` made a
   pass-through. In place, ``maxpool`` becomes :class:`effilayers.nn.MaxPool2d`
   (same function, no int64 indices kept for backward).
+* **timm's ResNet family** (``timm.models.resnet``: resnet*, resnext*,
+  seresnet*, the "d" variants): the stem's ``bn1``/``act1`` and each block's
+  ``bn1``/``act1`` (and ``bn2``/``act2`` in a Bottleneck) are fused where
+  nothing but an Identity ``drop_block`` runs between them; the last norm
+  takes the shortcut sum and ``act2``/``act3`` when neither ``se`` nor
+  ``drop_path`` reads its output first. That tail needs another forward, so
+  the block's class becomes a run-time subclass of its own timm class
+  (``timm_blocks.fused_class``: same children and state dict, still an
+  instance of timm's class; it pickles and deep-copies) that ``revert``
+  turns back. timm is never imported: classes are recognised by module path
+  and children.
 * **timm's BatchNormAct2d** (a ``BatchNorm2d`` subclass that applies its own
-  ``drop`` (Identity) and ``act``): replaced by an ``ABN`` with its
-  activation, never in place (the layer cannot know who else holds its input).
+  ``drop`` (Identity) and ``act``): replaced by a fused module with its
+  activation, in place where its input is known to be a fresh convolution
+  output (after a convolution in a Sequential, DenseLayer's ``norm2``,
+  ConvNormAct's ``bn``), else an ``ABN`` (DenseLayer's ``norm1`` reads the
+  concatenated features). ``revert`` gives timm's class back.
 
 An activation module object may be shared by several slots (one ``ReLU``
 reused along a Sequential, say): only the slot is replaced, so its other
@@ -56,7 +70,7 @@ Modes:
                is converted in place only where that input is known to be a
                fresh convolution or linear output (the previous module of a
                Sequential, or inside a recognised block or stem). Elsewhere
-               (first in a Sequential, after a pooling, inside BatchNormAct2d
+               (first in a Sequential, after a pooling, a BatchNormAct2d
                whose input is unknown) it gets an ``ABN`` with its original
                activation: fused, exact, not in place, and the report says so.
 
@@ -79,8 +93,10 @@ class.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..models import resnet
 from ..nn import ABN, InPlaceABN, MaxPool2d
@@ -110,6 +126,7 @@ from .patterns import (
     swap_pool,
     unfuse_norm,
 )
+from . import timm_blocks
 from .report import ConversionReport, FusedPair, LeftAlone, RestoredPair, RevertReport
 
 __all__ = [
@@ -211,20 +228,31 @@ class _Converter:
             reasons = self.sequential(parent, prefix)
         elif is_resnet(parent):
             reasons = self.resnet_stem(parent, prefix)
+        elif timm_blocks.is_resnet(parent):
+            reasons = self.resnet_stem(parent, prefix, act_name="act1")
+        elif timm_blocks.block_kind(parent):
+            reasons = self.timm_block(parent, prefix)
+        previous = None
         for name, child in list(parent._modules.items()):
             if child is None:
                 continue
+            before, previous = previous, child
             path = join_path(prefix, name)
             if is_resnet_block(child):
                 child = self.resnet_block(parent, name, child, path)
             elif is_timm_norm_act(child):
-                self.norm_act(parent, name, child, path)
+                if not is_plain_sequential(parent):
+                    before = timm_blocks.previous_of_norm_act(parent, name)
+                self.norm_act(parent, name, child, path, before)
                 continue
             elif is_batchnorm(child):
                 self.leave(child, path, reasons.get(name) or (
                     f"inside {type(parent).__name__}, whose forward decides what follows it: only nn.Sequential "
                     "chains and recognised ResNet blocks / stems are converted"))
                 continue
+            elif isinstance(child, _BatchNorm):
+                self.leave(child, path, f"{type(child).__name__} overrides BatchNorm's forward, so what it computes "
+                                        "is not known to be BatchNorm")
             self.visit(child, path)
 
     def record(self, norm_path, activation_path, pattern, details) -> None:
@@ -264,8 +292,8 @@ class _Converter:
             self.record(join_path(prefix, name), join_path(prefix, act_name), "sequential", details)
         return reasons
 
-    def resnet_stem(self, model: nn.Module, prefix: str) -> dict[str, str]:
-        norm, act_module = model._modules["bn1"], model._modules["relu"]
+    def resnet_stem(self, model: nn.Module, prefix: str, act_name: str = "relu") -> dict[str, str]:
+        norm, act_module = model._modules["bn1"], model._modules[act_name]
         if not is_batchnorm(norm):
             return {}
         activation = activation_of(act_module)
@@ -280,8 +308,8 @@ class _Converter:
             return {"bn1": outcome}
         fused, details = outcome
         model._modules["bn1"] = fused
-        model._modules["relu"] = FusedActivation("bn1", getattr(act_module, "inplace", True))
-        self.record(join_path(prefix, "bn1"), join_path(prefix, "relu"), "resnet_stem", details)
+        model._modules[act_name] = FusedActivation("bn1", getattr(act_module, "inplace", True))
+        self.record(join_path(prefix, "bn1"), join_path(prefix, act_name), "resnet_stem", details)
         pool = model._modules["maxpool"]
         if type(fused) is not ABN and type(pool) is nn.MaxPool2d and not pool.return_indices and not has_hooks(pool):
             # The stem output is kept by the fused norm already; a pool that
@@ -375,24 +403,82 @@ class _Converter:
             "module": type(fused).__name__, "before": f"{type(last).__name__}", "after": "InPlaceABN(identity)",
             "residual": False, "function_changed": False, "note": clamp_note(fused)})
 
-    def norm_act(self, parent: nn.Module, name: str, module: nn.Module, path: str) -> None:
+    def norm_act(self, parent: nn.Module, name: str, module: nn.Module, path: str,
+                 previous: Optional[nn.Module]) -> None:
+        """timm's BatchNormAct2d: in place where the module feeding it is known
+        (the previous module of a Sequential, DenseLayer's conv1, ConvNormAct's
+        conv) and returns a fresh tensor."""
         act_module = module._modules["act"]
         activation = activation_of(act_module)
         problem = replace_blocker(module, self.slots, "the module")
         if activation is None:  # Identity included: nothing to fuse
             problem = f"its act is {type(act_module).__name__}, not ReLU, LeakyReLU or ELU"
         if not problem:
-            outcome = self.fuse(module, activation, False,
-                                "a BatchNormAct2d does not know where its input comes from")
+            why_not = ("its input comes from outside its parent's known forward, so it may be used again"
+                       if previous is None else
+                       f"its input comes from {type(previous).__name__}, not known to be a fresh tensor")
+            outcome = self.fuse(module, activation, fresh_output(previous), why_not)
             if isinstance(outcome, str):
                 problem = outcome
         if problem:
             self.leave(module, path, f"{type(module).__name__}: {problem}")
             return
         fused, details = outcome
-        setattr(fused, PLAIN_TYPE_ATTR, BatchNormAct)  # its activation lives inside, as it did
+        # Its activation lives inside, as it did: revert gives back timm's
+        # class itself, or a BatchNormAct for another class of that shape.
+        setattr(fused, PLAIN_TYPE_ATTR, type(module) if type(module).__module__.startswith("timm.") else BatchNormAct)
         parent._modules[name] = fused
         self.record(path, None, "norm_act", details)
+
+    def timm_block(self, block: nn.Module, prefix: str) -> dict[str, str]:
+        """The pairs of a timm ResNet block, each fused where it can be; the
+        residual tail also changes the block's forward (timm_blocks.fused_class).
+        Returns why each norm left alone was."""
+        kind = timm_blocks.block_kind(block)
+        reasons = {}
+        for norm_name, act_name, between in timm_blocks.inner_pairs(kind):
+            reason = self.block_pair(block, prefix, "conv" + norm_name[-1], norm_name, act_name, between, False)
+            if reason:
+                reasons[norm_name] = reason
+        conv_name, norm_name, act_name = timm_blocks.tail(kind)
+        reason = next((f"its output goes through {child} ({type(getattr(block, child)).__name__}) before the "
+                       "shortcut sum, so the sum and activation cannot be fused into it"
+                       for child in ("se", "drop_path") if getattr(block, child, None) is not None), None)
+        reason = reason or self.block_pair(block, prefix, conv_name, norm_name, act_name, None, True)
+        if reason:
+            reasons[norm_name] = reason
+            return reasons
+        block.__class__ = timm_blocks.fused_class(type(block))
+        shortcut = getattr(block, "downsample", None)
+        if isinstance(shortcut, nn.Module) and is_plain_sequential(shortcut) and len(shortcut):
+            self.shortcut_norm(shortcut, join_path(prefix, "downsample"),
+                               in_place=type(block._modules[norm_name]) is not ABN)
+        return reasons
+
+    def block_pair(self, block, prefix, conv_name, norm_name, act_name, between, residual) -> Optional[str]:
+        """Fuses ``block.<norm_name>`` with ``block.<act_name>``; returns why not, or None."""
+        norm, act_module = block._modules[norm_name], block._modules[act_name]
+        if not is_batchnorm(norm):
+            return f"{norm_name} is {type(norm).__name__}, not a BatchNorm"
+        activation = activation_of(act_module)
+        if activation is None:
+            return (f"followed by {act_name} ({type(act_module).__name__}), not a supported activation "
+                    "(ReLU, LeakyReLU with slope >= 0, ELU)")
+        if between is not None and type(block._modules[between]) is not nn.Identity:
+            return (f"{between} ({type(block._modules[between]).__name__}) runs between it and {act_name}, so "
+                    "the two cannot be fused")
+        blocker = replace_blocker(norm, self.slots, "the norm") or activation_blocker(act_module)
+        if blocker:
+            return blocker
+        outcome = self.fuse(norm, activation, fresh_output(block._modules[conv_name]),
+                            f"{conv_name} has hooks that may keep its output", residual=residual)
+        if isinstance(outcome, str):
+            return outcome
+        fused, details = outcome
+        block._modules[norm_name] = fused
+        block._modules[act_name] = FusedActivation(norm_name, getattr(act_module, "inplace", True))
+        self.record(join_path(prefix, norm_name), join_path(prefix, act_name), "timm_block", details)
+        return None
 
 
 def _check_arguments(model, mode, activation_param) -> None:
@@ -440,8 +526,8 @@ def convert(model: nn.Module, mode: str = "inplace", *, activation_param: float 
 
 
 def _plain_description(norm: nn.Module, act: nn.Module) -> str:
-    return f"{type(norm).__name__} + {type(act).__name__}" if not isinstance(norm, BatchNormAct) else (
-        f"BatchNormAct({type(norm.act).__name__})")
+    return f"{type(norm).__name__} + {type(act).__name__}" if getattr(norm, "act", None) is not act else (
+        f"{type(norm).__name__}({type(norm.act).__name__})")
 
 
 def _revert_note(fused: ABN) -> str:
@@ -497,6 +583,8 @@ class _Reverter:
                     self.restore(parent, name, child, path, placeholders.get(name), prefix)
                 continue
             self.visit(child, path)
+        if timm_blocks.plain_class(parent) is not None:
+            self.timm_block(parent, prefix)
 
     def restore(self, parent, name, fused, path, placeholder_name, prefix) -> None:
         activation = activation_of_fused(fused)
@@ -521,6 +609,16 @@ class _Reverter:
         plain = unfuse_norm(fused, act=activation_module(activation, inplace=True))
         parent._modules[name] = plain
         self.report.restored.append(RestoredPair(path, None, _plain_description(plain, plain.act), note))
+
+    def timm_block(self, block: nn.Module, path: str) -> None:
+        """timm's own block class again, once its last norm is plain (the
+        fused forward passes that norm the shortcut)."""
+        norm_name = timm_blocks.tail(timm_blocks.block_kind(block))[1]
+        if isinstance(block._modules[norm_name], ABN):
+            self.report.left_alone.append(LeftAlone(path, f"a timm block whose {norm_name} stays fused keeps its "
+                                                          "fused forward"))
+            return
+        block.__class__ = timm_blocks.plain_class(block)
 
     def resnet_block(self, block, path) -> set[str]:
         """Turns a fused effilayers block plain, in place; returns the names

@@ -127,7 +127,12 @@ def unfuse_norm(fused: ABN, plain_type: Optional[type] = None, act: Optional[nn.
     """A plain norm (of ``plain_type``, or the one recorded at conversion)
     holding ``fused``'s tensors; a BatchNormAct around ``act`` when ``act`` is given."""
     arguments = (fused.num_features, fused.eps, fused.momentum, fused.affine, fused.track_running_stats)
-    if act is not None:
+    recorded = getattr(fused, PLAIN_TYPE_ATTR, None)
+    if act is not None and recorded is not None and recorded.__module__.startswith("timm."):
+        # timm's BatchNormAct2d again, holding the activation the fused module computes
+        plain = recorded(*arguments, device="meta")
+        plain._modules["drop"], plain._modules["act"] = nn.Identity(), act
+    elif act is not None:
         plain = BatchNormAct(*arguments, act=act, device="meta")
     else:
         kind = plain_type or getattr(fused, PLAIN_TYPE_ATTR, None) or BatchNormAct
