@@ -172,8 +172,11 @@ def plot(results: list[Result], path: str, pyplot: Any, setup: Optional[Setup] =
         panels.append(("largest batch that trains", lambda r: r.max_batch, "max_batch"))
     trained_models = list(dict.fromkeys(r.model for r in results if r.losses))
     columns = max(len(panels), 2 if trained_models else 1)
-    # Room on the right of the loss rows for their legends.
-    figure = pyplot.figure(figsize=(5 * columns + (3 if trained_models else 0), 5.5 + 4.5 * len(trained_models)))
+    # The loss rows' legends stand right of their second panel: over the empty
+    # columns of those rows, or in a margin kept for them.
+    margin = 3 if trained_models and columns == 2 else 0
+    width = 5 * columns + margin
+    figure = pyplot.figure(figsize=(width, 5.5 + 4.5 * len(trained_models)))
     grid = figure.add_gridspec(1 + len(trained_models), columns)
     for column, (title, value, ratio_key) in enumerate(panels):
         axis = figure.add_subplot(grid[0, column])
@@ -193,8 +196,8 @@ def plot(results: list[Result], path: str, pyplot: Any, setup: Optional[Setup] =
                     f"{precision_name(setup.dtype)}, {setup.steps} timed steps"
                     + (f", --train {setup.train_steps}" if setup.train_steps else ""))
     figure.suptitle(f"effilayers bench: {settings} (bar labels: ratio to plain PyTorch)")
-    figure.tight_layout(rect=(0, 0, 1, 0.98))  # below the title
-    figure.savefig(path, dpi=100, bbox_inches="tight")
+    figure.tight_layout(rect=(0, 0, 1 - margin / width, 0.98))  # below the title
+    figure.savefig(path, dpi=100)
     return figure
 
 
