@@ -436,6 +436,8 @@ def run_model(variants: list[Variant], setup: Setup, max_batch_limit: Optional[i
     for group in groups:
         sessions = [_start(variant, reference_state, variant is variants[0], setup, num_classes, bar)
                     for variant in group]
+        if len(sessions) > 1:
+            bar.set_description(f"{group[0].model} / {len(sessions)} variants in turn")
         _time_in_turn(sessions, setup)
         park = len(sessions) > 1 and setup.device.type != "cpu"
         if park:
