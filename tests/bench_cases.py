@@ -38,3 +38,6 @@ def check_ratios_against_plain(results: dict, plain_name: str, batch: int = 2) -
         assert result["ratios"]["step_time"] == pytest.approx(result["step_time_s"] / plain["step_time_s"])
         assert result["images_per_s"] == pytest.approx(batch / result["step_time_s"])
         assert len(result["step_times_s"]) == 1
+        # One timed step: its own minimum and maximum, no spread.
+        assert result["step_time_min_s"] == result["step_time_max_s"] == result["step_time_s"]
+        assert result["step_time_spread"] == 0

@@ -368,3 +368,14 @@ def test_backend_params_list_no_kernel_an_op_lacks():
         backend_params("adam_step", without=["cuda-cuda"])
     with pytest.raises(ValueError, match="without names no backend of this op"):
         backend_names("batch_stats", "cpu", without=["triton"])
+
+
+def test_an_effilayers_warning_no_test_expects_fails_it():
+    """pyproject's filterwarnings makes effilayers' own warnings errors in the
+    suite (third-party ones are filtered there, each with its reason), so a
+    warning effilayers starts raising shows up as a failure, not in a summary
+    of thousands."""
+    from effilayers._core import registry
+
+    with pytest.raises(RuntimeWarning, match="effilayers: compiled test-device kernels are unavailable"):
+        registry._warn_fallback("test-device", "a reason for this test")

@@ -85,23 +85,125 @@ def test_plot_has_a_panel_per_measurement_with_ratio_labels(tmp_path):
     try:
         titles = [axis.get_title() for axis in figure.axes]
         assert titles == ["activation MiB (one forward)", "median step time, ms", "CUDA peak MiB (one step)",
-                          "largest batch that trains", "training loss (same weights and data)",
-                          "|loss - float64 reference| / reference"]
+                          "largest batch that trains", "resnet50\ntraining loss (same weights and data)",
+                          "resnet50\n|loss - float64 reference| / reference"]
         for axis in figure.axes[:4]:
             assert len(axis.patches) == 2
         labels = {title: [text.get_text() for text in axis.texts] for title, axis in zip(titles, figure.axes)}
         assert labels["largest batch that trains"] == ["1.00x", "2.50x"]
         assert labels["activation MiB (one forward)"] == ["1.00x", "0.50x"]
         assert [bar.get_height() for bar in figure.axes[3].patches] == [100, 250]
-        assert len(figure.axes[4].lines) == 2
+        curves, errors = figure.axes[4], figure.axes[5]
+        # Equal losses, yet no curve under another: each variant is offset along the steps.
+        first, second = (line.get_xdata() for line in curves.lines)
+        assert all(a != b for a, b in zip(first, second))
+        # One tolerance band for the model, the legend outside the data.
+        (band,) = errors.collections
+        assert band.get_label() == "tolerance (inside: agree)"
+        legend = errors.get_legend()
+        assert legend is not None and legend.get_bbox_to_anchor().x0 > errors.get_window_extent().x1
+        assert curves.get_legend() is None
     finally:
         pyplot.close(figure)
     assert (tmp_path / "plot.png").read_bytes()[:8] == PNG_SIGNATURE
 
+    setup = bench.Setup(torch.device("cpu"), batch=2, size=64, dtype=torch.bfloat16, channels_last=False, steps=3,
+                        train_steps=0)
     figure = bench.plot(with_ratios([fake_result("plain PyTorch", 1, 0.1), fake_result("effilayers", 1, 0.2)]),
-                        str(tmp_path / "small.png"), pyplot)
+                        str(tmp_path / "small.png"), pyplot, setup)
     assert [axis.get_title() for axis in figure.axes] == ["activation MiB (one forward)", "median step time, ms"]
+    assert figure.get_suptitle().startswith("effilayers bench: cpu, batch 2, 64x64, bfloat16 autocast, 3 timed steps")
     pyplot.close(figure)
+
+
+# ---- timing in turn, its spread, the table -------------------------------------------------
+
+
+def test_timed_steps_take_turns_and_report_their_spread(monkeypatch):
+    order = []
+    seconds = {"a": iter([1.0, 2.0, 4.0]), "b": iter([1.0, 1.0, 1.1])}
+
+    def fake_time_call(call, device):
+        call()
+        return next(seconds[order[-1]])
+
+    monkeypatch.setattr(bench.measure, "time_call", fake_time_call)
+    sessions = [bench.measure._Session(None, None, None, [], True, None, None, bench.measure._CountedTick(lambda: None),
+                                       step=lambda name=name: order.append(name)) for name in "ab"]
+    setup = bench.Setup(torch.device("cpu"), 2, 32, torch.float32, False, steps=3, train_steps=0)
+    bench.measure._time_in_turn(sessions, setup)
+    assert order == ["a", "b", "a", "b", "a", "b"]
+    a, b = (session.measured for session in sessions)
+    assert a["step_times_s"] == [1.0, 2.0, 4.0] and a["step_time_s"] == 2.0
+    assert (a["step_time_min_s"], a["step_time_max_s"], a["step_time_spread"]) == (1.0, 4.0, 1.5)
+    assert b["step_time_spread"] == pytest.approx(0.1) and b["images_per_s"] == 2.0
+    assert all(session.step is None for session in sessions)  # the optimizer and batch are let go
+    assert all(session.tick.count == 3 for session in sessions)
+
+
+def spread_result(variant: str, times: list[float]) -> bench.Result:
+    median = sorted(times)[len(times) // 2]
+    return bench.Result("resnet50", variant, True, 2**20, None, times, median, 2 / median,
+                        step_time_min_s=min(times), step_time_max_s=max(times),
+                        step_time_spread=(max(times) - min(times)) / median)
+
+
+def test_a_spread_over_15_percent_warns_in_one_line():
+    steady = spread_result("plain PyTorch", [1.0, 1.05, 1.1])  # 10 %
+    loaded = spread_result("effilayers ABN", [1.0, 1.2, 1.5])  # 42 %
+    assert bench.timing_warning([steady]) is None
+    line = bench.timing_warning([steady, loaded])
+    assert "\n" not in line and "1 of 2 variants" in line and "more than 15% of their median" in line
+    assert "resnet50 / effilayers ABN, 42%" in line and "rerun on an idle machine" in line
+
+
+def test_table_columns_line_up():
+    import re
+
+    results = with_ratios([
+        spread_result("plain PyTorch", [0.0123, 0.0125, 0.013]),
+        spread_result("effilayers InPlaceABN, a long name", [12.3, 12.5, 13.0]),
+        spread_result("x", [1.0, 1.0, 1.0]),
+    ])
+    results[2].activation_bytes = 123456789 * 2**10
+    for r in results:
+        r.ratios["images_per_s"] = 1.0
+    lines = bench.format_table(results).splitlines()
+    assert set(lines[1]) == {"-"} and len(lines[1]) == max(len(line) for line in lines)
+    # Cells are separated by two spaces at least; a cell holds single spaces.
+    cells = [[match.span() for match in re.finditer(r"\S+(?: \S+)*", line)] for line in lines[:1] + lines[2:]]
+    assert len({len(row) for row in cells}) == 1
+    columns = list(zip(*cells))
+    for column in columns[:2]:  # text: same start
+        assert len({start for start, _ in column}) == 1
+    for column in columns[2:]:  # numbers: same end
+        assert len({end for _, end in column}) == 1
+    assert "12300.0-13000.0" in lines[3] and "12.3-13.0" in lines[2]
+
+
+def test_kernels_are_loaded_before_the_progress_bar(monkeypatch, capsys):
+    from effilayers._core import registry
+
+    events = []
+    real_load = bench.cli._load_kernels
+
+    def load(device_type):
+        events.append("kernels")
+        real_load(device_type)
+
+    monkeypatch.setattr(bench.cli, "_load_kernels", load)
+    monkeypatch.setattr(bench.cli, "_progress", lambda total: events.append("bar") or bench.cli._NoBar())
+    assert bench.main(["--model", "tests.test_bench:tiny_model_without_norm", "--size", "32", "--steps", "1"]) == 0
+    assert events == ["kernels", "bar"]
+    assert all((name, "cpu") in registry._state.choices for name in registry.registered_ops())
+
+
+def test_help_documents_device_and_verbose(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--device {cuda,cpu}" in out and "default: cuda when available, else cpu" in out
+    assert "--verbose" in out and "under 30 lines" in out
 
 
 # ---- errors --------------------------------------------------------------------------------

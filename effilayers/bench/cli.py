@@ -24,7 +24,7 @@ import torch
 
 from ..max_batch import DEFAULT_LIMIT
 from .measure import LOSS_NOISE_FACTOR, Result, Setup, count_ticks, run_model
-from .report import format_losses, format_table, load_pyplot, loss_warnings, plot, write_json
+from .report import format_losses, format_table, load_pyplot, loss_warnings, plot, timing_warning, write_json
 from .variants import BenchError, builtin_models, variants_for
 
 __all__ = ["main"]
@@ -90,7 +90,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", metavar="FILE", help="write all results, the environment and the command here")
     parser.add_argument("--plot", metavar="FILE.png",
                         help="bar charts with ratios (and loss curves with --train); needs matplotlib")
-    parser.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available")
+    parser.add_argument("--device", choices=("cuda", "cpu"),
+                        help="where the variants run: cuda (the first GPU) or cpu; default: cuda when available, "
+                             "else cpu (which also changes the default --batch, --size and --steps)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="also print what the measurements mean, every variant's notes and the per-variant "
+                             "--train losses (the default report stays under 30 lines)")
     return parser
 
 
@@ -152,6 +157,16 @@ def _compiled_random_like_eager(setup: Setup) -> ContextManager:
     return torch._inductor.config.patch(fallback_random=True)
 
 
+def _load_kernels(device_type: str) -> None:
+    """Choose every op's backend now: on a cold cache this compiles the
+    kernels, and their message prints before the progress bar instead of
+    through it."""
+    from .._core import registry
+
+    for op_name in registry.registered_ops():
+        registry.choice(op_name, device_type)
+
+
 def _run(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     setup = _setup(args)
@@ -173,6 +188,7 @@ def _run(argv: list[str]) -> int:
     for line in skipped:
         print(line, flush=True)
     max_batch_limit = _max_batch_limit(args)
+    _load_kernels(setup.device.type)
     bar = _progress(sum(count_ticks(variants, setup, max_batch_limit) for variants in variants_per_model))
     results: list[Result] = []
     try:
@@ -183,26 +199,17 @@ def _run(argv: list[str]) -> int:
         bar.close()
 
     print(format_table(results))
-    if setup.device.type == "cpu":
-        print("CUDA peak bytes: n/a on CPU. Activation bytes count the tensors autograd keeps, which these "
-              "layers choose the same way on every device; a GPU run adds the peak bytes.")
-    if setup.dtype != torch.float32:
-        print(f"Under autocast, activation bytes include the {args.dtype} copies of the weights that autocast "
-              "keeps for backward (2 bytes per parameter), the same for every variant.")
-    if setup.train_steps:
-        print()
-        print(format_losses(results, setup.dtype))
-    for r in results:
-        for note in r.notes:
-            print(f"note: {r.model} / {r.variant}: {note}")
-    warnings = loss_warnings(results, setup.dtype)
-    for line in warnings:
+    _print_notes(results, setup, args.dtype, args.verbose)
+    for line in loss_warnings(results, setup.dtype):
         print(f"{PROG}: warning: {line}", file=sys.stderr)
+    spread = timing_warning(results)
+    if spread:
+        print(f"{PROG}: warning: {spread}", file=sys.stderr)
     if args.json:
         write_json(args.json, argv, setup, args.dtype, max_batch_limit, skipped, results)
         print(f"wrote {args.json}")
     if pyplot is not None:
-        pyplot.close(plot(results, args.plot, pyplot))
+        pyplot.close(plot(results, args.plot, pyplot, setup))
         print(f"wrote {args.plot}")
     disagreeing = [r for r in results if r.losses_agree is False]
     if args.check_train and disagreeing:
@@ -210,6 +217,33 @@ def _run(argv: list[str]) -> int:
               + ", ".join(f"{r.model} / {r.variant}" for r in disagreeing), file=sys.stderr)
         return 1
     return 0
+
+
+def _print_notes(results: list[Result], setup: Setup, dtype_name: str, verbose: bool) -> None:
+    """What the table leaves out: in full with --verbose, else in a few short lines."""
+    notes = [f"note: {r.model} / {r.variant}: {note}" for r in results for note in r.notes]
+    if setup.dtype != torch.float32:
+        print(f"Under autocast, activation bytes include the {dtype_name} copies of the weights that autocast "
+              "keeps for backward (2 bytes per parameter), the same for every variant.")
+    if not verbose:
+        if setup.device.type == "cpu":
+            print("CUDA peak bytes: n/a on CPU (activation bytes do not depend on the device).")
+        if setup.train_steps:
+            print("losses vs float64: each variant against a float64 run of the same function (--verbose: per step).")
+        if notes:
+            print(f"{len(notes)} note(s) on the variants: --verbose prints them.")
+        return
+    if setup.device.type == "cpu":
+        print("CUDA peak bytes: n/a on CPU. Activation bytes count the tensors autograd keeps, which these "
+              "layers choose the same way on every device; a GPU run adds the peak bytes.")
+    if setup.compile:
+        print("Under --compile each variant is timed alone (dynamo's caches are reset between variants); "
+              "otherwise the variants take turns, one timed step each.")
+    if setup.train_steps:
+        print()
+        print(format_losses(results, setup.dtype))
+    for line in notes:
+        print(line)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

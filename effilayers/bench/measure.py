@@ -32,7 +32,8 @@ from .._core.dtypes import accumulation_dtype
 from ..max_batch import find_max_batch, is_out_of_memory, max_tries, release_memory, too_small_for_batch_norm
 from .variants import BenchError, Variant
 
-__all__ = ["Setup", "Result", "time_call", "SEED", "LOSS_NOISE_FACTOR", "LOSS_TOLERANCE_FLOOR", "count_ticks", "run_model"]
+__all__ = ["Setup", "Result", "time_call", "SEED", "LOSS_NOISE_FACTOR", "LOSS_TOLERANCE_FLOOR", "count_ticks", "run_model",
+           "SPREAD_WARNING"]
 
 SEED = 0
 # --train: a variant's loss at step t may differ from its float64 reference by
@@ -42,6 +43,10 @@ SEED = 0
 # percents in float32), and by at least the per-dtype floor.
 LOSS_NOISE_FACTOR = 10.0
 LOSS_TOLERANCE_FLOOR = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+# A variant whose timed steps spread (max - min) over more than this fraction
+# of their median gets a warning: something else used the machine, and the
+# time ratios are less certain than their digits.
+SPREAD_WARNING = 0.15
 
 
 # ---- one training step ---------------------------------------------------------------------
@@ -148,20 +153,32 @@ def time_call(call: Callable[[], Any], device: torch.device) -> float:
     return time.perf_counter() - started
 
 
-def _measure(model: nn.Module, setup: Setup, num_classes: int, tick: Callable[[], None],
-             eager: Optional[nn.Module] = None) -> dict[str, Any]:
-    """``model`` is what is timed (compiled with --compile); activation bytes
-    are counted on ``eager`` (the same module uncompiled, the same function):
-    saved-tensor hooks see what eager autograd keeps, not a compiled graph.
+@dataclass
+class _Session:
+    """One variant between its phases: built and warmed up, then timed in
+    turn with the others, then trained and searched (--train, --max-batch)."""
+    variant: Variant
+    model: nn.Module  # eager: activation bytes and the --train curve run on it
+    runner: nn.Module  # what is timed: the model, or torch.compile of it
+    notes: list[str]
+    same_weights: bool
+    initial_state: Optional[dict[str, torch.Tensor]]
+    pristine: Optional[nn.Module]
+    tick: "_CountedTick"
+    measured: dict[str, Any] = field(default_factory=dict)
+    times: list[float] = field(default_factory=list)
+    # One timed training step; None before the warm-up and after timing or running out of memory.
+    step: Optional[Callable[[], None]] = None
 
-    A variant that runs out of memory at ``setup.batch`` is measured as such
-    (``out_of_memory``, no numbers): on a GPU, plain PyTorch failing at a
-    batch that the memory-efficient variants train is the point of the
-    comparison. A batch BatchNorm cannot train (one value per channel) is the
-    user's setting to change, reported as a BenchError."""
-    counted_tick = _CountedTick(tick)
+
+def _fits(call: Callable[[], Any], setup: Setup) -> bool:
+    """Run ``call``: False when it ran out of memory (on a GPU, plain PyTorch
+    failing at a batch that the memory-efficient variants train is the point
+    of the comparison). A batch BatchNorm cannot train (one value per
+    channel) is the user's setting to change, reported as a BenchError."""
     try:
-        return _measure_fitting(model, setup, num_classes, counted_tick, eager)
+        call()
+        return True
     except ValueError as error:
         if not too_small_for_batch_norm(error):
             raise
@@ -170,12 +187,71 @@ def _measure(model: nn.Module, setup: Setup, num_classes: int, tick: Callable[[]
     except RuntimeError as error:
         if not is_out_of_memory(error):
             raise
-    # Out of the except block: the frames holding the failed step's tensors are gone.
-    # An out-of-memory error in backward leaves some gradients behind.
-    release_memory(model, setup.device)
-    counted_tick.finish(1 + setup.steps)
-    return {"activation_bytes": None, "cuda_peak_bytes": None, "step_times_s": [], "step_time_s": None,
-            "images_per_s": None, "out_of_memory": True}
+    return False
+
+
+def _out_of_memory(session: _Session, setup: Setup) -> None:
+    # Called out of the except block: the frames holding the failed step's
+    # tensors are gone. An out-of-memory error in backward leaves some
+    # gradients behind.
+    session.step = None
+    release_memory(session.model, setup.device)
+    session.tick.finish(1 + setup.steps)
+    session.measured = {"activation_bytes": None, "cuda_peak_bytes": None, "step_times_s": [],
+                        "step_time_s": None, "step_time_min_s": None, "step_time_max_s": None,
+                        "step_time_spread": None, "images_per_s": None, "out_of_memory": True}
+
+
+def _warm_up(session: _Session, setup: Setup, num_classes: int) -> None:
+    """Activation bytes (counted on the eager module: saved-tensor hooks see
+    what eager autograd keeps, not a compiled graph), the warm-up step
+    (first-call allocations, kernel builds, compilation) and the CUDA peak;
+    leaves ``session.step`` ready to be timed."""
+    model, runner = session.model, session.runner
+    optimizer = _optimizer(runner)
+    images, labels = setup.data(setup.batch, num_classes, seed=SEED)
+
+    def step() -> None:
+        _train_step(runner, optimizer, setup, images, labels)
+
+    with setup.autocast():
+        activation = memory.activation_bytes(model, images)
+    step()
+    session.tick()
+    peak = None
+    if setup.device.type == "cuda":
+        with memory.track_cuda_peak(setup.device) as meter:
+            step()
+        peak = meter.peak_bytes
+    session.measured = {"activation_bytes": activation, "cuda_peak_bytes": peak}
+    session.step = step
+
+
+def _time_in_turn(sessions: list[_Session], setup: Setup) -> None:
+    """The timed steps, one variant after another in each round (step 1 of
+    every variant, then step 2, ...): a load that comes and goes on the
+    machine falls on all of them alike instead of on whichever variant it
+    met, and each variant's spread shows how much it moved the times."""
+    for _ in range(setup.steps):
+        for session in sessions:
+            if session.step is None:
+                continue
+            setup.synchronize()
+            step = session.step
+            if _fits(lambda: session.times.append(time_call(step, setup.device)), setup):
+                session.tick()
+            else:
+                _out_of_memory(session, setup)
+    for session in sessions:
+        if session.step is None:
+            continue
+        # The optimizer and the batch go with the step: the later phases make their own.
+        session.step = None
+        times = session.times
+        median = statistics.median(times)
+        session.measured.update(step_times_s=times, step_time_s=median, step_time_min_s=min(times),
+                                step_time_max_s=max(times), step_time_spread=(max(times) - min(times)) / median,
+                                images_per_s=setup.batch / median)
 
 
 class _CountedTick:
@@ -193,32 +269,6 @@ class _CountedTick:
     def finish(self, total: int) -> None:
         for _ in range(total - self.count):
             self.tick()
-
-
-
-
-def _measure_fitting(model: nn.Module, setup: Setup, num_classes: int, tick: Callable[[], None],
-                     eager: Optional[nn.Module]) -> dict[str, Any]:
-    optimizer = _optimizer(model)
-    images, labels = setup.data(setup.batch, num_classes, seed=SEED)
-    with setup.autocast():
-        activation = memory.activation_bytes(eager if eager is not None else model, images)
-    # Warm-up: first-call allocations, kernel builds and, with --compile, compilation.
-    _train_step(model, optimizer, setup, images, labels)
-    tick()
-    peak = None
-    if setup.device.type == "cuda":
-        with memory.track_cuda_peak(setup.device) as meter:
-            _train_step(model, optimizer, setup, images, labels)
-        peak = meter.peak_bytes
-    times = []
-    for _ in range(setup.steps):
-        setup.synchronize()
-        times.append(time_call(lambda: _train_step(model, optimizer, setup, images, labels), setup.device))
-        tick()
-    median = statistics.median(times)
-    return {"activation_bytes": activation, "cuda_peak_bytes": peak, "step_times_s": times,
-            "step_time_s": median, "images_per_s": setup.batch / median}
 
 
 def _train_curve(model: nn.Module, setup: Setup, num_classes: int, tick: Callable[[], None]) -> list[float]:
@@ -283,6 +333,10 @@ class Result:
     step_times_s: list[float]
     step_time_s: Optional[float]
     images_per_s: Optional[float]
+    # The fastest and slowest timed step, and (max - min) / median.
+    step_time_min_s: Optional[float] = None
+    step_time_max_s: Optional[float] = None
+    step_time_spread: Optional[float] = None
     out_of_memory: bool = False
     ratios: dict[str, Optional[float]] = field(default_factory=dict)
     losses: Optional[list[float]] = None
@@ -320,9 +374,57 @@ def count_ticks(variants: list[Variant], setup: Setup, max_batch_limit: Optional
     return len(variants) * per_variant + references
 
 
+def _start(variant: Variant, reference_state: dict[str, torch.Tensor], first: bool, setup: Setup,
+           num_classes: int, bar: Any) -> _Session:
+    """Build ``variant`` from the reference's weights and warm it up."""
+    bar.set_description(f"{variant.model} / {variant.name}")
+    notes = [variant.note] if variant.note else []
+    torch.manual_seed(SEED)
+    model = variant.build()
+    same_weights = True
+    if variant.load_reference and not first:
+        try:
+            model.load_state_dict(reference_state)
+        except RuntimeError:
+            same_weights = False
+            notes.append("state dict incompatible with plain PyTorch's: own initialisation from the same seed")
+    # Taken before the model moves to the device: the copies wait on the host.
+    initial_state = copy.deepcopy(model.state_dict()) if setup.train_steps else None
+    # Every variant keeps one with --train: whether it runs the float64
+    # reference of its function is known only when the variants before it
+    # have trained (one that ran out of memory leaves it to the next).
+    pristine = copy.deepcopy(model) if setup.train_steps else None
+    model = _prepare(model, setup)
+    runner = model
+    if setup.compile:
+        # Modules under torch.compile: effilayers' ops are custom ops
+        # with fake implementations, so they stay in the graph. Variants
+        # share code (ResNet.forward, the blocks'): without a reset each
+        # one recompiles the frames of those before it, against dynamo's
+        # recompile_limit (past it a frame silently runs eager while the
+        # row says compiled), and shapes or floats that differed between
+        # variants would be compiled as dynamic.
+        import torch._dynamo as dynamo
+
+        dynamo.reset()
+        runner = torch.compile(model)
+    session = _Session(variant, model, runner, notes, same_weights, initial_state, pristine, _CountedTick(bar.update))
+    if not _fits(lambda: _warm_up(session, setup, num_classes), setup):
+        _out_of_memory(session, setup)
+    return session
+
+
 def run_model(variants: list[Variant], setup: Setup, max_batch_limit: Optional[int], bar: Any) -> list[Result]:
     """Measure every variant of one model, from the same weights and data;
-    the first is the baseline of the ratios and of the --train check."""
+    the first is the baseline of the ratios and of the --train check.
+
+    The variants are warmed up one by one, then timed in turn
+    (:func:`_time_in_turn`), so all of them are alive together for the
+    timing; on a GPU each then waits on the host while the others train and
+    search, so --max-batch and --train see one variant's memory, as before.
+    Under --compile each variant is timed alone: dynamo's caches are reset
+    for each variant (see :func:`_start`), which would recompile the others
+    in their timed steps."""
     torch.manual_seed(SEED)
     reference = variants[0].build()
     reference_state = copy.deepcopy(reference.state_dict())
@@ -330,57 +432,25 @@ def run_model(variants: list[Variant], setup: Setup, max_batch_limit: Optional[i
     del reference
     results = []
     float64_losses: dict[Optional[str], tuple[Optional[list[float]], str, list[str]]] = {}
-    for variant in variants:
-        bar.set_description(f"{variant.model} / {variant.name}")
-        notes = [variant.note] if variant.note else []
-        torch.manual_seed(SEED)
-        model = variant.build()
-        same_weights = True
-        if variant.load_reference and variant is not variants[0]:
-            try:
-                model.load_state_dict(reference_state)
-            except RuntimeError:
-                same_weights = False
-                notes.append("state dict incompatible with plain PyTorch's: own initialisation from the same seed")
-        initial_state = copy.deepcopy(model.state_dict())
-        pristine = None
-        if setup.train_steps and variant.function not in float64_losses:
-            pristine = copy.deepcopy(model)
-        model = _prepare(model, setup)
-        runner = model
-        if setup.compile:
-            # Modules under torch.compile: effilayers' ops are custom ops
-            # with fake implementations, so they stay in the graph. Variants
-            # share code (ResNet.forward, the blocks'): without a reset each
-            # one recompiles the frames of those before it, against dynamo's
-            # recompile_limit (past it a frame silently runs eager while the
-            # row says compiled), and shapes or floats that differed between
-            # variants would be compiled as dynamic.
-            import torch._dynamo as dynamo
-
-            dynamo.reset()
-            runner = torch.compile(model)
-        measured = _measure(runner, setup, num_classes, bar.update, eager=model)
-        losses = None
-        if measured.get("out_of_memory"):
-            notes.append(f"out of memory at batch {setup.batch}: no time, activation bytes or losses")
-            bar.update(setup.train_steps)
-            pristine = None  # a later variant computing the same function runs the float64 reference
-        elif setup.train_steps:
-            model.load_state_dict(initial_state)
-            losses = _train_curve(runner, setup, num_classes, bar.update)
-            if pristine is not None:
-                float64_losses[variant.function] = _float64_curve(variant, pristine, setup, num_classes, bar.update)
-                del pristine
-        max_batch = None
-        if max_batch_limit is not None:
-            counted_tick = _CountedTick(bar.update)
-            max_batch = _max_batch(runner, setup, num_classes, max_batch_limit, counted_tick)
-            counted_tick.finish(max_tries(setup.batch, max_batch_limit))
-        results.append(Result(variant.model, variant.name, same_weights, losses=losses, max_batch=max_batch,
-                              notes=notes, **measured))
-        del model, runner, initial_state
-        release_memory(None, setup.device)
+    groups = [[variant] for variant in variants] if setup.compile else [variants]
+    for group in groups:
+        sessions = [_start(variant, reference_state, variant is variants[0], setup, num_classes, bar)
+                    for variant in group]
+        if len(sessions) > 1:
+            bar.set_description(f"{group[0].model} / {len(sessions)} variants in turn")
+        _time_in_turn(sessions, setup)
+        park = len(sessions) > 1 and setup.device.type != "cpu"
+        if park:
+            for session in sessions:
+                session.model.to("cpu")
+            release_memory(None, setup.device)
+        while sessions:
+            session = sessions.pop(0)
+            if park:
+                session.model = session.runner = _prepare(session.model, setup)
+            results.append(_finish(session, setup, num_classes, max_batch_limit, bar, float64_losses))
+            del session
+            release_memory(None, setup.device)
     # float64 references no variant ran (each variant computing it did not fit)
     bar.update(setup.train_steps * len({v.function for v in variants} - set(float64_losses)))
     plain = results[0]
@@ -399,6 +469,32 @@ def run_model(variants: list[Variant], setup: Setup, max_batch_limit: Optional[i
     if setup.train_steps:
         _check_losses(results, variants, float64_losses, setup.dtype)
     return results
+
+
+def _finish(session: _Session, setup: Setup, num_classes: int, max_batch_limit: Optional[int], bar: Any,
+            float64_losses: dict[Optional[str], tuple[Optional[list[float]], str, list[str]]]) -> Result:
+    """The --train curves and the --max-batch search of a timed variant."""
+    variant, notes, measured = session.variant, session.notes, session.measured
+    bar.set_description(f"{variant.model} / {variant.name}")
+    losses = None
+    if measured.get("out_of_memory"):
+        notes.append(f"out of memory at batch {setup.batch}: no time, activation bytes or losses")
+        bar.update(setup.train_steps)
+    elif setup.train_steps:
+        session.model.load_state_dict(session.initial_state)
+        losses = _train_curve(session.runner, setup, num_classes, bar.update)
+        if variant.function not in float64_losses:
+            float64_losses[variant.function] = _float64_curve(variant, session.pristine, setup, num_classes,
+                                                              bar.update)
+    session.pristine = None
+    max_batch = None
+    if max_batch_limit is not None:
+        counted_tick = _CountedTick(bar.update)
+        max_batch = _max_batch(session.runner, setup, num_classes, max_batch_limit, counted_tick)
+        counted_tick.finish(max_tries(setup.batch, max_batch_limit))
+    session.model = session.runner = None  # type: ignore[assignment]
+    return Result(variant.model, variant.name, session.same_weights, losses=losses, max_batch=max_batch,
+                  notes=notes, **measured)
 
 
 def _check_losses(results: list[Result], variants: list[Variant],

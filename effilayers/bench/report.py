@@ -11,11 +11,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .measure import LOSS_NOISE_FACTOR, LOSS_TOLERANCE_FLOOR, Result, Setup
+from .measure import LOSS_NOISE_FACTOR, LOSS_TOLERANCE_FLOOR, SPREAD_WARNING, Result, Setup
 from .variants import AS_GIVEN, PLAIN, BenchError
 
 __all__ = ["measured_cells", "agreement", "format_table", "precision_name", "format_losses", "loss_warnings", "plot",
-           "load_pyplot", "write_json"]
+           "load_pyplot", "write_json", "timing_warning"]
 
 # Plain PyTorch this far from float64 means the check is weak here: say so.
 ILL_CONDITIONED = 1e-3
@@ -51,22 +51,35 @@ def agreement(result: dict[str, Any]) -> str:
     return ("agree" if result["losses_agree"] else "DIFFER") + f" (tol {result['loss_tolerance']:.1e})"
 
 
+def _with_ratio(value: str, ratio: Optional[float]) -> str:
+    return value if ratio is None or value in ("n/a", "OOM") else f"{value} ({_times(ratio)})"
+
+
+def _spread_cell(r: Result) -> str:
+    if r.step_time_min_s is None or r.step_time_max_s is None:
+        return "OOM" if r.out_of_memory else "n/a"
+    return f"{r.step_time_min_s * 1e3:.1f}-{r.step_time_max_s * 1e3:.1f}"
+
+
 def format_table(results: list[Result]) -> str:
+    """One row per variant; each measurement with its ratio to plain PyTorch
+    in one cell, so the header stands over both; text columns start, number
+    columns end, at the same place in every row."""
     show_max_batch = any(r.max_batch is not None for r in results)
     show_losses = any(r.losses is not None for r in results)
-    header = ["model", "variant", "activation MiB", "", "CUDA peak MiB", "", "step ms", "", "images/s", ""]
+    header = ["model", "variant", "activation MiB", "CUDA peak MiB", "step ms", "min-max ms", "images/s"]
     if show_max_batch:
-        header += ["max batch", ""]
+        header += ["max batch"]
     if show_losses:
         header += ["losses vs float64"]
     rows = [header]
     for r in results:
         activation, peak, step, speed = measured_cells(vars(r))
-        row = [r.model, r.variant, activation, _times(r.ratios["activation_bytes"]),
-               peak, _times(r.ratios["cuda_peak_bytes"]), step, _times(r.ratios["step_time"]),
-               speed, _times(r.ratios["images_per_s"])]
+        row = [r.model, r.variant, _with_ratio(activation, r.ratios.get("activation_bytes")),
+               _with_ratio(peak, r.ratios.get("cuda_peak_bytes")), _with_ratio(step, r.ratios.get("step_time")),
+               _spread_cell(r), _with_ratio(speed, r.ratios.get("images_per_s"))]
         if show_max_batch:
-            row += [str(r.max_batch), _times(r.ratios["max_batch"])]
+            row += [_with_ratio(str(r.max_batch), r.ratios.get("max_batch"))]
         if show_losses:
             row += [agreement(vars(r))]
         rows.append(row)
@@ -75,8 +88,22 @@ def format_table(results: list[Result]) -> str:
     text_columns = {0, 1, len(header) - 1} if show_losses else {0, 1}
     lines = ["  ".join(cell.ljust(w) if i in text_columns else cell.rjust(w)
                        for i, (cell, w) in enumerate(zip(row, widths))) for row in rows]
-    lines.insert(1, "-" * len(lines[0]))
+    lines.insert(1, "-" * len(lines[0].rstrip()))
     return "\n".join(line.rstrip() for line in lines)
+
+
+def timing_warning(results: list[Result]) -> Optional[str]:
+    """One line naming the variants whose timed steps spread over more than
+    SPREAD_WARNING of their median, and what to do; None when none did."""
+    spread = [r for r in results if r.step_time_spread is not None and r.step_time_spread > SPREAD_WARNING]
+    if not spread:
+        return None
+    worst = max(spread, key=lambda r: r.step_time_spread)
+    return (f"the step times of {len(spread)} of {len(results)} variants spread over more than "
+            f"{SPREAD_WARNING:.0%} of their median (most: {worst.model} / {worst.variant}, "
+            f"{worst.step_time_spread:.0%}; min-max in the table): the machine was busy and the time ratios are "
+            "uncertain; "
+            "rerun on an idle machine or with more --steps")
 
 
 def precision_name(dtype: torch.dtype) -> str:
@@ -117,17 +144,24 @@ def loss_warnings(results: list[Result], dtype: torch.dtype = torch.float32) -> 
             lines.append(f"{r.model}: plain PyTorch's own {precision} losses are up to {r.loss_noise_floor:.1e} (relative) "
                          f"from float64 here, so the check only holds the variants to "
                          f"{r.loss_tolerance:.1e}; BatchNorm over few values per channel (small --batch/--size) "
-                         f"and deep residual networks at initialisation are ill-conditioned in {precision}")
+                         f"and deep networks at initialisation are ill-conditioned in {precision}. "
+                         f"{_sharper_check(dtype)}")
     return lines
 
 
-def plot(results: list[Result], path: str, pyplot: Any) -> Any:
-    """Save bar charts (activation MiB, step ms, and CUDA peak MiB, max batch,
-    loss curves when measured) to ``path``; returns the matplotlib figure."""
+def _sharper_check(dtype: torch.dtype) -> str:
+    advice = "For a sharper check, raise --batch and --size (more values per BatchNorm channel)"
+    if dtype != torch.float32:
+        advice += f", or check the same variants with --dtype float32, whose rounding noise is far smaller"
+    return advice
+
+
+def plot(results: list[Result], path: str, pyplot: Any, setup: Optional[Setup] = None) -> Any:
+    """Save bar charts (activation MiB, step ms, and CUDA peak MiB, max batch
+    when measured) and, with --train, one row per model: its loss curves and
+    their distance to the float64 reference inside the model's tolerance band
+    (``setup`` puts the settings in the title); returns the matplotlib figure."""
     labels = [f"{r.model}\n{r.variant}" for r in results]
-    plain_of = {}
-    for r in results:
-        plain_of.setdefault(r.model, r)
     panels: list[tuple[str, Callable[[Result], Optional[float]], str]] = [
         ("activation MiB (one forward)", lambda r: _in_mib(r.activation_bytes), "activation_bytes"),
         ("median step time, ms", lambda r: None if r.step_time_s is None else r.step_time_s * 1e3, "step_time"),
@@ -136,42 +170,72 @@ def plot(results: list[Result], path: str, pyplot: Any) -> Any:
         panels.append(("CUDA peak MiB (one step)", lambda r: _in_mib(r.cuda_peak_bytes), "cuda_peak_bytes"))
     if any(r.max_batch is not None for r in results):
         panels.append(("largest batch that trains", lambda r: r.max_batch, "max_batch"))
-    trained = [r for r in results if r.losses]
-    count = len(panels) + (2 if trained else 0)
-    figure, axes = pyplot.subplots(1, count, figsize=(5 * count, 5.5), squeeze=False)
-    axes = list(axes[0])
-    for axis, (title, value, ratio_key) in zip(axes, panels):
+    trained_models = list(dict.fromkeys(r.model for r in results if r.losses))
+    columns = max(len(panels), 2 if trained_models else 1)
+    # The loss rows' legends stand right of their second panel: over the empty
+    # columns of those rows, or in a margin kept for them.
+    margin = 3 if trained_models and columns == 2 else 0
+    width = 5 * columns + margin
+    figure = pyplot.figure(figsize=(width, 5.5 + 4.5 * len(trained_models)))
+    grid = figure.add_gridspec(1 + len(trained_models), columns)
+    for column, (title, value, ratio_key) in enumerate(panels):
+        axis = figure.add_subplot(grid[0, column])
         shown = [(i, value(r), r.ratios.get(ratio_key)) for i, r in enumerate(results) if value(r) is not None]
         bars = axis.bar([i for i, _, _ in shown], [v for _, v, _ in shown], color="tab:blue")
         axis.bar_label(bars, labels=["" if ratio is None else f"{ratio:.2f}x" for _, _, ratio in shown], fontsize=8)
         axis.set_title(title)
         axis.set_xticks(range(len(results)))
         axis.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
-    if trained:
-        curves, errors = axes[len(panels)], axes[len(panels) + 1]
-        for r in trained:
-            steps = range(1, len(r.losses) + 1)
-            curves.plot(steps, r.losses, marker="o", label=f"{r.model} / {r.variant}")
-            if r.loss_rel_errors is not None:
-                errors.semilogy(steps, [max(e, 1e-12) for e in r.loss_rel_errors], marker="o",
-                                label=f"{r.model} / {r.variant}")
-        for r in plain_of.values():
-            if r.loss_tolerances is not None:
-                errors.semilogy(range(1, len(r.loss_tolerances) + 1), r.loss_tolerances, "k:",
-                                label=f"{r.model} tolerance")
-        curves.set_title("training loss (same weights and data)")
-        errors.set_title("|loss - float64 reference| / reference")
-        for axis in (curves, errors):
-            axis.set_xlabel("training step")
-            axis.xaxis.get_major_locator().set_params(integer=True)
-            if axis.get_legend_handles_labels()[0]:
-                axis.legend(fontsize=7)
-    figure.suptitle("effilayers bench: " + ", ".join(sorted({r.model for r in results}))
-                    + " (bar labels: ratio to plain PyTorch)")
-    figure.tight_layout()
+    for row, model in enumerate(trained_models, start=1):
+        _loss_row(figure.add_subplot(grid[row, 0]), figure.add_subplot(grid[row, 1]), model,
+                  [r for r in results if r.model == model])
+    if setup is None:
+        settings = ", ".join(trained_models or dict.fromkeys(r.model for r in results))
+    else:
+        settings = (f"{setup.device.type}, batch {setup.batch}, {setup.size}x{setup.size}, "
+                    f"{precision_name(setup.dtype)}, {setup.steps} timed steps"
+                    + (f", --train {setup.train_steps}" if setup.train_steps else ""))
+    figure.suptitle(f"effilayers bench: {settings} (bar labels: ratio to plain PyTorch)")
+    figure.tight_layout(rect=(0, 0, 1 - margin / width, 0.98))  # below the title
     figure.savefig(path, dpi=100)
     return figure
 
+
+def _loss_row(curves: Any, errors: Any, model: str, results: list[Result]) -> None:
+    """One model's --train panels. The variants' losses agree to a few
+    digits, so each curve is shifted along the step axis by a small offset
+    and has its own marker: none hides another."""
+    trained = [r for r in results if r.losses]
+    markers = "osD^vP*X"
+    width = 0.3  # the offsets span this much of a step
+    plotted = []
+    for i, r in enumerate(trained):
+        offset = (i - (len(trained) - 1) / 2) * width / max(len(trained) - 1, 1)
+        style = dict(color=f"C{i}", marker=markers[i % len(markers)], markersize=5, linewidth=1, label=r.variant)
+        steps = [t + offset for t in range(1, len(r.losses) + 1)]
+        curves.plot(steps, r.losses, **style)
+        if r.loss_rel_errors is not None:
+            shown = [max(e, 1e-12) for e in r.loss_rel_errors]
+            errors.semilogy(steps, shown, **style)
+            plotted += shown
+    tolerances = next((r.loss_tolerances for r in results if r.loss_tolerances is not None), None)
+    if tolerances is not None:
+        bottom = min(plotted + tolerances) / 10
+        # Past the first and last step by the offsets, so every marker sits on the band.
+        steps = [1 - width / 2, *range(1, len(tolerances) + 1), len(tolerances) + width / 2]
+        bounds = [tolerances[0], *tolerances, tolerances[-1]]
+        errors.fill_between(steps, [bottom] * len(steps), bounds, color="tab:green", alpha=0.15,
+                            label="tolerance (inside: agree)")
+        errors.set_yscale("log")
+    curves.set_title(f"{model}\ntraining loss (same weights and data)", fontsize=10)
+    errors.set_title(f"{model}\n|loss - float64 reference| / reference", fontsize=10)
+    for axis in (curves, errors):
+        axis.set_xlabel("training step (variants offset for visibility)")
+        axis.xaxis.get_major_locator().set_params(integer=True)
+    if errors.get_legend_handles_labels()[0]:
+        errors.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
+    elif curves.get_legend_handles_labels()[0]:
+        curves.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
 
 
 def load_pyplot(path: str) -> Any:
@@ -208,8 +272,11 @@ def write_json(path: str, argv: list[str], setup: Setup, dtype_name: str, max_ba
                      "channels_last": setup.channels_last, "compile": setup.compile, "steps": setup.steps,
                      "train": setup.train_steps, "max_batch_limit": max_batch_limit,
                      "loss_noise_factor": LOSS_NOISE_FACTOR,
-                     "loss_tolerance_floor": LOSS_TOLERANCE_FLOOR[setup.dtype]},
+                     "loss_tolerance_floor": LOSS_TOLERANCE_FLOOR[setup.dtype], "spread_warning": SPREAD_WARNING,
+                     "timed_in_turn": not setup.compile},
         "skipped": skipped,
+        # The warning printed when a variant's step times spread over more than spread_warning of their median.
+        "timing_warning": timing_warning(results),
         "environment": collect(),
         "results": [vars(r) for r in results],
     }
