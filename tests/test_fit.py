@@ -71,14 +71,25 @@ def test_budgets_are_met_and_bytes_never_grow_as_the_budget_shrinks(name):
     assert refused == list(range(len(reached) - len(refused), len(reached)))
 
 
-@pytest.mark.parametrize("name", sorted(BUILDERS))
+# Equality in float64 on ResNet-50 and a two-block DenseNet: DenseNet-121 at
+# 32x32 ends at 1x1 maps, where BatchNorm over two values amplifies rounding
+# differences between the memory-efficient and the plain path.
+EXACT_BUILDERS = {
+    "resnet50": (BUILDERS["resnet50"], SHAPES["resnet50"]),
+    "densenet": (lambda: models.DenseNet(growth_rate=4, block_config=(2, 2), num_init_features=8, num_classes=5,
+                                         memory_efficient=False), (2, 3, 16, 16)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXACT_BUILDERS))
 def test_fitted_model_computes_the_original_function_and_revert_restores_it(name):
     torch.manual_seed(0)
-    model = BUILDERS[name]().double()
+    builder, shape = EXACT_BUILDERS[name]
+    model = builder().double()
     original = copy.deepcopy(model)
     classes = [type(module) for module in model.modules()]
     state = {key: value.clone() for key, value in model.state_dict().items()}
-    x = torch.randn(*SHAPES[name], dtype=torch.float64)
+    x = torch.randn(*shape, dtype=torch.float64)
     report = effilayers.fit(model, x, 0.3)
     kinds = {step.kind for step in report.steps}
     assert "checkpoint" in kinds
@@ -86,13 +97,13 @@ def test_fitted_model_computes_the_original_function_and_revert_restores_it(name
     inputs = x.clone().requires_grad_()
     reference_inputs = x.clone().requires_grad_()
     out, reference_out = model(inputs), original(reference_inputs)
-    torch.testing.assert_close(out, reference_out, rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(out, reference_out, rtol=1e-10, atol=1e-12)
     weights = torch.randn_like(out)
     (out * weights).sum().backward()
     (reference_out * weights).sum().backward()
-    torch.testing.assert_close(inputs.grad, reference_inputs.grad, rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(inputs.grad, reference_inputs.grad, rtol=1e-10, atol=1e-12)
     for (key, parameter), reference_parameter in zip(model.named_parameters(), original.parameters()):
-        torch.testing.assert_close(parameter.grad, reference_parameter.grad, rtol=1e-8, atol=1e-10, msg=key)
+        torch.testing.assert_close(parameter.grad, reference_parameter.grad, rtol=1e-10, atol=1e-12, msg=key)
     # one training step moved the running statistics once, as in the original
     # (the memory-efficient DenseNet computes batch statistics in another order)
     _assert_same_tensors(_buffers(model), _buffers(original), rtol=1e-10, atol=1e-12)
@@ -105,7 +116,8 @@ def test_fitted_model_computes_the_original_function_and_revert_restores_it(name
     assert undone.fit_steps_undone == len(report.steps)
     assert [type(module) for module in model.modules()] == classes
     _assert_same_tensors(model.state_dict(), state)
-    if name == "densenet121":
+    if name == "densenet":
+        assert "densenet_memory_efficient" in kinds
         assert not any(getattr(module, "memory_efficient", False) for module in model.modules())
     # fitting again is allowed after revert
     effilayers.fit(model, x, 1.0)
