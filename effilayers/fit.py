@@ -321,8 +321,10 @@ def fit(model: nn.Module, example_input: Union[torch.Tensor, tuple], budget: Uni
             turn ReLU into leaky_relu. ``False`` allows it.
 
     Returns a :class:`FitReport`. Raises ``ValueError`` naming the smallest
-    reachable figure when no step of the chain gets under ``budget`` (the
-    model is then left as it was).
+    reachable figure when no step of the chain gets under ``budget``; the
+    model's steps are then undone (with ``exact=False``, a conversion made on
+    the way is reverted as :func:`effilayers.revert` does it: a ReLU comes
+    back as the LeakyReLU(0.01) the fused norm computed).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fit: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -346,7 +348,8 @@ def fit(model: nn.Module, example_input: Union[torch.Tensor, tuple], budget: Uni
         _revert_fit(model, report)
         raise ValueError(f"fit: budget {budget_bytes} bytes is below the smallest reachable figure, {smallest} "
                          f"activation bytes ({smallest / max(before, 1):.3f}x of the {before} now)"
-                         + ("; exact=False also allows in-place ABN with leaky_relu" if exact else ""))
+                         + ("; exact=False also allows in-place ABN with leaky_relu"
+                            if any("exact=True" in note for note in report.notes) else ""))
     return report
 
 
