@@ -16,9 +16,11 @@ from . import models
 # A module (effilayers.checkpoint.checkpoint mirrors torch.utils.checkpoint.checkpoint).
 from . import checkpoint
 from .max_batch import MaxBatch, find_max_batch
+# The function shadows the submodule, as convert does.
+from .fit import FitReport, fit
 
 __version__ = "0.1.0.dev0"
 
 __all__ = ["backends", "functional", "memory", "nn", "ops", "optim", "models", "info", "use_backend", "convert", "revert",
            "batch_stats", "combine_batch_stats", "__version__", "checkpoint",
-           "find_max_batch", "MaxBatch"]
+           "find_max_batch", "MaxBatch", "fit", "FitReport"]

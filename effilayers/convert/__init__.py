@@ -144,6 +144,11 @@ __all__ = [
 
 MODES = ("abn", "inplace")
 
+# What effilayers.fit leaves on a model it changed: a list of callables that
+# undo its steps, last first. Defined here so that revert runs them without
+# importing fit (which sits above convert).
+FIT_UNDO_ATTR = "_effilayers_fit_undo"
+
 
 # ---- convert --------------------------------------------------------------------------------
 
@@ -670,5 +675,10 @@ def revert(model: nn.Module) -> RevertReport:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"revert: model must be a torch.nn.Module, got {type(model).__name__}")
-    return _Reverter(model).run()
+    fit_steps = model.__dict__.pop(FIT_UNDO_ATTR, None) or []
+    for undo in reversed(fit_steps):
+        undo()
+    report = _Reverter(model).run()
+    report.fit_steps_undone = len(fit_steps)
+    return report
 

@@ -107,6 +107,7 @@ class RevertReport(_Report):
 
     restored: list[RestoredPair] = field(default_factory=list)
     left_alone: list[LeftAlone] = field(default_factory=list)
+    fit_steps_undone: int = 0  # steps of effilayers.fit (checkpointed parts, DenseNet switches) undone first
 
     @property
     def restored_paths(self) -> list[str]:

@@ -1,0 +1,180 @@
+"""effilayers.fit: budgets met and monotone on ResNet-50 and DenseNet-121 (small
+shapes), the fitted model computes what the original did (float64), revert
+restores it, and bad budgets are refused naming the argument."""
+
+import copy
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import effilayers
+from effilayers import memory, models
+from effilayers.fit import CheckpointedSequential, parse_budget
+
+BUILDERS = {
+    "resnet50": lambda: models.resnet50(num_classes=10),
+    "densenet121": lambda: models.densenet121(num_classes=10, memory_efficient=False),
+}
+# The smallest inputs each keeps at >= 1x1 through its strides and poolings;
+# a batch of 2 gives BatchNorm two values per channel at 1x1.
+SHAPES = {"resnet50": (2, 3, 16, 16), "densenet121": (2, 3, 32, 32)}
+
+
+def _buffers(model):
+    return {name: buffer.clone() for name, buffer in model.named_buffers()}
+
+
+def _assert_same_tensors(actual, expected, rtol=0.0, atol=0.0):
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=rtol, atol=atol, msg=name)
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_budgets_are_met_and_bytes_never_grow_as_the_budget_shrinks(name):
+    torch.manual_seed(0)
+    base = BUILDERS[name]()
+    x = torch.randn(*SHAPES[name])
+    plain = memory.activation_bytes(base, x)
+    running = _buffers(base)
+    previous = plain
+    reached = []
+    for tenths in range(10, 0, -1):
+        model = copy.deepcopy(base)
+        budget = int(tenths / 10 * plain)
+        try:
+            report = effilayers.fit(model, x, tenths / 10)
+        except ValueError as error:
+            smallest = int(re.search(r"smallest reachable figure, (\d+)", str(error)).group(1))
+            assert smallest > budget
+            _assert_same_tensors(_buffers(model), running)
+            # a refused fit leaves the model as it was
+            assert memory.activation_bytes(model, x) == plain
+            assert not any(isinstance(module, CheckpointedSequential) for module in model.modules())
+            reached.append(None)
+            continue
+        # fit's measuring forwards leave the running statistics where they were
+        _assert_same_tensors(_buffers(model), running)
+        measured = memory.activation_bytes(model, x)
+        assert report.budget_bytes == budget
+        assert report.before_bytes == plain
+        assert measured == report.measured_bytes
+        assert measured <= budget, (tenths, measured, budget)
+        assert measured <= previous, (tenths, measured, previous)
+        previous = measured
+        reached.append(measured)
+    # the budgets reached fit something below 1.0 and refused nothing above a fitted one
+    assert any(value is not None and value < plain for value in reached)
+    refused = [index for index, value in enumerate(reached) if value is None]
+    assert refused == list(range(len(reached) - len(refused), len(reached)))
+
+
+# Equality in float64 on ResNet-50 and a two-block DenseNet: DenseNet-121 at
+# 32x32 ends at 1x1 maps, where BatchNorm over two values amplifies rounding
+# differences between the memory-efficient and the plain path.
+EXACT_BUILDERS = {
+    "resnet50": (BUILDERS["resnet50"], SHAPES["resnet50"]),
+    "densenet": (lambda: models.DenseNet(growth_rate=4, block_config=(2, 2), num_init_features=8, num_classes=5,
+                                         memory_efficient=False), (2, 3, 16, 16)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXACT_BUILDERS))
+def test_fitted_model_computes_the_original_function_and_revert_restores_it(name):
+    torch.manual_seed(0)
+    builder, shape = EXACT_BUILDERS[name]
+    model = builder().double()
+    original = copy.deepcopy(model)
+    classes = [type(module) for module in model.modules()]
+    state = {key: value.clone() for key, value in model.state_dict().items()}
+    x = torch.randn(*shape, dtype=torch.float64)
+    report = effilayers.fit(model, x, 0.3)
+    kinds = {step.kind for step in report.steps}
+    assert "checkpoint" in kinds
+    assert any(isinstance(module, CheckpointedSequential) for module in model.modules())
+    inputs = x.clone().requires_grad_()
+    reference_inputs = x.clone().requires_grad_()
+    out, reference_out = model(inputs), original(reference_inputs)
+    torch.testing.assert_close(out, reference_out, rtol=1e-10, atol=1e-12)
+    weights = torch.randn_like(out)
+    (out * weights).sum().backward()
+    (reference_out * weights).sum().backward()
+    torch.testing.assert_close(inputs.grad, reference_inputs.grad, rtol=1e-10, atol=1e-12)
+    for (key, parameter), reference_parameter in zip(model.named_parameters(), original.parameters()):
+        torch.testing.assert_close(parameter.grad, reference_parameter.grad, rtol=1e-10, atol=1e-12, msg=key)
+    # one training step moved the running statistics once, as in the original
+    # (the memory-efficient DenseNet computes batch statistics in another order)
+    _assert_same_tensors(_buffers(model), _buffers(original), rtol=1e-10, atol=1e-12)
+    model.zero_grad(set_to_none=True)
+    original.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for key, value in state.items():
+            model.state_dict()[key].copy_(value)
+    undone = effilayers.revert(model)
+    assert undone.fit_steps_undone == len(report.steps)
+    assert [type(module) for module in model.modules()] == classes
+    _assert_same_tensors(model.state_dict(), state)
+    if name == "densenet":
+        assert "densenet_memory_efficient" in kinds
+        assert not any(getattr(module, "memory_efficient", False) for module in model.modules())
+    # fitting again is allowed after revert
+    effilayers.fit(model, x, 1.0)
+
+
+def _conv_norm_relu():
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.Conv2d(8, 4, 3, padding=1, bias=False))
+
+
+def test_in_place_abn_is_taken_only_when_the_function_may_change():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 6, 6)
+    exact = _conv_norm_relu()
+    report = effilayers.fit(exact, x, 0.6)
+    assert "inplace_abn" not in {step.kind for step in report.steps}
+    assert any("exact=True" in note for note in report.notes)
+    loose = _conv_norm_relu()
+    report = effilayers.fit(loose, x, 0.6, exact=False)
+    assert report.steps[0].kind == "inplace_abn"
+    assert any(isinstance(module, effilayers.nn.InPlaceABN) for module in loose.modules())
+    assert memory.activation_bytes(loose, x) == report.measured_bytes <= report.budget_bytes
+    assert any("save_on_cpu" in note for note in report.notes)
+
+
+@pytest.mark.parametrize("budget, bytes_", [
+    (1000, 1000), ("2GiB", 2 * 2**30), ("500MB", 500 * 10**6), ("1.5 kib", 1536), ("123", 123), ("64b", 64),
+    (0.5, 500), (1.0, 1000),
+])
+def test_budget_forms(budget, bytes_):
+    assert parse_budget(budget, 1000) == bytes_
+
+
+@pytest.mark.parametrize("budget, error", [
+    (True, TypeError), (None, TypeError), ([1], TypeError), (0, ValueError), (-5, ValueError), (0.0, ValueError),
+    (1.5, ValueError), (float("nan"), ValueError), ("2 parsecs", ValueError), ("", ValueError), ("GiB", ValueError),
+])
+def test_bad_budgets_name_the_argument(budget, error):
+    with pytest.raises(error, match="budget"):
+        parse_budget(budget, 1000)
+
+
+def test_bad_arguments_and_unreachable_budget():
+    x = torch.randn(2, 3, 6, 6)
+    model = _conv_norm_relu()
+    state = {key: value.clone() for key, value in model.state_dict().items()}
+    with pytest.raises(TypeError, match="model"):
+        effilayers.fit(lambda t: t, x, 0.5)
+    with pytest.raises(TypeError, match="example_input"):
+        effilayers.fit(model, [x], 0.5)
+    with pytest.raises(TypeError, match="budget"):
+        effilayers.fit(model, x, "half" and object())
+    with pytest.raises(ValueError, match=r"smallest reachable figure, \d+"):
+        effilayers.fit(model, x, 1)
+    assert not any(isinstance(module, CheckpointedSequential) for module in model.modules())
+    _assert_same_tensors(model.state_dict(), state)
+    effilayers.fit(model, x, 0.9)
+    with pytest.raises(ValueError, match="already fitted"):
+        effilayers.fit(model, x, 0.9)
