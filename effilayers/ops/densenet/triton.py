@@ -534,7 +534,7 @@ REPORT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # to promise): BatchNorm's per-channel vectors, the weight columns and the
 # per-channel partial sums are gathers at run-time channel offsets.
 _GENERAL_NARROW = "maps not 16-byte aligned or pixel stride != 1 (channels_last, offset views): per-element loads"
-_CHANNEL_GATHER = "indexed by the map table's channel numbers, which start at any channel: a per-channel gather"
+_CHANNEL_GATHER = "per-channel gather at the map table's channel numbers (maps start at any channel)"
 _ALIGNED_NARROW = {name: _CHANNEL_GATHER for name in (
     "mean", "invstd", "scale", "bias", "mean_dz", "mean_dz_xhat", "weight", "partial_dz", "partial_dz_xhat",
     "partial_grad_weight")}
