@@ -16,7 +16,8 @@ in the PTX, and the bytes the kernel moves per element against the family's
 roofline (what a perfect kernel must move). The exit status is non-zero on a
 compile failure, on any spill, and on a per-thread global access narrower
 than 128 bits in a kernel whose layout allows 128-bit accesses (a row that
-may be narrower says why).
+may be narrower says why; a reason marked "pending:", one that concedes the
+layout would allow 128 bits, fails the row too).
 
 A global access is per-thread when its address depends on the thread index
 (a data flow through the PTX from ``%tid``): the loads of a row's target or
@@ -457,6 +458,9 @@ def problems(row: dict[str, Any]) -> list[str]:
     found = []
     if row["spill_stores"] or row["spill_loads"]:
         found.append(f"spills {row['spill_stores']}/{row['spill_loads']} bytes")
+    pending = [reason for reason in row.get("narrow_reason", "").split("; ") if "pending:" in reason]
+    if pending:  # a reason that admits the layout allows 128 bits does not excuse the row
+        found.append("narrower than the layout allows (" + "; ".join(pending) + ")")
     if row["narrow_per_thread"]:
         found.append(f"{len(row['narrow_per_thread'])} per-thread accesses under 128 bits where the layout "
                      f"allows 128 ({', '.join(sorted(set(row['narrow_per_thread'])))})")
@@ -533,7 +537,7 @@ def summary(rows: list[dict[str, Any]]) -> str:
     most = max(compiled, key=lambda r: r["registers"], default=None)
     pending = sum(1 for r in compiled if "pending:" in r.get("narrow_reason", ""))
     return (f"{len(rows)} rows, {len(kernels)} kernels, {len(rows) - len(compiled)} compile failures, "
-            f"{pending} rows narrower than the layout allows, pending (allowed for now), "
+            f"{pending} rows narrower than the layout allows (pending), "
             f"{sum(1 for r in compiled if r['spill_stores'] or r['spill_loads'])} with spills, "
             f"{sum(1 for r in compiled if r['registers'] >= REGISTER_CAP)} at the {REGISTER_CAP}-register cap, "
             f"max registers {most['registers'] if most else '-'}"

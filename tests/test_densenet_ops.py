@@ -150,7 +150,7 @@ def test_triton_tables_merge_a_block_buffer_and_are_cached(triton_device):
                                               c_out=8)
     slices = _buffer_slices(features)
     assert len(kernels._rows(slices)) == 1 and len(kernels._rows(features)) == 3
-    table, tiles, num_tiles = kernels._tables(slices)
+    table, tiles, num_tiles, _ = kernels._tables(slices)
     assert num_tiles == 2 and kernels._tables(features)[2] == 3
     assert kernels._tables(slices)[0] is table and kernels._tables(list(slices))[1] is tiles
     grad_out = torch.randn(2, 8, 7, 5, generator=torch.Generator().manual_seed(1)).to(triton_device)
@@ -192,18 +192,59 @@ def test_tf32_follows_cudnn_convolution_flags():
 
 
 class _LaunchSpy:
-    """Stands in for a Triton kernel and records the ALLOW_TF32 of each launch."""
+    """Stands in for a Triton kernel and records one constexpr of each launch."""
 
-    def __init__(self, kernel, seen):
-        self.kernel, self.seen = kernel, seen
+    def __init__(self, kernel, seen, name="ALLOW_TF32"):
+        self.kernel, self.seen, self.name = kernel, seen, name
 
     def __getitem__(self, grid):
         launch = self.kernel[grid]
 
         def run(*args, **kwargs):
-            self.seen.append(kwargs["ALLOW_TF32"])
+            self.seen.append(kwargs[self.name])
             return launch(*args, **kwargs)
         return run
+
+
+def _misaligned(feature):
+    """``feature`` copied into a view one element past a 16-byte boundary
+    (NCHW strides, an offset pointer)."""
+    storage = torch.empty(feature.numel() + 1, dtype=feature.dtype, device=feature.device)
+    view = storage[1:].view(feature.shape)
+    view.copy_(feature)
+    assert view.data_ptr() % 16
+    return view
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("maps", ["nchw", "nchw-odd-hw", "channels_last", "offset-view", "forced-general"])
+def test_triton_aligned_specialisation(triton_device, monkeypatch, dtype, maps):
+    """Every kernel launch takes VECTOR = 16 bytes of elements exactly when
+    all maps are NCHW with 16-byte aligned pointers and strides (4x4 maps:
+    H*W = 16), else VECTOR = 1 (5x7 maps, channels_last, an offset view);
+    both specialisations meet float64 on the same maps (``forced-general``
+    runs the aligned case's maps through the general kernels)."""
+    from effilayers.ops.densenet import triton as kernels
+
+    seen = []
+    for name in ("_forward", "_grad_input", "_finish_grad_input", "_grad_weight"):
+        monkeypatch.setattr(kernels, name, _LaunchSpy(getattr(kernels, name), seen, "VECTOR"))
+    size = (2, 7, 5) if maps == "nchw-odd-hw" else (2, 4, 4)
+    layout = "channels_last" if maps == "channels_last" else "contiguous"
+    features, vectors, conv_weight = _op_case(triton_device, dtype, layout, channels=(8, 12, 5), size=size, c_out=9)
+    if maps == "offset-view":
+        features[1] = _misaligned(features[1])
+    if maps == "forced-general":
+        monkeypatch.setattr(kernels, "_vector_width", lambda rows, element_size: 1)
+    grad_out = torch.randn(2, 9, *size[1:], generator=torch.Generator().manual_seed(1)).to(triton_device, dtype)
+    out = densenet_ops._forward_op(features, *vectors, conv_weight, 0)
+    grads = densenet_ops._backward_op(grad_out, features, *vectors, conv_weight, True, True, True, 0)
+    expected = 16 // dtype.itemsize if maps == "nchw" else 1
+    assert seen == [expected] * 4
+    reference = _op_reference(features, vectors, conv_weight, grad_out, True)
+    for name, got, want in zip(["out", "grad_input", "grad_bias", "grad_weight", "grad_conv"], [out, *grads],
+                               reference):
+        assert_close(got.double().cpu(), want, dtype, "densenet_gemm", msg=name)
 
 
 @pytest.fixture(params=backend_params("dense_bottleneck_forward", backends=("triton",)))

@@ -115,6 +115,9 @@ def test_problems_flag_spills_failures_and_narrow_rows():
     assert _kernel_report.problems(dict(clean, spill_stores=8))
     assert _kernel_report.problems(dict(clean, narrow_per_thread=["ld32:x_ptr"]))
     assert _kernel_report.problems({"error": "ptxas failed"}) == ["compile failed"]
+    assert _kernel_report.problems(dict(clean, narrow_reason="not bandwidth-bound")) == []
+    assert _kernel_report.problems(dict(clean, narrow_reason="a; pending: later")) == [
+        "narrower than the layout allows (pending: later)"]
 
 
 def test_exit_status_and_json(monkeypatch, capsys):
@@ -140,6 +143,13 @@ def test_exit_status_and_json(monkeypatch, capsys):
     assert [row["kernel"] for row in report["rows"]] == ["k", "spiller"]
     assert report["rows"][1]["problems"] == ["spills 16/16 bytes"]
     assert "1 rows failing" in report["summary"]
+    # a narrow row excused only by a pending reason fails as well
+    pending = dict(good, kernel="later", narrow_reason="x_ptr: pending: not vectorised yet")
+    monkeypatch.setattr(_kernel_report, "collect", fake_collect([dict(good), pending]))
+    assert _kernel_report.main() == 1
+    out = capsys.readouterr().out
+    assert "narrower than the layout allows (x_ptr: pending: not vectorised yet)" in out
+    assert "1 rows narrower than the layout allows (pending)" in out and "1 rows failing" in out
 
 
 def test_refuses_to_run_under_the_interpreter(monkeypatch, capsys):

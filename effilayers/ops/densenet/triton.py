@@ -76,8 +76,15 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def _tile_of_map(table, tiles, t, offs_m, M, HW, dtype_ptr, BLOCK_K: tl.constexpr):
-    """Pointers, mask and channel numbers of K tile ``t`` for the rows offs_m."""
+def _tile_of_map(table, tiles, t, offs_m, M, HW, dtype_ptr, BLOCK_K: tl.constexpr, VECTOR: tl.constexpr):
+    """Pointers, mask and channel numbers of K tile ``t`` for the rows offs_m.
+
+    ``VECTOR`` > 1 is the aligned specialisation, chosen by the launcher
+    only when every row of the table has a 16-byte aligned pointer, unit
+    pixel stride and n and c strides that are multiples of ``VECTOR``
+    elements (16 bytes; ``_vector_width``): values read from the table are
+    opaque to Triton, and these hints are what let it load ``VECTOR``
+    neighbouring pixels of a map with one 128-bit access."""
     f = tl.load(tiles + 2 * t)
     k_start = tl.load(tiles + 2 * t + 1)
     row = table + f * 6
@@ -91,7 +98,14 @@ def _tile_of_map(table, tiles, t, offs_m, M, HW, dtype_ptr, BLOCK_K: tl.constexp
     mask_k = offs_k < channels
     n = offs_m // HW
     hw = offs_m % HW
-    offsets = (n * stride_n + hw * stride_hw)[:, None] + offs_k[None, :].to(tl.int64) * stride_c
+    if VECTOR > 1:
+        base = tl.multiple_of(base, 16)
+        stride_n = tl.multiple_of(stride_n, VECTOR)
+        stride_c = tl.multiple_of(stride_c, VECTOR)
+        pixel = n * stride_n + hw
+    else:
+        pixel = n * stride_n + hw * stride_hw
+    offsets = pixel[:, None] + offs_k[None, :].to(tl.int64) * stride_c
     mask = (offs_m < M)[:, None] & mask_k[None, :]
     return base, offsets, mask, first + offs_k, mask_k
 
@@ -118,7 +132,8 @@ def _activated(x, channel, mask_k, mean, scale, bias):
 @triton.jit
 def _forward(table, tiles, num_tiles, mean, scale, bias, weight, out,
              M, HW, K, C_OUT, out_stride_n, out_stride_c, out_stride_hw,
-             ALLOW_TF32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+             ALLOW_TF32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             VECTOR: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -126,7 +141,7 @@ def _forward(table, tiles, num_tiles, mean, scale, bias, weight, out,
     mask_n = offs_n < C_OUT
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for t in range(num_tiles):
-        base, offsets, mask, channel, mask_k = _tile_of_map(table, tiles, t, offs_m, M, HW, weight, BLOCK_K)
+        base, offsets, mask, channel, mask_k = _tile_of_map(table, tiles, t, offs_m, M, HW, weight, BLOCK_K, VECTOR)
         x = tl.load(base + offsets, mask=mask, other=0.0)
         y = _activated(x, channel, mask_k, mean, scale, bias).to(weight.dtype.element_ty)
         w = tl.load(weight + offs_n[None, :].to(tl.int64) * K + channel[:, None],
@@ -145,12 +160,12 @@ def _forward(table, tiles, num_tiles, mean, scale, bias, weight, out,
 def _grad_input(table, tiles, mean, invstd, scale, bias, weight, grad_out, partial_dz, partial_dz_xhat, grad,
                 M, HW, K, C_OUT, go_stride_n, go_stride_c, go_stride_hw, g_stride_n, g_stride_c, g_stride_hw,
                 BATCH_STATS: tl.constexpr, ALLOW_TF32: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VECTOR: tl.constexpr):
     pid_m = tl.program_id(0)
     t = tl.program_id(1)
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
-    base, offsets, mask, channel, mask_k = _tile_of_map(table, tiles, t, offs_m, M, HW, weight, BLOCK_K)
+    base, offsets, mask, channel, mask_k = _tile_of_map(table, tiles, t, offs_m, M, HW, weight, BLOCK_K, VECTOR)
     n = offs_m // HW
     hw = offs_m % HW
     row_offsets = n * go_stride_n + hw * go_stride_hw
@@ -191,13 +206,14 @@ def _grad_input(table, tiles, mean, invstd, scale, bias, weight, grad_out, parti
 
 @triton.jit
 def _finish_grad_input(table, tiles, mean, invstd, scale, mean_dz, mean_dz_xhat, grad_z_buffer, grad, M, HW,
-                       g_stride_n, g_stride_c, g_stride_hw, dtype_ptr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                       g_stride_n, g_stride_c, g_stride_hw, dtype_ptr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                       VECTOR: tl.constexpr):
     """dx from dz; ``grad_z_buffer`` and ``grad`` have the same strides and
     may be one tensor (each element is read, then written, by one program)."""
     pid_m = tl.program_id(0)
     t = tl.program_id(1)
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    base, offsets, mask, channel, mask_k = _tile_of_map(table, tiles, t, offs_m, M, HW, dtype_ptr, BLOCK_K)
+    base, offsets, mask, channel, mask_k = _tile_of_map(table, tiles, t, offs_m, M, HW, dtype_ptr, BLOCK_K, VECTOR)
     grad_offsets = _gradient_offsets(offs_m, HW, channel, g_stride_n, g_stride_c, g_stride_hw)
     x = tl.load(base + offsets, mask=mask, other=0.0).to(tl.float32)
     grad_z = tl.load(grad_z_buffer + grad_offsets, mask=mask, other=0.0).to(tl.float32)
@@ -214,7 +230,8 @@ def _finish_grad_input(table, tiles, mean, invstd, scale, mean_dz, mean_dz_xhat,
 @triton.jit
 def _grad_weight(table, tiles, mean, scale, bias, grad_out, partial_grad_weight, dtype_ptr,
                  M, HW, K, C_OUT, go_stride_n, go_stride_c, go_stride_hw, ROWS_PER_SPLIT,
-                 ALLOW_TF32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 ALLOW_TF32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 VECTOR: tl.constexpr):
     pid_o = tl.program_id(0)
     t = tl.program_id(1)
     split = tl.program_id(2)
@@ -232,7 +249,8 @@ def _grad_weight(table, tiles, mean, scale, bias, grad_out, partial_grad_weight,
     for m_start in range(m_first, m_last, BLOCK_M):
         offs_m = m_start + tl.arange(0, BLOCK_M).to(tl.int64)
         mask_m = offs_m < m_last
-        base, offsets, mask, channel, mask_k = _tile_of_map(table, tiles, t, offs_m, m_last, HW, dtype_ptr, BLOCK_K)
+        base, offsets, mask, channel, mask_k = _tile_of_map(table, tiles, t, offs_m, m_last, HW, dtype_ptr, BLOCK_K,
+                                                            VECTOR)
         x = tl.load(base + offsets, mask=mask, other=0.0)
         # Rows past M must not contribute relu(bias): zero them.
         y = tl.where(mask_m[:, None], _activated(x, channel, mask_k, mean, scale, bias), 0.0)
@@ -302,8 +320,22 @@ def _rows(features: Sequence[torch.Tensor]) -> list[tuple[int, int, int, int, in
 _TABLES = TableCache(entries=256)
 
 
-def _tables(features: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(map table, tile table, number of tiles) on the maps' device."""
+def _vector_width(rows: Sequence[tuple[int, ...]], element_size: int) -> int:
+    """Elements in 16 bytes when every map in ``rows`` can be read 16 bytes
+    at a time along its pixels (the ``VECTOR`` of the kernels' aligned
+    specialisation: pointer 16-byte aligned, pixel stride 1, n and c strides
+    multiples of 16 bytes), else 1 (the general kernels: per-element loads).
+    NCHW maps qualify when H*W is a multiple of 16 / element_size; channels_last
+    maps (pixel stride = channels) and offset views never do."""
+    vector = 16 // element_size
+    for pointer, _, _, stride_n, stride_c, stride_hw in rows:
+        if pointer % 16 or stride_hw != 1 or stride_n % vector or stride_c % vector:
+            return 1
+    return vector
+
+
+def _tables(features: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(map table, tile table, number of tiles, ``_vector_width``) on the maps' device."""
     rows = _rows(features)
     device = features[0].device
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
@@ -314,7 +346,8 @@ def _tables(features: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tenso
         tile_table = torch.tensor(tiles, dtype=torch.int64).to(device, non_blocking=True)
         return table, tile_table, len(tiles)
 
-    return _TABLES.get((device, stream, BLOCK_K, tuple(rows)), build)
+    return (*_TABLES.get((device, stream, BLOCK_K, tuple(rows)), build),
+            _vector_width(rows, features[0].element_size()))
 
 
 def _pixel_splits(device: torch.device, rows: int, programs: int) -> tuple[int, int]:
@@ -390,11 +423,11 @@ def bottleneck_forward(features: Sequence[torch.Tensor], mean: torch.Tensor, inv
     out = _output_like(first, c_out)
     if total == 0 or c_out == 0:
         return out
-    table, tiles, num_tiles = _tables(features)
+    table, tiles, num_tiles, vector = _tables(features)
     grid = (triton.cdiv(total, BLOCK_M), triton.cdiv(c_out, BLOCK_N))
     _forward[grid](table, tiles, num_tiles, mean, scale, bias, matrix, out, total, hw, k, c_out,
                    *_pixel_strides(out), ALLOW_TF32=_allow_tf32(first.dtype),
-                   BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
+                   BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, VECTOR=vector, num_warps=NUM_WARPS)
     return out
 
 
@@ -412,7 +445,7 @@ def bottleneck_backward(grad_out: torch.Tensor, features: Sequence[torch.Tensor]
     """
     scale, features, first, total, hw, width, matrix, c_out, k = _launch_setup(features, invstd, weight, conv_weight)
     grad_out = grad_out if grad_out.stride(2) == width * grad_out.stride(3) else grad_out.contiguous()
-    table, tiles, num_tiles = _tables(features)
+    table, tiles, num_tiles, vector = _tables(features)
     allow_tf32 = _allow_tf32(first.dtype)
     go_strides = _pixel_strides(grad_out)
     grad_input: Optional[torch.Tensor] = None
@@ -435,13 +468,13 @@ def bottleneck_backward(grad_out: torch.Tensor, features: Sequence[torch.Tensor]
         _grad_input[(blocks, num_tiles)](
             table, tiles, mean, invstd, scale, bias, matrix, grad_out, partial_dz, partial_dz_xhat, grad_z,
             total, hw, k, c_out, *go_strides, *grad_strides, BATCH_STATS=batch_stats, ALLOW_TF32=allow_tf32,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, VECTOR=vector, num_warps=NUM_WARPS)
         sum_dz = partial_dz.sum(0)
         sum_dz_xhat = partial_dz_xhat.sum(0)
         if batch_stats:
             _finish_grad_input[(blocks, num_tiles)](
                 table, tiles, mean, invstd, scale, sum_dz / total, sum_dz_xhat / total, grad_z, grad_input, total,
-                hw, *grad_strides, matrix, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
+                hw, *grad_strides, matrix, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, VECTOR=vector, num_warps=NUM_WARPS)
     elif need_input:
         grad_input = _output_like(first, k).zero_()
     grad_conv = None
@@ -453,7 +486,7 @@ def bottleneck_backward(grad_out: torch.Tensor, features: Sequence[torch.Tensor]
             _grad_weight[(output_tiles, num_tiles, splits)](
                 table, tiles, mean, scale, bias, grad_out, partial, matrix, total, hw, k, c_out, *go_strides,
                 rows_per_split, ALLOW_TF32=allow_tf32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                num_warps=NUM_WARPS)
+                VECTOR=vector, num_warps=NUM_WARPS)
             grad_weight = partial.sum(0)
         else:
             grad_weight = torch.zeros((c_out, k), device=first.device, dtype=torch.float32)
@@ -491,22 +524,31 @@ def backward(grad_out, features, mean, invstd, weight, bias, conv_weight, batch_
 # bottleneck channels), NCHW; the kernels themselves take any size.
 BENCHMARK_LAYER = dict(batch=64, channels=64, height=56, width=56, out_channels=128)
 REPORT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# What the K loop reads through the map table: pointers, strides and channel
-# numbers known only at run time, so no load of a map (nor of a per-channel
-# vector, weight column or gradient indexed by those channel numbers) can be
-# proven contiguous and aligned. A layout-specialised variant (NCHW: unit
-# pixel stride; channels_last: unit channel stride) could be; not written
-# without a GPU to measure it on. (Also seen: with TF32 on sm_90 the dout
-# tile of _grad_input is loaded 32 bits at a time, 128 on sm_80.)
-# Checked since (Triton 3.9, sm_90, float32 _forward at BENCHMARK_LAYER): in
-# a copy of _tile_of_map with the pixel stride fixed at 1 (NCHW) and
-# tl.multiple_of(base, 16), tl.multiple_of(stride_n / stride_c, 4) on the
-# table's values, the map tile's loads become 128-bit (8 x ld.v4 instead of
-# 32-bit ones); mean/scale/bias and the weight tile, indexed by the table's
-# channel numbers, stay 32-bit. So the variant is possible: it needs the
-# launcher to check those facts per table (else the general kernel) and is
-# not written yet.
-_TABLE_NARROW = "pending: map pointers, strides and channel numbers come from the map table at run time"
+# Why the rows' per-thread accesses may be narrower than 128 bits. The
+# general kernels read maps whose pointers and strides come from the table at
+# run time with no guarantee (channels_last, offset views, H*W not a multiple
+# of 16 bytes), so each map element is its own access. The aligned
+# specialisation reads the map tiles (and writes the gradient) 128 bits at a
+# time; what stays narrow is indexed by the table's channel numbers, which
+# start wherever the previous maps end (any channel count, so no alignment
+# to promise): BatchNorm's per-channel vectors, the weight columns and the
+# per-channel partial sums are gathers at run-time channel offsets.
+_GENERAL_NARROW = "maps not 16-byte aligned or pixel stride != 1 (channels_last, offset views): per-element loads"
+_CHANNEL_GATHER = "per-channel gather at the map table's channel numbers (maps start at any channel)"
+_ALIGNED_NARROW = {name: _CHANNEL_GATHER for name in (
+    "mean", "invstd", "scale", "bias", "mean_dz", "mean_dz_xhat", "weight", "partial_dz", "partial_dz_xhat",
+    "partial_grad_weight")}
+# With TF32 on sm_90 Triton loads _grad_input's dout tile (the A operand of
+# its dot) 32 bits at a time; the same load is 128-bit without TF32.
+_TF32_DOUT = "tf32 dot operand: Triton's sm_90 layout for it loads 32 bits at a time (128 without TF32)"
+
+
+def _narrow_reasons(vector: int, arguments: dict, tf32_dout: bool = False) -> dict:
+    """The ``narrow`` map of one report row (``KernelSpec``)."""
+    if vector == 1:
+        return {"*": _GENERAL_NARROW}
+    reasons = {name: reason for name, reason in _ALIGNED_NARROW.items() if name in arguments}
+    return {**reasons, "grad_out": _TF32_DOUT} if tf32_dout else reasons
 
 
 def bytes_per_element(size: int, c_out: int, kernel: str) -> tuple[float, float]:
@@ -527,46 +569,55 @@ def bytes_per_element(size: int, c_out: int, kernel: str) -> tuple[float, float]
 def kernel_specialisations():
     """The four kernels in each dtype (float32 with and without TF32) for
     the benchmark's first dense layer, with the block sizes and warps the
-    launchers use."""
+    launchers use, each in both specialisations: aligned NCHW maps
+    (``VECTOR`` = 16 bytes) and the general kernels."""
+    for dtype in REPORT_DTYPES:
+        for vector in (16 // dtype.itemsize, 1):
+            yield from _report_specs(dtype, vector)
+
+
+def _report_specs(dtype: torch.dtype, vector: int):
+    """The rows of one dtype in one specialisation (``VECTOR``)."""
     layer = BENCHMARK_LAYER
     hw = layer["height"] * layer["width"]
     m, k, c_out = layer["batch"] * hw, layer["channels"], layer["out_channels"]
-    blocks = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
-    narrow = {"*": _TABLE_NARROW}
-    for dtype in REPORT_DTYPES:
-        size = dtype.itemsize
-        for allow_tf32 in ((False, True) if dtype == torch.float32 else (False,)):
-            label = f"{str(dtype)[6:]}{' tf32' if allow_tf32 else ''} {layer['batch']}x{k}x{layer['height']}x" \
-                    f"{layer['width']} -> {c_out}"
-            vectors = dict(mean=torch.float32, scale=torch.float32, bias=torch.float32)
-            out_strides = dict(out_stride_n=c_out * hw, out_stride_c=hw, out_stride_hw=1)
-            forward = dict(table=torch.int64, tiles=torch.int64, num_tiles=triton.cdiv(k, BLOCK_K), **vectors,
-                           weight=dtype, out=dtype, M=m, HW=hw, K=k, C_OUT=c_out, **out_strides)
-            yield KernelSpec(_forward, forward, dict(ALLOW_TF32=allow_tf32, **blocks), NUM_WARPS, label,
-                             *bytes_per_element(size, c_out, "forward"), narrow)
-            go = dict(go_stride_n=c_out * hw, go_stride_c=hw, go_stride_hw=1)
-            grad = dict(g_stride_n=k * hw, g_stride_c=hw, g_stride_hw=1)
-            for batch_stats in (True, False):
-                # dz goes to a float32 scratch buffer for 16-bit maps with batch statistics
-                grad_dtype = torch.float32 if batch_stats else dtype
-                arguments = dict(table=torch.int64, tiles=torch.int64, **vectors, invstd=torch.float32, weight=dtype,
-                                 grad_out=dtype, partial_dz=torch.float32, partial_dz_xhat=torch.float32,
-                                 grad=grad_dtype, M=m, HW=hw, K=k, C_OUT=c_out, **go, **grad)
-                yield KernelSpec(_grad_input, arguments, dict(BATCH_STATS=batch_stats, ALLOW_TF32=allow_tf32,
-                                                              **blocks), NUM_WARPS,
-                                 label + (" batch stats" if batch_stats else " running stats"),
-                                 *bytes_per_element(size, c_out, "grad_input"), narrow)
-            finish = dict(table=torch.int64, tiles=torch.int64, mean=torch.float32, invstd=torch.float32,
-                          scale=torch.float32, mean_dz=torch.float32, mean_dz_xhat=torch.float32,
-                          grad_z_buffer=torch.float32, grad=dtype, M=m, HW=hw, **grad, dtype_ptr=dtype)
-            if not allow_tf32:
-                yield KernelSpec(_finish_grad_input, finish, dict(BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K), NUM_WARPS,
-                                 f"{str(dtype)[6:]} {layer['batch']}x{k}x{layer['height']}x{layer['width']}",
-                                 *bytes_per_element(size, c_out, "finish"), narrow)
-            # _pixel_splits on an H100 (132 SMs)
-            _, rows_per_split = _split_rows(m, triton.cdiv(c_out, BLOCK_N) * triton.cdiv(k, BLOCK_K), 4 * 132)
-            weight_grad = dict(table=torch.int64, tiles=torch.int64, mean=torch.float32, scale=torch.float32,
-                               bias=torch.float32, grad_out=dtype, partial_grad_weight=torch.float32,
-                               dtype_ptr=dtype, M=m, HW=hw, K=k, C_OUT=c_out, **go, ROWS_PER_SPLIT=rows_per_split)
-            yield KernelSpec(_grad_weight, weight_grad, dict(ALLOW_TF32=allow_tf32, **blocks), NUM_WARPS, label,
-                             *bytes_per_element(size, c_out, "grad_weight"), narrow)
+    blocks = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, VECTOR=vector)
+    kind = "aligned" if vector > 1 else "general"
+    size = dtype.itemsize
+    for allow_tf32 in ((False, True) if dtype == torch.float32 else (False,)):
+        label = f"{str(dtype)[6:]}{' tf32' if allow_tf32 else ''} {layer['batch']}x{k}x{layer['height']}x" \
+                f"{layer['width']} -> {c_out} {kind}"
+        vectors = dict(mean=torch.float32, scale=torch.float32, bias=torch.float32)
+        out_strides = dict(out_stride_n=c_out * hw, out_stride_c=hw, out_stride_hw=1)
+        forward = dict(table=torch.int64, tiles=torch.int64, num_tiles=triton.cdiv(k, BLOCK_K), **vectors,
+                       weight=dtype, out=dtype, M=m, HW=hw, K=k, C_OUT=c_out, **out_strides)
+        yield KernelSpec(_forward, forward, dict(ALLOW_TF32=allow_tf32, **blocks), NUM_WARPS, label,
+                         *bytes_per_element(size, c_out, "forward"), _narrow_reasons(vector, forward))
+        go = dict(go_stride_n=c_out * hw, go_stride_c=hw, go_stride_hw=1)
+        grad = dict(g_stride_n=k * hw, g_stride_c=hw, g_stride_hw=1)
+        for batch_stats in (True, False):
+            # dz goes to a float32 scratch buffer for 16-bit maps with batch statistics
+            grad_dtype = torch.float32 if batch_stats else dtype
+            arguments = dict(table=torch.int64, tiles=torch.int64, **vectors, invstd=torch.float32, weight=dtype,
+                             grad_out=dtype, partial_dz=torch.float32, partial_dz_xhat=torch.float32,
+                             grad=grad_dtype, M=m, HW=hw, K=k, C_OUT=c_out, **go, **grad)
+            yield KernelSpec(_grad_input, arguments, dict(BATCH_STATS=batch_stats, ALLOW_TF32=allow_tf32,
+                                                          **blocks), NUM_WARPS,
+                             label + (" batch stats" if batch_stats else " running stats"),
+                             *bytes_per_element(size, c_out, "grad_input"),
+                             _narrow_reasons(vector, arguments, tf32_dout=allow_tf32))
+        finish = dict(table=torch.int64, tiles=torch.int64, mean=torch.float32, invstd=torch.float32,
+                      scale=torch.float32, mean_dz=torch.float32, mean_dz_xhat=torch.float32,
+                      grad_z_buffer=torch.float32, grad=dtype, M=m, HW=hw, **grad, dtype_ptr=dtype)
+        if not allow_tf32:
+            yield KernelSpec(_finish_grad_input, finish, dict(BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, VECTOR=vector),
+                             NUM_WARPS,
+                             f"{str(dtype)[6:]} {layer['batch']}x{k}x{layer['height']}x{layer['width']} {kind}",
+                             *bytes_per_element(size, c_out, "finish"), _narrow_reasons(vector, finish))
+        # _pixel_splits on an H100 (132 SMs)
+        _, rows_per_split = _split_rows(m, triton.cdiv(c_out, BLOCK_N) * triton.cdiv(k, BLOCK_K), 4 * 132)
+        weight_grad = dict(table=torch.int64, tiles=torch.int64, mean=torch.float32, scale=torch.float32,
+                           bias=torch.float32, grad_out=dtype, partial_grad_weight=torch.float32,
+                           dtype_ptr=dtype, M=m, HW=hw, K=k, C_OUT=c_out, **go, ROWS_PER_SPLIT=rows_per_split)
+        yield KernelSpec(_grad_weight, weight_grad, dict(ALLOW_TF32=allow_tf32, **blocks), NUM_WARPS, label,
+                         *bytes_per_element(size, c_out, "grad_weight"), _narrow_reasons(vector, weight_grad))
