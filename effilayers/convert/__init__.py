@@ -320,7 +320,7 @@ class _Converter:
             # The stem output is kept by the fused norm already; a pool that
             # recomputes its argmax keeps nothing more (no int64 indices).
             model._modules["maxpool"] = swap_pool(pool, MaxPool2d)
-            self.report.replaced_blocks.append(join_path(prefix, "maxpool"))
+            self.report.replaced_pools.append(join_path(prefix, "maxpool"))
         return {}
 
     def resnet_block(self, parent: nn.Module, name: str, block: nn.Module, path: str) -> nn.Module:

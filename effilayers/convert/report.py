@@ -69,14 +69,16 @@ class _Report:
 class ConversionReport(_Report):
     """What :func:`convert` did: ``fused`` pairs, ``left_alone`` norms (with
     the reason), ``replaced_blocks`` (paths of ResNet blocks swapped for
-    effilayers blocks, and of a stem max pool swapped for
-    :class:`effilayers.nn.MaxPool2d`)."""
+    effilayers blocks) and ``replaced_pools`` (stem max pools swapped for
+    :class:`effilayers.nn.MaxPool2d`; a pool is not a block, so it is listed
+    apart)."""
 
     mode: str
     activation_param: float
     fused: list[FusedPair] = field(default_factory=list)
     left_alone: list[LeftAlone] = field(default_factory=list)
     replaced_blocks: list[str] = field(default_factory=list)
+    replaced_pools: list[str] = field(default_factory=list)
 
     @property
     def fused_paths(self) -> list[str]:
@@ -98,7 +100,8 @@ class ConversionReport(_Report):
              + (" (function changed)" if pair.function_changed else "") + (f" -- {pair.note}" if pair.note else "")
              for pair in self.fused],
             note=" -- activations changed, see function_changed" if self.function_changed else "",
-            more=[("ResNet blocks replaced", self.replaced_blocks)] if self.replaced_blocks else [])
+            more=[(title, paths) for title, paths in (("ResNet blocks replaced", self.replaced_blocks),
+                                                      ("max pools replaced", self.replaced_pools)) if paths])
 
 
 @dataclass
