@@ -26,6 +26,15 @@ def layout_of(first: torch.Tensor) -> torch.memory_format:
         return torch.contiguous_format
     if first.is_contiguous(memory_format=torch.channels_last):
         return torch.channels_last
+    if first.dim() == 4:
+        # A channel slice of an NCHW block buffer, the maps every dense layer
+        # is given: each plane dense and planes further apart than one value,
+        # which suggest_memory_format calls NCHW too, found without its
+        # Python walk over the strides.
+        _, _, height, width = first.shape
+        if height * width > 1 and first.stride(3) == 1 and first.stride(2) == width \
+                and first.stride(1) == height * width:
+            return torch.contiguous_format
     return suggest_memory_format(first)
 
 
