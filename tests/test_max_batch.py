@@ -108,13 +108,13 @@ def test_peak_bytes_of_the_batch_found_on_cuda():
 
 
 def test_readme_examples_run(capsys):
-    """The README's section on checkpointing and find_max_batch: each
+    """The README's section on checkpointing, find_max_batch and fit: each
     example runs and prints what its comments say."""
     readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
     start = readme.index("### Checkpointing with BatchNorm, and the largest batch that fits")
     section = readme[start:readme.index("\n## ", start)]
     blocks = re.findall(r"```python\n(.*?)```", section, re.S)
-    assert len(blocks) == 2
+    assert len(blocks) == 3
     exec(compile(blocks[0], "README checkpoint example", "exec"), {})
     counter, ratio = capsys.readouterr().out.split()
     assert counter == "1" and float(ratio) <= 0.3
@@ -122,3 +122,5 @@ def test_readme_examples_run(capsys):
     batch, peak, tries = capsys.readouterr().out.split()
     if not torch.cuda.is_available():
         assert (batch, peak, tries) == ("256", "None", "6")
+    exec(compile(blocks[2], "README fit example", "exec"), {})
+    assert capsys.readouterr().out.splitlines()[-1] == "True"  # the budget is met
