@@ -538,9 +538,18 @@ _CHANNEL_GATHER = "per-channel gather at the map table's channel numbers (maps s
 _ALIGNED_NARROW = {name: _CHANNEL_GATHER for name in (
     "mean", "invstd", "scale", "bias", "mean_dz", "mean_dz_xhat", "weight", "partial_dz", "partial_dz_xhat",
     "partial_grad_weight")}
-# With TF32 on sm_90 Triton loads _grad_input's dout tile (the A operand of
-# its dot) 32 bits at a time; the same load is 128-bit without TF32.
-_TF32_DOUT = "tf32 dot operand: Triton's sm_90 layout for it loads 32 bits at a time (128 without TF32)"
+# With TF32 on sm_90, _grad_input's dout tile (pixels x output channels) is
+# the A operand of a wgmma whose reduction runs over output channels. wgmma
+# takes tf32 operands only K-major (the transposed forms exist for 16-bit
+# types alone), while NCHW dout is contiguous along pixels, the M side: each
+# thread's copy into the K-major staging buffer steps along channels, H*W
+# elements apart, one 4-byte element at a time. fp16/bf16 (transposable) and
+# fp32 without TF32 (no tensor cores) load the same tile 128 bits at a time.
+# Loading the tile pixel-major and transposing it with tl.trans compiles to
+# the same 4-byte loads (Triton 3.9, sm_90): Triton stages the operand
+# K-major either way.
+_TF32_DOUT = ("tf32 wgmma operand: tf32 takes K-major operands only, and dout's K (output channels) is strided "
+              "in NCHW; 128-bit in fp16/bf16 and without TF32")
 
 
 def _narrow_reasons(vector: int, arguments: dict, tf32_dout: bool = False) -> dict:
