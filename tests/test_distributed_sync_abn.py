@@ -1,7 +1,7 @@
 """InPlaceABNSync under DistributedDataParallel on two gloo ranks, against
 single-process InPlaceABN on the concatenated batch (float64); the
-conversion path to synchronised ABNs; what SyncBatchNorm's converter does
-to an already converted model; a process-group mismatch raises."""
+conversion path to synchronised ABNs; SyncBatchNorm's converter raises on
+an already converted model; a process-group mismatch raises."""
 
 from __future__ import annotations
 
@@ -106,21 +106,24 @@ def test_ddp_sync_abn_matches_inplace_abn_on_whole_batch(tmp_path, sizes, order)
             torch.testing.assert_close(result["buffers"][name], value, **TOL, msg=lambda m: f"{name}: {m}")
 
 
-def test_convert_sync_batchnorm_on_converted_model_keeps_the_activation():
-    """torch's converter replaces only _BatchNorm subclasses; ABN modules are
-    not, so a converted model comes back unchanged: the fused activation is
-    kept and the modules stay unsynchronised (README, "Distributed": convert
-    the BatchNorms to SyncBatchNorm *before* effilayers.convert)."""
+def test_convert_sync_batchnorm_on_converted_model_raises_instead_of_dropping_the_activation():
+    """ABN modules are _BatchNorm subclasses, which torch's converter rebuilds
+    as plain SyncBatchNorms; the fused activation would vanish, so it raises
+    naming the way that works, and the fused modules stay as they were."""
     model = plain_net()
     effilayers.convert(model)
     before = [type(m) for m in model.modules()]
     x = channel_varied((4, 3, 6, 6), torch.float64)
     expected = copy.deepcopy(model)(x.clone())
-    returned = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    assert returned is model and [type(m) for m in model.modules()] == before
-    assert not any(isinstance(m, (nn.SyncBatchNorm, InPlaceABNSync)) for m in model.modules())
+    with pytest.raises(TypeError, match=r"would replace this InPlaceABN \(5, .*drop its 'leaky_relu' activation.*"
+                                        r"InPlaceABNSync\.convert_sync_abn"):
+        nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    assert [type(m) for m in model.modules()] == before
     torch.testing.assert_close(model(x.clone()), expected, rtol=0, atol=0)
-    assert (expected < 0).any()  # leaky_relu still applied: negative outputs scaled, not dropped or clamped
+    # the way the message names: synchronised modules on the same tensors
+    synced = InPlaceABNSync.convert_sync_abn(model)
+    assert [type(m) for m in synced.modules() if isinstance(m, InPlaceABN)] == [InPlaceABNSync, InPlaceABNSync]
+    torch.testing.assert_close(synced(x.clone()), expected, rtol=0, atol=0)  # no process group: InPlaceABN's result
 
 
 def test_convert_sync_abn_shares_the_tensors_and_refuses_plain_abn():

@@ -255,7 +255,7 @@ class _Converter:
                     f"inside {type(parent).__name__}, whose forward decides what follows it: only nn.Sequential "
                     "chains and recognised ResNet blocks / stems are converted"))
                 continue
-            elif isinstance(child, _BatchNorm):
+            elif isinstance(child, _BatchNorm) and not isinstance(child, ABN):
                 self.leave(child, path, f"{type(child).__name__} overrides BatchNorm's forward, so what it computes "
                                         "is not known to be BatchNorm")
             self.visit(child, path)
@@ -518,9 +518,9 @@ def convert(model: nn.Module, mode: str = "inplace", *, activation_param: float 
     Synchronised across a process group: convert the BatchNorms first,
     ``convert(nn.SyncBatchNorm.convert_sync_batchnorm(model, group))``; each
     SyncBatchNorm + activation becomes an ``InPlaceABNSync`` on ``group``.
-    ``convert_sync_batchnorm`` applied after ``convert`` leaves the fused
-    modules as they are (they are not ``_BatchNorm`` subclasses): the model
-    keeps its activations and does not synchronise; use
+    ``convert_sync_batchnorm`` applied after ``convert`` raises a TypeError
+    on the first fused module, as the plain SyncBatchNorm it would build
+    drops the activation; use
     ``effilayers.nn.InPlaceABNSync.convert_sync_abn(model, group)`` there.
     """
     _check_arguments(model, mode, activation_param)

@@ -235,7 +235,7 @@ def _recomputes(norm: nn.Module, relu: nn.Module, conv: nn.Module) -> bool:
     if not _plain_norm_relu(norm, relu):
         # effilayers' own norms (norm_act="inplace", convert) save memory
         # their own way; a BatchNorm that is not BatchNorm2d + ReLU does not.
-        if isinstance(norm, nn.modules.batchnorm._BatchNorm):
+        if isinstance(norm, nn.modules.batchnorm._BatchNorm) and not isinstance(norm, ABN):
             _fall_back("norm")
         return False
     tracer = _tracer()

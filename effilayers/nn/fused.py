@@ -11,14 +11,27 @@ Each takes ``forward(x, residual=None)``; with a residual they compute
 Constructor arguments and state dicts match ``torch.nn.BatchNorm2d``
 (``weight``, ``bias``, ``running_mean``, ``running_var``,
 ``num_batches_tracked``), so BatchNorm checkpoints load unchanged.
+
+They are ``torch.nn.modules.batchnorm._BatchNorm`` subclasses, so code that
+finds BatchNorms that way (``if isinstance(m, _BatchNorm): m.eval()`` to
+freeze statistics, ``torch.func.replace_all_batch_norm_modules_``, FSDP's
+full-precision norms) finds them too. They are not ``BatchNorm2d``s: code
+that swaps every ``BatchNorm2d`` for another plain norm (timm's
+``freeze_batch_norm_2d``, torchvision's ``FrozenBatchNorm2d`` helpers) would
+drop the activation, and leaves them alone. torch's own
+``SyncBatchNorm.convert_sync_batchnorm`` takes every ``_BatchNorm``; on a
+fused module it raises a TypeError pointing to
+:meth:`InPlaceABNSync.convert_sync_abn` instead of dropping the activation.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..ops.abn.contract import (DEFAULT_WEIGHT_EPS, check_activation, check_eps, check_flag, check_in_place,
                                 check_input, check_momentum, check_weight_eps)
@@ -30,7 +43,13 @@ __all__ = ["ABN", "InPlaceABN", "InPlaceABNSync", "FusedActivation", "fused_norm
 PLAIN_TYPE_ATTR = "_effilayers_plain_type"
 
 
-class ABN(nn.Module):
+# torch's converter builds a plain SyncBatchNorm from every _BatchNorm; its
+# one read of the module after that is ``hasattr(module, "qconfig")``, which
+# is where a fused module can still stop it (see ABN.qconfig).
+_TORCH_SYNC_CONVERTER = nn.SyncBatchNorm.convert_sync_batchnorm.__func__.__code__
+
+
+class ABN(_BatchNorm):
     """BatchNorm followed by an activation, in one fused kernel, not in place.
 
     Args mirror ``torch.nn.BatchNorm2d`` (``num_features``, ``eps``,
@@ -46,11 +65,15 @@ class ABN(nn.Module):
     """
 
     _inplace = False
+    # TorchScript would compile the property below; it is for eager callers.
+    __jit_unused_properties__ = ["qconfig"]
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1, affine: bool = True,
                  track_running_stats: bool = True, activation: str = "leaky_relu", activation_param: float = 0.01,
                  device=None, dtype=None, *, bias: bool = True) -> None:
-        super().__init__()
+        # _NormBase.__init__ is skipped: it knows no bias=False and checks
+        # nothing; the same attributes, parameters and buffers are made here.
+        nn.Module.__init__(self)
         name = type(self).__name__
         if isinstance(num_features, bool) or not isinstance(num_features, int) or num_features <= 0:
             raise ValueError(f"{name}: num_features must be a positive int, got {num_features!r}")
@@ -103,6 +126,28 @@ class ABN(nn.Module):
         if self.track_running_stats and key not in state_dict:
             state_dict[key] = torch.tensor(0, dtype=torch.long)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        check_input(input, None, type(self).__name__, self.num_features)
+
+    @property
+    def qconfig(self):
+        """Absent, as on other modules, unless set (quantization tooling sets
+        it); but torch's ``convert_sync_batchnorm`` reading it raises, since
+        the plain SyncBatchNorm it is building would drop the activation."""
+        if sys._getframe(1).f_code is _TORCH_SYNC_CONVERTER:
+            raise TypeError(
+                f"torch.nn.SyncBatchNorm.convert_sync_batchnorm would replace this {type(self).__name__} "
+                f"({self.extra_repr()}) with a plain SyncBatchNorm and drop its {self.activation!r} activation. "
+                "Use effilayers.nn.InPlaceABNSync.convert_sync_abn(model, process_group) on a converted model, "
+                "or make the BatchNorms SyncBatchNorm before effilayers.convert(model)")
+        if "_effilayers_qconfig" in self.__dict__:
+            return self.__dict__["_effilayers_qconfig"]
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute 'qconfig'")
+
+    @qconfig.setter
+    def qconfig(self, value) -> None:
+        self.__dict__["_effilayers_qconfig"] = value
 
     def _group(self):
         return None
@@ -199,8 +244,8 @@ class InPlaceABNSync(InPlaceABN):
         copied; an optimizer built before keeps working). Returns ``module``,
         or the new module when ``module`` itself is an InPlaceABN. A
         non-in-place :class:`ABN` has no synchronised form: TypeError naming
-        it. torch's own converter cannot do this: it replaces only
-        ``_BatchNorm`` subclasses and returns fused modules unchanged."""
+        it. torch's own converter cannot do this: it would build plain
+        SyncBatchNorms, so on fused modules it raises (ABN.qconfig)."""
         for path, child in module.named_modules():
             if isinstance(child, ABN) and not isinstance(child, InPlaceABN):
                 raise TypeError(f"InPlaceABNSync.convert_sync_abn: {path or 'the module'!r} is an ABN (not in place), "
