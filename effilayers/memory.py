@@ -76,22 +76,35 @@ def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
     return (str(tensor.device), tensor.untyped_storage().data_ptr())
 
 
-def _excluded_keys(exclude: Excludable) -> set[tuple[str, int]]:
+def _excluded_tensors(exclude: Excludable) -> list[torch.Tensor]:
     if exclude is None:
-        return set()
+        return []
     items = [exclude] if isinstance(exclude, (nn.Module, torch.Tensor)) else list(exclude)
-    keys = set()
+    tensors = []
     for item in items:
         if isinstance(item, nn.Module):
-            tensors = [*item.parameters(), *item.buffers()]
+            tensors += [*item.parameters(), *item.buffers()]
         elif isinstance(item, torch.Tensor):
-            tensors = [item]
+            tensors.append(item)
         else:
             raise TypeError(
                 f"exclude: expected nn.Module, torch.Tensor or an iterable of them, got {type(item).__name__}"
             )
-        keys.update(_storage_key(t) for t in tensors if t.untyped_storage().nbytes() > 0)
-    return keys
+    return [t for t in tensors if t.untyped_storage().nbytes() > 0]
+
+
+def _copy_candidates(tensors: list[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
+    """The excluded tensors of two or more dimensions (weights), by shape,
+    dtype and device: a saved tensor equal to one of them is a copy of it in
+    another layout. torch.compile on CPU keeps channels_last copies of the
+    convolution weights for backward (inductor's layout optimisation); they
+    are parameter data, as big as the weights however small the batch, and
+    would otherwise drown the activations they sit beside."""
+    found: dict[tuple, list[torch.Tensor]] = collections.defaultdict(list)
+    for tensor in tensors:
+        if tensor.dim() >= 2:
+            found[(tuple(tensor.shape), tensor.dtype, tensor.device)].append(tensor)
+    return found
 
 
 def _byte_span(tensor: torch.Tensor) -> tuple[int, int]:
@@ -187,7 +200,10 @@ class ActivationMeter:
     Parameters (``nn.Parameter``) never count, nor do views of them (the
     ``weight.t()`` a Linear saves) or anything else saved on a storage of a
     parameter saved in the block; pass modules or tensors in ``exclude`` to
-    leave out their storages as well (a module: its parameters and buffers).
+    leave out their storages as well (a module: its parameters and buffers),
+    and any saved tensor equal to one of their tensors of two or more
+    dimensions in shape, dtype and values: a copy of a weight in another
+    layout, as torch.compile keeps for its convolutions.
 
     Cost: one small holder and one weak reference per saved tensor; each
     save or release re-merges the spans of that one storage only.
@@ -196,6 +212,7 @@ class ActivationMeter:
     def __init__(self, exclude: Excludable = None) -> None:
         self._exclude = exclude
         self._excluded: set[tuple[str, int]] = set()
+        self._copy_candidates: dict[tuple, list[torch.Tensor]] = {}
         # Storages of the parameters seen saved, themselves or through a view.
         self._parameter_storages: set[tuple[str, int]] = set()
         self._records: dict[tuple[str, int], _StorageRecord] = {}
@@ -230,6 +247,10 @@ class ActivationMeter:
                 record.counted = False
             return saved
         if key in self._excluded or key in self._parameter_storages:
+            return saved
+        candidates = self._copy_candidates.get((tuple(tensor.shape), tensor.dtype, tensor.device))
+        if candidates and any(torch.equal(tensor, candidate) for candidate in candidates):
+            self._excluded.add(key)
             return saved
         record = self._records.get(key)
         if record is None:
@@ -278,7 +299,9 @@ class ActivationMeter:
         return saved.tensor
 
     def __enter__(self) -> "ActivationMeter":
-        self._excluded = _excluded_keys(self._exclude)
+        excluded = _excluded_tensors(self._exclude)
+        self._excluded = {_storage_key(t) for t in excluded}
+        self._copy_candidates = _copy_candidates(excluded)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self

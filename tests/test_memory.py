@@ -302,3 +302,54 @@ def test_peak_bytes_under_torch_compile_match_eager():
         assert meter.bytes == eager
         loss.backward()
     assert (meter.bytes, meter.peak_bytes) == (0, eager)
+
+
+class _SavesWeightCopy(torch.autograd.Function):
+    """Saves its input and a channels_last copy of the weight, as inductor's
+    convolutions do under torch.compile on CPU."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight.contiguous(memory_format=torch.channels_last))
+        return x * weight.sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        return grad * weight.sum(), (grad * x).sum().expand_as(weight)
+
+
+def test_a_saved_copy_of_an_excluded_weight_does_not_count():
+    conv = nn.Conv2d(8, 16, 3)
+    x = torch.randn(2, 4)
+    with memory.track_activations(exclude=conv) as meter:
+        out = _SavesWeightCopy.apply(x, conv.weight)
+    assert meter.bytes == nbytes(x)
+    # without exclude the copy is a tensor like any other
+    with memory.track_activations() as meter:
+        out = _SavesWeightCopy.apply(x, conv.weight)
+    assert meter.bytes == nbytes(x) + nbytes(conv.weight)
+    # a saved tensor of the weight's shape with other values is an activation
+    other = torch.randn_like(conv.weight).requires_grad_()
+    with memory.track_activations(exclude=conv) as meter:
+        out = _SavesWeightCopy.apply(x, other)
+    assert meter.bytes == nbytes(x) + nbytes(other)
+    del out
+
+
+def test_compiled_convolutions_count_activations_not_weight_copies():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+                          nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU())
+    x = torch.randn(2, 3, 8, 8)
+    eager = memory.activation_bytes(model, x)
+    compiled = torch.compile(model, fullgraph=True)
+    compiled(x).sum().backward()
+    with memory.track_activations(exclude=model) as meter:
+        loss = compiled(x).sum()
+        shapes = [s.shape for s in meter.storages()]
+        loss.backward()
+    weight_shapes = [tuple(p.shape) for p in model.parameters() if p.dim() >= 2]
+    assert not [shape for shape in shapes if tuple(shape) in weight_shapes], shapes
+    # the partitioner recomputes BatchNorm + ReLU rather than keep their outputs
+    assert 0 < meter.peak_bytes <= eager
