@@ -131,7 +131,7 @@ def test_module_callable_model_with_training_curves(tmp_path, capsys):
     assert "training check" in capsys.readouterr().out
 
 
-def test_compile_times_compiled_modules_and_counts_eager_activations(tmp_path, capsys):
+def test_compile_times_compiled_modules_and_counts_their_activations(tmp_path, capsys):
     import torch._dynamo
 
     torch._dynamo.reset()
@@ -148,7 +148,9 @@ def test_compile_times_compiled_modules_and_counts_eager_activations(tmp_path, c
     eager = run_bench(tmp_path, *args)
     assert eager["settings"]["compile"] is False
     for variant, result in by_variant(compiled).items():
-        assert result["activation_bytes"] == by_variant(eager)[variant]["activation_bytes"]
+        # the compiled graph's own bytes: the partitioner recomputes pointwise
+        # ops rather than keep their outputs, so never more than eager
+        assert 0 < result["activation_bytes"] <= by_variant(eager)[variant]["activation_bytes"], variant
         assert result["step_time_s"] > 0
     torch._dynamo.reset()
 

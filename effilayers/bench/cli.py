@@ -71,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--channels-last", action="store_true", help="channels_last model and images")
     parser.add_argument("--compile", action="store_true",
                         help="run every variant under torch.compile (the first step, which compiles, is not timed; "
-                             "activation bytes are counted on the eager module; with --train, random ops such as "
+                             "activation bytes are the compiled graph's, weights' compiled copies left out; with --train, random ops such as "
                              "dropout run eager's kernels, torch._inductor.config.fallback_random, so the compiled "
                              "variants draw the float64 reference's masks)")
     parser.add_argument("--steps", type=int, help="timed training steps per variant (default: 10 on CUDA, 3 on CPU)")

@@ -203,10 +203,11 @@ def _out_of_memory(session: _Session, setup: Setup) -> None:
 
 
 def _warm_up(session: _Session, setup: Setup, num_classes: int) -> None:
-    """Activation bytes (counted on the eager module: saved-tensor hooks see
-    what eager autograd keeps, not a compiled graph), the warm-up step
-    (first-call allocations, kernel builds, compilation) and the CUDA peak;
-    leaves ``session.step`` ready to be timed."""
+    """The warm-up step (first-call allocations, kernel builds, compilation),
+    activation bytes and the CUDA peak; leaves ``session.step`` ready to be
+    timed. Under --compile the bytes are the compiled graph's, counted after
+    the step that compiled it: what the partitioner chose to keep, the
+    compiled copies of the weights left out (effilayers.memory)."""
     model, runner = session.model, session.runner
     optimizer = _optimizer(runner)
     images, labels = setup.data(setup.batch, num_classes, seed=SEED)
@@ -214,10 +215,15 @@ def _warm_up(session: _Session, setup: Setup, num_classes: int) -> None:
     def step() -> None:
         _train_step(runner, optimizer, setup, images, labels)
 
-    with setup.autocast():
-        activation = memory.activation_bytes(model, images)
+    def saved() -> int:
+        with setup.autocast():
+            return memory.activation_bytes(runner, images, exclude=model)
+
+    activation = None if setup.compile else saved()
     step()
     session.tick()
+    if activation is None:
+        activation = saved()
     peak = None
     if setup.device.type == "cuda":
         with memory.track_cuda_peak(setup.device) as meter:
