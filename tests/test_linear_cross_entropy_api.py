@@ -22,6 +22,7 @@ from effilayers.ops.linear_cross_entropy.op import _linear_cross_entropy_backwar
 
 from .accuracy import assert_close
 from .linear_cross_entropy_cases import assert_same, fused, make_positive, make_problem, unfused
+from .readme_blocks import section_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -319,9 +320,7 @@ def test_peak_memory_of_a_step_in_a_fresh_process(reduction):
 
 
 def test_readme_example_runs_and_matches_torch():
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("#### Linear + cross-entropy without the logits", 1)[1]
-    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    code = section_blocks("#### Linear + cross-entropy without the logits")[0]
     namespace: dict = {}
     exec(compile(code, "README.md (linear + cross-entropy)", "exec"), namespace)
     h, labels, lm_head = namespace["h"], namespace["labels"], namespace["lm_head"]

@@ -5,9 +5,6 @@ and the bench's use of it are in tests/test_bench_max_batch.py."""
 
 from __future__ import annotations
 
-import pathlib
-import re
-
 import pytest
 import torch
 from torch import nn
@@ -15,6 +12,8 @@ from torch import nn
 import effilayers
 from effilayers import bench
 from effilayers.max_batch import MaxBatch, find_max_batch, release_memory
+
+from .readme_blocks import section_blocks
 
 
 def test_one_implementation_for_the_library_and_the_bench():
@@ -110,10 +109,7 @@ def test_peak_bytes_of_the_batch_found_on_cuda():
 def test_readme_examples_run(capsys):
     """The README's section on checkpointing, find_max_batch and fit: each
     example runs and prints what its comments say."""
-    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
-    start = readme.index("### Checkpointing with BatchNorm, and the largest batch that fits")
-    section = readme[start:readme.index("\n## ", start)]
-    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    blocks = section_blocks("### Checkpointing with BatchNorm, and the largest batch that fits")
     assert len(blocks) == 3
     exec(compile(blocks[0], "README checkpoint example", "exec"), {})
     counter, ratio = capsys.readouterr().out.split()

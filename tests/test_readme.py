@@ -1,37 +1,46 @@
 """Every ```python block of the README runs as written, each in a fresh
 namespace, so an example that names something it never defines, or an API
 that changed under it, fails here. A block that imports torchvision runs
-where torchvision imports (CI's torch 2.11 environment has it)."""
+where torchvision imports (CI's torch 2.11 environment has it). Blocks whose
+output a section's own test checks run there instead (readme_blocks)."""
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-_FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+from .readme_blocks import CHECKED_ELSEWHERE, README, blocks
+
 _OPTIONAL = ("torchvision", "timm")
+_QUICK = re.compile(r"^(\d+) pairs fused; activations ([\d.]+) -> ([\d.]+) MiB \(([\d.]+)x\)$")
 
 
-def _blocks() -> list:
-    text = README.read_text()
-    blocks = []
-    for match in _FENCE.finditer(text):
-        line = text.count("\n", 0, match.start()) + 2  # the block's first line of code
-        blocks.append(pytest.param(match.group(1), id=f"line-{line}"))
-    return blocks
+def _check_quick_example(out: str) -> None:
+    """The fifteen-line example at the top: ResNet-18's 20 BatchNorm + ReLU
+    pairs fused, activations about halved."""
+    found = _QUICK.match(out.strip().splitlines()[-1])
+    assert found, out
+    pairs, before, after, ratio = found.groups()
+    assert int(pairs) == 20 and float(after) < float(before) and float(ratio) <= 0.6, out
 
 
-BLOCKS = _blocks()
+# what a block prints, checked where the block says so: a marker in its code -> the check
+_OUTPUT_CHECKS = {"pairs fused; activations": _check_quick_example}
+HERE = [block for block in blocks() if (block.section, block.index) not in CHECKED_ELSEWHERE]
 
 
-def test_the_readme_has_python_blocks_to_run():
-    assert len(BLOCKS) == README.read_text().count("```python") and len(BLOCKS) >= 10
+def test_every_block_runs_in_exactly_one_test():
+    everything = blocks()
+    assert len(everything) == README.read_text().count("```python") and len(everything) >= 10
+    # every block named as run elsewhere still exists where it was
+    assert set(CHECKED_ELSEWHERE) <= {(block.section, block.index) for block in everything}
+    assert len(HERE) + len(CHECKED_ELSEWHERE) == len(everything)
+    # and the first block is the quick example, whose output is checked here
+    assert "pairs fused; activations" in everything[0].code
 
 
-@pytest.mark.parametrize("code", BLOCKS)
+@pytest.mark.parametrize("code", [pytest.param(block.code, id=f"line-{block.line}") for block in HERE])
 def test_readme_python_block_runs(code, capsys):
     for module in _OPTIONAL:
         if re.search(rf"^(import|from) {module}\b", code, re.M):
@@ -40,3 +49,6 @@ def test_readme_python_block_runs(code, capsys):
             except Exception as error:  # a torchvision built for another torch raises RuntimeError
                 pytest.skip(f"this block needs {module}, which does not import here: {error}")
     exec(compile(code, str(README), "exec"), {"__name__": "readme_example"})
+    for marker, check in _OUTPUT_CHECKS.items():
+        if marker in code:
+            check(capsys.readouterr().out)
