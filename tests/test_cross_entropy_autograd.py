@@ -49,10 +49,10 @@ def test_retain_graph_backward_twice(ce_device):
     # the saved gradient is scaled in place only when the graph is not retained
     logits = make_logits((3, 5), torch.float32, ce_device)
     target = make_target((3,), 5, ce_device)
-    _, expected = torch_expected(logits, target, reduction="none", grad_output=torch.tensor([1.0, 2.0, 3.0]))
+    go = torch.tensor([1.0, 2.0, 3.0], device=ce_device)  # on the logits' device (the H200 run caught a CPU one)
+    _, expected = torch_expected(logits, target, reduction="none", grad_output=go)
     x = logits.clone().requires_grad_()
     loss = cross_entropy(x, target, reduction="none")
-    go = torch.tensor([1.0, 2.0, 3.0], device=ce_device)
     (first,) = torch.autograd.grad(loss, x, go, retain_graph=True)
     (second,) = torch.autograd.grad(loss, x, go)
     assert_close(first.double(), expected.to(first.device), torch.float32)

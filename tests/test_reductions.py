@@ -226,8 +226,13 @@ class OverflowCase:
 
 
 def _cancelling_bf16():
+    # Every partial sum is a whole multiple of one bf16 value, so float64
+    # holds it exactly in any order: the total is 3e38 on every device.
+    # (With a trailing +1 and a total of 1, as here before, a parallel
+    # float64 sum on the H200 lost the 1 in a partial sum of order 1e41:
+    # the true sum depended on the order, so no GPU reduction could meet it.)
     big = torch.full((1000,), 3e38, dtype=torch.bfloat16)
-    return torch.cat([big, -big, torch.ones(1, dtype=torch.bfloat16)])
+    return torch.cat([big, -big[:999]])
 
 
 def _seeded(n, scale, dtype, offset=0.0):
@@ -252,7 +257,7 @@ OVERFLOW_TABLE = [
                  lambda: torch.full((100000,), 3e38, dtype=torch.bfloat16),
                  lambda x: x.mean(dtype=torch.float32), lambda x: EF.mean(x, dtype=torch.float32),
                  lambda x: x.double().mean(), "inf"),
-    OverflowCase("bf16 sum of +3e38 x 1000, -3e38 x 1000, 1 (partial sums overflow, total 1)", _cancelling_bf16,
+    OverflowCase("bf16 sum of +3e38 x 1000, -3e38 x 999 (partial sums overflow, total 3e38)", _cancelling_bf16,
                  torch.sum, EF.sum, lambda x: x.double().sum(), "nan"),
     OverflowCase("bf16 vector_norm of 1000 x 1e20 (squares overflow float32)",
                  lambda: torch.full((1000,), 1e20, dtype=torch.bfloat16),
