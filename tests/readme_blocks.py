@@ -2,7 +2,8 @@
 
 ``tests/test_readme.py`` runs each block as written; a block whose printed
 results a section's own test checks (``CHECKED_ELSEWHERE``) runs there
-instead, once, and test_readme checks that each of those still exists.
+instead, once, taken through ``claimed_block``; test_readme checks that each
+of those still exists and that each block runs in exactly one test.
 """
 
 from __future__ import annotations
@@ -37,6 +38,15 @@ def blocks() -> list[Block]:
 def section_blocks(section: str) -> list[str]:
     """The code of the blocks under the heading ``section`` (up to the next heading)."""
     return [block.code for block in blocks() if block.section == section]
+
+
+def claimed_block(section: str, index: int, test: str) -> str:
+    """The code of block ``index`` under ``section``, for ``test`` to run and
+    check. The block must be listed in ``CHECKED_ELSEWHERE`` under that test,
+    so that test_readme leaves it out: each block runs in exactly one test."""
+    claimant = CHECKED_ELSEWHERE.get((section, index))
+    assert claimant == test, f"{section!r} block {index}: CHECKED_ELSEWHERE names {claimant!r}, not {test!r}"
+    return section_blocks(section)[index]
 
 
 _CHECKPOINT = "### Checkpointing with BatchNorm, and the largest batch that fits"

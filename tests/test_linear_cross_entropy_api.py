@@ -22,7 +22,7 @@ from effilayers.ops.linear_cross_entropy.op import _linear_cross_entropy_backwar
 
 from .accuracy import assert_close
 from .linear_cross_entropy_cases import assert_same, fused, make_positive, make_problem, unfused
-from .readme_blocks import section_blocks
+from .readme_blocks import claimed_block
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -320,7 +320,8 @@ def test_peak_memory_of_a_step_in_a_fresh_process(reduction):
 
 
 def test_readme_example_runs_and_matches_torch():
-    code = section_blocks("#### Linear + cross-entropy without the logits")[0]
+    code = claimed_block("#### Linear + cross-entropy without the logits", 0,
+                         "tests/test_linear_cross_entropy_api.py::test_readme_example_runs_and_matches_torch")
     namespace: dict = {}
     exec(compile(code, "README.md (linear + cross-entropy)", "exec"), namespace)
     h, labels, lm_head = namespace["h"], namespace["labels"], namespace["lm_head"]

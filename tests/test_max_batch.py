@@ -13,7 +13,7 @@ import effilayers
 from effilayers import bench
 from effilayers.max_batch import MaxBatch, find_max_batch, release_memory
 
-from .readme_blocks import section_blocks
+from .readme_blocks import claimed_block, section_blocks
 
 
 def test_one_implementation_for_the_library_and_the_bench():
@@ -109,8 +109,9 @@ def test_peak_bytes_of_the_batch_found_on_cuda():
 def test_readme_examples_run(capsys):
     """The README's section on checkpointing, find_max_batch and fit: each
     example runs and prints what its comments say."""
-    blocks = section_blocks("### Checkpointing with BatchNorm, and the largest batch that fits")
-    assert len(blocks) == 3
+    section = "### Checkpointing with BatchNorm, and the largest batch that fits"
+    assert len(section_blocks(section)) == 3
+    blocks = [claimed_block(section, index, "tests/test_max_batch.py::test_readme_examples_run") for index in range(3)]
     exec(compile(blocks[0], "README checkpoint example", "exec"), {})
     counter, ratio = capsys.readouterr().out.split()
     assert counter == "1" and float(ratio) <= 0.3

@@ -36,6 +36,12 @@ def test_every_block_runs_in_exactly_one_test():
     # every block named as run elsewhere still exists where it was
     assert set(CHECKED_ELSEWHERE) <= {(block.section, block.index) for block in everything}
     assert len(HERE) + len(CHECKED_ELSEWHERE) == len(everything)
+    # each test named there exists and takes its blocks through claimed_block,
+    # which refuses a block not listed under that test's name
+    for test in set(CHECKED_ELSEWHERE.values()):
+        path, name = test.split("::")
+        source = (README.parent / path).read_text()
+        assert f"\ndef {name}(" in source and "claimed_block(" in source, test
     # and the first block is the quick example, whose output is checked here
     assert "pairs fused; activations" in everything[0].code
 
