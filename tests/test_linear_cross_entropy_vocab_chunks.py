@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from effilayers.functional import linear_cross_entropy
 from effilayers.ops.linear_cross_entropy import op
@@ -94,3 +95,38 @@ def test_all_ignored_mean_is_nan_with_vocabulary_chunks(monkeypatch):
     _split_vocabulary(monkeypatch, 4, 9, 5)
     target = torch.full((4,), -100)
     assert_same(fused(x, w, b, target), unfused(x, w, b, target), torch.float64)
+
+
+class _LargestTemporary(TorchDispatchMode):
+    """The bytes of the largest tensor any op returns, leaving out the
+    weight-shaped gradient accumulators (which grow with the vocabulary
+    whatever the chunks)."""
+
+    def __init__(self, weight_shapes):
+        super().__init__()
+        self.weight_shapes, self.largest = weight_shapes, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and tuple(t.shape) not in self.weight_shapes:
+                self.largest = max(self.largest, t.numel() * t.element_size())
+        return out
+
+
+def test_temporaries_do_not_grow_with_the_vocabulary(monkeypatch):
+    # 32 tokens, float32, a 64 KiB budget: the tokens by 128 classes at a
+    # time; the largest temporary is the same for 2048 and 8192 classes
+    # (whole rows would be 256 KiB and 1 MiB) and within the budget.
+    monkeypatch.setattr(op, "CHUNK_LOGITS_BYTES", 64 << 10)
+    largest = []
+    for classes in (2048, 8192):
+        x, w, b, target = make_problem((32,), 8, classes, torch.float32, ignore_every=5)
+        assert op.chunk_shape(32, classes, 4, 16, x.numel() * 4, None) == (32, 128)
+        scale = torch.ones(1)
+        meter = _LargestTemporary({(classes, 8), (classes,)})
+        with meter:
+            op._chunks(x, w, target, b, None, -100, 0.1, None, torch.float32, scale, None, (True, True, True),
+                       keep_rows=True)
+        largest.append(meter.largest)
+    assert largest[0] == largest[1] <= 64 << 10, largest
