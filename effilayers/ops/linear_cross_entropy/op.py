@@ -364,9 +364,9 @@ def linear_cross_entropy(
     chunk_size: Optional[int] = None,
 ) -> torch.Tensor:
     """``F.cross_entropy(F.linear(input, weight, bias), target, ...)`` without
-    ever holding the whole logits: the tokens are processed in chunks, and
-    each chunk's logits (``chunk_size`` tokens x classes) are the only
-    logits-shaped memory alive at a time.
+    ever holding the whole logits: the tokens (and, for wide vocabularies,
+    the classes) are processed in chunks, and each chunk's logits are the
+    only logits-shaped memory alive at a time.
 
     ``input``: ``(..., hidden)``; ``weight``: ``(classes, hidden)``;
     ``bias``: ``(classes,)`` or None; ``target``: class indices of shape
@@ -377,8 +377,12 @@ def linear_cross_entropy(
     ``chunk_size`` (tokens per chunk): by default the most tokens whose logits
     take at most ``max(16 MiB, the input's bytes)`` in the compute dtype
     (counting, for fp16/bf16 on CPU, the float32 copy the weight gradient's
-    GEMM reads), and at least one token. See the package docstring for the mean's
-    definition with token weights, numerics, autocast and memory.
+    GEMM reads). Where that is fewer than 32 tokens (and fewer than all), or
+    a given ``chunk_size``'s rows overflow that budget, the vocabulary is
+    chunked too: 32 tokens (or ``chunk_size``) by the most classes that fit,
+    with an online float32 log-sum-exp across the vocabulary chunks. See the
+    package docstring for how chunk sizes are chosen, the mean's definition
+    with token weights, numerics, autocast and memory.
     """
     autocasting = _autocasting(input)
     check_arguments(input, weight, target, bias, ignore_index, label_smoothing, reduction, class_weight,
