@@ -131,3 +131,19 @@ def test_temporaries_do_not_grow_with_the_vocabulary(monkeypatch):
                        keep_rows=True)
         largest.append(meter.largest)
     assert largest[0] == largest[1] <= 64 << 10, largest
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_low_precision_vocabulary_chunks_within_stated_bound(monkeypatch, dtype):
+    # 37 tokens (a 32-token chunk and a short one), 300 classes in 60-class
+    # chunks: the same bound as whole rows (tests/test_linear_cross_entropy.py).
+    x, w, b, target = make_problem((37,), 24, 300, dtype, ignore_every=5)
+    itemsize = 4 + (4 if dtype == torch.bfloat16 else 0)
+    vocab_itemsize = x.element_size() + 4 * op.VOCAB_TEMPORARIES
+    monkeypatch.setattr(op, "CHUNK_LOGITS_BYTES", 32 * vocab_itemsize * 60)
+    assert op.chunk_shape(37, 300, itemsize, vocab_itemsize, x.numel() * x.element_size(), None) == (32, 60)
+    grad_output = make_positive((37,), seed=4, dtype=dtype)
+    options = dict(label_smoothing=0.05, reduction="none")
+    loss, grads = actual = fused(x, w, b, target, grad_output, **options)
+    assert loss.dtype == dtype and all(g.dtype == dtype for g in grads)
+    assert_same(actual, unfused(x, w, b, target, grad_output, **options), dtype, grad_tier="linear_cross_entropy")
