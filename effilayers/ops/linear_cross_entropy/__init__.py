@@ -4,7 +4,8 @@
 label_smoothing=0.0, reduction="mean", class_weight=None, token_weight=None,
 chunk_size=None)`` computes ``F.cross_entropy(F.linear(input, weight, bias),
 target, weight=class_weight, ignore_index=..., label_smoothing=...,
-reduction=...)``, with optional per-token weights, over chunks of tokens.
+reduction=...)``, with optional per-token weights, over chunks of tokens
+(and of the classes, for vocabularies too wide for a useful token chunk).
 
 How it runs
     For each chunk of ``chunk_size`` tokens: ``logits = x W^T + b`` (torch's
@@ -17,9 +18,25 @@ How it runs
     ``grad_bias += sum(dlogits)``, the last two in float32 accumulators
     (float64 for float64 input) whatever the number of chunks. Probability
     targets, which no row kernel takes, use chunk-sized torch ops instead.
-    The chunks run over tokens only: each row kernel sees whole vocabulary
-    rows (one row of a 262144-class vocabulary is 1 MiB in float32), so the
-    chunk is at least one token by the full vocabulary.
+
+Chunk sizes, from the shapes (``op.chunk_shape``)
+    A chunk of logits may take ``max(CHUNK_LOGITS_BYTES = 16 MiB, the
+    input's bytes)``. By default a chunk is the most tokens whose whole
+    vocabulary rows fit that (counting, for fp16/bf16 on CPU, the float32
+    copy the weight gradient's GEMM reads); ``chunk_size`` sets the tokens
+    instead. When the default leaves fewer than ``MIN_CHUNK_TOKENS = 32``
+    tokens (fewer than all of them, for shorter inputs), e.g. 16 tokens of a
+    262144-class vocabulary in float32, or an explicit ``chunk_size`` whose
+    rows overflow the budget, the vocabulary is split too: chunks of 32
+    tokens (or ``chunk_size``) by the most classes that fit, at the compute
+    dtype's bytes plus ``VOCAB_TEMPORARIES`` float32 temporaries per logit.
+    Those chunks run ``vocab_chunks.py``: per token chunk, an online
+    log-sum-exp over the vocabulary chunks (running maximum, rescaled sum of
+    exponentials, the target's logit and the smoothing sums, all float32),
+    then the gradient pass recomputing each vocabulary chunk's logits, into
+    the same float32 grad_weight / grad_bias accumulators (and a float32
+    grad_input row sum cast once per token chunk). No row kernel takes an
+    external log-sum-exp, so these are chunk-sized torch ops.
 
 Mean with class and token weights
     With ``l_i`` torch's unreduced loss of token ``i`` (class weight and
@@ -50,7 +67,10 @@ Memory: what is saved, and the peak
     nothing saved or allocated grows with tokens x classes: the peak above
     the inputs is one chunk of logits (one buffer, reused by every chunk;
     plus a float32 copy of it for fp16/bf16 on CPU, which has no mixed-dtype
-    GEMM) and the weight-sized accumulators. Measured on CPU (4096 tokens,
+    GEMM; with the vocabulary chunked, a few freshly allocated float32
+    temporaries of one vocabulary chunk) and the weight-sized accumulators
+    (``tests/test_linear_cross_entropy_vocab_chunks.py`` checks the largest
+    temporary stays the same as the vocabulary grows). Measured on CPU (4096 tokens,
     hidden 128, 32768 classes, float32: 512 MiB of logits), the process's
     peak resident set grows by about 35 MiB over forward + backward
     (``tests/test_linear_cross_entropy_api.py::test_peak_memory_of_a_step_in_a_fresh_process``
@@ -92,7 +112,8 @@ with respect to ``target``, ``class_weight`` or ``token_weight`` (refused
 when they require grad).
 """
 
-from .op import CHUNK_LOGITS_BYTES, chunk_tokens, linear_cross_entropy
+from .op import CHUNK_LOGITS_BYTES, MIN_CHUNK_TOKENS, chunk_shape, chunk_tokens, linear_cross_entropy
 from .reference import linear_cross_entropy_reference
 
-__all__ = ["linear_cross_entropy", "linear_cross_entropy_reference", "chunk_tokens", "CHUNK_LOGITS_BYTES"]
+__all__ = ["linear_cross_entropy", "linear_cross_entropy_reference", "chunk_tokens", "chunk_shape", "CHUNK_LOGITS_BYTES",
+           "MIN_CHUNK_TOKENS"]

@@ -14,6 +14,7 @@ from ..._core.layout import refuse_forward_ad
 # Importing the family registers the "cross_entropy" row kernels this op runs on each chunk.
 from ..cross_entropy import op as _cross_entropy_op  # noqa: F401
 from .contract import INPUT_DTYPES, OP, check_arguments, check_target_range
+from .vocab_chunks import VOCAB_TEMPORARIES, accumulate_product, vocab_chunked_rows
 from .vocab_parallel import is_sharded, runs_vocab_parallel, vocab_parallel_linear_cross_entropy
 
 # A chunk of logits takes at most this many bytes, or the input's own size
@@ -32,6 +33,31 @@ def chunk_tokens(tokens: int, classes: int, itemsize: int, input_bytes: int, chu
         return max(1, min(chunk_size, tokens))
     budget = max(CHUNK_LOGITS_BYTES, input_bytes)
     return max(1, min(tokens, budget // (classes * itemsize)))
+
+
+# Fewer tokens than this per chunk make thin, slow matmuls: a vocabulary so
+# wide that this many tokens' logits overflow the budget is split instead.
+MIN_CHUNK_TOKENS = 32
+
+
+def chunk_shape(tokens: int, classes: int, itemsize: int, vocab_itemsize: int, input_bytes: int,
+                chunk_size: Optional[int]) -> tuple[int, int]:
+    """(tokens, classes) per chunk. Whole vocabulary rows while the token
+    chunk (``chunk_size``, else :func:`chunk_tokens`'s) is at least
+    ``min(tokens, MIN_CHUNK_TOKENS)`` tokens and fits the budget
+    ``max(CHUNK_LOGITS_BYTES, input_bytes)``; otherwise the token chunk is
+    ``chunk_size`` or ``min(tokens, MIN_CHUNK_TOKENS)``, and the vocabulary is
+    split into the most classes whose logits fit the budget at
+    ``vocab_itemsize`` bytes each (the compute dtype plus the float32
+    temporaries of a vocabulary chunk), at least one."""
+    budget = max(CHUNK_LOGITS_BYTES, input_bytes)
+    step = chunk_tokens(tokens, classes, itemsize, input_bytes, chunk_size)
+    fits = step * classes * itemsize <= budget
+    if fits and (chunk_size is not None or step >= min(tokens, MIN_CHUNK_TOKENS)):
+        return step, classes
+    if chunk_size is None:
+        step = max(1, min(tokens, MIN_CHUNK_TOKENS))
+    return step, max(1, min(classes, budget // (step * vocab_itemsize)))
 
 
 # ---------------------------------------------------------------------------
@@ -58,17 +84,6 @@ def _soft_rows(logits, probs, class_weight, label_smoothing, grad_scale, write_g
     return rows
 
 
-def _accumulate_weight_grad(accumulator: torch.Tensor, d_logits: torch.Tensor, x: torch.Tensor) -> None:
-    """accumulator += d_logits^T @ x, the product kept in the accumulator's
-    dtype (never rounded to fp16/bf16 chunk by chunk). On CPU, which has no
-    mixed-dtype GEMM, ``d_logits`` arrives already in the accumulator's dtype."""
-    if d_logits.dtype == accumulator.dtype:
-        accumulator.addmm_(d_logits.t(), x.to(accumulator.dtype))
-    else:
-        # cuBLAS's fp16/bf16 GEMM with a float32 output.
-        accumulator.add_(torch.mm(d_logits.t(), x, out_dtype=accumulator.dtype))
-
-
 def _chunks(input, weight, target, bias, class_weight, ignore_index, label_smoothing, chunk_size, compute_dtype,
             grad_scale, row_scale, needs, keep_rows):
     """Walk the tokens in chunks: logits = x W^T + b, one row-kernel call
@@ -92,14 +107,27 @@ def _chunks(input, weight, target, bias, class_weight, ignore_index, label_smoot
     # against the chunk's bytes too.
     needs_scratch = (needs[1] or needs[2]) and compute_dtype != acc and device.type != "cuda"
     bytes_per_logit = torch.empty((), dtype=compute_dtype).element_size()
+    acc_size = torch.empty((), dtype=acc).element_size()
     if needs_scratch:
-        bytes_per_logit += torch.empty((), dtype=acc).element_size()
-    step = chunk_tokens(tokens, classes, bytes_per_logit, input.numel() * input.element_size(), chunk_size)
+        bytes_per_logit += acc_size
+    vocab_bytes = torch.empty((), dtype=compute_dtype).element_size() + VOCAB_TEMPORARIES * acc_size
+    step, vocab_step = chunk_shape(tokens, classes, bytes_per_logit, vocab_bytes,
+                                   input.numel() * input.element_size(), chunk_size)
     loss_rows = torch.empty(tokens, dtype=acc, device=device) if keep_rows else None
     grad_input = torch.empty((tokens, hidden), dtype=input.dtype, device=device) if needs[0] else None
     grad_weight = torch.zeros((classes, hidden), dtype=acc, device=device) if needs[1] else None
     grad_bias = torch.zeros((classes,), dtype=acc, device=device) if needs[2] else None
     write_grad = any(needs)
+    if vocab_step < classes:
+        for start in range(0, tokens, step):
+            stop = min(start + step, tokens)
+            rows = vocab_chunked_rows(
+                input[start:stop].to(compute_dtype), w, b, target[start:stop], kernel_weight, ignore_index,
+                label_smoothing, grad_scale, None if row_scale is None else row_scale[start:stop], needs,
+                vocab_step, acc, None if grad_input is None else grad_input[start:stop], grad_weight, grad_bias)
+            if keep_rows:
+                loss_rows[start:stop] = rows
+        return loss_rows, grad_input, grad_weight, grad_bias
     rows_kernel = None if soft else registry.kernel("cross_entropy", device)
     # One logits buffer for every chunk: a fresh chunk-sized allocation per
     # chunk costs page faults each time on CPU, and glibc keeps some of the
@@ -139,7 +167,7 @@ def _chunks(input, weight, target, bias, class_weight, ignore_index, label_smoot
                 wide = scratch[:stop - start]
                 wide.copy_(logits)
             if needs[1]:
-                _accumulate_weight_grad(grad_weight, wide, x)
+                accumulate_product(grad_weight, wide.t(), x)
             if needs[2]:
                 grad_bias += wide.sum(0, dtype=acc)
     return loss_rows, grad_input, grad_weight, grad_bias
@@ -336,9 +364,9 @@ def linear_cross_entropy(
     chunk_size: Optional[int] = None,
 ) -> torch.Tensor:
     """``F.cross_entropy(F.linear(input, weight, bias), target, ...)`` without
-    ever holding the whole logits: the tokens are processed in chunks, and
-    each chunk's logits (``chunk_size`` tokens x classes) are the only
-    logits-shaped memory alive at a time.
+    ever holding the whole logits: the tokens (and, for wide vocabularies,
+    the classes) are processed in chunks, and each chunk's logits are the
+    only logits-shaped memory alive at a time.
 
     ``input``: ``(..., hidden)``; ``weight``: ``(classes, hidden)``;
     ``bias``: ``(classes,)`` or None; ``target``: class indices of shape
@@ -349,8 +377,12 @@ def linear_cross_entropy(
     ``chunk_size`` (tokens per chunk): by default the most tokens whose logits
     take at most ``max(16 MiB, the input's bytes)`` in the compute dtype
     (counting, for fp16/bf16 on CPU, the float32 copy the weight gradient's
-    GEMM reads), and at least one token. See the package docstring for the mean's
-    definition with token weights, numerics, autocast and memory.
+    GEMM reads). Where that is fewer than 32 tokens (and fewer than all), or
+    a given ``chunk_size``'s rows overflow that budget, the vocabulary is
+    chunked too: 32 tokens (or ``chunk_size``) by the most classes that fit,
+    with an online float32 log-sum-exp across the vocabulary chunks. See the
+    package docstring for how chunk sizes are chosen, the mean's definition
+    with token weights, numerics, autocast and memory.
     """
     autocasting = _autocasting(input)
     check_arguments(input, weight, target, bias, ignore_index, label_smoothing, reduction, class_weight,
