@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -76,21 +76,22 @@ def _checkpoint_with_torch(model: nn.Module, segments: dict[str, int]) -> nn.Mod
 
 
 def compile_under_budget(model: nn.Module, fraction: float,
-                         compiler: Callable[[Callable], Callable] = torch.compile) -> nn.Module:
+                         compiler: Optional[Callable[[Callable], Callable]] = None) -> nn.Module:
     """``model`` (in place) whose forward is ``torch.compile`` of its own,
     called with ``torch._functorch.config.activation_memory_budget`` at
     ``fraction`` and restored after each call. The partitioner reads the
     setting when it compiles (the first training call, and any recompile);
     patching every call keeps it local to this model. The module keeps its
     parameters and state-dict keys, so the meter excludes them as for any
-    other row. ``compiler``: torch.compile, or a stand-in in tests."""
+    other row. ``compiler``: torch.compile (looked up at the call), or a
+    stand-in in tests."""
     import torch._dynamo
     import torch._functorch.config
 
     # A previous model's frames (ResNet.forward, the blocks') would count
     # against dynamo's recompile limit for this one.
     torch._dynamo.reset()
-    compiled = compiler(model.forward)
+    compiled = (compiler or torch.compile)(model.forward)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         with torch._functorch.config.patch(activation_memory_budget=fraction):
@@ -116,7 +117,8 @@ def budget_variants(variants: list[Variant], fraction: float, example: Callable[
     once, so that a budget below reach is known before the measurements."""
     plain = variants[0]
     model_name = plain.model
-    torch.manual_seed(0)
+    # Its weights do not matter (bytes depend on shapes); the bench loads
+    # plain PyTorch's into every row.
     fitted = prepare(plain.build())
     images = example()
     with autocast():
