@@ -2,7 +2,7 @@
 saves on a model (see :mod:`effilayers.bench.cli`).
 
 Modules, each importing only those after it: ``cli`` (arguments, the run,
-exit status), ``report`` (table, ``--json``, ``--plot``), ``measure``
+exit status), ``budget`` (the ``--budget`` rows), ``report`` (table, ``--json``, ``--plot``), ``measure``
 (timing, activation and CUDA peak bytes, ``--max-batch``, the ``--train``
 loss check), ``variants`` (what is measured per model). This package
 re-exports their public names; patch a name in the module that uses it.

@@ -23,7 +23,8 @@ from typing import Any, ContextManager, Optional
 import torch
 
 from ..max_batch import DEFAULT_LIMIT
-from .measure import LOSS_NOISE_FACTOR, Result, Setup, count_ticks, run_model
+from .budget import budget_fraction, budget_variants
+from .measure import LOSS_NOISE_FACTOR, SEED, Result, Setup, count_ticks, run_model
 from .report import format_losses, format_table, load_pyplot, loss_warnings, plot, timing_warning, write_json
 from .variants import BenchError, builtin_models, variants_for
 
@@ -87,6 +88,15 @@ def _parser() -> argparse.ArgumentParser:
                         help="find the largest batch that trains one step, per variant (CUDA only)")
     parser.add_argument("--max-batch-limit", type=int, metavar="N",
                         help=f"with --max-batch: the largest batch it tries (default: {DEFAULT_MAX_BATCH_LIMIT})")
+    parser.add_argument("--budget", type=budget_fraction, metavar="FRACTION",
+                        help="also, per model, side by side: effilayers.fit(model, the first batch, FRACTION) "
+                             "(a budget below reach prints fit's smallest reachable figure and drops the row); "
+                             "torch's checkpoint_sequential (use_reentrant=False) over the parts fit checkpointed, "
+                             "at fit's number of segments (ceil(sqrt(n)) over the outermost nn.Sequential parts "
+                             "when fit checkpointed none); and torch.compile of the plain model under "
+                             "torch._functorch.config.activation_memory_budget = FRACTION, its activation bytes "
+                             "counted on the compiled module; FRACTION in (0, 1] of the plain activation bytes; "
+                             "not with --compile")
     parser.add_argument("--json", metavar="FILE", help="write all results, the environment and the command here")
     parser.add_argument("--plot", metavar="FILE.png",
                         help="bar charts with ratios (and loss curves with --train); needs matplotlib")
@@ -116,6 +126,8 @@ def _setup(args: argparse.Namespace) -> Setup:
                          "no CUDA device in use here")
     if args.check_train and not args.train:
         raise BenchError("--check-train needs --train N (N >= 1)")
+    if args.budget is not None and args.compile:
+        raise BenchError("--budget adds its own torch.compile row; run it without --compile")
     if args.max_batch_limit is not None and not args.max_batch:
         raise BenchError("--max-batch-limit needs --max-batch")
     dtype = DTYPES[args.dtype]
@@ -157,6 +169,13 @@ def _compiled_random_like_eager(setup: Setup) -> ContextManager:
     return torch._inductor.config.patch(fallback_random=True)
 
 
+def _budget_rows(variants: list, fraction: float, setup: Setup) -> tuple[list, list[str]]:
+    # The images of the bench's first batch (drawn before the labels, so the
+    # number of classes does not change them): fit's example input.
+    return budget_variants(variants, fraction, example=lambda: setup.data(setup.batch, 1, SEED)[0],
+                           prepare=lambda model: model.to(setup.device).train(), autocast=setup.autocast)
+
+
 def _load_kernels(device_type: str) -> None:
     """Choose every op's backend now: on a cold cache this compiles the
     kernels, and their message prints before the progress bar instead of
@@ -178,8 +197,12 @@ def _run(argv: list[str]) -> int:
     skipped: list[str] = []
     for spec in args.model or DEFAULT_MODELS:
         variants, skipped_here = variants_for(spec)
-        variants_per_model.append(variants)
         skipped += skipped_here
+        if args.budget is not None:
+            rows, dropped = _budget_rows(variants, args.budget, setup)
+            variants += rows
+            skipped += dropped
+        variants_per_model.append(variants)
 
     print(f"effilayers bench: {setup.device.type}, batch {setup.batch}, {setup.size}x{setup.size}, "
           f"{args.dtype}{', channels_last' if setup.channels_last else ''}"

@@ -219,7 +219,9 @@ def _warm_up(session: _Session, setup: Setup, num_classes: int) -> None:
         with setup.autocast():
             return memory.activation_bytes(runner, images, exclude=model)
 
-    activation = None if setup.compile else saved()
+    # Counted after the compiling step: the meter's hooks must see the
+    # compiled graph's saved tensors, not take part in tracing it.
+    activation = None if setup.compile or session.variant.compiled else saved()
     step()
     session.tick()
     if activation is None:

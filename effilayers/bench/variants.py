@@ -54,6 +54,9 @@ class Variant:
     function: Optional[str] = None
     plain_equivalent: Optional[Callable[[nn.Module], tuple[nn.Module, list[str]]]] = None
     note: Optional[str] = None
+    # The module build() returns runs torch.compile itself: its activation
+    # bytes are counted after the warm-up step that compiled it.
+    compiled: bool = False
 
 
 def _reverted(model: nn.Module) -> tuple[nn.Module, list[str]]:

@@ -1,0 +1,164 @@
+"""``--budget FRACTION``: the rows that fit one model's activations into a
+budget, side by side (issue 18):
+
+* ``fit(FRACTION)``: the model after :func:`effilayers.fit` on the bench's
+  own first batch;
+* torch's ``torch.utils.checkpoint.checkpoint_sequential``
+  (``use_reentrant=False``) over the sequential parts ``fit`` checkpointed,
+  each with the number of segments ``fit`` gave it; when ``fit`` reached
+  the budget without checkpointing, over the model's outermost sequential
+  parts at ``ceil(sqrt(n))`` segments each (the row's name says which);
+* ``torch.compile`` of the plain model compiled under
+  ``torch._functorch.config.activation_memory_budget = FRACTION``.
+
+Every row starts from the plain model (the model's first variant), so the
+ratios compare like with like. Imports variants only; cli uses it.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint_sequential
+
+from ..checkpoint import sqrt_segments
+from ..fit import CheckpointedSequential, _sequential_parts, fit
+from .variants import BenchError, Variant
+
+__all__ = ["budget_fraction", "budget_variants", "TorchCheckpointedSequential", "compile_under_budget",
+           "FIT", "CHECKPOINT_SEQUENTIAL", "COMPILE_BUDGET"]
+
+FIT = "fit({:g})"
+CHECKPOINT_SEQUENTIAL = "checkpoint_sequential ({})"
+COMPILE_BUDGET = "torch.compile budget {:g}"
+
+
+def budget_fraction(text: str) -> float:
+    """argparse type of ``--budget``: a fraction in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise BenchError(f"--budget {text!r}: expected a fraction of the plain model's activation bytes, "
+                         "e.g. 0.35") from None
+    if not (math.isfinite(value) and 0.0 < value <= 1.0):
+        raise BenchError(f"--budget must be a fraction in (0, 1] of the plain model's activation bytes, got {text}")
+    return value
+
+
+class TorchCheckpointedSequential(nn.Sequential):
+    """An ``nn.Sequential`` that trains through torch's own
+    ``checkpoint_sequential`` in ``_bench_segments`` segments (class swapped
+    in place, so children and state-dict keys stay where they are). Torch's
+    BatchNorm running statistics move twice per step under it: the peer as
+    users run it."""
+
+    _bench_segments: int
+
+    def forward(self, input: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return super().forward(input)
+        return checkpoint_sequential(self, self._bench_segments, input, use_reentrant=False)
+
+
+def _checkpoint_with_torch(model: nn.Module, segments: dict[str, int]) -> nn.Module:
+    for path, count in segments.items():
+        part = model.get_submodule(path)
+        if type(part) is not nn.Sequential:
+            raise BenchError(f"--budget: {path or 'the model'} is a {type(part).__name__}, "
+                             "not the nn.Sequential fit checkpointed")
+        part.__class__ = TorchCheckpointedSequential
+        part._bench_segments = count
+    return model
+
+
+def compile_under_budget(model: nn.Module, fraction: float,
+                         compiler: Optional[Callable[[Callable], Callable]] = None) -> nn.Module:
+    """``model`` (in place) whose forward is ``torch.compile`` of its own,
+    called with ``torch._functorch.config.activation_memory_budget`` at
+    ``fraction`` and restored after each call. The partitioner reads the
+    setting when it compiles (the first training call, and any recompile);
+    patching every call keeps it local to this model. The module keeps its
+    parameters and state-dict keys, so the meter excludes them as for any
+    other row. ``compiler``: torch.compile (looked up at the call), or a
+    stand-in in tests."""
+    import torch._dynamo
+    import torch._functorch.config
+
+    # A previous model's frames (ResNet.forward, the blocks') would count
+    # against dynamo's recompile limit for this one.
+    torch._dynamo.reset()
+    compiled = (compiler or torch.compile)(model.forward)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with torch._functorch.config.patch(activation_memory_budget=fraction):
+            return compiled(*args, **kwargs)
+
+    model.forward = forward
+    return model
+
+
+def _fitted_segments(model: nn.Module) -> dict[str, int]:
+    """The parts fit checkpointed, path -> number of segments."""
+    return {path: len(module._fit_segments) for path, module in model.named_modules()
+            if isinstance(module, CheckpointedSequential)}
+
+
+def budget_variants(variants: list[Variant], fraction: float, example: Callable[[], torch.Tensor],
+                    prepare: Callable[[nn.Module], nn.Module], autocast: Callable[[], Any],
+                    ) -> tuple[list[Variant], list[str]]:
+    """The --budget rows of one model (``variants[0]`` is its plain form)
+    and one line per row dropped. ``example()``: the bench's first batch of
+    images on its device; ``prepare``: moves a model there in training
+    mode; ``autocast()``: the bench's --dtype context. ``fit`` runs here,
+    once, so that a budget below reach is known before the measurements."""
+    plain = variants[0]
+    model_name = plain.model
+    # Its weights do not matter (bytes depend on shapes); the bench loads
+    # plain PyTorch's into every row.
+    fitted = prepare(plain.build())
+    images = example()
+    with autocast():
+        try:
+            report = fit(fitted, images, fraction)
+        except ValueError as error:
+            if "smallest reachable" not in str(error):
+                raise
+            fitted = None
+            dropped = f"{model_name} / {FIT.format(fraction)}: dropped, {error}"
+    rows: list[Variant] = []
+    lines: list[str] = []
+    if fitted is None:
+        lines.append(dropped)
+        segments, label = _sqrt_segments(plain.build()), "sqrt(n) segments; fit dropped"
+    else:
+        steps = ", ".join(f"{step.kind} {step.target}".rstrip() for step in report.steps) or "none needed"
+        fitted = fitted.to("cpu")
+        rows.append(Variant(model_name, FIT.format(fraction), lambda: copy.deepcopy(fitted),
+                            note=f"fit steps: {steps}; predicted extra compute {report.extra_compute:.3f} "
+                                 "of a training step"))
+        segments = _fitted_segments(fitted)
+        label = "fit's segments"
+        if not segments:
+            segments, label = _sqrt_segments(fitted), "sqrt(n) segments; fit had none"
+    if segments:
+        parts = ", ".join(f"{path or 'the model'} in {count}" for path, count in segments.items())
+        rows.append(Variant(model_name, CHECKPOINT_SEQUENTIAL.format(label),
+                            lambda: _checkpoint_with_torch(plain.build(), segments),
+                            note=f"torch.utils.checkpoint.checkpoint_sequential, use_reentrant=False: {parts} "
+                                 "segments (torch's BatchNorm running statistics move twice per step)"))
+    else:
+        lines.append(f"{model_name} / checkpoint_sequential: dropped, the model has no nn.Sequential "
+                     "with two or more children")
+    rows.append(Variant(model_name, COMPILE_BUDGET.format(fraction),
+                        lambda: compile_under_budget(plain.build(), fraction), compiled=True,
+                        note=f"plain model under torch.compile, torch._functorch.config.activation_memory_budget "
+                             f"= {fraction:g}"))
+    return rows, lines
+
+
+def _sqrt_segments(model: nn.Module) -> dict[str, int]:
+    return {path: sqrt_segments(len(part)) for path, part in _sequential_parts(model)}

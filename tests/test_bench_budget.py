@@ -1,0 +1,107 @@
+"""``effilayers-bench --budget``: fit, torch's checkpoint_sequential and
+torch.compile under an activation memory budget, side by side."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from effilayers import bench
+from effilayers.bench import budget
+
+from .bench_cases import by_variant, check_ratios_against_plain, run_bench
+
+pytestmark = pytest.mark.usefixtures("on_cpu_without_peers")
+
+MODEL = "tests.test_bench_budget:tiny_deep_model"
+
+
+def tiny_deep_model() -> nn.Module:
+    """Imported by the bench: one nn.Sequential deep enough for fit to checkpoint."""
+    layers: list[nn.Module] = [nn.Conv2d(3, 8, 3, padding=1, bias=False)]
+    for _ in range(3):
+        layers += [nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1, bias=False)]
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5))
+
+
+def test_budget_rows_sit_beside_plain_with_bytes_and_ratios(tmp_path, monkeypatch):
+    import functools
+
+    import torch._dynamo
+
+    # The partitioner that reads activation_memory_budget (min-cut) without
+    # inductor's code generation, which would take most of a minute on CPU.
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager_decomp_partition"))
+
+    report = run_bench(tmp_path, "--model", MODEL, "--size", "32", "--steps", "1", "--budget", "0.5")
+    results = by_variant(report)
+    fitted = results["fit(0.5)"]
+    torch_checkpoint = results["checkpoint_sequential (fit's segments)"]
+    compiled = results["torch.compile budget 0.5"]
+    plain = results["as given"]
+    check_ratios_against_plain(results, "as given")
+    for row in (fitted, torch_checkpoint, compiled):
+        assert row["activation_bytes"] > 0 and row["step_time_s"] > 0 and row["ratios"]["step_time"] > 0
+    assert fitted["activation_bytes"] <= 0.5 * plain["activation_bytes"]
+    # fit checkpointed the model (its only nn.Sequential) in ceil(sqrt(13)) = 4 segments: torch's row runs that too
+    assert "the model in 4 segments" in " ".join(torch_checkpoint["notes"])
+    assert torch_checkpoint["activation_bytes"] < plain["activation_bytes"]
+    # counted on the compiled module after it compiled: the partitioner's
+    # choice under the budget, never more than eager keeps
+    assert compiled["activation_bytes"] <= plain["activation_bytes"]
+    torch._dynamo.reset()
+
+
+def test_a_budget_below_reach_drops_fit_with_the_smallest_figure(tmp_path, monkeypatch, capsys):
+    # Compiling is not the point here: the row's module runs eager.
+    monkeypatch.setattr(budget, "compile_under_budget", lambda model, fraction: model)
+    report = run_bench(tmp_path, "--model", MODEL, "--size", "32", "--steps", "1", "--budget", "0.05")
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if "fit(0.05): dropped" in line)
+    assert "smallest reachable figure" in line
+    names = set(by_variant(report))
+    assert "fit(0.05)" not in names
+    assert {"checkpoint_sequential (sqrt(n) segments; fit dropped)", "torch.compile budget 0.05"} <= names
+    assert any("fit(0.05): dropped" in line for line in report["skipped"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--budget", "0"], "--budget must be a fraction in (0, 1]"),
+    (["--budget", "1.5"], "--budget must be a fraction in (0, 1]"),
+    (["--budget", "half"], "--budget 'half': expected a fraction"),
+    (["--budget", "0.5", "--compile"], "run it without --compile"),
+])
+def test_bad_budgets_exit_2(argv, message, capsys):
+    assert bench.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_help_documents_budget(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--budget FRACTION" in out and "activation_memory_budget" in out and "checkpoint_sequential" in out
+
+
+def test_compile_under_budget_sets_the_budget_only_while_the_model_runs():
+    import torch._functorch.config as functorch_config
+
+    seen = []
+
+    def compiler(forward):
+        def run(*args):
+            seen.append(functorch_config.activation_memory_budget)
+            return forward(*args)
+        return run
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    x = torch.randn(3, 4)
+    expected = model(x)
+    before = functorch_config.activation_memory_budget
+    compiled = budget.compile_under_budget(model, 0.25, compiler)
+    assert compiled is model and set(model.state_dict()) == {"weight", "bias"}
+    torch.testing.assert_close(model(x), expected)
+    assert seen == [0.25] and 0.25 != before
+    assert functorch_config.activation_memory_budget == before
