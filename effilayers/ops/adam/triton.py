@@ -162,11 +162,18 @@ def _bias_corrections(step_ptr, lr, log_beta1, log_beta2):
     """(step size, square root of the second bias correction) for the step
     number in device memory. log(beta) comes from the host in float64
     rounded once: beta2 = 0.999 rounded to float32 first would move
-    log(beta2) by 3e-5 relative."""
-    step = tl.load(step_ptr).to(tl.float32)
+    log(beta2) by 3e-5 relative.
+
+    Computed in float64, once per program: 1 - beta2**step subtracts two
+    numbers near 1 in the first steps, so a float32 exp a few units in the
+    last place off (the GPU's exp is an approximation) moves it by up to
+    about 1e-4 relative, and every update with it; the reference takes these
+    factors in float64 too. (The likely cause of the H200's failing
+    2^31-element test, 2026-11-27, whose bound is 1e-5 relative.)"""
+    step = tl.load(step_ptr).to(tl.float64)
     bias_correction1 = 1.0 - tl.exp(step * log_beta1)
     bias_correction2_sqrt = tl.sqrt(1.0 - tl.exp(step * log_beta2))
-    return lr / bias_correction1, bias_correction2_sqrt
+    return (lr / bias_correction1).to(tl.float32), bias_correction2_sqrt.to(tl.float32)
 
 
 @triton.jit
