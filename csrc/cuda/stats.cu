@@ -9,7 +9,12 @@
 //      double, and writes mean and var.
 // Welford per element keeps the variance of large-mean data (1e4 +- 1 in
 // fp16) that a one-pass sum of squares would lose; the arithmetic is hidden
-// under the memory traffic of these loops.
+// under the memory traffic of these loops. In NCHW each channel's values
+// are also shifted by the channel's first value (its pivot) before they
+// reach Welford: the block's float merges of rounded means would otherwise cost
+// the variance up to about eps * |mean| / std (1e-4 relative for a few fp32
+// values of spread 0.1 around 300, seen on an H200); merge_chunks adds the
+// pivot back to the mean, in double.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -32,6 +37,15 @@ namespace {
 constexpr int64_t kChunkElements = 16384;
 constexpr int64_t kMaxChunksPerChannel = 1024;
 
+// What partial_channels_first subtracts from channel c's values: its first
+// value, element (0, c, 0) of contiguous NCHW input. partial_channels_last
+// does not shift (pivot 0): the register it takes pushes that kernel into a
+// spill on sm_80 and sm_90 (python -m effilayers.info --kernels).
+template <typename scalar_t, typename acc_t>
+__device__ __forceinline__ acc_t channel_pivot(const scalar_t* x, const StatsPlan& plan, int64_t c) {
+  return plan.channels_last ? acc_t(0) : load<scalar_t, acc_t>(x + c * plan.spatial);
+}
+
 // V elements per load: 16 bytes (Vec<scalar_t>::kSize) where vector_chunks
 // allows it, else 1 (the scalar fallback). The vector path feeds the same
 // values to Welford in another order (each thread takes V consecutive ones
@@ -47,12 +61,13 @@ __global__ void __launch_bounds__(kChunkThreads)
   // len <= kChunkElements fits 32 bits, so the index split is a 32-bit
   // divide; i counts vectors, w is a row's width in vectors.
   const uint32_t w = static_cast<uint32_t>(chunk.width / V), len = static_cast<uint32_t>(chunk.planes * w);
+  const acc_t pivot = channel_pivot<scalar_t, acc_t>(x, plan, c);
   Moments<acc_t> m{};
   for (uint32_t i = threadIdx.x; i < len; i += kChunkThreads) {
     const uint32_t p = i / w, s = i - p * w;
     const Vec<scalar_t, V> v = load_vec<V>(base + static_cast<int64_t>(p) * C * S + static_cast<int64_t>(s) * V);
 #pragma unroll
-    for (int k = 0; k < V; ++k) welford(m, load<scalar_t, acc_t>(&v.v[k]));
+    for (int k = 0; k < V; ++k) welford(m, load<scalar_t, acc_t>(&v.v[k]) - pivot);
   }
   m = block_reduce<kChunkThreads>(m, MergeMoments{});
   if (threadIdx.x == 0) {
@@ -83,9 +98,10 @@ __global__ void __launch_bounds__(kTileChannels* kTileRows)
   }
 }
 
-template <typename acc_t>
+template <typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kChunkThreads)
-    merge_chunks(StatsPlan plan, int64_t correction, const acc_t* __restrict__ part_mean,
+    merge_chunks(const scalar_t* __restrict__ x, StatsPlan plan, int64_t correction,
+                 const acc_t* __restrict__ part_mean,
                  const acc_t* __restrict__ part_m2, const acc_t* __restrict__ part_count, acc_t* __restrict__ mean,
                  acc_t* __restrict__ var) {
   const int64_t c = blockIdx.x, C = plan.channels;
@@ -98,7 +114,7 @@ __global__ void __launch_bounds__(kChunkThreads)
       MergeMoments{});
   if (threadIdx.x == 0) {
     const double dof = m.count - static_cast<double>(correction);
-    mean[c] = static_cast<acc_t>(m.mean);
+    mean[c] = static_cast<acc_t>(m.mean + static_cast<double>(channel_pivot<scalar_t, acc_t>(x, plan, c)));
     var[c] = dof > 0 ? static_cast<acc_t>(m.m2 / dof) : static_cast<acc_t>(nan(""));
   }
 }
@@ -132,8 +148,8 @@ cudaError_t launch(const void* input, const StatsPlan& plan, int64_t correction,
   }
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  EFFILAYERS_LAUNCH(static_cast<unsigned>(C), kChunkThreads, stream, merge_chunks<acc_t>)(
-      plan, correction, part_mean, part_m2, part_count, mean, var);
+  EFFILAYERS_LAUNCH(static_cast<unsigned>(C), kChunkThreads, stream, merge_chunks<scalar_t, acc_t>)(
+      x, plan, correction, part_mean, part_m2, part_count, mean, var);
   return cudaGetLastError();
 }
 
