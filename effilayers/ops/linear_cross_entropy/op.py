@@ -106,11 +106,8 @@ def _chunks(input, weight, target, bias, class_weight, ignore_index, label_smoot
     # reads a float32 copy of each chunk's logits gradient, which counts
     # against the chunk's bytes too.
     needs_scratch = (needs[1] or needs[2]) and compute_dtype != acc and device.type != "cuda"
-    bytes_per_logit = torch.empty((), dtype=compute_dtype).element_size()
-    acc_size = torch.empty((), dtype=acc).element_size()
-    if needs_scratch:
-        bytes_per_logit += acc_size
-    vocab_bytes = torch.empty((), dtype=compute_dtype).element_size() + VOCAB_TEMPORARIES * acc_size
+    bytes_per_logit = compute_dtype.itemsize + (acc.itemsize if needs_scratch else 0)
+    vocab_bytes = compute_dtype.itemsize + VOCAB_TEMPORARIES * acc.itemsize
     step, vocab_step = chunk_shape(tokens, classes, bytes_per_logit, vocab_bytes,
                                    input.numel() * input.element_size(), chunk_size)
     loss_rows = torch.empty(tokens, dtype=acc, device=device) if keep_rows else None
