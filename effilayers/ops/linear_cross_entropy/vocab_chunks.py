@@ -58,9 +58,8 @@ def vocab_chunked_rows(x, w, b, target, class_weight, ignore_index, eps, grad_sc
     writes ``grad_input`` (this chunk's rows, any dtype) and adds into
     ``grad_weight`` / ``grad_bias`` (accumulation dtype), the logits'
     gradient scaled by ``grad_scale`` (1 element) and ``row_scale`` (per row or
-    None). ``class_weight``: None or in the accumulation dtype."""
-    acc = grad_weight.dtype if grad_weight is not None else (torch.float64 if x.dtype == torch.float64
-                                                             else torch.float32)
+    None). ``acc``: the accumulation dtype (``accumulation_dtype`` of the
+    compute dtype); ``class_weight``: None or in it."""
     rows_n, classes = x.shape[0], w.shape[0]
     device = x.device
     soft = target.is_floating_point()
