@@ -312,19 +312,27 @@ def test_an_op_whose_cpu_path_is_pytorch_does_not_warn():
 
 
 def test_a_cpp_kernel_may_be_a_composition_of_compiled_kernels():
-    """The DenseNet bottleneck's CPU kernel is a Python function over ABN's C++
-    kernels: it is chosen, as a compiled kernel, exactly when the library is."""
-    from effilayers.ops.densenet import cpu
+    """A cpp kernel given as a Python callable (composing the library's
+    compiled kernels) is chosen, as a compiled kernel, exactly when the
+    library is."""
+    name = "test_cpp_composition"
 
-    with effilayers.use_backend(None):
-        backends._state.choices.pop(("dense_bottleneck_forward", "cpu"), None)
-        chosen = backends.choice("dense_bottleneck_forward", "cpu")
+    def composed(x):
+        return torch.ops.effilayers_cpu.batch_stats(x, 0)
+
+    backends.register(backends.OpKernels(name=name, reference=lambda x: x, cpp=composed))
+    try:
+        with effilayers.use_backend(None):
+            chosen = backends.choice(name, "cpu")
+    finally:
+        backends._state.ops.pop(name)
+        backends._state.choices.pop((name, "cpu"), None)
     if chosen.backend != "cpp":
         from .conftest import REQUIRE_COMPILED
 
         assert not REQUIRE_COMPILED, chosen.reason
         pytest.skip(f"the C++ library is unavailable here: {chosen.reason}")
-    assert chosen.backend == "cpp" and chosen.kernel is cpu.forward
+    assert chosen.kernel is composed
     assert chosen.reason == "compiled kernel"
 
 

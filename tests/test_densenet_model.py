@@ -129,13 +129,13 @@ def _count_bottlenecks(monkeypatch):
     from effilayers.models import densenet as densenet_module
 
     calls = []
-    original = densenet_module.bottleneck
+    original = densenet_module.norm_relu_conv
 
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(densenet_module, "bottleneck", counting)
+    monkeypatch.setattr(densenet_module, "norm_relu_conv", counting)
     return calls
 
 

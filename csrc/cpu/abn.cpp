@@ -35,6 +35,7 @@
 #include "common/batch_norm.h"
 #include "common/checks.h"
 #include "common/schemas.h"
+#include "cpu/abn.h"
 #include "cpu/vec.h"
 
 namespace effilayers {
@@ -441,6 +442,8 @@ at::Tensor forward(const at::Tensor& x_arg, const at::Tensor& mean, const at::Te
   return out;
 }
 
+}  // namespace
+
 at::Tensor abn_forward_cpu(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& invstd,
                            const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                            const std::optional<at::Tensor>& residual, std::string activation, double param,
@@ -455,6 +458,8 @@ void abn_forward_inplace_cpu(at::Tensor& x, const at::Tensor& mean, const at::Te
                              double weight_eps) {
   forward(x, mean, invstd, weight, bias, residual, activation, param, weight_eps, /*inplace=*/true, "abn_forward_");
 }
+
+namespace {
 
 // What both backward kernels start from: checked arguments, the saved
 // tensor in a layout the kernels walk, and grad/residual with its strides.
@@ -474,6 +479,8 @@ struct BackwardInputs {
         residual(matching(residual_arg, saved, op, "residual")),
         walk(batch_geometry(saved)) {}
 };
+
+}  // namespace
 
 std::tuple<at::Tensor, at::Tensor> abn_backward_reduce_cpu(
     const at::Tensor& grad_arg, const at::Tensor& saved_arg, const at::Tensor& mean, const at::Tensor& invstd,
@@ -542,7 +549,6 @@ std::tuple<at::Tensor, at::Tensor> abn_backward_elemt_cpu(
   return {grad_input, grad_residual};
 }
 
-}  // namespace
 }  // namespace effilayers
 
 TORCH_LIBRARY_FRAGMENT(effilayers_cpu, m) {

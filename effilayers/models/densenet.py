@@ -78,7 +78,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..nn import ABN
-from ..ops.densenet import bottleneck, layout_of
+from ..ops.densenet import layout_of, norm_relu_conv
 from ..ops.stats import batch_stats
 from ._common import (activated_norm, activation_slot, check_bool, check_norm_act, drop_weight_arguments,
                       fix_arguments, imagenet_stem, positive_int)
@@ -139,7 +139,7 @@ def _norm_relu_conv(features: list[torch.Tensor], norm: nn.BatchNorm2d, conv: nn
     :func:`_plain_conv`)."""
     update = norm.training and norm.track_running_stats
     keeps_running = not norm.training or norm.track_running_stats
-    return bottleneck(
+    return norm_relu_conv(
         features, norm.weight, norm.bias,
         norm.running_mean if keeps_running else None,
         norm.running_var if keeps_running else None,

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .._core import registry
-from .._core.dtypes import accumulation_dtype
+from .._core.dtypes import accumulation_dtype, as_dtype
 from .stats import combine_batch_stats, values_per_channel
 
 __all__ = ["distributed", "channel_stats", "batch_statistics", "normalizing_statistics", "update_running_stats", "backward_passes"]
@@ -59,11 +59,6 @@ def batch_statistics(parts: Sequence[torch.Tensor], group=None) -> tuple[torch.T
     return mean.to(acc), var.to(acc), int(total)
 
 
-def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    # A no-op .to() still costs a call into torch per tensor, on the hot path.
-    return t if t.dtype == dtype else t.to(dtype)
-
-
 @torch.no_grad()
 def update_running_stats(running_mean, running_var, num_batches_tracked, mean, var, count: int, momentum) -> None:
     """BatchNorm's update, with its arithmetic: ``running = (1 - f) running +
@@ -75,9 +70,9 @@ def update_running_stats(running_mean, running_var, num_batches_tracked, mean, v
         return
     factor = (1.0 / float(num_batches_tracked)) if momentum is None else momentum
     if running_mean is not None:
-        running_mean.mul_(1 - factor).add_(_as(mean, running_mean.dtype), alpha=factor)
+        running_mean.mul_(1 - factor).add_(as_dtype(mean, running_mean.dtype), alpha=factor)
     if running_var is not None:
-        running_var.mul_(1 - factor).add_(_as(var * (count / (count - 1)), running_var.dtype), alpha=factor)
+        running_var.mul_(1 - factor).add_(as_dtype(var * (count / (count - 1)), running_var.dtype), alpha=factor)
 
 
 def _too_few_values(parts: Sequence[torch.Tensor], where: str, group) -> ValueError:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from ..._core import registry
-from ..._core.dtypes import accumulation_dtype
+from ..._core.dtypes import accumulation_dtype, as_dtype
 from .. import _batchnorm
 from . import reference
 from .contract import (DEFAULT_WEIGHT_EPS, check_activation, check_arguments, check_in_place, check_input,
@@ -133,8 +133,8 @@ class _ActivatedBatchNorm(torch.autograd.Function):
         # clamp is flat, and its true derivative (zero) would freeze a weight
         # that starts or decays there (zero_init_residual) for good.
         return (grad_input if need_input else None,
-                _batchnorm._as(sum_dy_xhat, weight.dtype) if need_weight else None,
-                _batchnorm._as(sum_dy, bias.dtype) if need_bias else None,
+                as_dtype(sum_dy_xhat, weight.dtype) if need_weight else None,
+                as_dtype(sum_dy, bias.dtype) if need_bias else None,
                 grad_residual if want_residual_grad else None,
                 None, None, None, None)
 

@@ -41,10 +41,10 @@ computes them once per new feature map and passes them in
 (``batch_statistics=``); only each layer's ``weight`` and ``bias`` differ.
 
 Kernels (custom ops ``effilayers::dense_bottleneck_forward`` / ``_backward``,
-any stride-1 convolution given its padding): on CPU, ABN's C++ kernels
-normalise and activate the recomputed concatenation in one pass (in place in
-the forward) and compute the BatchNorm+ReLU backward, around PyTorch's
-convolution; on CUDA, Triton virtual-concatenation GEMMs for the 1x1 case
+any stride-1 convolution given its padding): on CPU one C++ call each
+(``csrc/cpu/densenet.cpp``), where ABN's kernels normalise and activate the
+recomputed concatenation in one pass (in place in the forward) and compute
+the BatchNorm+ReLU backward, around ATen's convolution; on CUDA, Triton virtual-concatenation GEMMs for the 1x1 case
 (``triton.py``) and PyTorch ops for the rest. The
 pure-PyTorch ``reference.forward`` / ``reference.backward`` are the oracle.
 """
@@ -56,11 +56,12 @@ from typing import Optional, Sequence
 import torch
 
 from ..._core import registry
+from ..._core.dtypes import as_dtype
 from .. import _batchnorm
-from . import cpu, reference
+from . import reference
 from .contract import check_arguments, layout_of
 
-__all__ = ["bottleneck", "layout_of"]
+__all__ = ["bottleneck", "norm_relu_conv", "layout_of"]
 
 
 def _output_size(first: torch.Tensor, conv_weight: torch.Tensor, padding: int) -> list[int]:
@@ -97,10 +98,11 @@ _backward_op = registry.define(
     "dense_bottleneck_backward", "(Tensor grad_out, Tensor[] features, Tensor mean, Tensor invstd, Tensor weight, "
     "Tensor bias, Tensor conv_weight, bool batch_stats, bool need_input, bool need_conv, int padding) "
     "-> (Tensor, Tensor, Tensor, Tensor)", _backward_like)
-registry.register(registry.OpKernels(name="dense_bottleneck_forward", reference=reference.forward, cpp=cpu.forward,
+registry.register(registry.OpKernels(name="dense_bottleneck_forward", reference=reference.forward,
+                                     cpp="dense_bottleneck_forward",
                                      triton="effilayers.ops.densenet.triton:forward"))
 registry.register(registry.OpKernels(name="dense_bottleneck_backward", reference=reference.backward,
-                                     cpp=cpu.backward, triton="effilayers.ops.densenet.triton:backward"))
+                                     cpp="dense_bottleneck_backward", triton="effilayers.ops.densenet.triton:backward"))
 
 
 class _Bottleneck(torch.autograd.Function):
@@ -118,7 +120,7 @@ class _Bottleneck(torch.autograd.Function):
         vectors = reference.affine_vectors(weight, bias, mean)
         first = features[0]
         out = registry.dispatch("dense_bottleneck_forward", first)(
-            list(features), mean, invstd, *vectors, conv_weight.to(first.dtype), padding)
+            list(features), mean, invstd, *vectors, as_dtype(conv_weight, first.dtype), padding)
         ctx.padding = padding
         ctx.use_batch_stats = use_batch_stats
         ctx.num_features = len(features)
@@ -141,17 +143,17 @@ class _Bottleneck(torch.autograd.Function):
         in_dtype = features[0].dtype
         vectors = reference.affine_vectors(weight, bias, mean)
         grad_input, grad_bias, grad_weight, grad_conv = registry.dispatch("dense_bottleneck_backward", grad_out)(
-            grad_out, features, mean, invstd, *vectors, conv_weight.to(in_dtype), ctx.use_batch_stats, need_input,
+            grad_out, features, mean, invstd, *vectors, as_dtype(conv_weight, in_dtype), ctx.use_batch_stats, need_input,
             need_conv, ctx.padding)
-        grad_conv = grad_conv.to(conv_weight.dtype) if need_conv else None
+        grad_conv = as_dtype(grad_conv, conv_weight.dtype) if need_conv else None
         if need_features:
             grad_features = list(torch.split(grad_input, [f.shape[1] for f in features], 1))
         else:
             grad_features = [None] * ctx.num_features
         grad_features = [g if need else None for g, need in zip(grad_features, ctx.needs_input_grad[first_feature:])]
         return (
-            None if weight is None or not ctx.needs_input_grad[0] else grad_weight.to(weight.dtype),
-            None if bias is None or not ctx.needs_input_grad[1] else grad_bias.to(bias.dtype),
+            None if weight is None or not ctx.needs_input_grad[0] else as_dtype(grad_weight, weight.dtype),
+            None if bias is None or not ctx.needs_input_grad[1] else as_dtype(grad_bias, bias.dtype),
             None, None, None,
             grad_conv,
             *(None,) * (first_feature - 6),
@@ -203,6 +205,17 @@ def bottleneck(
     """
     features = check_arguments(features, weight, bias, running_mean, running_var, conv_weight, training, momentum,
                                eps, num_batches_tracked, padding, batch_statistics)
+    return norm_relu_conv(features, weight, bias, running_mean, running_var, conv_weight, training, momentum, eps,
+                          num_batches_tracked, padding, batch_statistics)
+
+
+def norm_relu_conv(features: list[torch.Tensor], weight, bias, running_mean, running_var, conv_weight,
+                   training: bool, momentum, eps: float, num_batches_tracked, padding: int,
+                   batch_statistics) -> torch.Tensor:
+    """:func:`bottleneck` without its checks, for callers whose arguments are
+    consistent by construction (DenseNet's layers and transitions, whose
+    modules were checked when built): the checks would run on every layer of
+    every step."""
     shared_mean, shared_var = batch_statistics if batch_statistics is not None else (None, None)
     return _Bottleneck.apply(weight, bias, running_mean, running_var, num_batches_tracked, conv_weight,
                              bool(training), None if momentum is None else float(momentum), float(eps), padding,

@@ -8,6 +8,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..._core.dtypes import as_dtype
 from .contract import in_layout, layout_of
 
 __all__ = ["forward", "backward", "concatenated", "affine_vectors", "nothing"]
@@ -43,8 +44,8 @@ def affine_vectors(weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                     mean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """BatchNorm's weight and bias in the statistics' dtype (ones and zeros
     without affine parameters)."""
-    w = torch.ones_like(mean) if weight is None else weight.detach().to(mean.dtype)
-    b = torch.zeros_like(mean) if bias is None else bias.detach().to(mean.dtype)
+    w = torch.ones_like(mean) if weight is None else as_dtype(weight.detach(), mean.dtype)
+    b = torch.zeros_like(mean) if bias is None else as_dtype(bias.detach(), mean.dtype)
     return w, b
 
 

@@ -96,7 +96,9 @@ def batch_stats(input: torch.Tensor, correction: int = 0):
     ``torch.compile(fullgraph=True)``.
     """
     check_input(input, correction)
-    return _batch_stats_op(input, correction)
+    # With autograd not recording (no_grad, as BatchNorm-style callers use
+    # it) this is the kernel itself, without the custom op's Python wrapper.
+    return registry.dispatch("batch_stats", input)(input, correction)
 
 
 def combine_batch_stats(
