@@ -395,3 +395,31 @@ def test_an_effilayers_warning_no_test_expects_fails_it():
 
     with pytest.raises(RuntimeWarning, match="effilayers: compiled test-device kernels are unavailable"):
         registry._warn_fallback("test-device", "a reason for this test")
+
+
+def test_compiled_schemas_match_the_custom_ops():
+    """An op whose compiled kernel has its custom op's name is the same op on
+    both sides of the registry (csrc/common/schemas.h against each
+    ``registry.define``): same arguments, types and results, so the eager
+    direct call and the traced custom op can never take different inputs."""
+    from effilayers._core import build
+
+    from .conftest import REQUIRE_COMPILED
+
+    try:
+        build.build_and_load("cpu")
+    except build.ExtensionUnavailable as error:
+        assert not REQUIRE_COMPILED, str(error)
+        pytest.skip(f"the C++ library is unavailable here: {error}")
+    compared = []
+    for name, kernels in sorted(backends._state.ops.items()):
+        if kernels.cpp != name or not hasattr(torch.ops.effilayers, name):
+            continue
+        ours, compiled = getattr(torch.ops.effilayers, name).default._schema, \
+            getattr(torch.ops.effilayers_cpu, name).default._schema
+        assert [(a.name, str(a.type)) for a in ours.arguments] == [(a.name, str(a.type)) for a in compiled.arguments], \
+            (str(ours), str(compiled))
+        assert [str(r.type) for r in ours.returns] == [str(r.type) for r in compiled.returns], (str(ours), str(compiled))
+        compared.append(name)
+    assert {"abn_forward", "batch_stats", "dense_bottleneck_forward", "dense_bottleneck_backward",
+            "softmax_forward"} <= set(compared), compared
