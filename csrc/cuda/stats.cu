@@ -9,9 +9,9 @@
 //      double, and writes mean and var.
 // Welford per element keeps the variance of large-mean data (1e4 +- 1 in
 // fp16) that a one-pass sum of squares would lose; the arithmetic is hidden
-// under the memory traffic of these loops. In NCHW each channel's values
-// are also shifted by the channel's first value (its pivot) before they
-// reach Welford: the block's float merges of rounded means would otherwise cost
+// under the memory traffic of these loops. Each channel's values are also
+// shifted by the channel's first value (its pivot) before they reach
+// Welford: the block's float merges of rounded means would otherwise cost
 // the variance up to about eps * |mean| / std (1e-4 relative for a few fp32
 // values of spread 0.1 around 300, seen on an H200); merge_chunks adds the
 // pivot back to the mean, in double.
@@ -37,13 +37,12 @@ namespace {
 constexpr int64_t kChunkElements = 16384;
 constexpr int64_t kMaxChunksPerChannel = 1024;
 
-// What partial_channels_first subtracts from channel c's values: its first
-// value, element (0, c, 0) of contiguous NCHW input. partial_channels_last
-// does not shift (pivot 0): the register it takes pushes that kernel into a
-// spill on sm_80 and sm_90 (python -m effilayers.info --kernels).
+// What the partial kernels subtract from channel c's values: its first
+// value, element (0, c, 0) of contiguous NCHW input, element c of
+// channels_last (rows of C) input.
 template <typename scalar_t, typename acc_t>
 __device__ __forceinline__ acc_t channel_pivot(const scalar_t* x, const StatsPlan& plan, int64_t c) {
-  return plan.channels_last ? acc_t(0) : load<scalar_t, acc_t>(x + c * plan.spatial);
+  return load<scalar_t, acc_t>(x + (plan.channels_last ? c : c * plan.spatial));
 }
 
 // V elements per load: 16 bytes (Vec<scalar_t>::kSize) where vector_chunks
@@ -86,9 +85,14 @@ __global__ void __launch_bounds__(kTileChannels* kTileRows)
   const int64_t c = rows.c, j = rows.j;
   Moments<acc_t> m{};
   if (c < C) {
-    for (int64_t r = rows.first + threadIdx.y; r < rows.last; r += kTileRows) {
-      welford(m, load<scalar_t, acc_t>(x + r * C + c));
-    }
+    const acc_t pivot = channel_pivot<scalar_t, acc_t>(x, plan, c);
+    const int64_t first = rows.first + threadIdx.y;
+    // A 32-bit trip count and a moving pointer: the 64-bit row index and its
+    // product with C cost the registers the pivot needs (no spill at 32).
+    const int trips = first < rows.last ? static_cast<int>((rows.last - first + kTileRows - 1) / kTileRows) : 0;
+    const scalar_t* p = x + first * C + c;
+    const int64_t step = kTileRows * C;
+    for (int i = 0; i < trips; ++i, p += step) welford(m, load<scalar_t, acc_t>(p) - pivot);
   }
   m = column_reduce<kTileChannels, kTileRows>(m, MergeMoments{});
   if (threadIdx.y == 0 && c < C) {
