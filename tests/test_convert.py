@@ -647,3 +647,18 @@ def test_report_types_and_exports():
     assert effilayers.revert is revert
     assert "effilayers.convert(mode='inplace'" in str(report)
 
+
+
+def test_fused_activation_records_what_it_stands_for():
+    model = small_cnn()
+    convert(model)
+    pairs = [(slot, parent._modules[slot.fused_into]) for parent in model.modules()
+             for slot in parent._modules.values() if isinstance(slot, FusedActivation)]
+    assert len(pairs) == 4
+    assert all((slot.activation, slot.activation_param) == (norm.activation, norm.activation_param)
+               for slot, norm in pairs)
+    assert FusedActivation("bn").activation is None
+    with pytest.raises(ValueError, match="FusedActivation: activation must be one of"):
+        FusedActivation("bn", activation="gelu")
+    with pytest.raises(TypeError, match="FusedActivation: activation_param must be a float"):
+        FusedActivation("bn", activation="elu", activation_param="1")

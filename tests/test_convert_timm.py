@@ -12,15 +12,21 @@ import pytest
 import torch
 from torch import nn
 
-from effilayers import convert, revert
-from effilayers.nn import ABN, InPlaceABN
+from torch.nn.modules.batchnorm import _BatchNorm
 
-from .equivalence import assert_same_results, forward_backward, inputs
+from effilayers import convert, revert
+from effilayers.convert import FusedActivation
+from effilayers.nn import ABN, InPlaceABN, InPlaceABNSync
+
+from .equivalence import assert_close_scaled, assert_same_results, forward_backward, inputs
 from .torchvision_style import randomize_norms
 
 try:
     import timm
-    from timm.layers import BatchNormAct2d
+    import timm.utils
+    from timm.layers import BatchNormAct2d, FrozenBatchNormAct2d, freeze_batch_norm_2d
+    from timm.models.resnet import BasicBlock as TimmBasicBlock
+    from torchvision.ops.misc import FrozenBatchNorm2d
 except (ImportError, RuntimeError) as error:  # a torchvision built for another torch raises RuntimeError
     pytest.skip(f"timm is not importable here ({type(error).__name__}: {error}); install the 'timm' extra",
                 allow_module_level=True)
@@ -105,8 +111,10 @@ def test_batchnorm_act2d_in_place_where_its_input_is_fresh():
     assert not report.left_alone, str(report)
     layer = model.features.denseblock1.denselayer1
     # norm2 reads conv1's fresh output: in place; norm1 reads the concatenated features: not
-    assert type(layer.norm2) is InPlaceABN and type(layer.norm1) is ABN
-    assert type(model.features.norm0) is InPlaceABN  # after conv0 in the features Sequential
+    # (their classes are the timm form of InPlaceABN / ABN, see the freeze tests below)
+    assert isinstance(layer.norm2, InPlaceABN) and isinstance(layer.norm1, ABN)
+    assert not isinstance(layer.norm1, InPlaceABN)
+    assert isinstance(model.features.norm0, InPlaceABN)  # after conv0 in the features Sequential
     x = inputs((4, 3, 32, 32))
     reference = copy.deepcopy(model)
     revert(reference)
@@ -122,3 +130,109 @@ def test_batchnorm_act2d_in_place_where_its_input_is_fresh():
     revert(model)
     assert classes(model) == before_classes
     assert all(snapshot(model)[key] is value for key, value in before_state.items())
+
+
+# ---- timm's freeze helpers on converted models --------------------------------------------
+
+
+def frozen_norms(model):
+    return [module for module in model.modules() if isinstance(module, (FrozenBatchNormAct2d, FrozenBatchNorm2d))]
+
+
+def eval_output(model, x):
+    with torch.no_grad():
+        return model.eval()(x.clone())
+
+
+def assert_frozen_training_step(model, x, expected):
+    """In training mode the frozen model computes the converted model's eval
+    function; its norms have no parameters and their statistics do not move."""
+    before = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    model.train()
+    out = model(x.clone())
+    assert_close_scaled(out.detach(), expected, "frozen output in training mode")
+    out.square().sum().backward()
+    norms = frozen_norms(model)
+    assert norms and all(not list(norm.parameters()) for norm in norms)
+    assert all(p.grad is not None for p in model.parameters())  # the rest trains
+    for name, buffer in model.named_buffers():
+        assert torch.equal(buffer, before[name]), name
+
+
+@pytest.mark.parametrize("name, mode", [("resnet18", "inplace"), ("resnet18", "abn"), ("resnet26d", "inplace"),
+                                        ("densenet121", "inplace"), ("densenet121", "abn")])
+def test_timm_freeze_swaps_every_converted_norm_and_keeps_the_function(name, mode):
+    model = timm_model(name)
+    report = convert(model, mode=mode)
+    fused = [module for module in model.modules() if isinstance(module, ABN)]
+    assert len(fused) == len(report.fused) and all(isinstance(module, BatchNormAct2d) for module in fused)
+    norms = sum(isinstance(module, _BatchNorm) for module in model.modules())
+    x = inputs((4, 3, 32, 32))
+    expected = eval_output(model, x)
+
+    assert freeze_batch_norm_2d(model) is model
+    # every norm swapped, fused or left plain by convert; a residual tail's
+    # activation now runs after the sum, in the block
+    assert not any(isinstance(module, _BatchNorm) for module in model.modules())
+    assert len(frozen_norms(model)) == norms
+    acts = [type(norm.act) for norm in frozen_norms(model) if isinstance(norm, FrozenBatchNormAct2d)]
+    assert nn.LeakyReLU in acts if mode == "inplace" else nn.ReLU in acts
+    assert_close_scaled(eval_output(model, x), expected, "frozen output")
+    assert_frozen_training_step(model, x, expected)
+
+
+def test_timm_utils_freeze_of_some_blocks_then_revert():
+    """timm.utils.freeze on the stem norm and layer1 (converted norms among
+    them); revert then gives timm's classes back, leaving the frozen norms."""
+    model = timm_model("resnet18")
+    convert(model, mode="inplace")
+    x = inputs((4, 3, 32, 32))
+    expected = eval_output(model, x)
+    timm.utils.freeze(model, ["bn1", "layer1"])
+    assert isinstance(model.bn1, FrozenBatchNormAct2d) and type(model.bn1.act) is nn.LeakyReLU
+    assert isinstance(model.layer1[0].bn2, FrozenBatchNormAct2d) and type(model.layer1[0].bn2.act) is nn.Identity
+    assert isinstance(model.layer2[0].bn1, InPlaceABN)
+    assert_close_scaled(eval_output(model, x), expected, "partly frozen output")
+
+    report = revert(model)
+    assert not any(isinstance(module, ABN) for module in model.modules())
+    assert all(type(block) is TimmBasicBlock for block in (model.layer1[0], model.layer2[0]))
+    assert isinstance(model.layer1[0].bn2, FrozenBatchNormAct2d) and type(model.layer1[0].act2) is nn.LeakyReLU
+    assert isinstance(model.act1, FusedActivation)  # the frozen stem norm applies it
+    assert {entry.path for entry in report.left_alone} == {"act1", "layer1.0.act1"}, str(report)
+    assert type(model.layer2[0].bn1) is nn.BatchNorm2d and type(model.layer2[0].act1) is nn.LeakyReLU
+    assert_close_scaled(eval_output(model, x), expected, "reverted output")
+
+
+def test_converted_timm_norms_stay_freezable_through_pickle_and_sync():
+    model = timm_model("resnet18")
+    convert(model, mode="inplace")
+    x = inputs((4, 3, 32, 32))
+    expected = eval_output(model, x)
+    model = InPlaceABNSync.convert_sync_abn(pickle.loads(pickle.dumps(model)))
+    fused = [module for module in model.modules() if isinstance(module, ABN)]
+    assert fused and all(isinstance(module, InPlaceABNSync) and isinstance(module, BatchNormAct2d) for module in fused)
+    assert type(model.layer1[0].bn2.act) is nn.Identity and type(model.layer1[0].bn1.act) is nn.LeakyReLU
+    freeze_batch_norm_2d(model)
+    assert not any(isinstance(module, _BatchNorm) for module in model.modules())
+    assert_close_scaled(eval_output(model, x), expected, "synchronised then frozen output")
+
+
+@pytest.mark.parametrize("mode", ["inplace", "abn"])
+def test_timm_freeze_leaves_converted_torchvision_norms_alone(mode):
+    """Outside timm models the fused modules are not BatchNorm2ds: timm's
+    freeze leaves them (and their function) as they are; only the plain
+    norms convert left (mode="abn": the projection shortcuts') are frozen."""
+    import torchvision
+
+    torch.manual_seed(0)
+    model = randomize_norms(torchvision.models.resnet18(num_classes=4).double())
+    convert(model, mode=mode)
+    fused = [module for module in model.modules() if isinstance(module, ABN)]
+    x = inputs((2, 3, 32, 32))
+    expected = eval_output(model, x)
+    freeze_batch_norm_2d(model)
+    assert [module for module in model.modules() if isinstance(module, ABN)] == fused
+    assert not any(isinstance(module, BatchNormAct2d) for module in fused)
+    assert len(frozen_norms(model)) == (3 if mode == "abn" else 0)
+    assert_close_scaled(eval_output(model, x), expected, "output")

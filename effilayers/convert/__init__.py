@@ -50,6 +50,22 @@ What is recognised (anything else is left alone and reported, with why):
   output (after a convolution in a Sequential, DenseLayer's ``norm2``,
   ConvNormAct's ``bn``), else an ``ABN`` (DenseLayer's ``norm1`` reads the
   concatenated features). ``revert`` gives timm's class back.
+* **timm's freeze helpers**: in a model built from timm's classes, each
+  norm fused where a ``BatchNorm2d`` / ``SyncBatchNorm`` / ``BatchNormAct2d``
+  was is also an instance of timm's ``BatchNormAct2d``
+  (``timm_blocks.norm_act_class``: a run-time subclass of its effilayers
+  class and timm's; same forward, state dict and children), whose ``act``
+  says what it applies in its place: the fused activation, or Identity for
+  a block's last norm, whose activation the block applies after the sum.
+  So ``timm.layers.freeze_batch_norm_2d`` / ``timm.utils.freeze`` turn it
+  into a ``FrozenBatchNormAct2d`` computing the same function, and the
+  fused blocks run timm's own tail (norm, sum, activation) once their last
+  norm is frozen. ``revert`` after freezing leaves the frozen norms (and the
+  pass-throughs beside them, reported) and reverts the rest, blocks
+  included. In models without timm classes (torchvision's included) the fused modules
+  are not ``BatchNorm2d``s and timm's helpers leave them alone. As after
+  ``revert``, a frozen copy of an InPlaceABN uses its weight itself, not
+  the ±1e-3 it clamps tiny weights to.
 
 An activation module object may be shared by several slots (one ``ReLU``
 reused along a Sequential, say): only the slot is replaced, so its other
@@ -162,6 +178,8 @@ class _Converter:
         self.report = ConversionReport(mode, activation_param)
         self.visited: set[int] = set()
         self.reported: set[int] = set()
+        # timm's BatchNormAct2d when the model is built from timm's classes
+        self.timm_norm_act = timm_blocks.timm_norm_act(root)
 
     # -- decisions shared by every pattern
 
@@ -200,6 +218,16 @@ class _Converter:
             "note": note,
         }
         return fused, details
+
+    def timm_form(self, fused: ABN, act_in_block: bool = False) -> None:
+        """In a timm model, a fused norm that replaced a BatchNorm2d (or a
+        SyncBatchNorm, which timm's freeze treats alike) becomes a
+        BatchNormAct2d too, so timm's freeze helpers find it
+        (timm_blocks.norm_act_class)."""
+        plain = getattr(fused, PLAIN_TYPE_ATTR, None)
+        if self.timm_norm_act is not None and isinstance(plain, type) and issubclass(
+                plain, (nn.BatchNorm2d, nn.SyncBatchNorm)):
+            timm_blocks.to_norm_act(fused, self.timm_norm_act, act_in_block)
 
     def leave(self, module: nn.Module, path: str, reason: str) -> None:
         if id(module) not in self.reported:
@@ -293,7 +321,8 @@ class _Converter:
                 continue
             fused, details = outcome
             sequential._modules[name] = fused
-            sequential._modules[act_name] = FusedActivation(name, getattr(act_module, "inplace", True))
+            sequential._modules[act_name] = _placeholder(name, act_module, fused)
+            self.timm_form(fused)
             self.record(join_path(prefix, name), join_path(prefix, act_name), "sequential", details)
         return reasons
 
@@ -313,10 +342,11 @@ class _Converter:
             return {"bn1": outcome}
         fused, details = outcome
         model._modules["bn1"] = fused
-        model._modules[act_name] = FusedActivation("bn1", getattr(act_module, "inplace", True))
+        model._modules[act_name] = _placeholder("bn1", act_module, fused)
+        self.timm_form(fused)
         self.record(join_path(prefix, "bn1"), join_path(prefix, act_name), "resnet_stem", details)
         pool = model._modules["maxpool"]
-        if type(fused) is not ABN and type(pool) is nn.MaxPool2d and not pool.return_indices and not has_hooks(pool):
+        if isinstance(fused, InPlaceABN) and type(pool) is nn.MaxPool2d and not pool.return_indices and not has_hooks(pool):
             # The stem output is kept by the fused norm already; a pool that
             # recomputes its argmax keeps nothing more (no int64 indices).
             model._modules["maxpool"] = swap_pool(pool, MaxPool2d)
@@ -372,7 +402,7 @@ class _Converter:
         shortcut = modules.get("downsample")
         if shortcut is not None and is_plain_sequential(shortcut) and len(shortcut):
             self.shortcut_norm(shortcut, join_path(path, "downsample"),
-                               in_place=all(type(fused) is not ABN for fused, _ in planned.values()))
+                               in_place=all(isinstance(fused, InPlaceABN) for fused, _ in planned.values()))
         return replacement
 
     def shortcut_norm(self, shortcut: nn.Sequential, path: str, in_place: bool) -> None:
@@ -404,6 +434,7 @@ class _Converter:
             self.leave(last, norm_path, f"cannot be represented as an ABN: {error}")
             return
         shortcut._modules[last_name] = fused
+        self.timm_form(fused)
         self.record(norm_path, None, "resnet_shortcut", {
             "module": type(fused).__name__, "before": f"{type(last).__name__}", "after": "InPlaceABN(identity)",
             "residual": False, "function_changed": False, "note": clamp_note(fused)})
@@ -433,6 +464,7 @@ class _Converter:
         # class itself, or a BatchNormAct for another class of that shape.
         setattr(fused, PLAIN_TYPE_ATTR, type(module) if type(module).__module__.startswith("timm.") else BatchNormAct)
         parent._modules[name] = fused
+        self.timm_form(fused)
         self.record(path, None, "norm_act", details)
 
     def timm_block(self, block: nn.Module, prefix: str) -> dict[str, str]:
@@ -457,7 +489,7 @@ class _Converter:
         shortcut = getattr(block, "downsample", None)
         if isinstance(shortcut, nn.Module) and is_plain_sequential(shortcut) and len(shortcut):
             self.shortcut_norm(shortcut, join_path(prefix, "downsample"),
-                               in_place=type(block._modules[norm_name]) is not ABN)
+                               in_place=isinstance(block._modules[norm_name], InPlaceABN))
         return reasons
 
     def block_pair(self, block, prefix, conv_name, norm_name, act_name, between, residual) -> Optional[str]:
@@ -481,9 +513,14 @@ class _Converter:
             return outcome
         fused, details = outcome
         block._modules[norm_name] = fused
-        block._modules[act_name] = FusedActivation(norm_name, getattr(act_module, "inplace", True))
+        block._modules[act_name] = _placeholder(norm_name, act_module, fused)
+        self.timm_form(fused, act_in_block=residual)
         self.record(join_path(prefix, norm_name), join_path(prefix, act_name), "timm_block", details)
         return None
+
+
+def _placeholder(norm_name: str, act_module: nn.Module, fused: ABN) -> FusedActivation:
+    return FusedActivation(norm_name, getattr(act_module, "inplace", True), fused.activation, fused.activation_param)
 
 
 def _check_arguments(model, mode, activation_param) -> None:
@@ -590,6 +627,12 @@ class _Reverter:
             self.visit(child, path)
         if timm_blocks.plain_class(parent) is not None:
             self.timm_block(parent, prefix)
+        for name, module in parent._modules.items():
+            norm = parent._modules.get(getattr(module, "fused_into", None))
+            if isinstance(module, FusedActivation) and norm is not None and not isinstance(norm, ABN):
+                self.report.left_alone.append(LeftAlone(join_path(prefix, name), (
+                    f"pass-through for {module.fused_into}, which is now a {type(norm).__name__} (frozen or "
+                    "replaced after convert) and applies the activation itself, as timm's frozen norms do")))
 
     def restore(self, parent, name, fused, path, placeholder_name, prefix) -> None:
         activation = activation_of_fused(fused)
@@ -618,11 +661,26 @@ class _Reverter:
     def timm_block(self, block: nn.Module, path: str) -> None:
         """timm's own block class again, once its last norm is plain (the
         fused forward passes that norm the shortcut)."""
-        norm_name = timm_blocks.tail(timm_blocks.block_kind(block))[1]
-        if isinstance(block._modules[norm_name], ABN):
+        _, norm_name, act_name = timm_blocks.tail(timm_blocks.block_kind(block))
+        norm, slot = block._modules[norm_name], block._modules[act_name]
+        if isinstance(norm, ABN):
             self.report.left_alone.append(LeftAlone(path, f"a timm block whose {norm_name} stays fused keeps its "
                                                           "fused forward"))
             return
+        if isinstance(slot, FusedActivation):
+            # The norm was swapped after convert (frozen by timm): it applies
+            # no activation, timm's forward runs act after the sum.
+            activation = timm_blocks.slot_activation(slot)
+            if activation is None:
+                self.report.left_alone.append(LeftAlone(path, f"a timm block whose {norm_name} is a "
+                                                              f"{type(norm).__name__} and whose {act_name} has no "
+                                                              "recorded activation keeps its fused forward"))
+                return
+            act = activation_module(activation, slot.inplace)
+            block._modules[act_name] = act
+            self.report.restored.append(RestoredPair(join_path(path, norm_name), join_path(path, act_name),
+                                                     f"{type(norm).__name__} + {type(act).__name__}",
+                                                     f"{norm_name} stays a {type(norm).__name__}"))
         block.__class__ = timm_blocks.plain_class(block)
 
     def resnet_block(self, block, path) -> set[str]:

@@ -16,9 +16,14 @@ They are ``torch.nn.modules.batchnorm._BatchNorm`` subclasses, so code that
 finds BatchNorms that way (``if isinstance(m, _BatchNorm): m.eval()`` to
 freeze statistics, ``torch.func.replace_all_batch_norm_modules_``, FSDP's
 full-precision norms) finds them too. They are not ``BatchNorm2d``s: code
-that swaps every ``BatchNorm2d`` for another plain norm (timm's
-``freeze_batch_norm_2d``, torchvision's ``FrozenBatchNorm2d`` helpers) would
-drop the activation, and leaves them alone. torch's own
+that swaps every ``BatchNorm2d`` for another plain norm (torchvision-style
+``FrozenBatchNorm2d`` helpers, timm's ``freeze_batch_norm_2d``) would drop
+the activation, and leaves them alone. The exception is a norm that
+:func:`effilayers.convert` fuses in a model built from timm's classes: it
+becomes a run-time subclass of its class here and of timm's
+``BatchNormAct2d`` (``convert/timm_blocks.py``), whose ``act`` and ``drop``
+describe what it computes in its place, so timm's freeze helpers turn it
+into a ``FrozenBatchNormAct2d`` with the same function. torch's own
 ``SyncBatchNorm.convert_sync_batchnorm`` takes every ``_BatchNorm``; on a
 fused module it raises a TypeError pointing to
 :meth:`InPlaceABNSync.convert_sync_abn` instead of dropping the activation.
@@ -37,10 +42,19 @@ from ..ops.abn.contract import (DEFAULT_WEIGHT_EPS, check_activation, check_eps,
                                 check_input, check_momentum, check_weight_eps)
 from ..ops.abn.op import activated_batch_norm
 
-__all__ = ["ABN", "InPlaceABN", "InPlaceABNSync", "FusedActivation", "fused_norm", "PLAIN_TYPE_ATTR"]
+__all__ = ["ABN", "InPlaceABN", "InPlaceABNSync", "FusedActivation", "fused_norm", "PLAIN_TYPE_ATTR", "BASE_TYPE_ATTR",
+           "WITH_BASE_ATTR"]
 
 # Where a fused module remembers the BatchNorm class it replaced, for revert.
 PLAIN_TYPE_ATTR = "_effilayers_plain_type"
+# On a run-time subclass of a fused class (convert's timm form): the fused
+# class it extends, and a function giving the same form over another one.
+BASE_TYPE_ATTR = "_effilayers_base_type"
+WITH_BASE_ATTR = "_effilayers_with_base"
+
+
+def _base_type(module: nn.Module) -> type:
+    return getattr(type(module), BASE_TYPE_ATTR, type(module))
 
 
 # torch's converter builds a plain SyncBatchNorm from every _BatchNorm; its
@@ -251,24 +265,28 @@ class InPlaceABNSync(InPlaceABN):
                 raise TypeError(f"InPlaceABNSync.convert_sync_abn: {path or 'the module'!r} is an ABN (not in place), "
                                 "which has no synchronised form; convert with effilayers.convert(model, "
                                 "mode='inplace'), or make the BatchNorms SyncBatchNorm before effilayers.convert")
-        if type(module) is InPlaceABN:
+        if _base_type(module) is InPlaceABN:
             return cls._synced(module, process_group)
         for parent in list(module.modules()):
             for name, child in list(parent._modules.items()):
-                if type(child) is InPlaceABN:
+                if _base_type(child) is InPlaceABN:
                     parent._modules[name] = cls._synced(child, process_group)
         return module
 
     @classmethod
     def _synced(cls, module: InPlaceABN, process_group) -> "InPlaceABNSync":
-        synced = cls(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats,
-                     module.activation, module.activation_param, module.weight_eps, process_group=process_group,
-                     device="meta")
+        # convert's timm form of an InPlaceABN gives the timm form of cls
+        with_base = getattr(type(module), WITH_BASE_ATTR, None)
+        kind = with_base(cls) if with_base is not None else cls
+        synced = kind(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats,
+                      module.activation, module.activation_param, module.weight_eps, process_group=process_group,
+                      device="meta")
         # the same tensor objects, in the same slots: nothing moves
         synced._parameters.update(module._parameters)
         synced._buffers.update(module._buffers)
-        if hasattr(module, PLAIN_TYPE_ATTR):
-            setattr(synced, PLAIN_TYPE_ATTR, getattr(module, PLAIN_TYPE_ATTR))
+        # and the bookkeeping convert left on it (PLAIN_TYPE_ATTR, ...)
+        synced.__dict__.update({key: value for key, value in module.__dict__.items()
+                                if key.startswith("_effilayers_")})
         synced.train(module.training)
         return synced
 
@@ -308,12 +326,22 @@ class InPlaceABNSync(InPlaceABN):
 class FusedActivation(nn.Identity):
     """Pass-through standing where an activation module was, now that the
     norm ``fused_into`` (a sibling's name) applies it. :func:`effilayers.revert` puts an
-    activation module back here; ``inplace`` is the original's flag."""
+    activation module back here; ``inplace`` is the original's flag.
+    ``activation`` / ``activation_param`` (as ABN spells them; None when not
+    recorded) name what the fused norm applies for this slot, which
+    :func:`effilayers.convert` records so that the slot can be given its
+    activation back when that norm is no longer a fused module (frozen by
+    timm's ``freeze_batch_norm_2d``)."""
 
-    def __init__(self, fused_into: str, inplace: bool = True) -> None:
+    def __init__(self, fused_into: str, inplace: bool = True, activation: Optional[str] = None,
+                 activation_param: float = 0.0) -> None:
         super().__init__()
+        if activation is not None:
+            check_activation(activation, activation_param, inplace=False, where="FusedActivation")
         self.fused_into = fused_into
         self.inplace = inplace
+        self.activation = activation
+        self.activation_param = float(activation_param)
 
     def extra_repr(self) -> str:
         return f"fused_into={self.fused_into!r}"
