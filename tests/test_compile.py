@@ -238,9 +238,6 @@ def test_inplace_abn_savings_survive_compile():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(torch.__version__ < "2.13", strict=True,
-                   reason="torch 2.11's partitioner keeps 0.311x (CI, 2026-11-27): the <= 0.3x target holds from "
-                          "torch 2.13 (0.29x), not on 2.11")
 def test_memory_efficient_densenet_savings_survive_compile():
     """Compiled, the memory-efficient DenseNet-121 keeps <= 0.3x the
     activation bytes of the compiled naive model (eager: 0.28x), with the
@@ -264,4 +261,8 @@ def test_memory_efficient_densenet_savings_survive_compile():
     torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
     for grad, expected_grad in zip(grads, expected_grads):
         torch.testing.assert_close(grad, expected_grad, rtol=1e-7, atol=1e-9 * expected_grad.abs().max().item())
-    assert efficient_bytes <= 0.3 * naive_bytes, (efficient_bytes, naive_bytes)
+    ratio = efficient_bytes / naive_bytes
+    if ratio > 0.3 and torch.__version__ < "2.13":
+        pytest.xfail(f"torch {torch.__version__}'s partitioner keeps {ratio:.3f}x (0.311x in CI, 2026-11-27): the "
+                     "<= 0.3x target holds from torch 2.13 (0.29x)")
+    assert ratio <= 0.3, (efficient_bytes, naive_bytes)
