@@ -114,11 +114,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dense_bottleneck_back
 }  // namespace effilayers
 
 TORCH_LIBRARY_FRAGMENT(effilayers_cpu, m) {
-  m.def(effilayers::schema::kDenseBottleneckForward);
-  m.def(effilayers::schema::kDenseBottleneckBackward);
-}
-
-TORCH_LIBRARY_IMPL(effilayers_cpu, CPU, m) {
-  m.impl("dense_bottleneck_forward", &effilayers::dense_bottleneck_forward_cpu);
-  m.impl("dense_bottleneck_backward", &effilayers::dense_bottleneck_backward_cpu);
+  m.def(effilayers::schema::kDenseBottleneckForward,
+        torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(effilayers::dense_bottleneck_forward_cpu)));
+  m.def(effilayers::schema::kDenseBottleneckBackward,
+        torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(effilayers::dense_bottleneck_backward_cpu)));
 }
