@@ -40,6 +40,7 @@ def test_budgets_are_met_and_bytes_never_grow_as_the_budget_shrinks(name):
     plain = memory.activation_bytes(base, x)
     running = _buffers(base)
     previous = plain
+    previous_extra = 0.0
     reached = []
     for tenths in range(10, 0, -1):
         model = copy.deepcopy(base)
@@ -63,7 +64,11 @@ def test_budgets_are_met_and_bytes_never_grow_as_the_budget_shrinks(name):
         assert measured == report.measured_bytes
         assert measured <= budget, (tenths, measured, budget)
         assert measured <= previous, (tenths, measured, previous)
-        previous = measured
+        # fit stopped at the first step within the budget, and a smaller
+        # budget walks further along the same chain: never less recomputed
+        assert all(step.measured_bytes > budget for step in report.steps[:-1]), tenths
+        assert report.extra_compute >= previous_extra, tenths
+        previous, previous_extra = measured, report.extra_compute
         reached.append(measured)
     # the budgets reached fit something below 1.0 and refused nothing above a fitted one
     assert any(value is not None and value < plain for value in reached)
@@ -121,6 +126,46 @@ def test_fitted_model_computes_the_original_function_and_revert_restores_it(name
         assert not any(getattr(module, "memory_efficient", False) for module in model.modules())
     # fitting again is allowed after revert
     effilayers.fit(model, x, 1.0)
+
+
+def _deep_sequential():
+    layers = [nn.Conv2d(3, 8, 3, padding=1, bias=False)]
+    for _ in range(5):
+        layers += [nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1, bias=False)]
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5))
+
+
+def test_checkpoint_steps_stop_just_under_the_budget_without_recomputing_the_whole_part():
+    torch.manual_seed(0)
+    model = _deep_sequential().double()
+    original = copy.deepcopy(model)
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    report = effilayers.fit(model, x, 0.6)
+    assert report.steps and {step.kind for step in report.steps} == {"checkpoint"}
+    measured = [report.before_bytes] + [step.measured_bytes for step in report.steps]
+    # every step saved bytes, and only the last one is within the budget
+    assert all(later < earlier for earlier, later in zip(measured, measured[1:]))
+    assert measured[-1] <= report.budget_bytes < measured[-2]
+    # the predictions follow the measurements (storages each child saved on)
+    for step in report.steps:
+        assert abs(step.predicted_bytes - step.measured_bytes) <= 0.05 * report.before_bytes, step
+    # part of the model recomputed, in segments of at most ceil(19 / ceil(sqrt(19))) = 4 children
+    segments = model._fit_segments
+    assert all(1 <= end - start <= 4 for start, end in segments)
+    assert sum(end - start for start, end in segments) < len(model)
+    assert 0 < report.extra_compute < 1 / 3
+    # the fitted model computes the original's outputs, gradients and running statistics
+    inputs, reference_inputs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out, reference_out = model(inputs), original(reference_inputs)
+    torch.testing.assert_close(out, reference_out, rtol=1e-12, atol=1e-14)
+    out.square().sum().backward()
+    reference_out.square().sum().backward()
+    torch.testing.assert_close(inputs.grad, reference_inputs.grad, rtol=1e-12, atol=1e-14)
+    for (key, parameter), reference_parameter in zip(model.named_parameters(), original.parameters()):
+        torch.testing.assert_close(parameter.grad, reference_parameter.grad, rtol=1e-12, atol=1e-14, msg=key)
+    _assert_same_tensors(_buffers(model), _buffers(original), rtol=1e-12, atol=1e-14)
+    effilayers.revert(model)
+    assert type(model) is nn.Sequential and "_fit_segments" not in model.__dict__
 
 
 def _conv_norm_relu():
