@@ -3,7 +3,8 @@
 The plan is a fixed chain of steps, cheapest extra time first; ``fit``
 applies them to the model in place one at a time, measures the activation
 bytes after each (:func:`effilayers.memory.activation_bytes`, one forward of
-``example_input``) and stops at the first that meets the budget:
+``example_input``; a checkpoint step that cannot meet the budget is not
+measured, see below) and stops at the first that meets the budget:
 
 1. ``inplace_abn``: BatchNorm + activation pairs become
    :class:`effilayers.nn.InPlaceABN` (:func:`effilayers.convert`,
@@ -38,11 +39,17 @@ bytes after each (:func:`effilayers.memory.activation_bytes`, one forward of
 Why measured, not only predicted: the predictions (from one profiled
 forward: which storages each child of a part saved tensors on, and its
 input) miss what checkpointing changes beyond dropping saved tensors (an
-in-place first layer writing over a copy, say), so every step is measured,
-and a step that measures no fewer bytes is undone and noted. The chain
-depends on the model and the example input, never on the budget; walking it
-and stopping at the first step whose measurement is within the budget makes
-the result monotone: a smaller budget never ends with more bytes.
+in-place first layer writing over a copy, say), so fit stops only at a
+measured step. The chain depends on the model and the example input, never
+on the budget; walking it and stopping at the first step whose measurement
+is within the budget makes the result monotone: a smaller budget never ends
+with more bytes. A checkpoint step is left unmeasured when the bytes that
+checkpointing cannot remove (what the un-checkpointed children and the code
+around the parts save) are above the budget already: it cannot be the first
+within the budget, so skipping its measurement stops the walk at the same
+step. Every step is applied, whatever its measurement: a step that saved
+nothing still recomputes its children (none did on ResNet-50 or
+DenseNet-121).
 
 "Activation bytes" is the project's figure (what autograd keeps after the
 forward). A checkpointed segment's activations come back during its
@@ -112,7 +119,10 @@ def parse_budget(budget: Any, current_bytes: int) -> int:
 @dataclass(frozen=True)
 class FitStep:
     """One step ``fit`` applied. ``predicted_bytes`` / ``measured_bytes``:
-    the model's activation bytes after this step (and those before it).
+    the model's activation bytes after this step (and those before it);
+    ``measured_bytes`` is None for a checkpoint step fit did not measure, as
+    the bytes it cannot remove were above the budget already (module
+    docstring).
     ``extra_compute``: the forward FLOPs this step recomputes in backward, as a
     fraction of a training step's (forward + backward ~ 3x forward) FLOPs."""
 
@@ -120,7 +130,7 @@ class FitStep:
     target: str  # the module path ("" for the root), or "model" for whole-model steps
     detail: str
     predicted_bytes: int
-    measured_bytes: int
+    measured_bytes: Optional[int]
     extra_compute: float = 0.0
 
 
@@ -142,8 +152,10 @@ class FitReport:
                  f"(budget {self.budget_bytes}, predicted {self.predicted_bytes}, "
                  f"{self.measured_bytes / max(self.before_bytes, 1):.3f}x), extra compute "
                  f"{self.extra_compute:.3f} of a training step"]
-        lines += [f"  {step.kind} {step.target}: {step.detail} -> {step.measured_bytes} bytes "
-                  f"(predicted {step.predicted_bytes}, extra compute {step.extra_compute:.3f})" for step in self.steps]
+        lines += [f"  {step.kind} {step.target}: {step.detail} -> "
+                  + ("not measured" if step.measured_bytes is None else f"{step.measured_bytes} bytes")
+                  + f" (predicted {step.predicted_bytes}, extra compute {step.extra_compute:.3f})"
+                  for step in self.steps]
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 
@@ -238,8 +250,9 @@ def _sequential_parts(model: nn.Module) -> list[tuple[str, nn.Sequential]]:
 class _Child:
     """One child of a sequential part, seen in one plain forward."""
 
-    # storage key (memory.storage_key) -> saved tensors the child put on it
-    saves: dict[tuple, int] = field(default_factory=dict)
+    # storage key (memory.storage_key) -> (bytes the storage's count grew by,
+    # saved tensors put on it) while the child ran
+    saves: dict[tuple, tuple[int, int]] = field(default_factory=dict)
     input_key: Optional[tuple] = None
     input_bytes: int = 0
     flops: int = 0
@@ -258,6 +271,8 @@ class _Storage:
     bytes: int
     owners: set  # (part index, child index) of the children that saved tensors on it
     outside: bool  # something outside the parts' children saved on it too
+    growth: dict  # owner -> the bytes the count grew by while it ran
+    outside_growth: int  # what it grew by outside the parts' children
 
 
 @dataclass
@@ -305,6 +320,23 @@ class _Profile:
                 if child.input_key not in kept:
                     kept.add(child.input_key)
                     total += child.input_bytes
+        return total
+
+    def lower_bound(self, state: tuple[frozenset, ...]) -> int:
+        """Bytes the model keeps whatever the checkpointed children in
+        ``state`` do: on every storage, the most that one un-checkpointed
+        child (or the code outside the parts) added to the count. Those
+        modules save the same tensors however their inputs were made; a
+        checkpointed segment can only add its input, or split a storage in
+        two (a copied input an in-place layer writes over), never merge two.
+        """
+        checked = {(part, index) for part, indices in enumerate(state) for index in indices}
+        total = 0
+        for storage in self.storages.values():
+            shares = [growth for owner, growth in storage.growth.items() if owner not in checked]
+            if storage.outside:
+                shares.append(storage.outside_growth)
+            total += max(shares, default=0)
         return total
 
     def largest_segment_bytes(self, state: tuple[frozenset, ...]) -> int:
@@ -358,7 +390,7 @@ def _profile(model: nn.Module, inputs: tuple, parts: list[tuple[str, nn.Sequenti
             for key, (span, count) in now.items():
                 old_span, old_count = before.get(key, (0, 0))
                 if count > old_count or span > old_span:
-                    record.saves[key] = max(count - old_count, 0)
+                    record.saves[key] = (max(span - old_span, 0), max(count - old_count, 0))
             record.output_elements = output.numel() if isinstance(output, torch.Tensor) else 0
 
         forward_with(saves_before, saves_after, lambda: final.update(seen()))
@@ -366,8 +398,10 @@ def _profile(model: nn.Module, inputs: tuple, parts: list[tuple[str, nn.Sequenti
     for key, (span, count) in final.items():
         owners = {(part, index) for part, records in enumerate(children)
                   for index, record in enumerate(records) if key in record.saves}
-        by_children = sum(children[part][index].saves[key] for part, index in owners)
-        storages[key] = _Storage(span, owners, outside=count > by_children)
+        growth = {owner: children[owner[0]][owner[1]].saves[key][0] for owner in owners}
+        by_children = sum(children[part][index].saves[key][1] for part, index in owners)
+        storages[key] = _Storage(span, owners, outside=count > by_children, growth=growth,
+                                 outside_growth=max(span - sum(growth.values()), 0))
     counter = FlopCounterMode(display=False)
     # Its global hooks make memory-efficient DenseNet layers call their
     # modules (same FLOPs) and warn once per process: keep that warning for
@@ -413,10 +447,10 @@ def _plan(profile: _Profile) -> list[tuple[int, int, int]]:
                     # Ties: more bytes first, then the earlier run.
                     key = (gain / max(cost, 1), gain, -part, -start)
                     if best_key is None or key > best_key:
-                        best, best_key = (part, start, end, trial), key
+                        best, best_key = (part, start, end), key
         if best is None:
             return moves
-        part, start, end, _ = best
+        part, start, end = best
         # The run's first children alone, where they save bytes already: steps
         # to stop at, so the walk need not take the whole run to meet a budget.
         first = start
@@ -521,7 +555,9 @@ def _walk_chain(model: nn.Module, inputs: tuple, budget_bytes: int, exact: bool,
 
     def record(step: FitStep) -> None:
         report.steps.append(step)
-        report.predicted_bytes, report.measured_bytes = step.predicted_bytes, step.measured_bytes
+        report.predicted_bytes = step.predicted_bytes
+        if step.measured_bytes is not None:
+            report.measured_bytes = step.measured_bytes
         report.extra_compute += step.extra_compute
 
     if done():
@@ -565,10 +601,12 @@ def _walk_chain(model: nn.Module, inputs: tuple, budget_bytes: int, exact: bool,
 
 
 def _checkpoint_chain(model, inputs, parts, report, undo, record, done) -> None:
-    """Checkpoint runs of children in the plan's order (``_plan``), measuring
-    after each, until the bytes are within the budget. A step whose
-    measurement saves nothing (the prediction misses in-place aliasing, for
-    one) is undone and noted; the walk goes on with the next."""
+    """Checkpoint runs of children in the plan's order (``_plan``) until the
+    measured bytes are within the budget. A step is measured unless the
+    profile's lower bound on its bytes (``_Profile.lower_bound``) is above
+    the budget already: such a step cannot be the first within the budget,
+    so the walk stops where measuring every step would stop. The last step
+    is always measured: its bytes are the smallest reachable figure."""
     profile = _profile(model, inputs, parts)
     moves = _plan(profile)
     if not moves:
@@ -579,23 +617,18 @@ def _checkpoint_chain(model, inputs, parts, report, undo, record, done) -> None:
     # The prediction counts what the parts' children and their inputs keep;
     # the measurement also counts what no prediction moves.
     offset = report.measured_bytes - profile.kept_bytes(state)
-    for part, start, end in moves:
+    for number, (part, start, end) in enumerate(moves, 1):
         if done():
             break
         path, module = parts[part]
-        trial = state[:part] + (state[part] | frozenset(range(start, end)),) + state[part + 1:]
-        segments = profile.segments(part, trial[part])
-        restore = _set_segments(module, segments)
-        measured = _measure(model, inputs)
+        state = state[:part] + (state[part] | frozenset(range(start, end)),) + state[part + 1:]
+        segments = profile.segments(part, state[part])
+        undo.append(_set_segments(module, segments))
+        measured = None
+        if number == len(moves) or profile.lower_bound(state) <= report.budget_bytes:
+            measured = _measure(model, inputs)
         names = [name for name, _ in module.named_children()]
         children = names[start] if end - start == 1 else f"{names[start]}..{names[end - 1]}"
-        if measured >= report.measured_bytes:
-            restore()
-            report.notes.append(f"checkpoint {path or 'the model'} {children} skipped: measured {measured} "
-                                f"activation bytes, no fewer than the {report.measured_bytes} before")
-            continue
-        state = trial
-        undo.append(restore)
         flops = sum(child.flops for child in profile.children[part][start:end])
         record(FitStep("checkpoint", path, f"{children} checkpointed; segments now {segments}",
                        offset + profile.kept_bytes(state), measured, flops / step_flops))

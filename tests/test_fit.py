@@ -3,6 +3,7 @@ shapes), the fitted model computes what the original did (float64), revert
 restores it, and bad budgets are refused naming the argument."""
 
 import copy
+import importlib
 import re
 
 import pytest
@@ -12,6 +13,8 @@ from torch import nn
 import effilayers
 from effilayers import memory, models
 from effilayers.fit import CheckpointedSequential, parse_budget
+
+fit_module = importlib.import_module("effilayers.fit")  # the module: effilayers.fit is the function
 
 BUILDERS = {
     "resnet50": lambda: models.resnet50(num_classes=10),
@@ -66,7 +69,7 @@ def test_budgets_are_met_and_bytes_never_grow_as_the_budget_shrinks(name):
         assert measured <= previous, (tenths, measured, previous)
         # fit stopped at the first step within the budget, and a smaller
         # budget walks further along the same chain: never less recomputed
-        assert all(step.measured_bytes > budget for step in report.steps[:-1]), tenths
+        assert all(step.measured_bytes is None or step.measured_bytes > budget for step in report.steps[:-1]), tenths
         assert report.extra_compute >= previous_extra, tenths
         previous, previous_extra = measured, report.extra_compute
         reached.append(measured)
@@ -135,19 +138,27 @@ def _deep_sequential():
     return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5))
 
 
-def test_checkpoint_steps_stop_just_under_the_budget_without_recomputing_the_whole_part():
+def test_checkpoint_steps_stop_just_under_the_budget_without_recomputing_the_whole_part(monkeypatch):
     torch.manual_seed(0)
     model = _deep_sequential().double()
     original = copy.deepcopy(model)
     x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
     report = effilayers.fit(model, x, 0.6)
     assert report.steps and {step.kind for step in report.steps} == {"checkpoint"}
-    measured = [report.before_bytes] + [step.measured_bytes for step in report.steps]
-    # every step saved bytes, and only the last one is within the budget
+    # Measuring every step (no lower bound) walks the same chain and stops
+    # at the same step: every step saved bytes, only the last is within the budget.
+    everything = _deep_sequential().double()
+    monkeypatch.setattr(fit_module._Profile, "lower_bound", lambda self, state: 0)
+    measured_all = effilayers.fit(everything, x, 0.6)
+    assert [(step.target, step.detail) for step in measured_all.steps] == \
+        [(step.target, step.detail) for step in report.steps]
+    assert everything._fit_segments == model._fit_segments
+    measured = [report.before_bytes] + [step.measured_bytes for step in measured_all.steps]
     assert all(later < earlier for earlier, later in zip(measured, measured[1:]))
-    assert measured[-1] <= report.budget_bytes < measured[-2]
-    # the predictions follow the measurements (storages each child saved on)
-    for step in report.steps:
+    assert measured[-1] == report.measured_bytes <= report.budget_bytes < measured[-2]
+    for skipped, step in zip(report.steps, measured_all.steps):
+        assert skipped.measured_bytes in (None, step.measured_bytes)
+        # the predictions follow the measurements (storages each child saved on)
         assert abs(step.predicted_bytes - step.measured_bytes) <= 0.05 * report.before_bytes, step
     # part of the model recomputed, in segments of at most ceil(19 / ceil(sqrt(19))) = 4 children
     segments = model._fit_segments
