@@ -81,7 +81,12 @@ def test_budgets_are_met_and_bytes_never_grow_as_the_budget_shrinks(name):
 
 # Equality in float64 on ResNet-50 and a two-block DenseNet: DenseNet-121 at
 # 32x32 ends at 1x1 maps, where BatchNorm over two values amplifies rounding
-# differences between the memory-efficient and the plain path.
+# differences between the memory-efficient and the plain path. Measured
+# (batch 2, float64): fit(0.25)'s gradients differ from plain's by 6.9e-8
+# (norm-wise, worst parameter), all of it from the memory-efficient switch
+# (checkpointing alone is bitwise equal), while changing plain's input by one
+# ulp moves them by 1.7e-7; at 64x64 (no BatchNorm over two values) fit is
+# within rtol 1e-10, atol 1e-12.
 EXACT_BUILDERS = {
     "resnet50": (BUILDERS["resnet50"], SHAPES["resnet50"]),
     "densenet": (lambda: models.DenseNet(growth_rate=4, block_config=(2, 2), num_init_features=8, num_classes=5,
