@@ -3,7 +3,8 @@
 The plan is a fixed chain of steps, cheapest extra time first; ``fit``
 applies them to the model in place one at a time, measures the activation
 bytes after each (:func:`effilayers.memory.activation_bytes`, one forward of
-``example_input``) and stops at the first that meets the budget:
+``example_input``; a checkpoint step that cannot meet the budget is not
+measured, see below) and stops at the first that meets the budget:
 
 1. ``inplace_abn``: BatchNorm + activation pairs become
    :class:`effilayers.nn.InPlaceABN` (:func:`effilayers.convert`,
@@ -15,22 +16,40 @@ bytes after each (:func:`effilayers.memory.activation_bytes`, one forward of
    built with ``memory_efficient=False`` switch it on (the concatenation,
    norm and ReLU are recomputed in backward: elementwise work, no
    convolution).
-3. ``checkpoint``: the model's sequential parts (every outermost plain
-   ``nn.Sequential`` with two or more children), one more per step, in the
-   order of most bytes saved per recomputed FLOP; each runs as
-   ``ceil(sqrt(n))`` checkpointed segments (memonger's choice) through
-   :func:`effilayers.checkpoint.checkpoint`, which keeps BatchNorm running
-   statistics moving once per step. The whole part is recomputed in
-   backward.
+3. ``checkpoint``: runs of children of the model's sequential parts (every
+   outermost plain ``nn.Sequential`` with two or more children: a ResNet's
+   ``layer1``..``layer4``, whose children are blocks; a DenseNet's
+   ``features``, whose children are the stem's modules, the dense blocks
+   and transitions), one run per step, in the order of most predicted
+   bytes saved per unit of recomputation (a child's FLOPs plus one per
+   output element), each step's gain predicted given the steps before it.
+   A run is at most one segment long, ``ceil(n / ceil(sqrt(n)))`` children
+   of an ``n``-child part; adjacent checkpointed children join into
+   segments of at most that length, so with every child checkpointed a
+   part runs as ``ceil(sqrt(n))`` segments (memonger's choice). Segments
+   run through :func:`effilayers.checkpoint.checkpoint`, which keeps
+   BatchNorm running statistics moving once per step. Only the
+   checkpointed children are recomputed in backward, so fit stops at the
+   first run that brings the bytes within the budget instead of
+   recomputing whole parts.
 4. ``save_on_cpu`` is not offered: on a CPU model it saves nothing (the
    tensors are already in host memory), and the CUDA form is not written
    yet; the report notes it.
 
 Why measured, not only predicted: the predictions (from one profiled
-forward, per child of each sequential part) ignore storages two modules
-share, so the choice rests on measurements. Walking a fixed chain and
-stopping at the first step whose measurement is within the budget makes the
-result monotone: a smaller budget never ends with more bytes.
+forward: which storages each child of a part saved tensors on, and its
+input) miss what checkpointing changes beyond dropping saved tensors (an
+in-place first layer writing over a copy, say), so fit stops only at a
+measured step. The chain depends on the model and the example input, never
+on the budget; walking it and stopping at the first step whose measurement
+is within the budget makes the result monotone: a smaller budget never ends
+with more bytes. A checkpoint step is left unmeasured when the bytes that
+checkpointing cannot remove (what the un-checkpointed children and the code
+around the parts save) are above the budget already: it cannot be the first
+within the budget, so skipping its measurement stops the walk at the same
+step. Every step is applied, whatever its measurement: a step that saved
+nothing still recomputes its children (none did on ResNet-50 or
+DenseNet-121).
 
 "Activation bytes" is the project's figure (what autograd keeps after the
 forward). A checkpointed segment's activations come back during its
@@ -100,7 +119,10 @@ def parse_budget(budget: Any, current_bytes: int) -> int:
 @dataclass(frozen=True)
 class FitStep:
     """One step ``fit`` applied. ``predicted_bytes`` / ``measured_bytes``:
-    the model's activation bytes after this step (and those before it).
+    the model's activation bytes after this step (and those before it);
+    ``measured_bytes`` is None for a checkpoint step fit did not measure, as
+    the bytes it cannot remove were above the budget already (module
+    docstring).
     ``extra_compute``: the forward FLOPs this step recomputes in backward, as a
     fraction of a training step's (forward + backward ~ 3x forward) FLOPs."""
 
@@ -108,7 +130,7 @@ class FitStep:
     target: str  # the module path ("" for the root), or "model" for whole-model steps
     detail: str
     predicted_bytes: int
-    measured_bytes: int
+    measured_bytes: Optional[int]
     extra_compute: float = 0.0
 
 
@@ -130,17 +152,20 @@ class FitReport:
                  f"(budget {self.budget_bytes}, predicted {self.predicted_bytes}, "
                  f"{self.measured_bytes / max(self.before_bytes, 1):.3f}x), extra compute "
                  f"{self.extra_compute:.3f} of a training step"]
-        lines += [f"  {step.kind} {step.target}: {step.detail} -> {step.measured_bytes} bytes "
-                  f"(predicted {step.predicted_bytes}, extra compute {step.extra_compute:.3f})" for step in self.steps]
+        lines += [f"  {step.kind} {step.target}: {step.detail} -> "
+                  + ("not measured" if step.measured_bytes is None else f"{step.measured_bytes} bytes")
+                  + f" (predicted {step.predicted_bytes}, extra compute {step.extra_compute:.3f})"
+                  for step in self.steps]
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 
 
 class CheckpointedSequential(nn.Sequential):
-    """An ``nn.Sequential`` whose children run as checkpointed segments
-    (``_fit_segments``: (start, end) index pairs covering every child).
-    ``fit`` swaps a Sequential's class to this one, so children, parameters
-    and state-dict keys stay where they are; revert swaps it back."""
+    """An ``nn.Sequential`` some of whose children run as checkpointed
+    segments (``_fit_segments``: disjoint (start, end) index pairs in order;
+    the children outside them run as usual). ``fit`` swaps a Sequential's
+    class to this one, so children, parameters and state-dict keys stay
+    where they are; revert swaps it back."""
 
     _fit_segments: list[tuple[int, int]]
 
@@ -148,9 +173,12 @@ class CheckpointedSequential(nn.Sequential):
         if not torch.is_grad_enabled():
             return super().forward(input)
         children = list(self)
+        done = 0
         for start, end in self._fit_segments:
+            input = _run_in_order(children[done:start])(input)
             input = checkpoint(_run_in_order(children[start:end]), input)
-        return input
+            done = end
+        return _run_in_order(children[done:])(input)
 
 
 def _run_in_order(modules: list[nn.Module]) -> Callable:
@@ -220,44 +248,160 @@ def _sequential_parts(model: nn.Module) -> list[tuple[str, nn.Sequential]]:
 
 @dataclass
 class _Child:
-    saved_bytes: int = 0  # what the meter saw saved while the child ran
+    """One child of a sequential part, seen in one plain forward."""
+
+    # storage key (memory.storage_key) -> (bytes the storage's count grew by,
+    # saved tensors put on it) while the child ran
+    saves: dict[tuple, tuple[int, int]] = field(default_factory=dict)
+    input_key: Optional[tuple] = None
     input_bytes: int = 0
     flops: int = 0
+    output_elements: int = 0
+
+    @property
+    def cost(self) -> int:
+        # Recomputation cost for the plan's order: the FLOPs the counter sees
+        # (matmuls, convolutions) plus one per output element, so that
+        # norms, activations and poolings are cheap, not free.
+        return self.flops + self.output_elements
 
 
-def _profile(model: nn.Module, inputs: tuple, parts: list[tuple[str, nn.Sequential]]
-             ) -> tuple[dict[int, list[_Child]], int]:
-    """Per child of each part: bytes saved, input bytes and FLOPs of one
-    forward; and the model's forward FLOPs. Two forwards: FlopCounterMode
+@dataclass
+class _Storage:
+    bytes: int
+    owners: set  # (part index, child index) of the children that saved tensors on it
+    outside: bool  # something outside the parts' children saved on it too
+    growth: dict  # owner -> the bytes the count grew by while it ran
+    outside_growth: int  # what it grew by outside the parts' children
+
+
+@dataclass
+class _Profile:
+    """What the plan needs from one forward: per child of every part, what
+    it saved and its cost; per storage, who saved on it."""
+
+    children: list[list[_Child]]
+    storages: dict[tuple, _Storage]
+    total_flops: int
+
+    def longest(self, part: int) -> int:
+        """The most children one segment takes: ceil(n / ceil(sqrt(n))),
+        memonger's segment length (every child checkpointed gives ceil(sqrt(n)) segments)."""
+        count = len(self.children[part])
+        return -(-count // sqrt_segments(count))
+
+    def segments(self, part: int, checked: frozenset) -> list[tuple[int, int]]:
+        """Runs of adjacent checkpointed children, each cut into equal segments of at most ``longest``."""
+        found = []
+        indices = sorted(checked)
+        start = 0
+        while start < len(indices):
+            end = start
+            while end + 1 < len(indices) and indices[end + 1] == indices[end] + 1:
+                end += 1
+            first, count = indices[start], end - start + 1
+            pieces = -(-count // self.longest(part))
+            size = -(-count // pieces)
+            found += [(first + offset, first + min(offset + size, count)) for offset in range(0, count, size)]
+            start = end + 1
+        return found
+
+    def kept_bytes(self, state: tuple[frozenset, ...]) -> int:
+        """Predicted activation bytes with the children in ``state`` (per part,
+        the checkpointed indices) checkpointed: every storage some
+        un-checkpointed child (or code outside the parts) saved on, and each
+        segment's input."""
+        checked = {(part, index) for part, indices in enumerate(state) for index in indices}
+        kept = {key for key, storage in self.storages.items() if storage.outside or not storage.owners <= checked}
+        total = sum(self.storages[key].bytes for key in kept)
+        for part, indices in enumerate(state):
+            for start, _ in self.segments(part, indices):
+                child = self.children[part][start]
+                if child.input_key not in kept:
+                    kept.add(child.input_key)
+                    total += child.input_bytes
+        return total
+
+    def lower_bound(self, state: tuple[frozenset, ...]) -> int:
+        """Bytes the model keeps whatever the checkpointed children in
+        ``state`` do: on every storage, the most that one un-checkpointed
+        child (or the code outside the parts) added to the count. Those
+        modules save the same tensors however their inputs were made; a
+        checkpointed segment can only add its input, or split a storage in
+        two (a copied input an in-place layer writes over), never merge two.
+        """
+        checked = {(part, index) for part, indices in enumerate(state) for index in indices}
+        total = 0
+        for storage in self.storages.values():
+            shares = [growth for owner, growth in storage.growth.items() if owner not in checked]
+            if storage.outside:
+                shares.append(storage.outside_growth)
+            total += max(shares, default=0)
+        return total
+
+    def largest_segment_bytes(self, state: tuple[frozenset, ...]) -> int:
+        """Predicted bytes the largest checkpointed segment saves again while it is recomputed in backward."""
+        largest = 0
+        for part, indices in enumerate(state):
+            for start, end in self.segments(part, indices):
+                inside = {(part, index) for index in range(start, end)}
+                largest = max(largest, sum(storage.bytes for storage in self.storages.values()
+                                           if storage.owners & inside))
+        return largest
+
+
+def _profile(model: nn.Module, inputs: tuple, parts: list[tuple[str, nn.Sequential]]) -> _Profile:
+    """One forward with the meter: per child of each part, the storages it
+    saved on; one with the FLOP counter. Two forwards: FlopCounterMode
     installs global module hooks, and a hooked DenseNet layer calls its
-    modules instead of recomputing, which would skew the bytes."""
-    children = {id(part): [_Child() for _ in part] for _, part in parts}
+    modules instead of recomputing, which would change what is saved."""
+    children = [[_Child() for _ in part] for _, part in parts]
 
-    def forward_with(before: Callable, after: Callable) -> None:
+    def forward_with(before: Callable, after: Callable, at_end: Callable = lambda: None) -> None:
         handles = []
-        for _, part in parts:
-            for child, record in zip(part, children[id(part)]):
+        for (_, part), records in zip(parts, children):
+            for child, record in zip(part, records):
                 handles.append(child.register_forward_pre_hook(
                     lambda module, args, record=record: before(record, args)))
                 handles.append(child.register_forward_hook(
-                    lambda module, args, output, record=record: after(record)))
+                    lambda module, args, output, record=record: after(record, output)))
         try:
             with _Restored(model, inputs), torch.enable_grad():
                 output = model(*inputs)
+                at_end()
                 del output
         finally:
             for handle in handles:
                 handle.remove()
 
+    snapshots: list[dict] = []
+    final: dict = {}
     with memory.track_activations(exclude=model) as meter:
-        def saved_before(record: _Child, args: tuple) -> None:
-            record.input_bytes = _span_bytes(args[0]) if args else 0
-            record.saved_bytes -= meter.bytes
+        def seen() -> dict:
+            return {storage.key: (storage.span_bytes, storage.saved_by) for storage in meter.storages()}
 
-        def saved_after(record: _Child) -> None:
-            record.saved_bytes += meter.bytes
+        def saves_before(record: _Child, args: tuple) -> None:
+            if args and isinstance(args[0], torch.Tensor):
+                record.input_key, record.input_bytes = memory.storage_key(args[0]), _span_bytes(args[0])
+            snapshots.append(seen())
 
-        forward_with(saved_before, saved_after)
+        def saves_after(record: _Child, output: Any) -> None:
+            before, now = snapshots.pop(), seen()
+            for key, (span, count) in now.items():
+                old_span, old_count = before.get(key, (0, 0))
+                if count > old_count or span > old_span:
+                    record.saves[key] = (max(span - old_span, 0), max(count - old_count, 0))
+            record.output_elements = output.numel() if isinstance(output, torch.Tensor) else 0
+
+        forward_with(saves_before, saves_after, lambda: final.update(seen()))
+    storages = {}
+    for key, (span, count) in final.items():
+        owners = {(part, index) for part, records in enumerate(children)
+                  for index, record in enumerate(records) if key in record.saves}
+        growth = {owner: children[owner[0]][owner[1]].saves[key][0] for owner in owners}
+        by_children = sum(children[part][index].saves[key][1] for part, index in owners)
+        storages[key] = _Storage(span, owners, outside=count > by_children, growth=growth,
+                                 outside_growth=max(span - sum(growth.values()), 0))
     counter = FlopCounterMode(display=False)
     # Its global hooks make memory-efficient DenseNet layers call their
     # modules (same FLOPs) and warn once per process: keep that warning for
@@ -268,29 +412,71 @@ def _profile(model: nn.Module, inputs: tuple, parts: list[tuple[str, nn.Sequenti
         def flops_before(record: _Child, args: tuple) -> None:
             record.flops -= counter.get_total_flops()
 
-        def flops_after(record: _Child) -> None:
+        def flops_after(record: _Child, output: Any) -> None:
             record.flops += counter.get_total_flops()
 
         forward_with(flops_before, flops_after)
     densenet._WARNED.intersection_update(warned)
-    return children, counter.get_total_flops()
+    return _Profile(children, storages, counter.get_total_flops())
 
 
-def _segments(count: int) -> list[tuple[int, int]]:
-    size = -(-count // sqrt_segments(count))
-    return [(start, min(start + size, count)) for start in range(0, count, size)]
+def _plan(profile: _Profile) -> list[tuple[int, int, int]]:
+    """The checkpoint steps, in order: (part, start, end) runs of children to
+    add. Each time, the run of at most one segment's length with the most
+    predicted bytes saved per unit of recomputation (see ``_Child.cost``)
+    given the steps before it, split into its first children where they
+    save bytes alone; until no run saves anything. Depends on the
+    model and the example input only, never on the budget, so the chain
+    that fit walks is the same for every budget."""
+    state = tuple(frozenset() for _ in profile.children)
+    kept = profile.kept_bytes(state)
+    moves = []
+    while True:
+        best, best_key = None, None
+        for part, records in enumerate(profile.children):
+            for start in range(len(records)):
+                cost = 0
+                for end in range(start + 1, min(start + profile.longest(part), len(records)) + 1):
+                    if end - 1 in state[part]:
+                        break
+                    cost += records[end - 1].cost
+                    trial = state[:part] + (state[part] | frozenset(range(start, end)),) + state[part + 1:]
+                    gain = kept - profile.kept_bytes(trial)
+                    if gain <= 0:
+                        continue
+                    # Ties: more bytes first, then the earlier run.
+                    key = (gain / max(cost, 1), gain, -part, -start)
+                    if best_key is None or key > best_key:
+                        best, best_key = (part, start, end), key
+        if best is None:
+            return moves
+        part, start, end = best
+        # The run's first children alone, where they save bytes already: steps
+        # to stop at, so the walk need not take the whole run to meet a budget.
+        first = start
+        for cut in range(start + 1, end + 1):
+            trial = state[:part] + (state[part] | frozenset(range(first, cut)),) + state[part + 1:]
+            gain = kept - profile.kept_bytes(trial)
+            if gain > 0 or cut == end:
+                moves.append((part, first, cut))
+                state, kept, first = trial, kept - gain, cut
 
 
-def _checkpoint_part(part: nn.Sequential, segments: list[tuple[int, int]]) -> Callable[[], None]:
-    original = type(part)
+def _set_segments(part: nn.Sequential, segments: list[tuple[int, int]]) -> Callable[[], None]:
+    """Make ``part`` checkpoint ``segments`` (a class swap); returns what puts it back as it was."""
+    previous_class = type(part)
+    previous = part.__dict__.get("_fit_segments")
     part.__class__ = CheckpointedSequential
     part._fit_segments = segments
 
-    def undo() -> None:
-        part.__class__ = original
-        del part._fit_segments
+    def restore() -> None:
+        part.__class__ = previous_class
+        if previous is None:
+            del part._fit_segments
+        else:
+            part._fit_segments = previous
 
-    return undo
+    return restore
 
 
 def _memory_efficient_densenet(model: nn.Module) -> tuple[list[str], Callable[[], None]]:
@@ -369,7 +555,9 @@ def _walk_chain(model: nn.Module, inputs: tuple, budget_bytes: int, exact: bool,
 
     def record(step: FitStep) -> None:
         report.steps.append(step)
-        report.predicted_bytes, report.measured_bytes = step.predicted_bytes, step.measured_bytes
+        report.predicted_bytes = step.predicted_bytes
+        if step.measured_bytes is not None:
+            report.measured_bytes = step.measured_bytes
         report.extra_compute += step.extra_compute
 
     if done():
@@ -413,26 +601,35 @@ def _walk_chain(model: nn.Module, inputs: tuple, budget_bytes: int, exact: bool,
 
 
 def _checkpoint_chain(model, inputs, parts, report, undo, record, done) -> None:
-    children, total_flops = _profile(model, inputs, parts)
-    step_flops = 3 * max(total_flops, 1)
-    options = []
-    for path, part in parts:
-        profile = children[id(part)]
-        segments = _segments(len(part))
-        kept = sum(profile[start].input_bytes for start, _ in segments)
-        saved = sum(child.saved_bytes for child in profile)
-        flops = sum(child.flops for child in profile)
-        largest = max(sum(child.saved_bytes for child in profile[start:end]) for start, end in segments)
-        if saved > kept:
-            options.append((path, part, segments, saved - kept, flops, largest))
-    # Most bytes saved per recomputed FLOP first (ties: more bytes first).
-    options.sort(key=lambda option: (-option[3] / max(option[4], 1), -option[3]))
-    predicted = report.measured_bytes
-    for path, part, segments, gain, flops, largest in options:
+    """Checkpoint runs of children in the plan's order (``_plan``) until the
+    measured bytes are within the budget. A step is measured unless the
+    profile's lower bound on its bytes (``_Profile.lower_bound``) is above
+    the budget already: such a step cannot be the first within the budget,
+    so the walk stops where measuring every step would stop. The last step
+    is always measured: its bytes are the smallest reachable figure."""
+    profile = _profile(model, inputs, parts)
+    moves = _plan(profile)
+    if not moves:
+        report.notes.append("checkpoint: no run of children of the nn.Sequential parts saves bytes")
+        return
+    step_flops = 3 * max(profile.total_flops, 1)
+    state = tuple(frozenset() for _ in parts)
+    # The prediction counts what the parts' children and their inputs keep;
+    # the measurement also counts what no prediction moves.
+    offset = report.measured_bytes - profile.kept_bytes(state)
+    for number, (part, start, end) in enumerate(moves, 1):
         if done():
-            return
-        undo.append(_checkpoint_part(part, segments))
-        predicted -= gain
-        report.recompute_bytes = max(report.recompute_bytes, largest)
-        record(FitStep("checkpoint", path, f"{len(part)} children in {len(segments)} checkpointed segments",
-                       predicted, _measure(model, inputs), flops / step_flops))
+            break
+        path, module = parts[part]
+        state = state[:part] + (state[part] | frozenset(range(start, end)),) + state[part + 1:]
+        segments = profile.segments(part, state[part])
+        undo.append(_set_segments(module, segments))
+        measured = None
+        if number == len(moves) or profile.lower_bound(state) <= report.budget_bytes:
+            measured = _measure(model, inputs)
+        names = [name for name, _ in module.named_children()]
+        children = names[start] if end - start == 1 else f"{names[start]}..{names[end - 1]}"
+        flops = sum(child.flops for child in profile.children[part][start:end])
+        record(FitStep("checkpoint", path, f"{children} checkpointed; segments now {segments}",
+                       offset + profile.kept_bytes(state), measured, flops / step_flops))
+    report.recompute_bytes = profile.largest_segment_bytes(state)

@@ -64,6 +64,7 @@ __all__ = [
     "ActivationMeter",
     "track_activations",
     "activation_bytes",
+    "storage_key",
     "CudaPeakMeter",
     "track_cuda_peak",
     "cuda_peak_bytes",
@@ -72,7 +73,9 @@ __all__ = [
 Excludable = Union[nn.Module, torch.Tensor, Iterable[Union[nn.Module, torch.Tensor]], None]
 
 
-def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
+def storage_key(tensor: torch.Tensor) -> tuple[str, int]:
+    """(device, data pointer) of ``tensor``'s storage: how the meter tells
+    storages apart (``SavedStorage.key``)."""
     return (str(tensor.device), tensor.untyped_storage().data_ptr())
 
 
@@ -146,6 +149,9 @@ class SavedStorage:
     dtype: torch.dtype
     shape: tuple[int, ...]  # of the first saved tensor seen on this storage
     saved_by: int  # how many live saved-tensor slots point into it
+    # storage_key() of the storage, valid while it lives: which module saved
+    # what, for tools that attribute bytes (effilayers.fit).
+    key: tuple[str, int] = ("", 0)
 
     @property
     def nbytes(self) -> int:
@@ -300,7 +306,7 @@ class ActivationMeter:
 
     def __enter__(self) -> "ActivationMeter":
         excluded = _excluded_tensors(self._exclude)
-        self._excluded = {_storage_key(t) for t in excluded}
+        self._excluded = {storage_key(t) for t in excluded}
         self._copy_candidates = _copy_candidates(excluded)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
@@ -314,7 +320,7 @@ class ActivationMeter:
     def storages(self) -> list[SavedStorage]:
         """The distinct storages saved tensors still keep, largest span first."""
         self._apply_releases()
-        found = [SavedStorage(r.span_bytes, r.storage_bytes, r.device, r.dtype, r.shape, r.saved_by)
+        found = [SavedStorage(r.span_bytes, r.storage_bytes, r.device, r.dtype, r.shape, r.saved_by, r.key)
                  for r in self._records.values()]
         return sorted(found, key=lambda s: (-s.span_bytes, -s.storage_bytes))
 

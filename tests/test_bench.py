@@ -131,27 +131,42 @@ def test_module_callable_model_with_training_curves(tmp_path, capsys):
     assert "training check" in capsys.readouterr().out
 
 
-def test_compile_times_compiled_modules_and_counts_their_activations(tmp_path, capsys):
+def test_compile_adds_compiled_rows_beside_the_eager_ones(tmp_path, capsys, monkeypatch):
+    import functools
+
     import torch._dynamo
 
+    # The min-cut partitioner that decides what a compiled graph keeps,
+    # without inductor's code generation (most of a minute on CPU); the
+    # slow test below runs inductor.
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager_decomp_partition"))
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     args = ("--model", "tests.test_bench:tiny_convertible_model", "--size", "32", "--batch", "2", "--steps", "1")
-    # Both variants run nn.Sequential.forward: each must compile afresh, not
-    # as a recompile of the other's frame (past the limit dynamo would run
-    # it eager, silently, in a row that says compiled).
+    # Both compiled rows run nn.Sequential.forward: each must compile afresh,
+    # not as a recompile of the other's frame (past the limit dynamo would
+    # run it eager, silently, in a row that says compiled).
     with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
-        compiled = run_bench(tmp_path, *args, "--compile")
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2  # one per variant at least
-    assert compiled["settings"]["compile"] is True
-    assert "torch.compile" in capsys.readouterr().out
-    eager = run_bench(tmp_path, *args)
-    assert eager["settings"]["compile"] is False
-    for variant, result in by_variant(compiled).items():
+        report = run_bench(tmp_path, *args, "--compile", "--verbose")
+    # one graph per compiled row, none for the eager rows
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+    assert report["settings"]["compile"] is True
+    out = capsys.readouterr().out
+    assert "eager and torch.compile" in out
+    results = by_variant(report)
+    eager_names = ["as given", "effilayers convert(inplace)"]
+    assert list(results) == eager_names + [f"{name} (compiled)" for name in eager_names]
+    check_ratios_against_plain(results, "as given")
+    for name in eager_names:
+        eager, compiled = results[name], results[f"{name} (compiled)"]
         # the compiled graph's own bytes: the partitioner recomputes pointwise
         # ops rather than keep their outputs, so never more than eager
-        assert 0 < result["activation_bytes"] <= by_variant(eager)[variant]["activation_bytes"], variant
-        assert result["step_time_s"] > 0
+        assert 0 < compiled["activation_bytes"] <= eager["activation_bytes"], name
+        assert compiled["step_time_s"] > 0
+    compiled_plain, converted = results["as given (compiled)"], results["effilayers convert(inplace) (compiled)"]
+    ratio = converted["activation_bytes"] / compiled_plain["activation_bytes"]
+    assert f"activation bytes {ratio:.2f}x" in " ".join(converted["notes"])
+    assert f"note: tests.test_bench:tiny_convertible_model / effilayers convert(inplace) (compiled): " in out
     torch._dynamo.reset()
 
 
@@ -166,7 +181,8 @@ def test_compiled_dropout_draws_the_eager_reference_masks(tmp_path):
                        "--batch", "4", "--steps", "1", "--train", "2", "--compile", "--check-train")
     results = by_variant(report)
     assert results["as given"]["loss_noise_floor"] < 1e-5
-    assert results["effilayers convert(inplace)"]["losses_agree"] is True
+    assert results["effilayers convert(inplace) (compiled)"]["losses_agree"] is True
+    assert results["as given (compiled)"]["losses_agree"] is True
     torch._dynamo.reset()
 
 

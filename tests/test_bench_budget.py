@@ -37,14 +37,15 @@ def test_budget_rows_sit_beside_plain_with_bytes_and_ratios(tmp_path, monkeypatc
     report = run_bench(tmp_path, "--model", MODEL, "--size", "32", "--steps", "1", "--budget", "0.5")
     results = by_variant(report)
     fitted = results["fit(0.5)"]
-    torch_checkpoint = results["checkpoint_sequential (fit's segments)"]
+    torch_checkpoint = results["checkpoint_sequential (fit's parts)"]
     compiled = results["torch.compile budget 0.5"]
     plain = results["as given"]
     check_ratios_against_plain(results, "as given")
     for row in (fitted, torch_checkpoint, compiled):
         assert row["activation_bytes"] > 0 and row["step_time_s"] > 0 and row["ratios"]["step_time"] > 0
     assert fitted["activation_bytes"] <= 0.5 * plain["activation_bytes"]
-    # fit checkpointed the model (its only nn.Sequential) in ceil(sqrt(13)) = 4 segments: torch's row runs that too
+    # fit checkpointed children of the model (its only nn.Sequential): torch's
+    # row runs the whole of it in ceil(sqrt(13)) = 4 segments
     assert "the model in 4 segments" in " ".join(torch_checkpoint["notes"])
     assert torch_checkpoint["activation_bytes"] < plain["activation_bytes"]
     # counted on the compiled module after it compiled: the partitioner's

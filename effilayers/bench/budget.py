@@ -4,10 +4,12 @@ budget, side by side (issue 18):
 * ``fit(FRACTION)``: the model after :func:`effilayers.fit` on the bench's
   own first batch;
 * torch's ``torch.utils.checkpoint.checkpoint_sequential``
-  (``use_reentrant=False``) over the sequential parts ``fit`` checkpointed,
-  each with the number of segments ``fit`` gave it; when ``fit`` reached
-  the budget without checkpointing, over the model's outermost sequential
-  parts at ``ceil(sqrt(n))`` segments each (the row's name says which);
+  (``use_reentrant=False``) over the sequential parts ``fit`` checkpointed
+  children of (the whole part, as a user would call it), at
+  ``ceil(sqrt(n))`` segments each, the number ``fit`` gives a part whose
+  children it checkpoints all; when ``fit`` reached the budget without
+  checkpointing, over the model's outermost sequential parts (the row's
+  name says which);
 * ``torch.compile`` of the plain model compiled under
   ``torch._functorch.config.activation_memory_budget = FRACTION``.
 
@@ -102,8 +104,8 @@ def compile_under_budget(model: nn.Module, fraction: float,
 
 
 def _fitted_segments(model: nn.Module) -> dict[str, int]:
-    """The parts fit checkpointed, path -> number of segments."""
-    return {path: len(module._fit_segments) for path, module in model.named_modules()
+    """The parts fit checkpointed children of, path -> ceil(sqrt(n)) segments."""
+    return {path: sqrt_segments(len(module)) for path, module in model.named_modules()
             if isinstance(module, CheckpointedSequential)}
 
 
@@ -135,13 +137,18 @@ def budget_variants(variants: list[Variant], fraction: float, example: Callable[
         lines.append(dropped)
         segments, label = _sqrt_segments(plain.build()), "sqrt(n) segments; fit dropped"
     else:
-        steps = ", ".join(f"{step.kind} {step.target}".rstrip() for step in report.steps) or "none needed"
+        # One checkpoint step per run of children: name each part once, with its segments.
+        steps = ", ".join(dict.fromkeys(f"{step.kind} {step.target}".rstrip() for step in report.steps)) \
+            or "none needed"
+        checkpointed = "".join(f"; {path or 'the model'} checkpoints children {module._fit_segments}"
+                               for path, module in fitted.named_modules()
+                               if isinstance(module, CheckpointedSequential))
         fitted = fitted.to("cpu")
         rows.append(Variant(model_name, FIT.format(fraction), lambda: copy.deepcopy(fitted),
-                            note=f"fit steps: {steps}; predicted extra compute {report.extra_compute:.3f} "
-                                 "of a training step"))
+                            note=f"fit steps: {steps}{checkpointed}; predicted extra compute "
+                                 f"{report.extra_compute:.3f} of a training step"))
         segments = _fitted_segments(fitted)
-        label = "fit's segments"
+        label = "fit's parts"
         if not segments:
             segments, label = _sqrt_segments(fitted), "sqrt(n) segments; fit had none"
     if segments:

@@ -26,7 +26,7 @@ from ..max_batch import DEFAULT_LIMIT
 from .budget import budget_fraction, budget_variants
 from .measure import LOSS_NOISE_FACTOR, SEED, Result, Setup, count_ticks, run_model
 from .report import format_losses, format_table, load_pyplot, loss_warnings, plot, timing_warning, write_json
-from .variants import BenchError, builtin_models, variants_for
+from .variants import BenchError, builtin_models, compiled_twin, variants_for
 
 __all__ = ["main"]
 
@@ -71,8 +71,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="float32, or autocast to bfloat16/float16 (float16 needs CUDA)")
     parser.add_argument("--channels-last", action="store_true", help="channels_last model and images")
     parser.add_argument("--compile", action="store_true",
-                        help="run every variant under torch.compile (the first step, which compiles, is not timed; "
-                             "activation bytes are the compiled graph's, weights' compiled copies left out; with --train, random ops such as "
+                        help="also run every variant under torch.compile, a row '<variant> (compiled)' beside the "
+                             "eager rows (the first step, which compiles, is not timed; activation bytes are the "
+                             "compiled graph's, weights' compiled copies left out; each compiled row's note gives "
+                             "its ratios to plain PyTorch compiled; with --train, random ops such as "
                              "dropout run eager's kernels, torch._inductor.config.fallback_random, so the compiled "
                              "variants draw the float64 reference's masks)")
     parser.add_argument("--steps", type=int, help="timed training steps per variant (default: 10 on CUDA, 3 on CPU)")
@@ -91,8 +93,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--budget", type=budget_fraction, metavar="FRACTION",
                         help="also, per model, side by side: effilayers.fit(model, the first batch, FRACTION) "
                              "(a budget below reach prints fit's smallest reachable figure and drops the row); "
-                             "torch's checkpoint_sequential (use_reentrant=False) over the parts fit checkpointed, "
-                             "at fit's number of segments (ceil(sqrt(n)) over the outermost nn.Sequential parts "
+                             "torch's checkpoint_sequential (use_reentrant=False) over the parts fit checkpointed "
+                             "children of, at ceil(sqrt(n)) segments each (over the outermost nn.Sequential parts "
                              "when fit checkpointed none); and torch.compile of the plain model under "
                              "torch._functorch.config.activation_memory_budget = FRACTION, its activation bytes "
                              "counted on the compiled module; FRACTION in (0, 1] of the plain activation bytes; "
@@ -198,6 +200,8 @@ def _run(argv: list[str]) -> int:
     for spec in args.model or DEFAULT_MODELS:
         variants, skipped_here = variants_for(spec)
         skipped += skipped_here
+        if args.compile:
+            variants += [compiled_twin(variant) for variant in variants]
         if args.budget is not None:
             rows, dropped = _budget_rows(variants, args.budget, setup)
             variants += rows
@@ -206,7 +210,7 @@ def _run(argv: list[str]) -> int:
 
     print(f"effilayers bench: {setup.device.type}, batch {setup.batch}, {setup.size}x{setup.size}, "
           f"{args.dtype}{', channels_last' if setup.channels_last else ''}"
-          f"{', torch.compile' if setup.compile else ''}, "
+          f"{', eager and torch.compile' if setup.compile else ''}, "
           f"1 warm-up + {setup.steps} timed steps per variant", flush=True)
     for line in skipped:
         print(line, flush=True)
@@ -260,8 +264,8 @@ def _print_notes(results: list[Result], setup: Setup, dtype_name: str, verbose: 
         print("CUDA peak bytes: n/a on CPU. Activation bytes count the tensors autograd keeps, which these "
               "layers choose the same way on every device; a GPU run adds the peak bytes.")
     if setup.compile:
-        print("Under --compile each variant is timed alone (dynamo's caches are reset between variants); "
-              "otherwise the variants take turns, one timed step each.")
+        print("Under --compile each compiled row is timed alone (dynamo's caches are reset between them); "
+              "the eager rows take turns, one timed step each.")
     if setup.train_steps:
         print()
         print(format_losses(results, setup.dtype))

@@ -205,9 +205,9 @@ def _out_of_memory(session: _Session, setup: Setup) -> None:
 def _warm_up(session: _Session, setup: Setup, num_classes: int) -> None:
     """The warm-up step (first-call allocations, kernel builds, compilation),
     activation bytes and the CUDA peak; leaves ``session.step`` ready to be
-    timed. Under --compile the bytes are the compiled graph's, counted after
-    the step that compiled it: what the partitioner chose to keep, the
-    compiled copies of the weights left out (effilayers.memory)."""
+    timed. For a row under torch.compile the bytes are the compiled graph's,
+    counted after the step that compiled it: what the partitioner chose to
+    keep, the compiled copies of the weights left out (effilayers.memory)."""
     model, runner = session.model, session.runner
     optimizer = _optimizer(runner)
     images, labels = setup.data(setup.batch, num_classes, seed=SEED)
@@ -221,7 +221,7 @@ def _warm_up(session: _Session, setup: Setup, num_classes: int) -> None:
 
     # Counted after the compiling step: the meter's hooks must see the
     # compiled graph's saved tensors, not take part in tracing it.
-    activation = None if setup.compile or session.variant.compiled else saved()
+    activation = None if session.variant.under_compile or session.variant.compiled else saved()
     step()
     session.tick()
     if activation is None:
@@ -404,7 +404,7 @@ def _start(variant: Variant, reference_state: dict[str, torch.Tensor], first: bo
     pristine = copy.deepcopy(model) if setup.train_steps else None
     model = _prepare(model, setup)
     runner = model
-    if setup.compile:
+    if variant.under_compile:
         # Modules under torch.compile: effilayers' ops are custom ops
         # with fake implementations, so they stay in the graph. Variants
         # share code (ResNet.forward, the blocks'): without a reset each
@@ -430,17 +430,19 @@ def run_model(variants: list[Variant], setup: Setup, max_batch_limit: Optional[i
     (:func:`_time_in_turn`), so all of them are alive together for the
     timing; on a GPU each then waits on the host while the others train and
     search, so --max-batch and --train see one variant's memory, as before.
-    Under --compile each variant is timed alone: dynamo's caches are reset
-    for each variant (see :func:`_start`), which would recompile the others
-    in their timed steps."""
+    The rows under torch.compile (--compile's, ``Variant.under_compile``)
+    are timed alone, after the eager ones: dynamo's caches are reset for
+    each of them (see :func:`_start`), which would recompile the others in
+    their timed steps. Results come back in the order of ``variants``."""
     torch.manual_seed(SEED)
     reference = variants[0].build()
     reference_state = copy.deepcopy(reference.state_dict())
     num_classes = _num_classes(reference, setup)
     del reference
-    results = []
+    finished: dict[int, Result] = {}
     float64_losses: dict[Optional[str], tuple[Optional[list[float]], str, list[str]]] = {}
-    groups = [[variant] for variant in variants] if setup.compile else [variants]
+    groups = [[variant for variant in variants if not variant.under_compile]]
+    groups += [[variant] for variant in variants if variant.under_compile]
     for group in groups:
         sessions = [_start(variant, reference_state, variant is variants[0], setup, num_classes, bar)
                     for variant in group]
@@ -456,11 +458,13 @@ def run_model(variants: list[Variant], setup: Setup, max_batch_limit: Optional[i
             session = sessions.pop(0)
             if park:
                 session.model = session.runner = _prepare(session.model, setup)
-            results.append(_finish(session, setup, num_classes, max_batch_limit, bar, float64_losses))
+            finished[id(session.variant)] = _finish(session, setup, num_classes, max_batch_limit, bar,
+                                                    float64_losses)
             del session
             release_memory(None, setup.device)
     # float64 references no variant ran (each variant computing it did not fit)
     bar.update(setup.train_steps * len({v.function for v in variants} - set(float64_losses)))
+    results = [finished[id(variant)] for variant in variants]
     plain = results[0]
     for result in results:
         result.ratios = {
@@ -474,9 +478,25 @@ def run_model(variants: list[Variant], setup: Setup, max_batch_limit: Optional[i
             differences = _relative_errors(result.losses, plain.losses)
             result.final_loss_rel_diff = differences[-1]
             result.max_loss_rel_diff = max(differences)
+    _against_compiled_plain(results, variants)
     if setup.train_steps:
         _check_losses(results, variants, float64_losses, setup.dtype)
     return results
+
+
+def _against_compiled_plain(results: list[Result], variants: list[Variant]) -> None:
+    """The table's ratios are to eager plain PyTorch; a compiled row's note
+    adds its ratios to the first compiled row (plain PyTorch compiled)."""
+    compiled = [(result, variant) for result, variant in zip(results, variants) if variant.under_compile]
+    if not compiled:
+        return
+    plain = compiled[0][0]
+    for result, _ in compiled[1:]:
+        ratios = [f"{name} {value:.2f}x" for name, value in (
+            ("activation bytes", _ratio(result.activation_bytes, plain.activation_bytes)),
+            ("step time", _ratio(result.step_time_s, plain.step_time_s))) if value is not None]
+        if ratios:
+            result.notes.append(f"{', '.join(ratios)} of {plain.variant}'s")
 
 
 def _finish(session: _Session, setup: Setup, num_classes: int, max_batch_limit: Optional[int], bar: Any,

@@ -11,6 +11,7 @@ imports none of them.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
@@ -27,7 +28,7 @@ from ..models.densenet import DenseLayer
 from ..models.resnet import INPLACE_SLOPE, _ResidualBlock
 from ..nn import ABN
 
-__all__ = ["BenchError", "Variant", "PLAIN", "AS_GIVEN", "LEAKY", "builtin_models", "variants_for",
+__all__ = ["BenchError", "Variant", "compiled_twin", "PLAIN", "AS_GIVEN", "LEAKY", "builtin_models", "variants_for",
            "peer_inplace_abn_resnet", "CheckpointedDenseLayer", "checkpointed_densenet", "torchvision_densenet"]
 
 PLAIN = "plain PyTorch"
@@ -57,6 +58,14 @@ class Variant:
     # The module build() returns runs torch.compile itself: its activation
     # bytes are counted after the warm-up step that compiled it.
     compiled: bool = False
+    # The bench runs the module under torch.compile (--compile's row beside
+    # the eager one of the same variant); counted after compiling, as above.
+    under_compile: bool = False
+
+
+def compiled_twin(variant: Variant) -> Variant:
+    """``variant`` again, run under torch.compile by the bench: its --compile row."""
+    return dataclasses.replace(variant, name=f"{variant.name} (compiled)", under_compile=True)
 
 
 def _reverted(model: nn.Module) -> tuple[nn.Module, list[str]]:
