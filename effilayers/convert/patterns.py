@@ -10,7 +10,6 @@ from typing import Optional
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
 from torch.nn.modules.lazy import LazyModuleMixin
@@ -84,17 +83,6 @@ def activation_module(activation: Activation, inplace: bool) -> nn.Module:
     if activation.name == "elu":
         return nn.ELU(activation.param, inplace=inplace)
     return nn.Identity()
-
-
-def apply_activation(activation: Activation, x: torch.Tensor) -> torch.Tensor:
-    """``activation_module(activation, inplace=False)(x)``, without building a module."""
-    if activation.name == "relu":
-        return F.relu(x)
-    if activation.name == "leaky_relu":
-        return F.leaky_relu(x, activation.param)
-    if activation.name == "elu":
-        return F.elu(x, activation.param)
-    return x
 
 
 def in_place_activation(activation: Activation, slope: float) -> Activation:

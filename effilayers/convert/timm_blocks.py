@@ -33,7 +33,7 @@ from torch import nn
 
 from ..nn import ABN
 from ..nn.fused import BASE_TYPE_ATTR, WITH_BASE_ATTR, FusedActivation
-from .patterns import Activation, activation_module, activation_of_fused, apply_activation
+from .patterns import Activation, activation_module, activation_of_fused
 
 _TIMM_RESNET = "timm.models.resnet"
 # (norm, activation, the module that runs between them in timm's forward)
@@ -115,7 +115,7 @@ def _activated_sum(norm: nn.Module, act: nn.Module, x: torch.Tensor, shortcut: t
         raise RuntimeError(f"a fused timm block whose last norm is now {type(norm).__name__} cannot run: its "
                            "activation was not recorded at conversion; run effilayers.convert again on the "
                            "original model")
-    return apply_activation(activation, out)
+    return activation_module(activation, inplace=False)(out)
 
 
 def _basic_forward(self, x: torch.Tensor) -> torch.Tensor:
