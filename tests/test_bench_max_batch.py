@@ -38,14 +38,25 @@ def simulated_memory(fits_up_to: int):
     return step, calls
 
 
+@pytest.fixture
+def collections(monkeypatch):
+    """find_max_batch's garbage collections, counted instead of run: a
+    simulated step leaves nothing to collect, and a full collection of the
+    test process's heap costs far more than the search it follows."""
+    calls = []
+    monkeypatch.setattr(effilayers.max_batch.gc, "collect", lambda *args: calls.append(args) or 0)
+    return calls
+
+
 @pytest.mark.parametrize("start", [1, 2, 3, 32, 100])
 @pytest.mark.parametrize("fits_up_to", [0, 1, 2, 5, 31, 32, 33, 100, 777])
-def test_find_max_batch_finds_the_simulated_limit(start, fits_up_to):
+def test_find_max_batch_finds_the_simulated_limit(start, fits_up_to, collections):
     search_limit = 1000
     step, calls = simulated_memory(fits_up_to)
     found = bench.find_max_batch(step, start, search_limit)
     assert found.batch == fits_up_to
     assert found.tries == len(calls)
+    assert len(collections) == len(calls), "memory is released after every try"
     assert found.peak_bytes is None  # no CUDA step measured
     assert max(calls) <= search_limit
     assert len(calls) == len(set(calls)), "tried a batch twice"
@@ -53,7 +64,7 @@ def test_find_max_batch_finds_the_simulated_limit(start, fits_up_to):
 
 
 @pytest.mark.parametrize("search_limit", [1, 7, 64, 100])
-def test_find_max_batch_never_exceeds_its_limit(search_limit):
+def test_find_max_batch_never_exceeds_its_limit(search_limit, collections):
     step, calls = simulated_memory(10**6)
     assert bench.find_max_batch(step, 3, search_limit).batch == search_limit
     assert max(calls) <= search_limit
