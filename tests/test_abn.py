@@ -401,31 +401,48 @@ def test_sync_without_process_group_is_inplace_abn():
     torch.testing.assert_close(sync(x.clone()), local(x.clone()))
 
 
-def _sync_worker(rank, world, workdir, sizes, backend):
-    with effilayers.use_backend(backend), gloo(rank, world, workdir):
-        torch.manual_seed(0)
-        module = InPlaceABNSync(3, activation="leaky_relu", activation_param=0.1).double()
-        randomize(module)
-        whole = channel_varied((sum(sizes), 3, 4, 4), torch.float64, seed=11)
-        grad = torch.randn(whole.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(12))
-        start = sum(sizes[:rank])
-        part = whole[start:start + sizes[rank]].clone().requires_grad_()
-        results = []
-        for _ in range(2):  # two steps: running statistics too
-            out = module(part.clone())
-            out.backward(grad[start:start + sizes[rank]])
-            results.append(out.detach())
-        save(workdir, rank, {"out": results, "grad": part.grad, "weight_grad": module.weight.grad,
-                             "bias_grad": module.bias.grad, "state": module.state_dict()})
+SYNC_SIZES = {"3+5": [3, 5], "0+4": [0, 4]}
+SYNC_CASES = [(backend, sizes) for sizes in SYNC_SIZES for backend in backend_names("abn_forward", "cpu")]
+
+
+def _sync_worker(rank, world, workdir, cases):
+    # Every case in one process group: spawning two ranks costs more than a case.
+    results = {}
+    with gloo(rank, world, workdir):
+        for backend, sizes_id in cases:
+            sizes = SYNC_SIZES[sizes_id]
+            with effilayers.use_backend(backend):
+                torch.manual_seed(0)
+                module = InPlaceABNSync(3, activation="leaky_relu", activation_param=0.1).double()
+                randomize(module)
+                whole = channel_varied((sum(sizes), 3, 4, 4), torch.float64, seed=11)
+                grad = torch.randn(whole.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(12))
+                start = sum(sizes[:rank])
+                part = whole[start:start + sizes[rank]].clone().requires_grad_()
+                outs = []
+                for _ in range(2):  # two steps: running statistics too
+                    out = module(part.clone())
+                    out.backward(grad[start:start + sizes[rank]])
+                    outs.append(out.detach())
+                results[backend, sizes_id] = {"out": outs, "grad": part.grad, "weight_grad": module.weight.grad,
+                                              "bias_grad": module.bias.grad, "state": module.state_dict()}
+    save(workdir, rank, results)
+
+
+@pytest.fixture(scope="module")
+def sync_results(tmp_path_factory):
+    """Each rank's results of every SYNC_CASES case, from one spawn."""
+    if any(backend == "cpp" for backend, _ in SYNC_CASES):
+        # built here once, not by each rank
+        activate_backend("abn_forward", "cpp", "cpu").__exit__(None, None, None)
+    return run_ranks(_sync_worker, tmp_path_factory.mktemp("sync"), SYNC_CASES)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sizes", [[3, 5], [0, 4]], ids=["3+5", "0+4"])
-@pytest.mark.parametrize("backend", backend_names("abn_forward", "cpu"))
-def test_sync_two_gloo_processes_match_whole_batch(tmp_path, sizes, backend):
-    if backend == "cpp":
-        activate_backend("abn_forward", "cpp", "cpu").__exit__(None, None, None)
-    results = run_ranks(_sync_worker, tmp_path, sizes, backend)
+@pytest.mark.parametrize("backend, sizes_id", SYNC_CASES, ids=[f"{b}-{s}" for b, s in SYNC_CASES])
+def test_sync_two_gloo_processes_match_whole_batch(sync_results, backend, sizes_id):
+    sizes = SYNC_SIZES[sizes_id]
+    results = [rank_results[backend, sizes_id] for rank_results in sync_results]
 
     torch.manual_seed(0)
     reference = nn.BatchNorm2d(3).double()
