@@ -50,41 +50,55 @@ def steps(model, x, grad, count=2):
     return outs
 
 
-def _ddp_worker(rank, world, workdir, sizes, order):
-    import torch.distributed as dist
+DDP_CASES = {"3+5-SyncBatchNorm-then-convert": ([3, 5], "sync-first"),
+             "0+4-SyncBatchNorm-then-convert": ([0, 4], "sync-first"),
+             "3+5-convert-then-convert_sync_abn": ([3, 5], "abn-first")}
+
+
+def _ddp_case(rank, group, sizes, order):
     from torch.nn.parallel import DistributedDataParallel
 
+    model = plain_net()
+    if order == "sync-first":
+        # torch's converter first, then effilayers.convert fuses each
+        # SyncBatchNorm + activation into an InPlaceABNSync
+        report = effilayers.convert(nn.SyncBatchNorm.convert_sync_batchnorm(model, group))
+    else:  # a model converted already: its InPlaceABNs become InPlaceABNSync
+        report = effilayers.convert(model)
+        assert InPlaceABNSync.convert_sync_abn(model, group) is model
+    fused = [m for m in model.modules() if isinstance(m, InPlaceABN)]
+    kinds = [type(m).__name__ for m in fused]
+    groups_kept = all(m.process_group is group for m in fused)
+    ddp = DistributedDataParallel(model)
+    whole, grad = batch(sum(sizes))
+    start = sum(sizes[:rank])
+    part = whole[start:start + sizes[rank]].clone().requires_grad_()
+    outs = steps(ddp, part, grad[start:start + sizes[rank]])
+    return {"outs": outs, "input_grad": part.grad, "kinds": kinds, "groups_kept": groups_kept,
+            "fused": len(report.fused), "param_grads": [p.grad.clone() for p in model.parameters()],
+            "buffers": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def _ddp_worker(rank, world, workdir):
+    import torch.distributed as dist
+
+    # Every case in one process group: spawning two ranks costs more than a case.
     with gloo(rank, world, workdir):
         group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=60))
-        model = plain_net()
-        if order == "sync-first":
-            # torch's converter first, then effilayers.convert fuses each
-            # SyncBatchNorm + activation into an InPlaceABNSync
-            report = effilayers.convert(nn.SyncBatchNorm.convert_sync_batchnorm(model, group))
-        else:  # a model converted already: its InPlaceABNs become InPlaceABNSync
-            report = effilayers.convert(model)
-            assert InPlaceABNSync.convert_sync_abn(model, group) is model
-        fused = [m for m in model.modules() if isinstance(m, InPlaceABN)]
-        kinds = [type(m).__name__ for m in fused]
-        groups_kept = all(m.process_group is group for m in fused)
-        ddp = DistributedDataParallel(model)
-        whole, grad = batch(sum(sizes))
-        start = sum(sizes[:rank])
-        part = whole[start:start + sizes[rank]].clone().requires_grad_()
-        outs = steps(ddp, part, grad[start:start + sizes[rank]])
-        save(workdir, rank, {"outs": outs, "input_grad": part.grad, "kinds": kinds, "groups_kept": groups_kept,
-                             "fused": len(report.fused),
-                             "param_grads": [p.grad.clone() for p in model.parameters()],
-                             "buffers": {k: v.clone() for k, v in model.state_dict().items()}})
+        save(workdir, rank, {case: _ddp_case(rank, group, *DDP_CASES[case]) for case in DDP_CASES})
+
+
+@pytest.fixture(scope="module")
+def ddp_results(tmp_path_factory):
+    activate_backend("abn_forward", "cpp", "cpu").__exit__(None, None, None)  # built once, not by each rank
+    return run_ranks(_ddp_worker, tmp_path_factory.mktemp("ddp"))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sizes,order", [([3, 5], "sync-first"), ([0, 4], "sync-first"), ([3, 5], "abn-first")],
-                         ids=["3+5-SyncBatchNorm-then-convert", "0+4-SyncBatchNorm-then-convert",
-                              "3+5-convert-then-convert_sync_abn"])
-def test_ddp_sync_abn_matches_inplace_abn_on_whole_batch(tmp_path, sizes, order):
-    activate_backend("abn_forward", "cpp", "cpu").__exit__(None, None, None)
-    results = run_ranks(_ddp_worker, tmp_path, sizes, order)
+@pytest.mark.parametrize("case", list(DDP_CASES))
+def test_ddp_sync_abn_matches_inplace_abn_on_whole_batch(ddp_results, case):
+    sizes, _ = DDP_CASES[case]
+    results = [rank_results[case] for rank_results in ddp_results]
     reference = plain_net()
     effilayers.convert(reference)
     assert [type(m) for m in reference.modules() if isinstance(m, InPlaceABN)] == [InPlaceABN, InPlaceABN]
