@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The GPU work nobody has run yet, in parts a session with a lent GPU runs one
-# per call (the device tool allows 10 minutes a command and 30 minutes a
-# session). None of these parts has run on a GPU so far: their durations are
-# guesses, so run `tests` first and time it before planning the rest.
+# The GPU work, in parts a session with a lent GPU runs one per call (the
+# device tool allows 10 minutes a command). One session has run so far (H200,
+# 2026-11-27, benchmarks/results/gpu-session-h200-2026-11-27.md): the
+# self-test took 85 s with the first build of both libraries, the gpu tests
+# 103 s with `-n 8`, and the softmax and cross-entropy benches of `kernels`
+# ran; `optim`, `models` and `densenet264` have not run, so their durations
+# are guesses.
 #
 #   benchmarks/gpu_session.sh tests     # the kernel self-test, then every @pytest.mark.gpu test
 #   benchmarks/gpu_session.sh kernels   # softmax, cross-entropy, reductions (issue 5 targets)
