@@ -230,6 +230,18 @@ def test_info_json_and_function():
     assert report["torch"] == torch.__version__
 
 
+def test_info_stays_callable_after_its_command_module_is_imported():
+    """Importing ``effilayers.info`` (the ``python -m`` module) rebinds the
+    package's ``info`` to the module; it must still print and return the report."""
+    import importlib
+    import io
+
+    importlib.import_module("effilayers.info")
+    buffer = io.StringIO()
+    report = effilayers.info(file=buffer)
+    assert "batch_stats" in buffer.getvalue() and report["torch"] == torch.__version__
+
+
 def test_unusable_cache_directory_falls_back_with_the_reason(tmp_path):
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("a file where the cache directory should be")
