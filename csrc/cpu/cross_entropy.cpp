@@ -262,8 +262,11 @@ struct ChunkGeometry {
   int64_t rows, classes, row_stride;
 };
 
+// The checks both chunk kernels share; `vector` (named `vector_name`) is an
+// optional per-class tensor, `per_row` (named `per_row_name`) the (4, rows) one.
 ChunkGeometry check_chunk(const char* op, const at::Tensor& logits, const at::Tensor& target,
-                          const at::Tensor& per_row, const char* per_row_name, int64_t class_offset) {
+                          const std::optional<at::Tensor>& vector, const char* vector_name, const at::Tensor& per_row,
+                          const char* per_row_name, int64_t class_offset) {
   TORCH_CHECK_VALUE(logits.dim() == 2 && (logits.stride(1) == 1 || logits.size(1) <= 1), op,
                     ": logits must be a (rows, classes) view with contiguous classes, got sizes ", logits.sizes(),
                     " and strides ", logits.strides());
@@ -271,35 +274,39 @@ ChunkGeometry check_chunk(const char* op, const at::Tensor& logits, const at::Te
   TORCH_CHECK_TYPE(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat || dtype == at::kDouble, op,
                    ": logits must be float16, bfloat16, float32 or float64, got ", dtype);
   TORCH_CHECK(logits.device().is_cpu(), op, " (cpu kernel): logits must be a CPU tensor, got ", logits.device());
-  const int64_t rows = logits.size(0);
+  const auto acc_type = accumulation_type(dtype);
+  const int64_t rows = logits.size(0), classes = logits.size(1);
   TORCH_CHECK_VALUE(target.scalar_type() == at::kLong && target.dim() == 1 && target.is_contiguous() &&
                         target.numel() == rows,
                     op, ": target must be a contiguous int64 tensor of ", rows, " rows");
-  TORCH_CHECK_VALUE(per_row.scalar_type() == accumulation_type(dtype) && per_row.dim() == 2 && per_row.size(0) == 4 &&
+  if (vector.has_value()) {
+    TORCH_CHECK_VALUE(vector->scalar_type() == acc_type && vector->dim() == 1 && vector->is_contiguous() &&
+                          vector->numel() == classes,
+                      op, ": ", vector_name, " must be a contiguous ", acc_type, " tensor of ", classes, " classes");
+  }
+  TORCH_CHECK_VALUE(per_row.scalar_type() == acc_type && per_row.dim() == 2 && per_row.size(0) == 4 &&
                         per_row.size(1) == rows && per_row.is_contiguous(),
-                    op, ": ", per_row_name, " must be a contiguous (4, ", rows, ") ", accumulation_type(dtype),
-                    " tensor");
+                    op, ": ", per_row_name, " must be a contiguous (4, ", rows, ") ", acc_type, " tensor");
   TORCH_CHECK_VALUE(class_offset >= 0, op, ": class_offset must be >= 0, got ", class_offset);
-  return {rows, logits.size(1), logits.stride(0)};
+  return {rows, classes, logits.stride(0)};
 }
 
-void check_class_vector(const char* op, const std::optional<at::Tensor>& vector, const char* name,
-                        const at::Tensor& logits) {
-  if (!vector.has_value()) return;
-  TORCH_CHECK_VALUE(vector->scalar_type() == accumulation_type(logits.scalar_type()) && vector->dim() == 1 &&
-                        vector->is_contiguous() && vector->numel() == logits.size(1),
-                    op, ": ", name, " must be a contiguous ", accumulation_type(logits.scalar_type()), " tensor of ",
-                    logits.size(1), " classes");
+// body(r, buffer) for every row of a chunk, in parallel blocks fixed by the
+// shape, each with its stack buffer of kChunkClasses values.
+template <typename acc_t, typename Body>
+void for_each_chunk_row(const ChunkGeometry& cg, const Body& body) {
+  const int64_t grain = std::max<int64_t>(1, kMinTaskElements / std::max<int64_t>(cg.classes, 1));
+  at::parallel_for(0, cg.rows, grain, [&](int64_t begin, int64_t end) {
+    acc_t buffer[kChunkClasses];
+    for (int64_t r = begin; r < end; ++r) body(r, buffer);
+  });
 }
-
-int64_t chunk_grain(int64_t classes) { return std::max<int64_t>(1, kMinTaskElements / std::max<int64_t>(classes, 1)); }
 
 void cross_entropy_chunk_stats_cpu(const at::Tensor& logits, const at::Tensor& target,
                                    const std::optional<at::Tensor>& weight, const at::Tensor& stats,
                                    int64_t class_offset, int64_t ignore_index, bool smoothing) {
-  const char* op = "cross_entropy_chunk_stats_";
-  const ChunkGeometry cg = check_chunk(op, logits, target, stats, "stats", class_offset);
-  check_class_vector(op, weight, "weight", logits);
+  const ChunkGeometry cg =
+      check_chunk("cross_entropy_chunk_stats_", logits, target, weight, "weight", stats, "stats", class_offset);
   if (cg.rows == 0) return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "cross_entropy_chunk_cpu", [&] {
     using acc_t = accumulation_t<scalar_t>;
@@ -308,22 +315,19 @@ void cross_entropy_chunk_stats_cpu(const at::Tensor& logits, const at::Tensor& t
     const acc_t* w = weight.has_value() ? weight->const_data_ptr<acc_t>() : nullptr;
     acc_t* s = stats.mutable_data_ptr<acc_t>();
     const int64_t R = cg.rows;
-    at::parallel_for(0, R, chunk_grain(cg.classes), [&](int64_t begin, int64_t end) {
-      acc_t buffer[kChunkClasses];
-      for (int64_t r = begin; r < end; ++r) {
-        const int64_t t = targets[r];
-        if (t == ignore_index) continue;
-        const scalar_t* x = data + r * cg.row_stride;
-        RowStats<acc_t> row;
-        row.running_max = s[r];
-        row.sum_exp = s[R + r];
-        accumulate_row(x, 1, cg.classes, w, smoothing, buffer, row);
-        s[r] = row.running_max;
-        s[R + r] = row.sum_exp;
-        const int64_t local = t - class_offset;
-        if (local >= 0 && local < cg.classes) s[2 * R + r] = static_cast<acc_t>(x[local]);
-        if (smoothing) s[3 * R + r] += row.sum_wx;
-      }
+    for_each_chunk_row<acc_t>(cg, [&](int64_t r, acc_t* buffer) {
+      const int64_t t = targets[r];
+      if (t == ignore_index) return;
+      const scalar_t* x = data + r * cg.row_stride;
+      RowStats<acc_t> row;
+      row.running_max = s[r];
+      row.sum_exp = s[R + r];
+      accumulate_row(x, 1, cg.classes, w, smoothing, buffer, row);
+      s[r] = row.running_max;
+      s[R + r] = row.sum_exp;
+      const int64_t local = t - class_offset;
+      if (local >= 0 && local < cg.classes) s[2 * R + r] = static_cast<acc_t>(x[local]);
+      if (smoothing) s[3 * R + r] += row.sum_wx;
     });
   });
 }
@@ -331,9 +335,8 @@ void cross_entropy_chunk_stats_cpu(const at::Tensor& logits, const at::Tensor& t
 void cross_entropy_chunk_grad_cpu(const at::Tensor& logits, const at::Tensor& target,
                                   const std::optional<at::Tensor>& class_term, const at::Tensor& row_terms,
                                   int64_t class_offset, int64_t ignore_index) {
-  const char* op = "cross_entropy_chunk_grad_";
-  const ChunkGeometry cg = check_chunk(op, logits, target, row_terms, "row_terms", class_offset);
-  check_class_vector(op, class_term, "class_term", logits);
+  const ChunkGeometry cg = check_chunk("cross_entropy_chunk_grad_", logits, target, class_term, "class_term", row_terms,
+                                       "row_terms", class_offset);
   if (cg.rows == 0) return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "cross_entropy_chunk_cpu", [&] {
     using acc_t = accumulation_t<scalar_t>;
@@ -342,19 +345,16 @@ void cross_entropy_chunk_grad_cpu(const at::Tensor& logits, const at::Tensor& ta
     const acc_t* term = class_term.has_value() ? class_term->const_data_ptr<acc_t>() : nullptr;
     const acc_t* rt = row_terms.const_data_ptr<acc_t>();
     const int64_t R = cg.rows;
-    at::parallel_for(0, R, chunk_grain(cg.classes), [&](int64_t begin, int64_t end) {
-      acc_t buffer[kChunkClasses];
-      for (int64_t r = begin; r < end; ++r) {
-        scalar_t* g = data + r * cg.row_stride;
-        const int64_t t = targets[r];
-        if (t == ignore_index) {
-          std::fill(g, g + cg.classes, scalar_t(0));
-          continue;
-        }
-        const RowTerms<acc_t> terms{rt[r], rt[R + r], rt[2 * R + r], rt[3 * R + r]};
-        write_gradient(g, 1, g, 1, cg.classes, t - class_offset, terms, term, term == nullptr ? acc_t(0) : acc_t(1),
-                       buffer);
+    for_each_chunk_row<acc_t>(cg, [&](int64_t r, acc_t* buffer) {
+      scalar_t* g = data + r * cg.row_stride;
+      const int64_t t = targets[r];
+      if (t == ignore_index) {
+        std::fill(g, g + cg.classes, scalar_t(0));
+        return;
       }
+      const RowTerms<acc_t> terms{rt[r], rt[R + r], rt[2 * R + r], rt[3 * R + r]};
+      write_gradient(g, 1, g, 1, cg.classes, t - class_offset, terms, term, term == nullptr ? acc_t(0) : acc_t(1),
+                     buffer);
     });
   });
 }

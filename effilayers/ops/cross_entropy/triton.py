@@ -48,6 +48,29 @@ def _block_and_warps(classes: int) -> tuple[int, int]:
 
 
 @triton.jit
+def _online_block(running_max, sum_exp, x, ACC: tl.constexpr):
+    """One block of a row's online log-sum-exp: the running maximum and
+    sum exp(x - maximum), rescaled by exp(old - new) as the maximum grows."""
+    neg_inf = float("-inf")
+    new_max = tl.maximum(running_max, tl.max(x, axis=0))
+    # While the maximum is -inf every exp is 0: shift by 0 instead of
+    # computing -inf - -inf.
+    shift = tl.where(new_max == neg_inf, 0.0, new_max).to(ACC)
+    rescale = tl.where(running_max == neg_inf, 0.0, tl.exp(running_max - shift)).to(ACC)
+    return new_max, sum_exp * rescale + tl.sum(tl.exp(x - shift), axis=0)
+
+
+@triton.jit
+def _smoothing_block(weight_ptr, offsets, mask, x, HAS_WEIGHT: tl.constexpr, ACC: tl.constexpr):
+    """One block's sum_c w_c x_c and sum_c w_c (w_c = 1 without weights)."""
+    if HAS_WEIGHT:
+        w = tl.load(weight_ptr + offsets, mask=mask, other=0.0).to(ACC)
+    else:
+        w = tl.where(mask, 1.0, 0.0).to(ACC)
+    return tl.sum(w * tl.where(mask, x, 0.0), axis=0), tl.sum(w, axis=0)
+
+
+@triton.jit
 def _cross_entropy_rows_kernel(
     logits_ptr, target_ptr, weight_ptr, grad_ptr, grad_scale_ptr, loss_ptr,
     classes, inner,
@@ -79,20 +102,11 @@ def _cross_entropy_rows_kernel(
         offsets = start + cols
         mask = offsets < classes
         x = tl.load(row_ptr + offsets.to(tl.int64) * class_stride, mask=mask, other=neg_inf).to(ACC)
-        new_max = tl.maximum(running_max, tl.max(x, axis=0))
-        # While the maximum is -inf every exp is 0: shift by 0 instead of
-        # computing -inf - -inf.
-        shift = tl.where(new_max == neg_inf, 0.0, new_max).to(ACC)
-        rescale = tl.where(running_max == neg_inf, 0.0, tl.exp(running_max - shift)).to(ACC)
-        sum_exp = sum_exp * rescale + tl.sum(tl.exp(x - shift), axis=0)
-        running_max = new_max
+        running_max, sum_exp = _online_block(running_max, sum_exp, x, ACC)
         if SMOOTHING:
-            if HAS_WEIGHT:
-                w = tl.load(weight_ptr + offsets, mask=mask, other=0.0).to(ACC)
-            else:
-                w = tl.where(mask, 1.0, 0.0).to(ACC)
-            sum_wx += tl.sum(w * tl.where(mask, x, 0.0), axis=0)
-            sum_w += tl.sum(w, axis=0)
+            block_wx, block_w = _smoothing_block(weight_ptr, offsets, mask, x, HAS_WEIGHT, ACC)
+            sum_wx += block_wx
+            sum_w += block_w
 
     lse = tl.where(running_max == neg_inf, neg_inf, running_max + tl.log(sum_exp)).to(ACC)
     # Only a row with a valid target reads one: with 0 classes there is no
@@ -194,18 +208,9 @@ def _chunk_stats_kernel(
             offsets = start + cols
             mask = offsets < classes
             x = tl.load(row_ptr + offsets, mask=mask, other=neg_inf).to(ACC)
-            new_max = tl.maximum(running_max, tl.max(x, axis=0))
-            # While the maximum is -inf every exp is 0: shift by 0 instead of -inf - -inf.
-            shift = tl.where(new_max == neg_inf, 0.0, new_max).to(ACC)
-            rescale = tl.where(running_max == neg_inf, 0.0, tl.exp(running_max - shift)).to(ACC)
-            sum_exp = sum_exp * rescale + tl.sum(tl.exp(x - shift), axis=0)
-            running_max = new_max
+            running_max, sum_exp = _online_block(running_max, sum_exp, x, ACC)
             if SMOOTHING:
-                if HAS_WEIGHT:
-                    w = tl.load(weight_ptr + offsets, mask=mask, other=0.0).to(ACC)
-                    sum_wx += tl.sum(w * tl.where(mask, x, 0.0), axis=0)
-                else:
-                    sum_wx += tl.sum(tl.where(mask, x, 0.0), axis=0)
+                sum_wx += _smoothing_block(weight_ptr, offsets, mask, x, HAS_WEIGHT, ACC)[0]
         tl.store(stats_ptr + row, running_max)
         tl.store(stats_ptr + stats_stride + row, sum_exp)
         local = target - class_offset
