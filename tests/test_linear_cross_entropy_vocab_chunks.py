@@ -236,3 +236,17 @@ def test_low_precision_vocabulary_chunks_within_stated_bound(monkeypatch, dtype)
 def test_float16_vocabulary_chunks_on_every_backend(vocab_device, monkeypatch):
     # bfloat16 has no arithmetic in the Triton interpreter; float16 rounds the logits and their gradient alike.
     _low_precision_case(monkeypatch, torch.float16, vocab_device)
+
+
+def test_chunk_ops_opcheck():
+    """The two in-place custom ops: schemas, fake kernels and mutation
+    annotations agree with what the kernels do (torch.library.opcheck)."""
+    generator = torch.Generator().manual_seed(1)
+    chunk = torch.randn(3, 5, generator=generator, dtype=f64)
+    target = torch.tensor([1, -100, 7])
+    stats = torch.stack([torch.full((3,), -math.inf, dtype=f64)] + [torch.zeros(3, dtype=f64)] * 3)
+    torch.library.opcheck(torch.ops.effilayers.cross_entropy_chunk_stats_.default,
+                          (chunk, target, make_positive(5), stats, 0, -100, True))
+    row_terms = torch.stack([chunk.logsumexp(1), make_positive(3), make_positive(3, seed=2), make_positive(3, seed=3)])
+    torch.library.opcheck(torch.ops.effilayers.cross_entropy_chunk_grad_.default,
+                          (chunk.clone(), target, None, row_terms, 0, -100))
