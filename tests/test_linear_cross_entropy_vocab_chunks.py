@@ -120,10 +120,9 @@ def test_chunk_kernels_on_poisoned_memory(vocab_device, request):
     stats = before.clone().to(vocab_device)
     torch.ops.effilayers.cross_entropy_chunk_stats_(chunk, target, weight, stats, offset, -100, True)
     new_max = torch.maximum(before[0], z.amax(1))
-    expected = torch.stack([new_max, before[1] * torch.exp(before[0] - new_max) + torch.exp(z - new_max[:, None]).sum(1),
-                            torch.where(here, z.gather(1, (target.cpu() - offset).clamp(0, width - 1)[:, None])[:, 0],
-                                        7.0),
-                            before[3] + z @ weight.cpu()])
+    sum_exp = before[1] * torch.exp(before[0] - new_max) + torch.exp(z - new_max[:, None]).sum(1)
+    target_logit = z.gather(1, (target.cpu() - offset).clamp(0, width - 1)[:, None])[:, 0]
+    expected = torch.stack([new_max, sum_exp, torch.where(here, target_logit, 7.0), before[3] + z @ weight.cpu()])
     expected[:, 1] = before[:, 1]  # the ignored row is left alone, NaN included
     torch.testing.assert_close(stats.cpu(), expected, rtol=1e-12, atol=1e-12, equal_nan=True)
     assert torch.isnan(storage[:, width:]).all()

@@ -107,6 +107,7 @@ def _chunks(input, weight, target, bias, class_weight, ignore_index, label_smoot
     # against the chunk's bytes too.
     needs_scratch = (needs[1] or needs[2]) and compute_dtype != acc and device.type != "cuda"
     bytes_per_logit = compute_dtype.itemsize + (acc.itemsize if needs_scratch else 0)
+    # A vocabulary chunk's gradient feeds grad_input's float32 sum as well: any gradient reads the copy.
     wide_copy = any(needs) and compute_dtype != acc and device.type != "cuda"
     vocab_bytes = vocab_chunk_bytes(compute_dtype, acc, soft, wide_copy)
     step, vocab_step = chunk_shape(tokens, classes, bytes_per_logit, vocab_bytes,
