@@ -153,7 +153,7 @@ def _class_index_rows(x, w, b, target, class_weight, ignore_index, eps, scale, s
     rows = torch.where(valid, torch.where(out_of_range, math.nan, rows), 0.0)
     if grads is None:
         return rows
-    row_terms = torch.stack((lse, coef.expand(rows_n), (1.0 - eps) * w_t, torch.where(out_of_range, math.nan, scale)))
+    row_terms = torch.stack((lse, coef, (1.0 - eps) * w_t, torch.where(out_of_range, math.nan, scale)))
     class_term = None
     if smoothing:
         class_term = (torch.full((classes,), eps / classes, dtype=acc, device=device) if class_weight is None
