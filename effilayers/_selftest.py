@@ -114,6 +114,30 @@ def _cross_entropy(device, dtype, g):
     return [(logits, target, weight, torch.empty_like(logits), torch.tensor([0.125], device=device), -100, 0.1)]
 
 
+def _chunk_rows(device, dtype, g):
+    """A (rows, classes) vocabulary chunk at class 4, classes contiguous and
+    rows a gap apart, with its targets: in the chunk, ignored, elsewhere."""
+    chunk = _randn((5, 13), g, dtype, device, 3.0)[:, :11]
+    target = torch.tensor([6, -100, 14, 1, 4], device=device)
+    return chunk, target
+
+
+def _cross_entropy_chunk_stats(device, dtype, g):
+    chunk, target = _chunk_rows(device, dtype, g)
+    stats = torch.stack([_randn((5,), g, f32, device), _positive((5,), g, device), torch.zeros(5, device=device),
+                         _randn((5,), g, f32, device)])
+    return [(chunk, target, _positive((11,), g, device), stats, 4, -100, True),
+            (chunk, target, None, stats, 4, -100, False)]
+
+
+def _cross_entropy_chunk_grad(device, dtype, g):
+    chunk, target = _chunk_rows(device, dtype, g)
+    lse = torch.logsumexp(chunk.float(), 1) + 0.5
+    row_terms = torch.stack([lse, _positive((5,), g, device), _positive((5,), g, device), _positive((5,), g, device)])
+    return [(chunk, target, _positive((11,), g, device, 0.001, 0.01), row_terms, 4, -100),
+            (chunk, target, None, row_terms, 4, -100)]
+
+
 def _reduce(device, dtype, g):
     cases = []
     for kind, shape in (("sum", (3, 37, 1)), ("var", (2, 19, 5)), ("norm", (1, 40, 3))):
@@ -228,6 +252,8 @@ CASES: dict[str, Case] = {
     "softmax_backward": Case(_softmax_backward),
     "scaled_masked_softmax_forward": Case(_scaled_masked_softmax),
     "cross_entropy": Case(_cross_entropy),
+    "cross_entropy_chunk_stats_": Case(_cross_entropy_chunk_stats),
+    "cross_entropy_chunk_grad_": Case(_cross_entropy_chunk_grad),
     "reduce": Case(_reduce, tier="reduction"),
     "dense_bottleneck_forward": Case(_dense_forward, tier="gemm"),
     "dense_bottleneck_backward": Case(_dense_backward, tier="gemm"),

@@ -1,6 +1,8 @@
 """linear_cross_entropy with the vocabulary split into chunks (an online
-log-sum-exp over them), against torch in float64. The chunk budget is made
-small so that small shapes take that path; each test checks it does."""
+log-sum-exp over them), against torch in float64, on every backend of the
+two chunk kernels (C++, Triton under the interpreter, the reference); the
+kernels themselves on poisoned memory. The chunk budget is made small so
+that small shapes take that path; each test checks it does."""
 
 from __future__ import annotations
 
@@ -10,36 +12,71 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import effilayers
 from effilayers.functional import linear_cross_entropy
 from effilayers.ops.linear_cross_entropy import op
 from effilayers.ops.linear_cross_entropy.reference import linear_cross_entropy_reference
 
+from .conftest import backend_params, forced_backend, poison_cpp_allocations
 from .linear_cross_entropy_cases import assert_same, fused, make_positive, make_problem, unfused
 
-# float64 bytes per logit of a vocabulary chunk: the logits and three float64 temporaries.
-_VOCAB_BYTES = 8 * (1 + op.VOCAB_TEMPORARIES)
+f64 = torch.float64
 
 
-def _split_vocabulary(monkeypatch, tokens, classes, pieces):
+def _vocab_bytes(dtype=f64, soft=False, wide_copy=False):
+    acc = f64 if dtype == f64 else torch.float32
+    return op.vocab_chunk_bytes(dtype, acc, soft, wide_copy)
+
+
+def _split_vocabulary(monkeypatch, tokens, classes, pieces, soft=False):
     """Shrink the budget so ``tokens`` float64 tokens take vocabulary chunks
     of ``ceil(classes / pieces)`` classes (the last one shorter). Whole rows
-    must overflow it: ``pieces`` over 4 (a vocabulary chunk's 4 float64s)."""
+    must overflow it: ``pieces`` over 1 for class indices (a chunk holds only
+    its logits), over 4 for probabilities (their torch ops' temporaries)."""
     step = min(tokens, op.MIN_CHUNK_TOKENS)
     classes_per_chunk = math.ceil(classes / pieces)
-    monkeypatch.setattr(op, "CHUNK_LOGITS_BYTES", step * _VOCAB_BYTES * classes_per_chunk)
-    assert op.chunk_shape(tokens, classes, 8, _VOCAB_BYTES, 0, None) == (step, classes_per_chunk)
+    monkeypatch.setattr(op, "CHUNK_LOGITS_BYTES", step * _vocab_bytes(soft=soft) * classes_per_chunk)
+    assert op.chunk_shape(tokens, classes, 8, _vocab_bytes(soft=soft), 0, None) == (step, classes_per_chunk)
+
+
+@pytest.fixture(params=backend_params("cross_entropy_chunk_stats_"))
+def vocab_device(request):
+    """Both chunk kernels (registered together, with the same backends) forced to one backend; yields the device."""
+    yield from forced_backend(request, "cross_entropy_chunk_stats_")
 
 
 def test_default_shapes_split_only_wide_vocabularies():
+    fp32 = _vocab_bytes(torch.float32)  # the logits alone
     # 4096 tokens x 32K classes in float32: 128-token chunks of whole rows.
-    assert op.chunk_shape(4096, 32768, 4, 16, 4096 * 128 * 4, None) == (128, 32768)
+    assert op.chunk_shape(4096, 32768, 4, fp32, 4096 * 128 * 4, None) == (128, 32768)
     # 262144 classes: 16 tokens would fit; 32 tokens by half the vocabulary instead.
-    assert op.chunk_shape(4096, 262144, 4, 16, 4096 * 128 * 4, None) == (32, op.CHUNK_LOGITS_BYTES // (32 * 16))
+    assert op.chunk_shape(4096, 262144, 4, fp32, 4096 * 128 * 4, None) == (32, 131072)
     # Few tokens: whole rows while they fit.
-    assert op.chunk_shape(5, 262144, 8, 32, 5 * 4 * 8, None) == (5, 262144)
+    assert op.chunk_shape(5, 262144, 8, 8, 5 * 4 * 8, None) == (5, 262144)
     # An explicit chunk_size keeps its tokens; the vocabulary is split when they overflow.
-    assert op.chunk_shape(4096, 262144, 4, 16, 0, 64) == (64, op.CHUNK_LOGITS_BYTES // (64 * 16))
-    assert op.chunk_shape(4096, 1000, 4, 16, 0, 64) == (64, 1000)
+    assert op.chunk_shape(4096, 262144, 4, fp32, 0, 64) == (64, op.CHUNK_LOGITS_BYTES // (64 * fp32))
+    assert op.chunk_shape(4096, 1000, 4, fp32, 0, 64) == (64, 1000)
+    # bf16 on CPU with a gradient: a float32 copy of each chunk's gradient for the matmuls.
+    assert _vocab_bytes(torch.bfloat16, wide_copy=True) == 6 and _vocab_bytes(soft=True) == 32
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_chunk_kernels_match_torch_float64(vocab_device, reduction):
+    # 5 tokens with leading batch dims, 13 classes in chunks of 3 (the last one short).
+    x, w, b, target = make_problem((1, 5), 4, 13, f64, vocab_device, seed=3, ignore_every=4)
+    class_weight = make_positive(13, vocab_device, seed=1)
+    grad_output = make_positive((1, 5), vocab_device, seed=9) if reduction == "none" else None
+    with pytest.MonkeyPatch.context() as patch:
+        _split_vocabulary(patch, 5, 13, 5)
+        cases = [(b, target, dict()), (b, target, dict(label_smoothing=0.1)),
+                 (b, target, dict(class_weight=class_weight, label_smoothing=0.2)),
+                 (None, torch.where(target == -100, 3, target), dict(class_weight=class_weight, ignore_index=3))]
+        for bias, t, options in cases:
+            actual = fused(x, w, bias, t, grad_output, reduction=reduction, **options)
+            assert_same(actual, unfused(x, w, bias, t, grad_output, reduction=reduction, **options), f64)
+            if vocab_device.type == "cpu":  # the torch-op form of the same chunks
+                with effilayers.use_backend("reference"):
+                    assert_same(actual, fused(x, w, bias, t, grad_output, reduction=reduction, **options), f64)
 
 
 @pytest.mark.parametrize("classes", [7, 50257, 262144])
@@ -61,9 +98,50 @@ def test_vocabulary_chunks_match_torch_float64(monkeypatch, classes):
                 torch.float64)
 
 
+def test_chunk_kernels_on_poisoned_memory(vocab_device, request):
+    """Each kernel writes what it must and nothing else, checked against the
+    formulas written out: the chunk is a view with NaN-filled gaps after its
+    rows, an ignored row's logits and the statistics a chunk must write are
+    NaN beforehand, and C++ allocations start as NaN."""
+    poison_cpp_allocations(request)
+    generator = torch.Generator().manual_seed(0)
+    rows, width, offset, nan = 5, 9, 4, math.nan
+    # targets: in the chunk, ignored, its last class, its first class, another chunk
+    target = torch.tensor([6, -100, 12, 4, 1], device=vocab_device)
+    here = torch.tensor([True, False, True, True, False])
+    z = torch.randn(rows, width, generator=generator, dtype=f64) * 3
+    storage = torch.full((rows, width + 3), nan, dtype=f64, device=vocab_device)
+    chunk = storage[:, :width]
+    chunk.copy_(z)
+    chunk[1] = nan
+    weight = make_positive(width, vocab_device)
+    before = torch.stack([torch.randn(rows, generator=generator, dtype=f64), make_positive(rows, seed=2),
+                          torch.where(here, nan, 7.0), torch.randn(rows, generator=generator, dtype=f64)])
+    stats = before.clone().to(vocab_device)
+    torch.ops.effilayers.cross_entropy_chunk_stats_(chunk, target, weight, stats, offset, -100, True)
+    new_max = torch.maximum(before[0], z.amax(1))
+    sum_exp = before[1] * torch.exp(before[0] - new_max) + torch.exp(z - new_max[:, None]).sum(1)
+    target_logit = z.gather(1, (target.cpu() - offset).clamp(0, width - 1)[:, None])[:, 0]
+    expected = torch.stack([new_max, sum_exp, torch.where(here, target_logit, 7.0), before[3] + z @ weight.cpu()])
+    expected[:, 1] = before[:, 1]  # the ignored row is left alone, NaN included
+    torch.testing.assert_close(stats.cpu(), expected, rtol=1e-12, atol=1e-12, equal_nan=True)
+    assert torch.isnan(storage[:, width:]).all()
+
+    row_terms = torch.stack([z.logsumexp(1) + 0.5, make_positive(rows, seed=3), make_positive(rows, seed=4),
+                             make_positive(rows, seed=6)]).to(vocab_device)
+    class_term = make_positive(width, vocab_device, seed=7) * 0.01
+    torch.ops.effilayers.cross_entropy_chunk_grad_(chunk, target, class_term, row_terms, offset, -100)
+    lse, coef, target_coef, scale = row_terms.cpu()[:, :, None]
+    onehot = torch.arange(width)[None, :] == (target.cpu() - offset)[:, None]
+    want = scale * (coef * torch.exp(z - lse) - class_term.cpu() - target_coef * onehot)
+    want[1] = 0.0
+    torch.testing.assert_close(chunk.cpu(), want, rtol=1e-12, atol=1e-12)
+    assert torch.isnan(storage[:, width:]).all()
+
+
 def test_vocabulary_chunks_with_token_weights_and_probabilities(monkeypatch):
     x, w, b, target = make_problem((2, 3), 4, 11, torch.float64, ignore_every=4)
-    _split_vocabulary(monkeypatch, 6, 11, 8)
+    _split_vocabulary(monkeypatch, 6, 11, 8, soft=True)
     token_weight = make_positive((2, 3), seed=3)
     class_weight = make_positive(11, seed=4)
     for reduction in ("mean", "none"):
@@ -78,11 +156,11 @@ def test_vocabulary_chunks_with_token_weights_and_probabilities(monkeypatch):
         assert_same(fused(x, w, b, probs, go, **options), unfused(x, w, b, probs, go, **options), torch.float64)
 
 
-def test_vocabulary_chunks_gradcheck(monkeypatch):
-    x, w, b, target = make_problem((3,), 3, 7, torch.float64, ignore_every=3)
-    _split_vocabulary(monkeypatch, 3, 7, 7)
-    token_weight = make_positive((3,), seed=8)
-    class_weight = make_positive(7)
+def test_vocabulary_chunks_gradcheck(vocab_device, monkeypatch):
+    x, w, b, target = make_problem((3,), 3, 7, f64, vocab_device, ignore_every=3)
+    _split_vocabulary(monkeypatch, 3, 7, 2)
+    token_weight = make_positive((3,), vocab_device, seed=8)
+    class_weight = make_positive(7, vocab_device)
 
     def fn(x, w, b):
         return linear_cross_entropy(x, w, target, b, label_smoothing=0.1, reduction="none",
@@ -116,14 +194,15 @@ class _LargestTemporary(TorchDispatchMode):
 
 
 def test_temporaries_do_not_grow_with_the_vocabulary(monkeypatch):
-    # 32 tokens, float32, a 64 KiB budget: the tokens by 128 classes at a
-    # time; the largest temporary is the same for 2048 and 8192 classes
-    # (whole rows would be 256 KiB and 1 MiB) and within the budget.
+    # 32 tokens, float32, a 64 KiB budget: the tokens by 512 classes at a
+    # time (the logits are all a chunk holds); the largest temporary is the
+    # same for 2048 and 8192 classes (whole rows would be 256 KiB and 1 MiB)
+    # and within the budget.
     monkeypatch.setattr(op, "CHUNK_LOGITS_BYTES", 64 << 10)
     largest = []
     for classes in (2048, 8192):
         x, w, b, target = make_problem((32,), 8, classes, torch.float32, ignore_every=5)
-        assert op.chunk_shape(32, classes, 4, 16, x.numel() * 4, None) == (32, 128)
+        assert op.chunk_shape(32, classes, 4, _vocab_bytes(torch.float32), x.numel() * 4, None) == (32, 512)
         scale = torch.ones(1)
         meter = _LargestTemporary({(classes, 8), (classes,)})
         with meter:
@@ -133,17 +212,40 @@ def test_temporaries_do_not_grow_with_the_vocabulary(monkeypatch):
     assert largest[0] == largest[1] <= 64 << 10, largest
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_low_precision_vocabulary_chunks_within_stated_bound(monkeypatch, dtype):
+def _low_precision_case(monkeypatch, dtype, device):
     # 37 tokens (a 32-token chunk and a short one), 300 classes in 60-class
     # chunks: the same bound as whole rows (tests/test_linear_cross_entropy.py).
-    x, w, b, target = make_problem((37,), 24, 300, dtype, ignore_every=5)
-    itemsize = 4 + (4 if dtype == torch.bfloat16 else 0)
-    vocab_itemsize = x.element_size() + 4 * op.VOCAB_TEMPORARIES
+    x, w, b, target = make_problem((37,), 24, 300, dtype, device, ignore_every=5)
+    itemsize = 4 + (4 if dtype != torch.float32 else 0)
+    vocab_itemsize = _vocab_bytes(dtype, wide_copy=dtype != torch.float32)
     monkeypatch.setattr(op, "CHUNK_LOGITS_BYTES", 32 * vocab_itemsize * 60)
     assert op.chunk_shape(37, 300, itemsize, vocab_itemsize, x.numel() * x.element_size(), None) == (32, 60)
-    grad_output = make_positive((37,), seed=4, dtype=dtype)
+    grad_output = make_positive((37,), device, seed=4, dtype=dtype)
     options = dict(label_smoothing=0.05, reduction="none")
     loss, grads = actual = fused(x, w, b, target, grad_output, **options)
     assert loss.dtype == dtype and all(g.dtype == dtype for g in grads)
     assert_same(actual, unfused(x, w, b, target, grad_output, **options), dtype, grad_tier="linear_cross_entropy")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_low_precision_vocabulary_chunks_within_stated_bound(monkeypatch, dtype):
+    _low_precision_case(monkeypatch, dtype, "cpu")
+
+
+def test_float16_vocabulary_chunks_on_every_backend(vocab_device, monkeypatch):
+    # bfloat16 has no arithmetic in the Triton interpreter; float16 rounds the logits and their gradient alike.
+    _low_precision_case(monkeypatch, torch.float16, vocab_device)
+
+
+def test_chunk_ops_opcheck():
+    """The two in-place custom ops: schemas, fake kernels and mutation
+    annotations agree with what the kernels do (torch.library.opcheck)."""
+    generator = torch.Generator().manual_seed(1)
+    chunk = torch.randn(3, 5, generator=generator, dtype=f64)
+    target = torch.tensor([1, -100, 7])
+    stats = torch.stack([torch.full((3,), -math.inf, dtype=f64)] + [torch.zeros(3, dtype=f64)] * 3)
+    torch.library.opcheck(torch.ops.effilayers.cross_entropy_chunk_stats_.default,
+                          (chunk, target, make_positive(5), stats, 0, -100, True))
+    row_terms = torch.stack([chunk.logsumexp(1), make_positive(3), make_positive(3, seed=2), make_positive(3, seed=3)])
+    torch.library.opcheck(torch.ops.effilayers.cross_entropy_chunk_grad_.default,
+                          (chunk.clone(), target, None, row_terms, 0, -100))

@@ -81,6 +81,19 @@ constexpr const char* kCrossEntropyRows =
     "cross_entropy_rows(Tensor logits, Tensor target, Tensor? weight, Tensor(a!)? grad, Tensor grad_scale, "
     "int ignore_index, float label_smoothing) -> Tensor";
 
+// One vocabulary chunk of wider rows ((rows, classes) logits, classes
+// contiguous, starting at class `class_offset`): the online statistics
+// updated in place in `stats` (4, rows), then, given the final log-sum-exp
+// and scales in `row_terms` (4, rows), the gradient written over the logits
+// (effilayers/ops/cross_entropy/, used by linear_cross_entropy).
+constexpr const char* kCrossEntropyChunkStats =
+    "cross_entropy_chunk_stats_(Tensor logits, Tensor target, Tensor? weight, Tensor(a!) stats, int class_offset, "
+    "int ignore_index, bool smoothing) -> ()";
+
+constexpr const char* kCrossEntropyChunkGrad =
+    "cross_entropy_chunk_grad_(Tensor(a!) logits, Tensor target, Tensor? class_term, Tensor row_terms, "
+    "int class_offset, int ignore_index) -> ()";
+
 // Sum / mean / var / std / vector 2-norm over the middle dimension of an
 // (outer, reduced, inner) strided view into a contiguous (outer, inner) out
 // of the result dtype (effilayers/ops/reductions/).

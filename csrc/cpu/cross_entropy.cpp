@@ -1,4 +1,6 @@
-// Row-wise cross-entropy on CPU: effilayers_cpu::cross_entropy_rows.
+// Row-wise cross-entropy on CPU: effilayers_cpu::cross_entropy_rows, and the
+// two passes of one vocabulary chunk of a wider row (cross_entropy_chunk_stats_,
+// cross_entropy_chunk_grad_; see the end of this file).
 //
 // The logits arrive as an (N, C, I) strided view (the Python side merges
 // (N, C, d1, ...) with _core/layout.three_groups, copying only when the
@@ -79,6 +81,80 @@ void exp_shifted<float>(float* buffer, int64_t n, float shift) {
   for (; k < n; ++k) buffer[k] = std::exp(buffer[k] - shift);
 }
 
+// A row's running statistics: the maximum, sum exp(x - maximum), and with
+// label smoothing sum_c w_c x_c and sum_c w_c (w_c = 1 without weights).
+template <typename acc_t>
+struct RowStats {
+  acc_t running_max = -std::numeric_limits<acc_t>::infinity();
+  acc_t sum_exp = 0, sum_wx = 0, sum_w = 0;
+};
+
+// Folds C logits `stride` apart into `stats` (which may carry earlier
+// chunks of the same row), kChunkClasses at a time through `buffer`.
+template <typename scalar_t, typename acc_t>
+void accumulate_row(const scalar_t* x, int64_t stride, int64_t C, const acc_t* weight, bool smoothing,
+                    acc_t* buffer, RowStats<acc_t>& stats) {
+  const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+  for (int64_t c0 = 0; c0 < C; c0 += kChunkClasses) {
+    const int64_t len = std::min(kChunkClasses, C - c0);
+    acc_t chunk_max = neg_inf;
+    for (int64_t k = 0; k < len; ++k) {
+      buffer[k] = static_cast<acc_t>(x[(c0 + k) * stride]);
+      chunk_max = std::max(chunk_max, buffer[k]);
+    }
+    if (smoothing) {  // before the buffer is overwritten with exp values
+      acc_t chunk_wx = 0, chunk_w = 0;
+      if (weight == nullptr) {
+        chunk_wx = lane_sum(buffer, len);
+        chunk_w = static_cast<acc_t>(len);
+      } else {
+        for (int64_t k = 0; k < len; ++k) {
+          chunk_wx += weight[c0 + k] * buffer[k];
+          chunk_w += weight[c0 + k];
+        }
+      }
+      stats.sum_wx += chunk_wx;
+      stats.sum_w += chunk_w;
+    }
+    const acc_t new_max = std::max(stats.running_max, chunk_max);
+    if (new_max != neg_inf) {  // all -inf so far: the sum stays 0
+      exp_shifted(buffer, len, new_max);
+      // 32 partial sums per chunk (vec.h), then one add per chunk: a
+      // running scalar sum over 65K values loses ~1e-4 relative in float.
+      const acc_t rescale = stats.running_max == neg_inf ? acc_t(0) : std::exp(stats.running_max - new_max);
+      stats.sum_exp = stats.sum_exp * rescale + lane_sum(buffer, len);
+    }
+    stats.running_max = new_max;
+  }
+}
+
+// What the gradient of a row needs beside its logits.
+template <typename acc_t>
+struct RowTerms {
+  acc_t lse, coef, target_coef, scale;
+};
+
+// g[c] = scale * (coef * exp(x_c - lse) - class_scale * w_c - target_coef * [c == t]),
+// w_c = class_weight[c] (1 when null), the class term skipped when class_scale
+// is 0. `g` may be `x` itself: each piece is read into `buffer` before it is
+// written. `t` outside [0, C) matches no class.
+template <typename scalar_t, typename acc_t>
+void write_gradient(const scalar_t* x, int64_t x_stride, scalar_t* g, int64_t g_stride, int64_t C, int64_t t,
+                    const RowTerms<acc_t>& terms, const acc_t* class_weight, acc_t class_scale, acc_t* buffer) {
+  for (int64_t c0 = 0; c0 < C; c0 += kChunkClasses) {
+    const int64_t len = std::min(kChunkClasses, C - c0);
+    for (int64_t k = 0; k < len; ++k) buffer[k] = static_cast<acc_t>(x[(c0 + k) * x_stride]);
+    exp_shifted(buffer, len, terms.lse);  // softmax
+    for (int64_t k = 0; k < len; ++k) {
+      const int64_t c = c0 + k;
+      acc_t value = terms.coef * buffer[k];
+      if (class_scale != 0) value -= class_scale * (class_weight == nullptr ? acc_t(1) : class_weight[c]);
+      if (c == t) value -= terms.target_coef;
+      g[c * g_stride] = static_cast<scalar_t>(value * terms.scale);
+    }
+  }
+}
+
 template <typename scalar_t, typename acc_t>
 void cross_entropy_rows_kernel(const scalar_t* logits, const RowGeometry& lg, const int64_t* target,
                                const acc_t* weight, scalar_t* grad, const RowGeometry& gg, acc_t scale,
@@ -103,60 +179,19 @@ void cross_entropy_rows_kernel(const scalar_t* logits, const RowGeometry& lg, co
       }
       TORCH_CHECK_INDEX(t >= 0 && t < C, "cross_entropy: target ", t, " is out of bounds for ", C,
                         " classes (and is not ignore_index=", ignore_index, ")");
-      acc_t running_max = neg_inf, sum_exp = 0, sum_wx = 0, sum_w = 0;
-      for (int64_t c0 = 0; c0 < C; c0 += kChunkClasses) {
-        const int64_t len = std::min(kChunkClasses, C - c0);
-        acc_t chunk_max = neg_inf;
-        for (int64_t k = 0; k < len; ++k) {
-          buffer[k] = static_cast<acc_t>(x[(c0 + k) * lg.class_stride]);
-          chunk_max = std::max(chunk_max, buffer[k]);
-        }
-        if (eps > 0) {  // before the buffer is overwritten with exp values
-          acc_t chunk_wx = 0, chunk_w = 0;
-          if (weight == nullptr) {
-            chunk_wx = lane_sum(buffer, len);
-            chunk_w = static_cast<acc_t>(len);
-          } else {
-            for (int64_t k = 0; k < len; ++k) {
-              chunk_wx += weight[c0 + k] * buffer[k];
-              chunk_w += weight[c0 + k];
-            }
-          }
-          sum_wx += chunk_wx;
-          sum_w += chunk_w;
-        }
-        const acc_t new_max = std::max(running_max, chunk_max);
-        if (new_max != neg_inf) {  // all -inf so far: the sum stays 0
-          exp_shifted(buffer, len, new_max);
-          // 32 partial sums per chunk (vec.h), then one add per chunk: a
-          // running scalar sum over 65K values loses ~1e-4 relative in float.
-          const acc_t rescale = running_max == neg_inf ? acc_t(0) : std::exp(running_max - new_max);
-          sum_exp = sum_exp * rescale + lane_sum(buffer, len);
-        }
-        running_max = new_max;
-      }
-      const acc_t lse = running_max == neg_inf ? neg_inf : running_max + std::log(sum_exp);
+      RowStats<acc_t> stats;
+      accumulate_row(x, lg.class_stride, C, weight, eps > 0, buffer, stats);
+      const acc_t lse = stats.running_max == neg_inf ? neg_inf : stats.running_max + std::log(stats.sum_exp);
       const acc_t x_t = static_cast<acc_t>(x[t * lg.class_stride]);
       const acc_t w_t = weight == nullptr ? acc_t(1) : weight[t];
       acc_t row_loss = (1 - eps) * w_t * (lse - x_t);
-      if (eps > 0) row_loss += eps_per_class * (sum_w * lse - sum_wx);
+      if (eps > 0) row_loss += eps_per_class * (stats.sum_w * lse - stats.sum_wx);
       loss[r] = row_loss;
       if (g == nullptr) continue;
 
-      // d loss / d x_c = coef * softmax_c - eps/C * w_c - (1 - eps) * w_t * [c == t]
-      const acc_t coef = eps > 0 ? (1 - eps) * w_t + eps_per_class * sum_w : w_t;
-      for (int64_t c0 = 0; c0 < C; c0 += kChunkClasses) {
-        const int64_t len = std::min(kChunkClasses, C - c0);
-        for (int64_t k = 0; k < len; ++k) buffer[k] = static_cast<acc_t>(x[(c0 + k) * lg.class_stride]);
-        exp_shifted(buffer, len, lse);  // softmax
-        for (int64_t k = 0; k < len; ++k) {
-          const int64_t c = c0 + k;
-          acc_t value = coef * buffer[k];
-          if (eps > 0) value -= eps_per_class * (weight == nullptr ? acc_t(1) : weight[c]);
-          if (c == t) value -= (1 - eps) * w_t;
-          g[c * gg.class_stride] = static_cast<scalar_t>(value * scale);
-        }
-      }
+      const acc_t coef = eps > 0 ? (1 - eps) * w_t + eps_per_class * stats.sum_w : w_t;
+      write_gradient(x, lg.class_stride, g, gg.class_stride, C, t, RowTerms<acc_t>{lse, coef, (1 - eps) * w_t, scale},
+                     weight, eps > 0 ? eps_per_class : acc_t(0), buffer);
     }
   });
 }
@@ -204,9 +239,137 @@ at::Tensor cross_entropy_rows_cpu(const at::Tensor& logits, const at::Tensor& ta
   return loss;
 }
 
+
+// ---------------------------------------------------------------------------
+// One vocabulary chunk of rows too wide to walk whole (linear_cross_entropy's
+// vocabulary chunks): the logits are a (rows, classes) view, classes
+// contiguous, holding classes [class_offset, class_offset + classes) of each
+// row. Rows whose target is ignore_index are skipped by the statistics and
+// get a zero gradient; targets are not range-checked here (the caller did,
+// or flags them with a NaN scale).
+//
+// cross_entropy_chunk_stats_: stats is (4, rows) in the accumulation type,
+// updated in place: [0] the running maximum, [1] sum exp(x - maximum),
+// rescaled as the maximum grows, [2] the target's logit (written by the
+// chunk that holds it), [3] with smoothing, += sum_c w_c x_c.
+// cross_entropy_chunk_grad_: row_terms is (4, rows): the row's final
+// log-sum-exp, the softmax's coefficient, the target's coefficient and the
+// gradient's scale; class_term (classes,) is subtracted from every row's
+// gradient (eps / C * w_c with label smoothing). The gradient is written
+// over the logits.
+
+struct ChunkGeometry {
+  int64_t rows, classes, row_stride;
+};
+
+// The checks both chunk kernels share; `vector` (named `vector_name`) is an
+// optional per-class tensor, `per_row` (named `per_row_name`) the (4, rows) one.
+ChunkGeometry check_chunk(const char* op, const at::Tensor& logits, const at::Tensor& target,
+                          const std::optional<at::Tensor>& vector, const char* vector_name, const at::Tensor& per_row,
+                          const char* per_row_name, int64_t class_offset) {
+  TORCH_CHECK_VALUE(logits.dim() == 2 && (logits.stride(1) == 1 || logits.size(1) <= 1), op,
+                    ": logits must be a (rows, classes) view with contiguous classes, got sizes ", logits.sizes(),
+                    " and strides ", logits.strides());
+  const auto dtype = logits.scalar_type();
+  TORCH_CHECK_TYPE(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat || dtype == at::kDouble, op,
+                   ": logits must be float16, bfloat16, float32 or float64, got ", dtype);
+  TORCH_CHECK(logits.device().is_cpu(), op, " (cpu kernel): logits must be a CPU tensor, got ", logits.device());
+  const auto acc_type = accumulation_type(dtype);
+  const int64_t rows = logits.size(0), classes = logits.size(1);
+  TORCH_CHECK_VALUE(target.scalar_type() == at::kLong && target.dim() == 1 && target.is_contiguous() &&
+                        target.numel() == rows,
+                    op, ": target must be a contiguous int64 tensor of ", rows, " rows");
+  if (vector.has_value()) {
+    TORCH_CHECK_VALUE(vector->scalar_type() == acc_type && vector->dim() == 1 && vector->is_contiguous() &&
+                          vector->numel() == classes,
+                      op, ": ", vector_name, " must be a contiguous ", acc_type, " tensor of ", classes, " classes");
+  }
+  TORCH_CHECK_VALUE(per_row.scalar_type() == acc_type && per_row.dim() == 2 && per_row.size(0) == 4 &&
+                        per_row.size(1) == rows && per_row.is_contiguous(),
+                    op, ": ", per_row_name, " must be a contiguous (4, ", rows, ") ", acc_type, " tensor");
+  TORCH_CHECK_VALUE(class_offset >= 0, op, ": class_offset must be >= 0, got ", class_offset);
+  return {rows, classes, logits.stride(0)};
+}
+
+// body(r, buffer) for every row of a chunk, in parallel blocks fixed by the
+// shape, each with its stack buffer of kChunkClasses values.
+template <typename acc_t, typename Body>
+void for_each_chunk_row(const ChunkGeometry& cg, const Body& body) {
+  const int64_t grain = std::max<int64_t>(1, kMinTaskElements / std::max<int64_t>(cg.classes, 1));
+  at::parallel_for(0, cg.rows, grain, [&](int64_t begin, int64_t end) {
+    acc_t buffer[kChunkClasses];
+    for (int64_t r = begin; r < end; ++r) body(r, buffer);
+  });
+}
+
+void cross_entropy_chunk_stats_cpu(const at::Tensor& logits, const at::Tensor& target,
+                                   const std::optional<at::Tensor>& weight, const at::Tensor& stats,
+                                   int64_t class_offset, int64_t ignore_index, bool smoothing) {
+  const ChunkGeometry cg =
+      check_chunk("cross_entropy_chunk_stats_", logits, target, weight, "weight", stats, "stats", class_offset);
+  if (cg.rows == 0) return;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "cross_entropy_chunk_cpu", [&] {
+    using acc_t = accumulation_t<scalar_t>;
+    const scalar_t* data = logits.const_data_ptr<scalar_t>();
+    const int64_t* targets = target.const_data_ptr<int64_t>();
+    const acc_t* w = weight.has_value() ? weight->const_data_ptr<acc_t>() : nullptr;
+    acc_t* s = stats.mutable_data_ptr<acc_t>();
+    const int64_t R = cg.rows;
+    for_each_chunk_row<acc_t>(cg, [&](int64_t r, acc_t* buffer) {
+      const int64_t t = targets[r];
+      if (t == ignore_index) return;
+      const scalar_t* x = data + r * cg.row_stride;
+      RowStats<acc_t> row;
+      row.running_max = s[r];
+      row.sum_exp = s[R + r];
+      accumulate_row(x, 1, cg.classes, w, smoothing, buffer, row);
+      s[r] = row.running_max;
+      s[R + r] = row.sum_exp;
+      const int64_t local = t - class_offset;
+      if (local >= 0 && local < cg.classes) s[2 * R + r] = static_cast<acc_t>(x[local]);
+      if (smoothing) s[3 * R + r] += row.sum_wx;
+    });
+  });
+}
+
+void cross_entropy_chunk_grad_cpu(const at::Tensor& logits, const at::Tensor& target,
+                                  const std::optional<at::Tensor>& class_term, const at::Tensor& row_terms,
+                                  int64_t class_offset, int64_t ignore_index) {
+  const ChunkGeometry cg = check_chunk("cross_entropy_chunk_grad_", logits, target, class_term, "class_term", row_terms,
+                                       "row_terms", class_offset);
+  if (cg.rows == 0) return;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "cross_entropy_chunk_cpu", [&] {
+    using acc_t = accumulation_t<scalar_t>;
+    scalar_t* data = logits.mutable_data_ptr<scalar_t>();
+    const int64_t* targets = target.const_data_ptr<int64_t>();
+    const acc_t* term = class_term.has_value() ? class_term->const_data_ptr<acc_t>() : nullptr;
+    const acc_t* rt = row_terms.const_data_ptr<acc_t>();
+    const int64_t R = cg.rows;
+    for_each_chunk_row<acc_t>(cg, [&](int64_t r, acc_t* buffer) {
+      scalar_t* g = data + r * cg.row_stride;
+      const int64_t t = targets[r];
+      if (t == ignore_index) {
+        std::fill(g, g + cg.classes, scalar_t(0));
+        return;
+      }
+      const RowTerms<acc_t> terms{rt[r], rt[R + r], rt[2 * R + r], rt[3 * R + r]};
+      write_gradient(g, 1, g, 1, cg.classes, t - class_offset, terms, term, term == nullptr ? acc_t(0) : acc_t(1),
+                     buffer);
+    });
+  });
+}
+
 }  // namespace
 }  // namespace effilayers
 
-TORCH_LIBRARY_FRAGMENT(effilayers_cpu, m) { m.def(effilayers::schema::kCrossEntropyRows); }
+TORCH_LIBRARY_FRAGMENT(effilayers_cpu, m) {
+  m.def(effilayers::schema::kCrossEntropyRows);
+  m.def(effilayers::schema::kCrossEntropyChunkStats);
+  m.def(effilayers::schema::kCrossEntropyChunkGrad);
+}
 
-TORCH_LIBRARY_IMPL(effilayers_cpu, CPU, m) { m.impl("cross_entropy_rows", &effilayers::cross_entropy_rows_cpu); }
+TORCH_LIBRARY_IMPL(effilayers_cpu, CPU, m) {
+  m.impl("cross_entropy_rows", &effilayers::cross_entropy_rows_cpu);
+  m.impl("cross_entropy_chunk_stats_", &effilayers::cross_entropy_chunk_stats_cpu);
+  m.impl("cross_entropy_chunk_grad_", &effilayers::cross_entropy_chunk_grad_cpu);
+}

@@ -13,11 +13,29 @@ from ..._core import registry
 from ..._core.dtypes import accumulation_dtype
 from ..._core.layout import autocast_to_float32, is_dense, refuse_forward_ad, three_groups, three_view
 from .contract import check_arguments, check_target_range
-from .reference import cross_entropy_rows_reference
+from .reference import (cross_entropy_chunk_grad_reference, cross_entropy_chunk_stats_reference,
+                        cross_entropy_rows_reference)
 
 registry.register(registry.OpKernels(name="cross_entropy", reference=cross_entropy_rows_reference,
                                      cpp="cross_entropy_rows",
                                      triton="effilayers.ops.cross_entropy.triton:cross_entropy_rows_triton"))
+
+# The two passes over one vocabulary chunk of rows too wide to walk whole
+# (linear_cross_entropy's vocabulary chunks; csrc/common/schemas.h describes
+# them): in-place custom ops, so a traced graph holds them with their fake
+# kernels (nothing to compute: they return nothing).
+registry.define(
+    "cross_entropy_chunk_stats_",
+    "(Tensor logits, Tensor target, Tensor? weight, Tensor(a!) stats, int class_offset, int ignore_index, "
+    "bool smoothing) -> ()", lambda *args: None, mutates_args=("stats",))
+registry.define(
+    "cross_entropy_chunk_grad_",
+    "(Tensor(a!) logits, Tensor target, Tensor? class_term, Tensor row_terms, int class_offset, int ignore_index) "
+    "-> ()", lambda *args: None, mutates_args=("logits",))
+for _name, _reference in (("cross_entropy_chunk_stats_", cross_entropy_chunk_stats_reference),
+                          ("cross_entropy_chunk_grad_", cross_entropy_chunk_grad_reference)):
+    registry.register(registry.OpKernels(name=_name, reference=_reference, cpp=_name,
+                                         triton=f"effilayers.ops.cross_entropy.triton:{_name[:-1]}_triton"))
 
 
 # ---------------------------------------------------------------------------

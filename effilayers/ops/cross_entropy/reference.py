@@ -97,3 +97,50 @@ def cross_entropy_rows_reference(
             g = torch.where(bad.unsqueeze(1), torch.full_like(g, math.nan), g)
             grad[n0:n1, :, i0:i1] = g.to(grad.dtype)
     return loss_rows
+
+
+def cross_entropy_chunk_stats_reference(logits, target, weight, stats, class_offset, ignore_index, smoothing):
+    """One vocabulary chunk's share of the online statistics of its rows.
+
+    ``logits``: ``(rows, classes)``, classes ``class_offset`` to
+    ``class_offset + classes`` of each row; ``weight``: None or those
+    classes' weights (the accumulation dtype). ``stats``: ``(4, rows)`` in
+    the accumulation dtype, updated in place: the running maximum ``m``, the
+    sum ``sum exp(z - m)`` (rescaled when ``m`` grows), the target's logit
+    (written by the chunk holding it) and, when ``smoothing``, ``+=
+    sum_c w_c z_c`` (``w_c = 1`` without weights). Rows whose target is
+    ``ignore_index`` are left as they are."""
+    acc = stats.dtype
+    z = logits.to(acc)
+    valid = target != ignore_index
+    m, s = stats[0], stats[1]
+    new_m = torch.where(valid, torch.maximum(m, z.amax(1)), m)
+    # Equal maxima (-inf included) keep s as it is, and a maximum of -inf
+    # shifts by 0 (every exp is 0): exp(-inf - -inf) would be NaN.
+    rescaled = torch.where(new_m == m, s, s * torch.exp(m - new_m))
+    shift = torch.where(new_m == -math.inf, 0.0, new_m)
+    s.copy_(torch.where(valid, rescaled + torch.exp(z - shift[:, None]).sum(1), s))
+    m.copy_(new_m)
+    local = target - class_offset
+    here = valid & (local >= 0) & (local < z.shape[1])
+    picked = z.gather(1, local.clamp(0, max(z.shape[1] - 1, 0))[:, None])[:, 0]
+    stats[2].copy_(torch.where(here, picked, stats[2]))
+    if smoothing:
+        weighted = z.sum(1) if weight is None else z @ weight.to(acc)
+        stats[3].add_(torch.where(valid, weighted, 0.0))
+
+
+def cross_entropy_chunk_grad_reference(logits, target, class_term, row_terms, class_offset, ignore_index):
+    """Writes one vocabulary chunk's d loss / d logits over ``logits``
+    (``(rows, classes)``, classes from ``class_offset``): for row ``r``,
+    ``scale * (coef * exp(z_c - lse) - class_term_c - target_coef * [c == t])``
+    with ``lse, coef, target_coef, scale = row_terms[:, r]``; 0 on rows whose
+    target is ``ignore_index`` (a select: 0 even where the scale is NaN)."""
+    acc = row_terms.dtype
+    lse, coef, target_coef, scale = row_terms[:, :, None]
+    g = coef * torch.exp(logits.to(acc) - lse)
+    if class_term is not None:
+        g = g - class_term.to(acc)
+    columns = torch.arange(logits.shape[1], device=logits.device)
+    g = torch.where(columns == (target - class_offset)[:, None], g - target_coef, g)
+    logits.copy_(torch.where((target != ignore_index)[:, None], g * scale, 0.0))

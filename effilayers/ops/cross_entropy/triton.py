@@ -48,6 +48,29 @@ def _block_and_warps(classes: int) -> tuple[int, int]:
 
 
 @triton.jit
+def _online_block(running_max, sum_exp, x, ACC: tl.constexpr):
+    """One block of a row's online log-sum-exp: the running maximum and
+    sum exp(x - maximum), rescaled by exp(old - new) as the maximum grows."""
+    neg_inf = float("-inf")
+    new_max = tl.maximum(running_max, tl.max(x, axis=0))
+    # While the maximum is -inf every exp is 0: shift by 0 instead of
+    # computing -inf - -inf.
+    shift = tl.where(new_max == neg_inf, 0.0, new_max).to(ACC)
+    rescale = tl.where(running_max == neg_inf, 0.0, tl.exp(running_max - shift)).to(ACC)
+    return new_max, sum_exp * rescale + tl.sum(tl.exp(x - shift), axis=0)
+
+
+@triton.jit
+def _smoothing_block(weight_ptr, offsets, mask, x, HAS_WEIGHT: tl.constexpr, ACC: tl.constexpr):
+    """One block's sum_c w_c x_c and sum_c w_c (w_c = 1 without weights)."""
+    if HAS_WEIGHT:
+        w = tl.load(weight_ptr + offsets, mask=mask, other=0.0).to(ACC)
+    else:
+        w = tl.where(mask, 1.0, 0.0).to(ACC)
+    return tl.sum(w * tl.where(mask, x, 0.0), axis=0), tl.sum(w, axis=0)
+
+
+@triton.jit
 def _cross_entropy_rows_kernel(
     logits_ptr, target_ptr, weight_ptr, grad_ptr, grad_scale_ptr, loss_ptr,
     classes, inner,
@@ -79,20 +102,11 @@ def _cross_entropy_rows_kernel(
         offsets = start + cols
         mask = offsets < classes
         x = tl.load(row_ptr + offsets.to(tl.int64) * class_stride, mask=mask, other=neg_inf).to(ACC)
-        new_max = tl.maximum(running_max, tl.max(x, axis=0))
-        # While the maximum is -inf every exp is 0: shift by 0 instead of
-        # computing -inf - -inf.
-        shift = tl.where(new_max == neg_inf, 0.0, new_max).to(ACC)
-        rescale = tl.where(running_max == neg_inf, 0.0, tl.exp(running_max - shift)).to(ACC)
-        sum_exp = sum_exp * rescale + tl.sum(tl.exp(x - shift), axis=0)
-        running_max = new_max
+        running_max, sum_exp = _online_block(running_max, sum_exp, x, ACC)
         if SMOOTHING:
-            if HAS_WEIGHT:
-                w = tl.load(weight_ptr + offsets, mask=mask, other=0.0).to(ACC)
-            else:
-                w = tl.where(mask, 1.0, 0.0).to(ACC)
-            sum_wx += tl.sum(w * tl.where(mask, x, 0.0), axis=0)
-            sum_w += tl.sum(w, axis=0)
+            block_wx, block_w = _smoothing_block(weight_ptr, offsets, mask, x, HAS_WEIGHT, ACC)
+            sum_wx += block_wx
+            sum_w += block_w
 
     lse = tl.where(running_max == neg_inf, neg_inf, running_max + tl.log(sum_exp)).to(ACC)
     # Only a row with a valid target reads one: with 0 classes there is no
@@ -164,6 +178,102 @@ def cross_entropy_rows_triton(logits, target, weight, grad, grad_scale, ignore_i
     return loss
 
 
+# -- one vocabulary chunk of wider rows ------------------------------------------
+#
+# linear_cross_entropy's vocabulary chunks: a (rows, classes) view of one
+# chunk's logits, classes contiguous, starting at class `class_offset`. One
+# program per row, blocks of BLOCK classes as above (_block_and_warps of the
+# chunk's width). Rows whose target is ignore_index are skipped by the
+# statistics and get a zero gradient. csrc/common/schemas.h and
+# reference.py's cross_entropy_chunk_*_reference give the contracts.
+
+
+@triton.jit
+def _chunk_stats_kernel(
+    logits_ptr, target_ptr, weight_ptr, stats_ptr,
+    classes, row_stride, stats_stride, class_offset, ignore_index,
+    HAS_WEIGHT: tl.constexpr, SMOOTHING: tl.constexpr, BLOCK: tl.constexpr,
+):
+    ACC = stats_ptr.dtype.element_ty
+    row = tl.program_id(0).to(tl.int64)
+    target = tl.load(target_ptr + row)
+    if target != ignore_index:
+        row_ptr = logits_ptr + row * row_stride
+        cols = tl.arange(0, BLOCK)
+        neg_inf = float("-inf")
+        running_max = tl.load(stats_ptr + row)
+        sum_exp = tl.load(stats_ptr + stats_stride + row)
+        sum_wx = tl.zeros((), ACC)
+        for start in range(0, classes, BLOCK):
+            offsets = start + cols
+            mask = offsets < classes
+            x = tl.load(row_ptr + offsets, mask=mask, other=neg_inf).to(ACC)
+            running_max, sum_exp = _online_block(running_max, sum_exp, x, ACC)
+            if SMOOTHING:
+                sum_wx += _smoothing_block(weight_ptr, offsets, mask, x, HAS_WEIGHT, ACC)[0]
+        tl.store(stats_ptr + row, running_max)
+        tl.store(stats_ptr + stats_stride + row, sum_exp)
+        local = target - class_offset
+        here = (local >= 0) & (local < classes)
+        x_t = tl.load(row_ptr + tl.where(here, local, 0), mask=here, other=0.0).to(ACC)
+        tl.store(stats_ptr + 2 * stats_stride + row, x_t, mask=here)
+        if SMOOTHING:
+            smooth_ptr = stats_ptr + 3 * stats_stride + row
+            tl.store(smooth_ptr, tl.load(smooth_ptr) + sum_wx)
+
+
+@triton.jit
+def _chunk_grad_kernel(
+    logits_ptr, target_ptr, class_term_ptr, row_terms_ptr,
+    classes, row_stride, terms_stride, class_offset, ignore_index,
+    HAS_CLASS_TERM: tl.constexpr, BLOCK: tl.constexpr,
+):
+    ACC = row_terms_ptr.dtype.element_ty
+    row = tl.program_id(0).to(tl.int64)
+    target = tl.load(target_ptr + row)
+    valid = target != ignore_index
+    lse = tl.load(row_terms_ptr + row)
+    coef = tl.load(row_terms_ptr + terms_stride + row)
+    target_coef = tl.load(row_terms_ptr + 2 * terms_stride + row)
+    scale = tl.load(row_terms_ptr + 3 * terms_stride + row)
+    local = target - class_offset
+    row_ptr = logits_ptr + row * row_stride
+    cols = tl.arange(0, BLOCK)
+    for start in range(0, classes, BLOCK):
+        offsets = start + cols
+        mask = offsets < classes
+        x = tl.load(row_ptr + offsets, mask=mask, other=0.0).to(ACC)
+        g = coef * tl.exp(x - lse)
+        if HAS_CLASS_TERM:
+            g -= tl.load(class_term_ptr + offsets, mask=mask, other=0.0).to(ACC)
+        g = tl.where(offsets == local, g - target_coef, g)
+        # A select: an ignored row gives 0 even where its scale is NaN or its exp overflowed.
+        g = tl.where(valid, g * scale, 0.0)
+        tl.store(row_ptr + offsets, g.to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+def _chunk_launch(kernel, logits, target, vector, per_row, class_offset, ignore_index, **constexprs):
+    rows, classes = logits.shape
+    if rows == 0:
+        return
+    block, warps = _block_and_warps(classes)
+    kernel[(rows,)](logits, target, vector if vector is not None else per_row, per_row,
+                    classes, logits.stride(0), per_row.stride(0), class_offset, ignore_index,
+                    BLOCK=block, num_warps=warps, **constexprs)
+
+
+def cross_entropy_chunk_stats_triton(logits, target, weight, stats, class_offset, ignore_index, smoothing):
+    """Same contract as ``effilayers.ops.cross_entropy.cross_entropy_chunk_stats_reference``."""
+    _chunk_launch(_chunk_stats_kernel, logits, target, weight, stats, class_offset, ignore_index,
+                  HAS_WEIGHT=weight is not None, SMOOTHING=bool(smoothing))
+
+
+def cross_entropy_chunk_grad_triton(logits, target, class_term, row_terms, class_offset, ignore_index):
+    """Same contract as ``effilayers.ops.cross_entropy.cross_entropy_chunk_grad_reference``."""
+    _chunk_launch(_chunk_grad_kernel, logits, target, class_term, row_terms, class_offset, ignore_index,
+                  HAS_CLASS_TERM=class_term is not None)
+
+
 # -- kernel report ---------------------------------------------------------------
 
 # benchmarks/bench_cross_entropy.py's GPU shapes (rows, classes)
@@ -210,3 +320,34 @@ def kernel_specialisations():
                     yield KernelSpec(_cross_entropy_rows_kernel, arguments,
                                      dict(HAS_WEIGHT=has_weight, SMOOTHING=smoothing, WRITE_GRAD=write_grad,
                                           BLOCK=block), warps, config, *bytes_per_element(size, write_grad))
+    yield from _chunk_specialisations()
+
+
+# linear_cross_entropy's vocabulary chunks on a GPU: 32 tokens by the classes
+# whose bf16 logits fill its 16 MiB budget (rows, classes); any chunk of 4096
+# classes or more takes the same block.
+CHUNK_SHAPE = (32, 262144)
+
+
+def _chunk_specialisations():
+    """The two vocabulary-chunk kernels at CHUNK_SHAPE, every dtype and
+    branch: the statistics read each logit once, the gradient reads it and
+    writes its gradient over it, as a perfect kernel must."""
+    for dtype in REPORT_DTYPES:
+        acc = accumulation_dtype(dtype)
+        size = dtype.itemsize
+        rows, classes = CHUNK_SHAPE
+        block, warps = _block_and_warps(classes)
+        common = dict(logits_ptr=dtype, target_ptr=torch.int64, classes=classes, row_stride=classes,
+                      class_offset=classes, ignore_index=-100)
+        name = f"{str(dtype)[6:]} {rows}x{classes} BLOCK={block}"
+        for has_weight, smoothing in ((False, False), (False, True), (True, True)):
+            arguments = dict(common, weight_ptr=acc, stats_ptr=acc, stats_stride=rows)
+            yield KernelSpec(_chunk_stats_kernel, arguments, dict(HAS_WEIGHT=has_weight, SMOOTHING=smoothing,
+                                                                  BLOCK=block), warps,
+                             f"{name} stats{' weight' if has_weight else ''}{' smoothing' if smoothing else ''}",
+                             size, size)
+        for has_class_term in (False, True):
+            arguments = dict(common, class_term_ptr=acc, row_terms_ptr=acc, terms_stride=rows)
+            yield KernelSpec(_chunk_grad_kernel, arguments, dict(HAS_CLASS_TERM=has_class_term, BLOCK=block),
+                             warps, f"{name} grad{' class_term' if has_class_term else ''}", 2 * size, 2 * size)

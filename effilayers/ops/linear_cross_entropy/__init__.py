@@ -28,15 +28,20 @@ Chunk sizes, from the shapes (``op.chunk_shape``)
     tokens (fewer than all of them, for shorter inputs), e.g. 16 tokens of a
     262144-class vocabulary in float32, or an explicit ``chunk_size`` whose
     rows overflow the budget, the vocabulary is split too: chunks of 32
-    tokens (or ``chunk_size``) by the most classes that fit, at the compute
-    dtype's bytes plus ``VOCAB_TEMPORARIES`` float32 temporaries per logit.
-    Those chunks run ``vocab_chunks.py``: per token chunk, an online
-    log-sum-exp over the vocabulary chunks (running maximum, rescaled sum of
-    exponentials, the target's logit and the smoothing sums, all float32),
-    then the gradient pass recomputing each vocabulary chunk's logits, into
-    the same float32 grad_weight / grad_bias accumulators (and a float32
-    grad_input row sum cast once per token chunk). No row kernel takes an
-    external log-sum-exp, so these are chunk-sized torch ops.
+    tokens (or ``chunk_size``) by the most classes that fit, at the bytes per
+    logit of ``vocab_chunks.vocab_chunk_bytes`` (the compute dtype, plus a
+    float32 copy for fp16/bf16 gradients on CPU, or ``VOCAB_TEMPORARIES``
+    float32 temporaries for probability targets). Those chunks run
+    ``vocab_chunks.py``: per token chunk, an online log-sum-exp over the
+    vocabulary chunks (running maximum, rescaled sum of exponentials, the
+    target's logit and the smoothing sums, all float32), then the gradient
+    pass recomputing each vocabulary chunk's logits, into the same float32
+    grad_weight / grad_bias accumulators (and a float32 grad_input row sum
+    cast once per token chunk). For class indices each pass is one kernel
+    per vocabulary chunk after its matmul (``cross_entropy_chunk_stats_``,
+    then ``cross_entropy_chunk_grad_`` writing the gradient over the chunk's
+    logits; C++ on CPU, Triton on GPU); probability targets use chunk-sized
+    torch ops.
 
 Mean with class and token weights
     With ``l_i`` torch's unreduced loss of token ``i`` (class weight and
@@ -67,8 +72,9 @@ Memory: what is saved, and the peak
     nothing saved or allocated grows with tokens x classes: the peak above
     the inputs is one chunk of logits (one buffer, reused by every chunk;
     plus a float32 copy of it for fp16/bf16 on CPU, which has no mixed-dtype
-    GEMM; with the vocabulary chunked, a few freshly allocated float32
-    temporaries of one vocabulary chunk) and the weight-sized accumulators
+    GEMM; with the vocabulary chunked, one vocabulary chunk of logits, its
+    float32 copy for fp16/bf16 on CPU, and for probability targets a few
+    float32 temporaries of that size) and the weight-sized accumulators
     (``tests/test_linear_cross_entropy_vocab_chunks.py`` checks the largest
     temporary stays the same as the vocabulary grows). Measured on CPU (4096 tokens,
     hidden 128, 32768 classes, float32: 512 MiB of logits), the process's

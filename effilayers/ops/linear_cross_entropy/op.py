@@ -14,7 +14,7 @@ from ..._core.layout import refuse_forward_ad
 # Importing the family registers the "cross_entropy" row kernels this op runs on each chunk.
 from ..cross_entropy import op as _cross_entropy_op  # noqa: F401
 from .contract import INPUT_DTYPES, OP, check_arguments, check_target_range
-from .vocab_chunks import VOCAB_TEMPORARIES, accumulate_product, vocab_chunked_rows
+from .vocab_chunks import accumulate_product, vocab_chunk_bytes, vocab_chunked_rows
 from .vocab_parallel import is_sharded, runs_vocab_parallel, vocab_parallel_linear_cross_entropy
 
 # A chunk of logits takes at most this many bytes, or the input's own size
@@ -107,7 +107,9 @@ def _chunks(input, weight, target, bias, class_weight, ignore_index, label_smoot
     # against the chunk's bytes too.
     needs_scratch = (needs[1] or needs[2]) and compute_dtype != acc and device.type != "cuda"
     bytes_per_logit = compute_dtype.itemsize + (acc.itemsize if needs_scratch else 0)
-    vocab_bytes = compute_dtype.itemsize + VOCAB_TEMPORARIES * acc.itemsize
+    # A vocabulary chunk's gradient feeds grad_input's float32 sum as well: any gradient reads the copy.
+    wide_copy = any(needs) and compute_dtype != acc and device.type != "cuda"
+    vocab_bytes = vocab_chunk_bytes(compute_dtype, acc, soft, wide_copy)
     step, vocab_step = chunk_shape(tokens, classes, bytes_per_logit, vocab_bytes,
                                    input.numel() * input.element_size(), chunk_size)
     loss_rows = torch.empty(tokens, dtype=acc, device=device) if keep_rows else None

@@ -1,30 +1,56 @@
 """One chunk of tokens against a vocabulary too wide to hold whole: the
-classes are walked in chunks twice.
+classes are walked in chunks twice, each vocabulary chunk's logits
+``x W_v^T + b_v`` computed by torch's matmul into one reused buffer (in the
+compute dtype, as ``F.linear`` rounds them).
 
-First pass: each vocabulary chunk's logits ``x W_v^T + b_v`` (in the compute
-dtype, as ``F.linear`` rounds them), widened to the accumulation dtype, feed
-an online log-sum-exp (a running maximum ``m`` and a running sum
-``s = sum exp(z - m)``, rescaled by ``exp(m_old - m_new)`` when the maximum
-grows) and the sums the loss needs: the target's logit and, with label
-smoothing, ``sum_c w_c z_c`` (class indices), or ``sum_c q_c`` and
-``sum_c q_c z_c`` (probability targets ``q``, smoothed and class-weighted).
-Second pass (when a gradient is wanted): each chunk's logits are recomputed
-and its slice of d loss / d logits, ``coef * softmax - (the target's and the
-smoothing's share)``, is formed in the accumulation dtype and added into
-grad_input (a float32 sum over the vocabulary chunks, cast once per token
-chunk), grad_weight and grad_bias (the caller's float32 accumulators).
+Class-index targets (the common case) run the cross_entropy family's two
+chunk kernels, taken from the registry (C++ on CPU, Triton on GPU):
 
-No row kernel takes an external log-sum-exp, so both passes are torch ops on
-chunk-sized tensors (as ``vocab_parallel.py`` does across ranks).
+* ``cross_entropy_chunk_stats_`` folds each chunk into per-row running
+  statistics in the accumulation dtype (float32, float64 for float64): an
+  online log-sum-exp (a running maximum ``m`` and ``s = sum exp(z - m)``,
+  rescaled when the maximum grows), the target's logit and, with label
+  smoothing, ``sum_c w_c z_c``. The loss rows follow from them in a few
+  per-row torch ops.
+* when a gradient is wanted, each chunk's logits are recomputed and
+  ``cross_entropy_chunk_grad_`` writes its slice of d loss / d logits
+  (``coef * softmax - (the target's and the smoothing's share)``, scaled per
+  row) over them in place; torch's matmuls then add it into grad_input (a
+  float32 sum over the vocabulary chunks, cast once per token chunk),
+  grad_weight and grad_bias (the caller's float32 accumulators). On CPU with
+  fp16/bf16, which has no mixed-dtype GEMM, the matmuls read one float32 copy
+  of the chunk's gradient.
+
+So a vocabulary chunk costs its logits (plus that float32 copy) and nothing
+else chunk-sized, and the gradient never exists beyond one chunk.
+
+Probability targets keep plain torch ops on chunk-sized tensors (a float32
+copy of the logits and two float32 temporaries: ``VOCAB_TEMPORARIES``): no
+kernel of the project takes them (whole rows use torch ops too), a fused
+form would read a second chunk-sized operand with its own dtype and
+smoothing, and language-model heads train on class indices.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-# Bytes a vocabulary chunk holds per logit beyond the compute-dtype logits:
-# its float32 copy and two float32 temporaries (exp / the gradient).
+from ..._core import registry
+
+# Probability targets: bytes a vocabulary chunk holds per logit beyond the
+# compute-dtype logits, in float32 (its copy and two temporaries).
 VOCAB_TEMPORARIES = 3
+
+
+def vocab_chunk_bytes(compute_dtype: torch.dtype, acc: torch.dtype, soft: bool, wide_copy: bool) -> int:
+    """Bytes per logit of a vocabulary chunk: the compute-dtype logits, plus
+    the torch-op temporaries of probability targets, or the float32 copy
+    (``wide_copy``) that CPU matmuls read for fp16/bf16 gradients."""
+    if soft:
+        return compute_dtype.itemsize + VOCAB_TEMPORARIES * acc.itemsize
+    return compute_dtype.itemsize + (acc.itemsize if wide_copy else 0)
 
 
 def accumulate_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -38,17 +64,42 @@ def accumulate_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> N
         out.add_(torch.mm(a, b, out_dtype=out.dtype))
 
 
-def _logits(x, w, b, start, stop, acc):
-    z = torch.mm(x, w[start:stop].t()) if b is None else torch.addmm(b[start:stop], x, w[start:stop].t())
-    return z.to(acc)
+def _chunk_logits(x, w, b, step, buffer):
+    """(start, logits) of each vocabulary chunk, written into ``buffer`` as a
+    contiguous (rows, width) view (overwritten by the next chunk)."""
+    rows_n, classes = x.shape[0], w.shape[0]
+    for start in range(0, classes, step):
+        stop = min(start + step, classes)
+        z = buffer[:rows_n * (stop - start)].view(rows_n, stop - start)
+        if b is None:
+            torch.mm(x, w[start:stop].t(), out=z)
+        else:
+            torch.addmm(b[start:stop], x, w[start:stop].t(), out=z)
+        yield start, z
 
 
-def _smoothed(probs, start, stop, class_weight, eps, classes, acc):
-    """The probability targets' slice as torch weighs them: smoothed, then class-weighted."""
-    q = probs[:, start:stop].to(acc)
-    if eps > 0:
-        q = q * (1.0 - eps) + eps / classes
-    return q if class_weight is None else q * class_weight[start:stop]
+class _Gradients:
+    """Adds each vocabulary chunk's d loss / d logits into grad_input's
+    float32 sum, grad_weight and grad_bias."""
+
+    def __init__(self, x, w, needs, acc, grad_input, grad_weight, grad_bias):
+        self.x, self.w, self.needs, self.acc = x, w, needs, acc
+        self.grad_weight, self.grad_bias, self.grad_input = grad_weight, grad_bias, grad_input
+        self.gi = torch.zeros((x.shape[0], x.shape[1]), dtype=acc, device=x.device) if needs[0] else None
+        self.wide_x = x.to(acc) if needs[1] and x.device.type != "cuda" else x
+
+    def add(self, g, start):
+        stop = start + g.shape[1]
+        if self.needs[0]:
+            accumulate_product(self.gi, g, self.w[start:stop])
+        if self.needs[1]:
+            accumulate_product(self.grad_weight[start:stop], g.t(), self.wide_x)
+        if self.needs[2]:
+            self.grad_bias[start:stop] += g.sum(0, dtype=self.acc)
+
+    def finish(self):
+        if self.needs[0]:
+            self.grad_input.copy_(self.gi)
 
 
 def vocab_chunked_rows(x, w, b, target, class_weight, ignore_index, eps, grad_scale, row_scale, needs, step, acc,
@@ -59,83 +110,103 @@ def vocab_chunked_rows(x, w, b, target, class_weight, ignore_index, eps, grad_sc
     ``grad_weight`` / ``grad_bias`` (accumulation dtype), the logits'
     gradient scaled by ``grad_scale`` (1 element) and ``row_scale`` (per row or
     None). ``acc``: the accumulation dtype (``accumulation_dtype`` of the
-    compute dtype); ``class_weight``: None or in it."""
+    compute dtype); ``class_weight``: None or in it; ``target``: int64 class
+    indices, contiguous, or probabilities."""
+    scale = grad_scale if row_scale is None else grad_scale * row_scale
+    scale = scale.expand(x.shape[0])
+    grads = _Gradients(x, w, needs, acc, grad_input, grad_weight, grad_bias) if any(needs) else None
+    if target.is_floating_point():
+        rows = _probability_rows(x, w, b, target, class_weight, eps, scale, step, acc, grads)
+    else:
+        rows = _class_index_rows(x, w, b, target, class_weight, ignore_index, eps, scale, step, acc, grads)
+    if grads is not None:
+        grads.finish()
+    return rows
+
+
+def _class_index_rows(x, w, b, target, class_weight, ignore_index, eps, scale, step, acc, grads):
     rows_n, classes = x.shape[0], w.shape[0]
     device = x.device
-    soft = target.is_floating_point()
-    m = torch.full((rows_n,), -torch.inf, dtype=acc, device=device)
-    s = torch.zeros(rows_n, dtype=acc, device=device)
-    linear = torch.zeros(rows_n, dtype=acc, device=device)  # z_t, or sum_c q_c z_c
-    smooth = torch.zeros(rows_n, dtype=acc, device=device)  # sum_c w_c z_c, or sum_c q_c
-    if not soft:
-        valid = target != ignore_index
-        safe = torch.where(valid, target, 0)
-        # On GPU nothing checked the range (a host check would synchronise):
-        # such a row's loss and gradient are NaN, as the row kernels make them.
-        out_of_range = valid & ((safe < 0) | (safe >= classes))
-        safe = safe.clamp(0, classes - 1)
-    for start in range(0, classes, step):
-        stop = min(start + step, classes)
-        z = _logits(x, w, b, start, stop, acc)
-        new_m = torch.maximum(m, z.amax(1))
-        # Equal maxima (-inf included) keep s as it is, where exp(-inf - -inf) would be NaN.
-        s = torch.where(new_m == m, s, s * torch.exp(m - new_m)) + torch.exp(z - new_m[:, None]).sum(1)
-        m = new_m
-        if soft:
-            q = _smoothed(target, start, stop, class_weight, eps, classes, acc)
-            smooth += q.sum(1)
-            linear += (q * z).sum(1)
-            continue
-        here = valid & ~out_of_range & (safe >= start) & (safe < stop)
-        linear += torch.where(here, z.gather(1, (safe - start).clamp(0, stop - start - 1)[:, None])[:, 0], 0.0)
-        if eps > 0:
-            smooth += z.sum(1) if class_weight is None else z @ class_weight[start:stop]
-    lse = m + torch.log(s)
-    if soft:
-        rows = smooth * lse - linear
-    else:
-        w_t = torch.ones_like(lse) if class_weight is None else class_weight[safe]
-        rows = (1.0 - eps) * w_t * (lse - linear)
-        if eps > 0:
-            sum_w = float(classes) if class_weight is None else class_weight.sum()
-            rows = rows + eps / classes * (sum_w * lse - smooth)
-            coef = (1.0 - eps) * w_t + eps / classes * sum_w
-        else:
-            coef = w_t
-        rows = torch.where(valid, torch.where(out_of_range, torch.nan, rows), 0.0)
-    if not any(needs):
+    valid = target != ignore_index
+    safe = torch.where(valid, target, 0)
+    # On GPU nothing checked the range (a host check would synchronise):
+    # such a row's loss and gradient are NaN, as the row kernels make them.
+    out_of_range = valid & ((safe < 0) | (safe >= classes))
+    safe = safe.clamp(0, classes - 1)
+    smoothing = eps > 0
+    stats = torch.zeros((4, rows_n), dtype=acc, device=device)
+    stats[0] = -math.inf
+    buffer = torch.empty(rows_n * min(step, classes), dtype=x.dtype, device=device)
+    stats_kernel = registry.dispatch("cross_entropy_chunk_stats_", x)
+    for start, z in _chunk_logits(x, w, b, step, buffer):
+        chunk_weight = None if class_weight is None or not smoothing else class_weight[start:start + z.shape[1]]
+        stats_kernel(z, target, chunk_weight, stats, start, ignore_index, smoothing)
+    running_max, sum_exp, target_logit, smooth = stats
+    lse = running_max + torch.log(sum_exp)
+    w_t = torch.ones_like(lse) if class_weight is None else class_weight[safe]
+    rows = (1.0 - eps) * w_t * (lse - target_logit)
+    coef = w_t
+    if smoothing:
+        sum_w = float(classes) if class_weight is None else class_weight.sum()
+        rows = rows + eps / classes * (sum_w * lse - smooth)
+        coef = (1.0 - eps) * w_t + eps / classes * sum_w
+    rows = torch.where(valid, torch.where(out_of_range, math.nan, rows), 0.0)
+    if grads is None:
         return rows
-    scale = grad_scale if row_scale is None else grad_scale * row_scale
-    scale = scale.expand(rows_n)
-    if not soft:
-        scale = torch.where(out_of_range, torch.nan, scale)
-    scale = scale[:, None]
-    gi = torch.zeros((rows_n, x.shape[1]), dtype=acc, device=device) if needs[0] else None
-    wide_x = x.to(acc) if needs[1] and device.type != "cuda" else x
-    for start in range(0, classes, step):
-        stop = min(start + step, classes)
-        z = _logits(x, w, b, start, stop, acc)
-        softmax = torch.exp(z - lse[:, None])
-        if soft:
-            g = softmax * smooth[:, None] - _smoothed(target, start, stop, class_weight, eps, classes, acc)
-            g = g * scale
-        else:
-            g = softmax * coef[:, None]
-            if eps > 0:
-                g -= eps / classes * (1.0 if class_weight is None else class_weight[start:stop])
-            here = valid & ~out_of_range & (safe >= start) & (safe < stop)
-            g.scatter_add_(1, (safe - start).clamp(0, stop - start - 1)[:, None],
-                           torch.where(here, -(1.0 - eps) * w_t, 0.0)[:, None])
-            # A select, not a product: an ignored row gives 0 even where the scale is NaN or inf.
-            g = torch.where(valid[:, None], g * scale, 0.0)
+    row_terms = torch.stack((lse, coef, (1.0 - eps) * w_t, torch.where(out_of_range, math.nan, scale)))
+    class_term = None
+    if smoothing:
+        class_term = (torch.full((classes,), eps / classes, dtype=acc, device=device) if class_weight is None
+                      else eps / classes * class_weight)
+    # CPU matmuls take no fp16/bf16 operands with a float32 output: one float32 copy of each chunk's gradient.
+    wide = None if device.type == "cuda" or x.dtype == acc else torch.empty(buffer.shape, dtype=acc, device=device)
+    grad_kernel = registry.dispatch("cross_entropy_chunk_grad_", x)
+    for start, z in _chunk_logits(x, w, b, step, buffer):
+        stop = start + z.shape[1]
+        grad_kernel(z, target, None if class_term is None else class_term[start:stop], row_terms, start, ignore_index)
+        if wide is not None:
+            z = wide[:z.numel()].view(z.shape).copy_(z)
+        grads.add(z, start)
+    return rows
+
+
+def _smoothed(probs, start, stop, class_weight, eps, classes, acc):
+    """The probability targets' slice as torch weighs them: smoothed, then class-weighted."""
+    q = probs[:, start:stop].to(acc)
+    if eps > 0:
+        q = q * (1.0 - eps) + eps / classes
+    return q if class_weight is None else q * class_weight[start:stop]
+
+
+def _probability_rows(x, w, b, probs, class_weight, eps, scale, step, acc, grads):
+    """Probability targets in torch ops (see the module docstring): the same
+    online log-sum-exp, with ``sum_c q_c`` and ``sum_c q_c z_c``."""
+    rows_n, classes = x.shape[0], w.shape[0]
+    device = x.device
+    running_max = torch.full((rows_n,), -torch.inf, dtype=acc, device=device)
+    sum_exp = torch.zeros(rows_n, dtype=acc, device=device)
+    linear = torch.zeros(rows_n, dtype=acc, device=device)  # sum_c q_c z_c
+    mass = torch.zeros(rows_n, dtype=acc, device=device)  # sum_c q_c
+    buffer = torch.empty(rows_n * min(step, classes), dtype=x.dtype, device=device)
+    for start, z in _chunk_logits(x, w, b, step, buffer):
+        z = z.to(acc)
+        new_max = torch.maximum(running_max, z.amax(1))
+        # Equal maxima (-inf included) keep the sum as it is, where exp(-inf - -inf) would be NaN.
+        sum_exp = (torch.where(new_max == running_max, sum_exp, sum_exp * torch.exp(running_max - new_max))
+                   + torch.exp(z - new_max[:, None]).sum(1))
+        running_max = new_max
+        q = _smoothed(probs, start, start + z.shape[1], class_weight, eps, classes, acc)
+        mass += q.sum(1)
+        linear += (q * z).sum(1)
+    lse = running_max + torch.log(sum_exp)
+    rows = mass * lse - linear
+    if grads is None:
+        return rows
+    for start, z in _chunk_logits(x, w, b, step, buffer):
+        stop = start + z.shape[1]
+        softmax = torch.exp(z.to(acc) - lse[:, None])
+        g = (softmax * mass[:, None] - _smoothed(probs, start, stop, class_weight, eps, classes, acc)) * scale[:, None]
         if device.type == "cuda" and x.dtype != acc:
             g = g.to(x.dtype)  # the GEMMs read fp16/bf16 and write float32
-        if needs[0]:
-            accumulate_product(gi, g, w[start:stop])
-        if needs[1]:
-            accumulate_product(grad_weight[start:stop], g.t(), wide_x)
-        if needs[2]:
-            grad_bias[start:stop] += g.sum(0, dtype=acc)
-    if needs[0]:
-        grad_input.copy_(gi)
+        grads.add(g, start)
     return rows
