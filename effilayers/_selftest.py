@@ -209,6 +209,14 @@ def _normalizing_statistics(device, dtype, g):
     return [(x, *running, torch.tensor(3, device=device), 0.1, False, 1e-5)]
 
 
+def _finish_statistics(device, dtype, g):
+    acc = torch.float64 if dtype == torch.float64 else f32
+    mean, var = _randn((3,), g, acc, device), _positive((3,), g, device).to(acc)
+    running = _randn((3,), g, f32, device), _positive((3,), g, device)
+    return [(mean, var, 40, *running, torch.tensor(3, device=device), 0.1, False, 1e-5),
+            (mean, var, 40, *running, torch.tensor(3, device=device), 0.0, True, 1e-5)]
+
+
 def _hyper():
     """The hyper-parameters, flat at the end of the kernels' arguments."""
     from .ops.adam.contract import AdamHyperParams
@@ -264,6 +272,7 @@ CASES: dict[str, Case] = {
     "abn_backward": Case(_abn_backward),
     "batch_stats": Case(_batch_stats),
     "normalizing_statistics": Case(_normalizing_statistics),
+    "finish_statistics": Case(_finish_statistics),
     "adam_step": Case(_adam, dtypes=(f32,), float64_oracle=False),
     "adam_step_8bit": Case(_adam_8bit, dtypes=(f32,), tier="adam_8bit", float64_oracle=False),
 }

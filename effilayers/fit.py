@@ -80,7 +80,7 @@ from .checkpoint import checkpoint, sqrt_segments
 from .convert import FIT_UNDO_ATTR as UNDO_ATTR, convert, revert
 from .models import densenet
 
-__all__ = ["fit", "FitReport", "FitStep", "parse_budget", "CheckpointedSequential"]
+__all__ = ["fit", "FitReport", "FitStep", "parse_budget", "CheckpointedSequential", "checkpoint_runs_to"]
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -176,9 +176,14 @@ class CheckpointedSequential(nn.Sequential):
         done = 0
         for start, end in self._fit_segments:
             input = _run_in_order(children[done:start])(input)
-            input = checkpoint(_run_in_order(children[start:end]), input)
+            input = self._checkpoint_segment(_run_in_order(children[start:end]), input)
             done = end
         return _run_in_order(children[done:])(input)
+
+    @staticmethod
+    def _checkpoint_segment(run: Callable, input: Any) -> Any:
+        # A subclass may run another checkpoint (the bench's torch peer).
+        return checkpoint(run, input)
 
 
 def _run_in_order(modules: list[nn.Module]) -> Callable:
@@ -462,11 +467,12 @@ def _plan(profile: _Profile) -> list[tuple[int, int, int]]:
                 state, kept, first = trial, kept - gain, cut
 
 
-def _set_segments(part: nn.Sequential, segments: list[tuple[int, int]]) -> Callable[[], None]:
-    """Make ``part`` checkpoint ``segments`` (a class swap); returns what puts it back as it was."""
+def _set_segments(part: nn.Sequential, segments: list[tuple[int, int]],
+                  sequential: type = CheckpointedSequential) -> Callable[[], None]:
+    """Make ``part`` checkpoint ``segments`` (a class swap to ``sequential``); returns what puts it back as it was."""
     previous_class = type(part)
     previous = part.__dict__.get("_fit_segments")
-    part.__class__ = CheckpointedSequential
+    part.__class__ = sequential
     part._fit_segments = segments
 
     def restore() -> None:
@@ -633,3 +639,53 @@ def _checkpoint_chain(model, inputs, parts, report, undo, record, done) -> None:
         record(FitStep("checkpoint", path, f"{children} checkpointed; segments now {segments}",
                        offset + profile.kept_bytes(state), measured, flops / step_flops))
     report.recompute_bytes = profile.largest_segment_bytes(state)
+
+
+def checkpoint_runs_to(model: nn.Module, example_input: Union[torch.Tensor, tuple], target_bytes: int,
+                       first: Optional[dict[str, list[tuple[int, int]]]] = None,
+                       sequential: type = CheckpointedSequential) -> tuple[dict[str, list[tuple[int, int]]], int]:
+    """The checkpoint segments, per path of the model's sequential parts, with
+    which ``model`` keeps at most ``target_bytes`` activation bytes: the
+    segments in ``first`` (e.g. a fitted model's ``_fit_segments``), then
+    runs of children in ``fit``'s own order (``_plan`` on a profile of
+    ``model`` as it is) until the measured bytes are within the target; a
+    step is measured only where its lower bound could be. Parts run as
+    ``sequential`` (a :class:`CheckpointedSequential` whose
+    ``_checkpoint_segment`` may call another checkpoint) while measured,
+    and ``model`` is left as it was. Returns ``(segments, measured bytes)``:
+    bytes above the target are the least every run reached."""
+    inputs = _as_tuple(example_input)
+    parts = _sequential_parts(model)
+    paths = [path for path, _ in parts]
+    unknown = sorted(set(first or ()) - set(paths))
+    if unknown:
+        raise ValueError(f"checkpoint_runs_to: {', '.join(unknown)} is not a plain nn.Sequential part of the model "
+                         f"(parts: {', '.join(paths) or 'none'})")
+    state = tuple(frozenset(index for start, end in (first or {}).get(path, ()) for index in range(start, end))
+                  for path in paths)
+    profile = _profile(model, inputs, parts)
+
+    def measure(state: tuple[frozenset, ...]) -> int:
+        undo = [_set_segments(module, profile.segments(index, state[index]), sequential)
+                for index, (_, module) in enumerate(parts) if state[index]]
+        try:
+            return _measure(model, inputs)
+        finally:
+            for restore in reversed(undo):
+                restore()
+
+    measured, measured_state = measure(state), state
+    for part, start, end in _plan(profile):
+        if measured <= target_bytes:
+            break
+        grown = state[part] | frozenset(range(start, end))
+        if grown == state[part]:
+            continue
+        state = state[:part] + (grown,) + state[part + 1:]
+        if profile.lower_bound(state) <= target_bytes:
+            measured, measured_state = measure(state), state
+    if measured_state != state:
+        # The whole plan, none of it within the lower bound: what it reaches.
+        measured, measured_state = measure(state), state
+    segments = {path: profile.segments(index, state[index]) for index, path in enumerate(paths) if state[index]}
+    return segments, measured

@@ -39,15 +39,20 @@ def test_budget_rows_sit_beside_plain_with_bytes_and_ratios(tmp_path, monkeypatc
     fitted = results["fit(0.5)"]
     torch_checkpoint = results["checkpoint_sequential (fit's parts)"]
     compiled = results["torch.compile budget 0.5"]
+    torch_runs = results["torch checkpoint (to fit's bytes)"]
     plain = results["as given"]
     check_ratios_against_plain(results, "as given")
-    for row in (fitted, torch_checkpoint, compiled):
+    for row in (fitted, torch_checkpoint, compiled, torch_runs):
         assert row["activation_bytes"] > 0 and row["step_time_s"] > 0 and row["ratios"]["step_time"] > 0
     assert fitted["activation_bytes"] <= 0.5 * plain["activation_bytes"]
     # fit checkpointed children of the model (its only nn.Sequential): torch's
     # row runs the whole of it in ceil(sqrt(13)) = 4 segments
     assert "the model in 4 segments" in " ".join(torch_checkpoint["notes"])
     assert torch_checkpoint["activation_bytes"] < plain["activation_bytes"]
+    # torch's checkpoint over fit's runs, and more of fit's plan where needed,
+    # until the plain model keeps no more than fit's: the like-for-like peer
+    assert torch_runs["activation_bytes"] <= fitted["activation_bytes"]
+    assert "reaches" in " ".join(torch_runs["notes"])
     # counted on the compiled module after it compiled: the partitioner's
     # choice under the budget, never more than eager keeps
     assert compiled["activation_bytes"] <= plain["activation_bytes"]
@@ -64,6 +69,7 @@ def test_a_budget_below_reach_drops_fit_with_the_smallest_figure(tmp_path, monke
     names = set(by_variant(report))
     assert "fit(0.05)" not in names
     assert {"checkpoint_sequential (sqrt(n) segments; fit dropped)", "torch.compile budget 0.05"} <= names
+    assert "torch checkpoint (to fit's bytes)" not in names  # no fit bytes to reach
     assert any("fit(0.05): dropped" in line for line in report["skipped"])
 
 

@@ -184,6 +184,32 @@ def test_checkpoint_steps_stop_just_under_the_budget_without_recomputing_the_who
     assert type(model) is nn.Sequential and "_fit_segments" not in model.__dict__
 
 
+def test_checkpoint_runs_to_reaches_fit_bytes_from_fit_runs_in_fit_order():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, 8)
+    fitted = _deep_sequential()
+    report = effilayers.fit(fitted, x, 0.6)
+    plain = _deep_sequential()
+    state = copy.deepcopy(plain.state_dict())
+    # fit's own runs on the same model: fit's bytes at once, nothing added
+    segments, reached = fit_module.checkpoint_runs_to(plain, x, report.measured_bytes,
+                                                      {"": fitted._fit_segments})
+    assert segments == {"": fitted._fit_segments} and reached == report.measured_bytes
+    # from the first of them only, the walk adds runs in fit's order until it gets there
+    segments, reached = fit_module.checkpoint_runs_to(plain, x, report.measured_bytes,
+                                                      {"": fitted._fit_segments[:1]})
+    assert reached <= report.measured_bytes and segments[""][:1] == fitted._fit_segments[:1]
+    # left as it was, running statistics too
+    assert type(plain) is nn.Sequential and "_fit_segments" not in plain.__dict__
+    assert all(torch.equal(value, state[key]) for key, value in plain.state_dict().items())
+    assert memory.activation_bytes(plain, x) == report.before_bytes
+    # below reach: every run of the plan, and the least it keeps
+    segments, reached = fit_module.checkpoint_runs_to(plain, x, 1)
+    assert report.measured_bytes > reached > 1 and len(segments[""]) > len(fitted._fit_segments)
+    with pytest.raises(ValueError, match="layer9 is not a plain nn.Sequential part"):
+        fit_module.checkpoint_runs_to(plain, x, 1, {"layer9": [(0, 1)]})
+
+
 def _conv_norm_relu():
     return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
                          nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),

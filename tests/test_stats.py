@@ -269,3 +269,30 @@ def test_compiled_kernel_checks_its_own_arguments():
         kernel(torch.ones(2, 2, dtype=torch.int32), 0)
     with pytest.raises(ValueError, match="correction must be non-negative"):
         kernel(torch.randn(2, 2), -2)
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_compiled_finish_statistics_is_batchnorms_update_in_float64(momentum):
+    from effilayers.ops import _batchnorm
+
+    with effilayers.use_backend("cpp"):
+        if effilayers.backends.choice("finish_statistics", "cpu").kernel is None:
+            pytest.skip("C++ kernels unavailable")
+    kernel = torch.ops.effilayers_cpu.finish_statistics
+    g = torch.Generator().manual_seed(0)
+    mean = torch.randn(5, generator=g, dtype=torch.float64) * 3 + 1
+    var = torch.rand(5, generator=g, dtype=torch.float64) * 2 + 0.1
+    buffers = [torch.randn(5, generator=g, dtype=torch.float64), torch.rand(5, generator=g, dtype=torch.float64) + 0.5,
+               torch.tensor(3)]
+    expected = [b.clone() for b in buffers]
+    _, invstd = _batchnorm._finish(mean, var, 12, *expected, momentum, 1e-5)
+    got = kernel(mean, var, 12, *buffers, 0.0 if momentum is None else momentum, momentum is None, 1e-5)
+    torch.testing.assert_close(got, invstd, rtol=1e-14, atol=0)
+    for value, reference in zip(buffers, expected):
+        torch.testing.assert_close(value, reference, rtol=1e-14, atol=0)
+    with pytest.raises(ValueError, match="contiguous vectors of one length"):
+        kernel(mean, var[:4], 12, None, None, None, 0.1, False, 1e-5)
+    with pytest.raises(ValueError, match="both be float32 or float64"):
+        kernel(mean.float(), var, 12, None, None, None, 0.1, False, 1e-5)
+    with pytest.raises(ValueError, match="needs num_batches_tracked"):
+        kernel(mean, var, 12, buffers[0], None, None, 0.0, True, 1e-5)

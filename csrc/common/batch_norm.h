@@ -77,6 +77,27 @@ std::tuple<at::Tensor, at::Tensor> normalizing_statistics(const at::Tensor& inpu
   return {mean, invstd};
 }
 
+// The op `finish_statistics`: `finish` on statistics the caller computed
+// (per-channel float32 or float64 vectors, as batch_stats returns them).
+template <FinishStatistics finish>
+at::Tensor checked_finish(const at::Tensor& mean, const at::Tensor& var, int64_t count,
+                          const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var,
+                          const std::optional<at::Tensor>& num_batches_tracked, double momentum, bool cumulative,
+                          double eps) {
+  TORCH_CHECK_VALUE(mean.dim() == 1 && var.dim() == 1 && mean.numel() == var.numel() && mean.is_contiguous() &&
+                        var.is_contiguous(),
+                    "finish_statistics: mean and var must be contiguous vectors of one length, got ", mean.sizes(),
+                    " and ", var.sizes());
+  TORCH_CHECK_VALUE(mean.scalar_type() == var.scalar_type() &&
+                        (var.scalar_type() == at::kFloat || var.scalar_type() == at::kDouble),
+                    "finish_statistics: mean and var must both be float32 or float64, got ", mean.scalar_type(),
+                    " and ", var.scalar_type());
+  TORCH_CHECK_VALUE(count >= 0, "finish_statistics: count must be non-negative, got ", count);
+  TORCH_CHECK_VALUE(!cumulative || num_batches_tracked.has_value() || (!running_mean && !running_var),
+                    "finish_statistics: a cumulative average of running statistics needs num_batches_tracked");
+  return finish(mean, var, count, running_mean, running_var, num_batches_tracked, momentum, cumulative, eps);
+}
+
 // ---- backward -----------------------------------------------------------------
 
 using AbnBackwardReduce = std::tuple<at::Tensor, at::Tensor> (*)(

@@ -16,6 +16,12 @@ constexpr const char* kNormalizingStatistics =
     "normalizing_statistics(Tensor input, Tensor(a!)? running_mean, Tensor(b!)? running_var, "
     "Tensor(c!)? num_batches_tracked, float momentum, bool cumulative, float eps) -> (Tensor mean, Tensor invstd)";
 
+// Its finishing step alone, for statistics the caller already has (a dense
+// block's shared ones): the running update and invstd = rsqrt(var + eps).
+constexpr const char* kFinishStatistics =
+    "finish_statistics(Tensor mean, Tensor var, int count, Tensor(a!)? running_mean, Tensor(b!)? running_var, "
+    "Tensor(c!)? num_batches_tracked, float momentum, bool cumulative, float eps) -> Tensor";
+
 constexpr const char* kAbnForward =
     "abn_forward(Tensor x, Tensor mean, Tensor invstd, Tensor? weight, Tensor? bias, Tensor? residual, "
     "str activation, float activation_param, float weight_eps) -> Tensor";

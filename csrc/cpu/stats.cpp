@@ -322,11 +322,15 @@ at::Tensor finish_statistics_cpu(const at::Tensor& mean, const at::Tensor& var, 
 
 // The stats kernel and the statistics with BatchNorm's running update built on it (common/batch_norm.h).
 TORCH_LIBRARY_FRAGMENT(effilayers_cpu, m) {
-  for (const char* schema : {effilayers::schema::kBatchStats, effilayers::schema::kNormalizingStatistics}) m.def(schema);
+  for (const char* schema : {effilayers::schema::kBatchStats, effilayers::schema::kNormalizingStatistics,
+                             effilayers::schema::kFinishStatistics}) {
+    m.def(schema);
+  }
 }
 
 TORCH_LIBRARY_IMPL(effilayers_cpu, CPU, m) {
   m.impl("batch_stats", &effilayers::batch_stats_cpu);
   m.impl("normalizing_statistics",
          &effilayers::normalizing_statistics<&effilayers::batch_stats_cpu, &effilayers::finish_statistics_cpu>);
+  m.impl("finish_statistics", &effilayers::checked_finish<&effilayers::finish_statistics_cpu>);
 }

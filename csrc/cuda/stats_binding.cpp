@@ -46,11 +46,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_stats_cuda(const at::Tensor
 
 // The stats kernel and the statistics with BatchNorm's running update built on it (common/batch_norm.h).
 TORCH_LIBRARY_FRAGMENT(EFFILAYERS_KERNEL_LIBRARY, m) {
-  for (const char* schema : {effilayers::schema::kBatchStats, effilayers::schema::kNormalizingStatistics}) m.def(schema);
+  for (const char* schema : {effilayers::schema::kBatchStats, effilayers::schema::kNormalizingStatistics,
+                             effilayers::schema::kFinishStatistics}) {
+    m.def(schema);
+  }
 }
 
 TORCH_LIBRARY_IMPL(EFFILAYERS_KERNEL_LIBRARY, EFFILAYERS_KERNEL_DISPATCH_KEY, m) {
   m.impl("batch_stats", &effilayers::batch_stats_cuda);
   m.impl("normalizing_statistics",
          &effilayers::normalizing_statistics<&effilayers::batch_stats_cuda, &effilayers::finish_statistics_aten>);
+  m.impl("finish_statistics", &effilayers::checked_finish<&effilayers::finish_statistics_aten>);
 }

@@ -10,6 +10,12 @@ budget, side by side (issue 18):
   children it checkpoints all; when ``fit`` reached the budget without
   checkpointing, over the model's outermost sequential parts (the row's
   name says which);
+* torch's ``torch.utils.checkpoint.checkpoint`` (``use_reentrant=False``)
+  on the plain model over runs of children: the runs ``fit`` checkpointed,
+  then more in ``fit``'s own order until the plain model keeps no more
+  bytes than ``fit``'s (:func:`effilayers.fit.checkpoint_runs_to`), so its
+  time is the price of the same bytes with torch's checkpoint alone; where
+  no run gets there, its note says what it reached;
 * ``torch.compile`` of the plain model compiled under
   ``torch._functorch.config.activation_memory_budget = FRACTION``.
 
@@ -25,17 +31,18 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint_sequential
+from torch.utils.checkpoint import checkpoint as torch_checkpoint, checkpoint_sequential
 
 from ..checkpoint import sqrt_segments
-from ..fit import CheckpointedSequential, _sequential_parts, fit
+from ..fit import CheckpointedSequential, _sequential_parts, _set_segments, checkpoint_runs_to, fit
 from .variants import BenchError, Variant
 
-__all__ = ["budget_fraction", "budget_variants", "TorchCheckpointedSequential", "compile_under_budget",
-           "FIT", "CHECKPOINT_SEQUENTIAL", "COMPILE_BUDGET"]
+__all__ = ["budget_fraction", "budget_variants", "TorchCheckpointedSequential", "TorchCheckpointedRuns",
+           "compile_under_budget", "FIT", "CHECKPOINT_SEQUENTIAL", "TORCH_CHECKPOINT", "COMPILE_BUDGET"]
 
 FIT = "fit({:g})"
 CHECKPOINT_SEQUENTIAL = "checkpoint_sequential ({})"
+TORCH_CHECKPOINT = "torch checkpoint (to fit's bytes)"
 COMPILE_BUDGET = "torch.compile budget {:g}"
 
 
@@ -64,6 +71,42 @@ class TorchCheckpointedSequential(nn.Sequential):
         if not torch.is_grad_enabled():
             return super().forward(input)
         return checkpoint_sequential(self, self._bench_segments, input, use_reentrant=False)
+
+
+class TorchCheckpointedRuns(CheckpointedSequential):
+    """fit's class of a part with checkpointed runs of children, the runs
+    through torch's own ``torch.utils.checkpoint.checkpoint``
+    (``use_reentrant=False``): BatchNorm running statistics move twice per
+    step under it, as users run it."""
+
+    @staticmethod
+    def _checkpoint_segment(run: Callable, input: Any) -> Any:
+        return torch_checkpoint(run, input, use_reentrant=False)
+
+
+def _with_torch_runs(model: nn.Module, segments: dict[str, list[tuple[int, int]]]) -> nn.Module:
+    for path, runs in segments.items():
+        _set_segments(model.get_submodule(path), runs, TorchCheckpointedRuns)
+    return model
+
+
+def _torch_checkpoint_row(plain: Variant, fitted: nn.Module, fit_bytes: int, images: torch.Tensor,
+                          prepare: Callable[[nn.Module], nn.Module], autocast: Callable[[], Any]) -> Variant:
+    """The plain model with torch's checkpoint over fit's runs and, while it
+    keeps more bytes than fit's model, more runs in fit's order."""
+    first = {path: list(module._fit_segments) for path, module in fitted.named_modules()
+             if isinstance(module, CheckpointedSequential)}
+    with autocast():
+        segments, reached = checkpoint_runs_to(prepare(plain.build()), images, fit_bytes, first,
+                                               TorchCheckpointedRuns)
+    runs = "; ".join(f"{path or 'the model'} checkpoints children {runs}" for path, runs in segments.items()) \
+        or "nothing checkpointed"
+    reach = f"reaches {reached} bytes, fit's {fit_bytes}" if reached <= fit_bytes else \
+        f"cannot reach fit's {fit_bytes} bytes: every run of fit's plan keeps {reached}"
+    return Variant(plain.model, TORCH_CHECKPOINT, lambda: _with_torch_runs(plain.build(), segments),
+                   note=f"torch.utils.checkpoint.checkpoint, use_reentrant=False, on the plain model: fit's runs "
+                        f"{first or 'none'}, then more in fit's order; {runs}; {reach} (torch's BatchNorm running "
+                        "statistics move twice per step)")
 
 
 def _checkpoint_with_torch(model: nn.Module, segments: dict[str, int]) -> nn.Module:
@@ -147,6 +190,7 @@ def budget_variants(variants: list[Variant], fraction: float, example: Callable[
         rows.append(Variant(model_name, FIT.format(fraction), lambda: copy.deepcopy(fitted),
                             note=f"fit steps: {steps}{checkpointed}; predicted extra compute "
                                  f"{report.extra_compute:.3f} of a training step"))
+        torch_row = _torch_checkpoint_row(plain, fitted, report.measured_bytes, images, prepare, autocast)
         segments = _fitted_segments(fitted)
         label = "fit's parts"
         if not segments:
@@ -160,6 +204,8 @@ def budget_variants(variants: list[Variant], fraction: float, example: Callable[
     else:
         lines.append(f"{model_name} / checkpoint_sequential: dropped, the model has no nn.Sequential "
                      "with two or more children")
+    if fitted is not None:
+        rows.append(torch_row)
     rows.append(Variant(model_name, COMPILE_BUDGET.format(fraction),
                         lambda: compile_under_budget(plain.build(), fraction), compiled=True,
                         note=f"plain model under torch.compile, torch._functorch.config.activation_memory_budget "

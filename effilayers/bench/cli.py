@@ -95,7 +95,9 @@ def _parser() -> argparse.ArgumentParser:
                              "(a budget below reach prints fit's smallest reachable figure and drops the row); "
                              "torch's checkpoint_sequential (use_reentrant=False) over the parts fit checkpointed "
                              "children of, at ceil(sqrt(n)) segments each (over the outermost nn.Sequential parts "
-                             "when fit checkpointed none); and torch.compile of the plain model under "
+                             "when fit checkpointed none); torch's checkpoint (use_reentrant=False) on the plain "
+                             "model over fit's runs of children, then more in fit's order until it keeps no more "
+                             "bytes than fit; and torch.compile of the plain model under "
                              "torch._functorch.config.activation_memory_budget = FRACTION, its activation bytes "
                              "counted on the compiled module; FRACTION in (0, 1] of the plain activation bytes; "
                              "not with --compile")

@@ -384,7 +384,7 @@ class _BufferOutput(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return (None, *torch.split(grad, ctx.splits, 1))
+        return (None, *grad.split_with_sizes(ctx.splits, 1))
 
 
 class DenseBlock(nn.ModuleDict):

@@ -107,6 +107,19 @@ registry.register(registry.OpKernels(name="normalizing_statistics", reference=_n
                                      cpp="normalizing_statistics", cuda="normalizing_statistics"))
 
 
+def _finish_statistics_reference(mean, var, count: int, running_mean, running_var, num_batches_tracked,
+                                 momentum: float, cumulative: bool, eps: float):
+    return _finish(mean, var, count, running_mean, running_var, num_batches_tracked, None if cumulative else momentum,
+                   eps)[1]
+
+
+# The finishing step alone, for statistics the caller has (a dense block
+# shares each map's with every later layer): one compiled call where the
+# composition is eight small ops per layer. Eager only, like the above.
+registry.register(registry.OpKernels(name="finish_statistics", reference=_finish_statistics_reference,
+                                     cpp="finish_statistics", cuda="finish_statistics"))
+
+
 def fused_statistics(x, running_mean, running_var, num_batches_tracked, momentum, eps: float):
     """``(mean, invstd)`` of ``x`` with the running update, in one compiled
     call; None where only the composed path runs (tracing)."""
@@ -142,6 +155,10 @@ def normalizing_statistics(parts: Sequence[torch.Tensor], running_mean, running_
         mean, var, count = batch_statistics(parts, group)
     if count == 1:
         raise _too_few_values(parts, where, group)
+    fused = registry.eager("finish_statistics", mean)
+    if fused is not None:
+        return mean, fused(mean, var, count, running_mean, running_var, num_batches_tracked,
+                           0.0 if momentum is None else momentum, momentum is None, eps), count
     mean, invstd = _finish(mean, var, count, running_mean, running_var, num_batches_tracked, momentum, eps)
     return mean, invstd, count
 

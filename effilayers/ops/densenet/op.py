@@ -147,7 +147,8 @@ class _Bottleneck(torch.autograd.Function):
             need_conv, ctx.padding)
         grad_conv = as_dtype(grad_conv, conv_weight.dtype) if need_conv else None
         if need_features:
-            grad_features = list(torch.split(grad_input, [f.shape[1] for f in features], 1))
+            # The method itself: torch.split's Python wrapper costs more than the split on a small layer.
+            grad_features = grad_input.split_with_sizes([f.shape[1] for f in features], 1)
         else:
             grad_features = [None] * ctx.num_features
         grad_features = [g if need else None for g, need in zip(grad_features, ctx.needs_input_grad[first_feature:])]
