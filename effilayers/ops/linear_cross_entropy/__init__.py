@@ -107,9 +107,10 @@ Targets out of range
 
 Vocabulary-parallel
     A DTensor ``weight`` (and ``bias``) sharded over the classes
-    (``Shard(0)`` on a 1-D mesh) runs ``vocab_parallel.py``: the same chunks,
-    with the row statistics all-reduced across the mesh (its docstring says
-    what is supported). Any other DTensor weight or bias (sharded over the
+    (``Shard(0)`` on a 1-D mesh) runs ``vocab_parallel.py``: chunks of
+    tokens against the rank's classes through the same vocabulary-chunk
+    kernels, with the row statistics all-reduced across the mesh between
+    their two passes (its docstring says what is supported). Any other DTensor weight or bias (sharded over the
     hidden dimension, replicated, a 2-D mesh) and the options the
     vocabulary-parallel loss does not serve gather the parameters first.
 

@@ -12,9 +12,13 @@ gets the global log-sum-exp and the same loss. The logits' gradient is local
 sharded like the parameters, and grad_input, a sum over all classes, is
 all-reduced once after the last chunk. Three collectives per chunk.
 
-No row kernel takes an external log-sum-exp, so each chunk runs in torch ops
-in float32 (float64 for float64 input): chunk-sized temporaries, never the
-whole logits. Served here: class-index targets, ``ignore_index``,
+Each chunk's logits are computed in float32 (float64 for float64 input) and
+handed to the cross_entropy family's vocabulary-chunk kernels, as
+``vocab_chunks.py`` does on one rank: ``cross_entropy_chunk_stats_`` folds the
+rank's classes into per-row statistics (its ``class_offset`` is the rank's
+first class), which are then reduced across ranks, and
+``cross_entropy_chunk_grad_`` writes the logits' gradient over them in place.
+Chunk-sized buffers only, never the whole logits. Served here: class-index targets, ``ignore_index``,
 ``label_smoothing``, ``class_weight`` (the full ``(classes,)`` vector on every
 rank), ``token_weight``, reductions ``"mean"`` and ``"sum"``. Every other case
 (``reduction="none"``, probability targets, autocast, other placements such
@@ -30,6 +34,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from ..._core import registry
 from ..._core.dtypes import accumulation_dtype
 from .contract import OP
 
@@ -88,6 +93,13 @@ class _VocabParallelFunction(torch.autograd.Function):
         grad_bias = torch.zeros((local_classes,), dtype=acc, device=device) if needs[2] else None
         loss_sum = torch.zeros((), dtype=acc, device=device)
         w_acc = weight.to(acc)
+        smoothing = eps > 0
+        stats_kernel = registry.dispatch("cross_entropy_chunk_stats_", input)
+        grad_kernel = registry.dispatch("cross_entropy_chunk_grad_", input)
+        class_term = None
+        if smoothing and any(needs):
+            class_term = (torch.full((local_classes,), eps / classes, dtype=acc, device=device) if w_local is None
+                          else eps / classes * w_local)
         for start in range(0, tokens, step):
             stop = min(start + step, tokens)
             x = input[start:stop].to(acc)
@@ -96,42 +108,40 @@ class _VocabParallelFunction(torch.autograd.Function):
                 z += bias.to(acc)
             t = target[start:stop]
             valid = t != ignore_index
-            local_t = t - offset
-            mine = valid & (local_t >= 0) & (local_t < local_classes)
-            safe_local = torch.where(mine, local_t, 0)
-            row_max = z.amax(1)
+            # This rank's classes: running maximum, rescaled sum of
+            # exponentials, the target's logit where this rank owns it (0
+            # elsewhere) and the smoothing sum; ignored rows keep -inf, 0, 0, 0.
+            stats = torch.zeros((4, stop - start), dtype=acc, device=device)
+            stats[0] = -math.inf
+            stats_kernel(z, t, w_local if smoothing else None, stats, offset, ignore_index, smoothing)
+            local_max = stats[0]
+            row_max = local_max.clone()
             dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-            sums = torch.stack([
-                torch.exp(z - row_max[:, None]).sum(1),
-                torch.where(mine, z.gather(1, safe_local[:, None])[:, 0], 0.0),
-                (z.sum(1) if w_local is None else z @ w_local) if eps > 0 else torch.zeros_like(row_max),
-            ])
+            # Equal maxima (-inf on every rank included) keep the sum: exp(-inf - -inf) would be NaN.
+            stats[1] = torch.where(local_max == row_max, stats[1], stats[1] * torch.exp(local_max - row_max))
+            sums = stats[1:]
             dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
             sum_exp, z_t, sum_wz = sums
             lse = row_max + torch.log(sum_exp)
             safe_t = torch.where(valid, t, 0)
             w_t = torch.ones_like(lse) if w_all is None else w_all[safe_t]
             rows = (1 - eps) * w_t * (lse - z_t)
-            if eps > 0:
+            if smoothing:
                 rows = rows + eps / classes * (sum_w * lse - sum_wz)
             rows = torch.where(valid, rows, 0.0)
             tw = None if token_weight is None else token_weight[start:stop].to(acc)
             loss_sum += (rows if tw is None else rows * tw).sum()
             if not any(needs):
                 continue
-            coef = (1 - eps) * w_t + eps / classes * sum_w if eps > 0 else w_t
-            g = coef[:, None] * torch.exp(z - lse[:, None])
-            if eps > 0:
-                g -= eps / classes * (1.0 if w_local is None else w_local)
-            g.scatter_add_(1, safe_local[:, None], torch.where(mine, -(1 - eps) * w_t, 0.0)[:, None])
-            g = g * (scale if tw is None else (scale * tw)[:, None])
-            g = torch.where(valid[:, None], g, 0.0)  # a select: 0 * inf would be NaN
+            coef = (1 - eps) * w_t + eps / classes * sum_w if smoothing else w_t
+            row_scale = (scale if tw is None else scale * tw).expand(stop - start)
+            grad_kernel(z, t, class_term, torch.stack((lse, coef, (1 - eps) * w_t, row_scale)), offset, ignore_index)
             if needs[0]:
-                grad_input[start:stop] = g @ w_acc
+                grad_input[start:stop] = z @ w_acc
             if needs[1]:
-                grad_weight.addmm_(g.t(), x)
+                grad_weight.addmm_(z.t(), x)
             if needs[2]:
-                grad_bias += g.sum(0)
+                grad_bias += z.sum(0)
         if needs[0]:
             dist.all_reduce(grad_input, op=dist.ReduceOp.SUM, group=group)
         loss = loss_sum / total if reduction == "mean" else loss_sum
