@@ -425,6 +425,12 @@ def _profile(model: nn.Module, inputs: tuple, parts: list[tuple[str, nn.Sequenti
     return _Profile(children, storages, counter.get_total_flops())
 
 
+def _with_run(state: tuple[frozenset, ...], part: int, start: int, end: int) -> tuple[frozenset, ...]:
+    """``state`` (checkpointed child indices per part) with children ``start``
+    to ``end`` of ``part`` checkpointed too."""
+    return state[:part] + (state[part] | frozenset(range(start, end)),) + state[part + 1:]
+
+
 def _plan(profile: _Profile) -> list[tuple[int, int, int]]:
     """The checkpoint steps, in order: (part, start, end) runs of children to
     add. Each time, the run of at most one segment's length with the most
@@ -445,7 +451,7 @@ def _plan(profile: _Profile) -> list[tuple[int, int, int]]:
                     if end - 1 in state[part]:
                         break
                     cost += records[end - 1].cost
-                    trial = state[:part] + (state[part] | frozenset(range(start, end)),) + state[part + 1:]
+                    trial = _with_run(state, part, start, end)
                     gain = kept - profile.kept_bytes(trial)
                     if gain <= 0:
                         continue
@@ -460,7 +466,7 @@ def _plan(profile: _Profile) -> list[tuple[int, int, int]]:
         # to stop at, so the walk need not take the whole run to meet a budget.
         first = start
         for cut in range(start + 1, end + 1):
-            trial = state[:part] + (state[part] | frozenset(range(first, cut)),) + state[part + 1:]
+            trial = _with_run(state, part, first, cut)
             gain = kept - profile.kept_bytes(trial)
             if gain > 0 or cut == end:
                 moves.append((part, first, cut))
@@ -627,7 +633,7 @@ def _checkpoint_chain(model, inputs, parts, report, undo, record, done) -> None:
         if done():
             break
         path, module = parts[part]
-        state = state[:part] + (state[part] | frozenset(range(start, end)),) + state[part + 1:]
+        state = _with_run(state, part, start, end)
         segments = profile.segments(part, state[part])
         undo.append(_set_segments(module, segments))
         measured = None
@@ -678,10 +684,10 @@ def checkpoint_runs_to(model: nn.Module, example_input: Union[torch.Tensor, tupl
     for part, start, end in _plan(profile):
         if measured <= target_bytes:
             break
-        grown = state[part] | frozenset(range(start, end))
-        if grown == state[part]:
+        grown = _with_run(state, part, start, end)
+        if grown == state:
             continue
-        state = state[:part] + (grown,) + state[part + 1:]
+        state = grown
         if profile.lower_bound(state) <= target_bytes:
             measured, measured_state = measure(state), state
     if measured_state != state:
