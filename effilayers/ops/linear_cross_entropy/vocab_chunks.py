@@ -102,6 +102,17 @@ class _Gradients:
             self.grad_input.copy_(self.gi)
 
 
+def class_index_loss(lse, target_logit, smooth, w_t, class_weight, eps: float, classes: int):
+    """``(loss rows, softmax coefficient of the gradient)`` of class-index
+    rows from their log-sum-exp, target logit and (with label smoothing)
+    ``sum_c w_c z_c``; ``w_t``: the targets' class weights (ones without)."""
+    rows = (1.0 - eps) * w_t * (lse - target_logit)
+    if eps <= 0:
+        return rows, w_t
+    sum_w = float(classes) if class_weight is None else class_weight.sum()
+    return rows + eps / classes * (sum_w * lse - smooth), (1.0 - eps) * w_t + eps / classes * sum_w
+
+
 def vocab_chunked_rows(x, w, b, target, class_weight, ignore_index, eps, grad_scale, row_scale, needs, step, acc,
                        grad_input, grad_weight, grad_bias):
     """Loss rows (accumulation dtype) of one token chunk ``x`` (compute
@@ -144,12 +155,7 @@ def _class_index_rows(x, w, b, target, class_weight, ignore_index, eps, scale, s
     running_max, sum_exp, target_logit, smooth = stats
     lse = running_max + torch.log(sum_exp)
     w_t = torch.ones_like(lse) if class_weight is None else class_weight[safe]
-    rows = (1.0 - eps) * w_t * (lse - target_logit)
-    coef = w_t
-    if smoothing:
-        sum_w = float(classes) if class_weight is None else class_weight.sum()
-        rows = rows + eps / classes * (sum_w * lse - smooth)
-        coef = (1.0 - eps) * w_t + eps / classes * sum_w
+    rows, coef = class_index_loss(lse, target_logit, smooth, w_t, class_weight, eps, classes)
     rows = torch.where(valid, torch.where(out_of_range, math.nan, rows), 0.0)
     if grads is None:
         return rows

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from ..._core import registry
 from ..._core.dtypes import accumulation_dtype
 from .contract import OP
+from .vocab_chunks import class_index_loss
 
 
 def is_sharded(tensor) -> bool:
@@ -87,7 +88,6 @@ class _VocabParallelFunction(torch.autograd.Function):
         scale = (torch.where(total == 0, math.nan, 1.0 / total) if reduction == "mean"
                  else torch.ones((), dtype=acc, device=device))
         w_local = None if w_all is None else w_all[offset:offset + local_classes]
-        sum_w = float(classes) if w_all is None else w_all.sum()
         grad_input = torch.zeros((tokens, hidden), dtype=acc, device=device) if needs[0] else None
         grad_weight = torch.zeros((local_classes, hidden), dtype=acc, device=device) if needs[1] else None
         grad_bias = torch.zeros((local_classes,), dtype=acc, device=device) if needs[2] else None
@@ -125,15 +125,12 @@ class _VocabParallelFunction(torch.autograd.Function):
             lse = row_max + torch.log(sum_exp)
             safe_t = torch.where(valid, t, 0)
             w_t = torch.ones_like(lse) if w_all is None else w_all[safe_t]
-            rows = (1 - eps) * w_t * (lse - z_t)
-            if smoothing:
-                rows = rows + eps / classes * (sum_w * lse - sum_wz)
+            rows, coef = class_index_loss(lse, z_t, sum_wz, w_t, w_all, eps, classes)
             rows = torch.where(valid, rows, 0.0)
             tw = None if token_weight is None else token_weight[start:stop].to(acc)
             loss_sum += (rows if tw is None else rows * tw).sum()
             if not any(needs):
                 continue
-            coef = (1 - eps) * w_t + eps / classes * sum_w if smoothing else w_t
             row_scale = (scale if tw is None else scale * tw).expand(stop - start)
             grad_kernel(z, t, class_term, torch.stack((lse, coef, (1 - eps) * w_t, row_scale)), offset, ignore_index)
             if needs[0]:
