@@ -138,6 +138,30 @@ def _cross_entropy_chunk_grad(device, dtype, g):
             (chunk, target, None, row_terms, 4, -100)]
 
 
+def _soft_chunk(device, dtype, g):
+    """A chunk as _chunk_rows gives, probability rows over its classes (a
+    gap between rows too) in the logits' dtype and in float32, and the two
+    per-class vectors."""
+    chunk, _ = _chunk_rows(device, dtype, g)
+    probs = torch.softmax(_randn((5, 12), g, f32, device, 2.0), 1)[:, :11]
+    prob_weight, class_term = _positive((11,), g, device), _positive((11,), g, device, 0.001, 0.01)
+    return chunk, (probs.to(dtype), probs), prob_weight, class_term
+
+
+def _cross_entropy_soft_chunk_stats(device, dtype, g):
+    chunk, probs, prob_weight, class_term = _soft_chunk(device, dtype, g)
+    stats = torch.stack([_randn((5,), g, f32, device), _positive((5,), g, device), _randn((5,), g, f32, device),
+                         _positive((5,), g, device)])
+    return [(chunk, probs[0], prob_weight, class_term, stats), (chunk, probs[1], None, None, stats)]
+
+
+def _cross_entropy_soft_chunk_grad(device, dtype, g):
+    chunk, probs, prob_weight, class_term = _soft_chunk(device, dtype, g)
+    lse = torch.logsumexp(chunk.float(), 1) + 0.5
+    row_terms = torch.stack([lse, _positive((5,), g, device), _positive((5,), g, device)])
+    return [(chunk, probs[0], prob_weight, class_term, row_terms), (chunk, probs[1], None, None, row_terms)]
+
+
 def _reduce(device, dtype, g):
     cases = []
     for kind, shape in (("sum", (3, 37, 1)), ("var", (2, 19, 5)), ("norm", (1, 40, 3))):
@@ -262,6 +286,8 @@ CASES: dict[str, Case] = {
     "cross_entropy": Case(_cross_entropy),
     "cross_entropy_chunk_stats_": Case(_cross_entropy_chunk_stats),
     "cross_entropy_chunk_grad_": Case(_cross_entropy_chunk_grad),
+    "cross_entropy_soft_chunk_stats_": Case(_cross_entropy_soft_chunk_stats),
+    "cross_entropy_soft_chunk_grad_": Case(_cross_entropy_soft_chunk_grad),
     "reduce": Case(_reduce, tier="reduction"),
     "dense_bottleneck_forward": Case(_dense_forward, tier="gemm"),
     "dense_bottleneck_backward": Case(_dense_backward, tier="gemm"),

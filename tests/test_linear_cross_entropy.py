@@ -204,10 +204,12 @@ def test_low_precision_within_stated_bound(ce_device, dtype, reduction):
     x, w, b, target = make_problem((37,), 24, 300, dtype, ce_device, ignore_every=5)
     grad_output = _grad_output((37,), reduction, ce_device, dtype)
     options = dict(label_smoothing=0.05, reduction=reduction)
-    loss, grads = actual = fused(x, w, b, target, grad_output, chunk_size=8, **options)
-    assert loss.dtype == dtype and all(g.dtype == dtype for g in grads)
-    expected = unfused(x, w, b, target, grad_output, **options)
-    assert_same(actual, expected, dtype, grad_tier="linear_cross_entropy")
+    probs = torch.softmax(make_positive((37, 300), ce_device, seed=2) * 6, dim=-1).to(dtype)
+    for t in (target, probs):  # class indices, then probabilities (their own kernels)
+        loss, grads = actual = fused(x, w, b, t, grad_output, chunk_size=8, **options)
+        assert loss.dtype == dtype and all(g.dtype == dtype for g in grads)
+        expected = unfused(x, w, b, t, grad_output, **options)
+        assert_same(actual, expected, dtype, grad_tier="linear_cross_entropy")
 
 
 def test_bf16_weight_grad_accumulates_in_float32_over_many_chunks():

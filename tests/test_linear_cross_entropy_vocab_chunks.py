@@ -23,20 +23,19 @@ from .linear_cross_entropy_cases import assert_same, fused, make_positive, make_
 f64 = torch.float64
 
 
-def _vocab_bytes(dtype=f64, soft=False, wide_copy=False):
+def _vocab_bytes(dtype=f64, wide_copy=False):
     acc = f64 if dtype == f64 else torch.float32
-    return op.vocab_chunk_bytes(dtype, acc, soft, wide_copy)
+    return op.vocab_chunk_bytes(dtype, acc, wide_copy)
 
 
-def _split_vocabulary(monkeypatch, tokens, classes, pieces, soft=False):
+def _split_vocabulary(monkeypatch, tokens, classes, pieces):
     """Shrink the budget so ``tokens`` float64 tokens take vocabulary chunks
-    of ``ceil(classes / pieces)`` classes (the last one shorter). Whole rows
-    must overflow it: ``pieces`` over 1 for class indices (a chunk holds only
-    its logits), over 4 for probabilities (their torch ops' temporaries)."""
+    of ``ceil(classes / pieces)`` classes (the last one shorter); ``pieces``
+    over 1, so whole rows overflow it (a chunk holds only its logits)."""
     step = min(tokens, op.MIN_CHUNK_TOKENS)
     classes_per_chunk = math.ceil(classes / pieces)
-    monkeypatch.setattr(op, "CHUNK_LOGITS_BYTES", step * _vocab_bytes(soft=soft) * classes_per_chunk)
-    assert op.chunk_shape(tokens, classes, 8, _vocab_bytes(soft=soft), 0, None) == (step, classes_per_chunk)
+    monkeypatch.setattr(op, "CHUNK_LOGITS_BYTES", step * _vocab_bytes() * classes_per_chunk)
+    assert op.chunk_shape(tokens, classes, 8, _vocab_bytes(), 0, None) == (step, classes_per_chunk)
 
 
 @pytest.fixture(params=backend_params("cross_entropy_chunk_stats_"))
@@ -57,7 +56,7 @@ def test_default_shapes_split_only_wide_vocabularies():
     assert op.chunk_shape(4096, 262144, 4, fp32, 0, 64) == (64, op.CHUNK_LOGITS_BYTES // (64 * fp32))
     assert op.chunk_shape(4096, 1000, 4, fp32, 0, 64) == (64, 1000)
     # bf16 on CPU with a gradient: a float32 copy of each chunk's gradient for the matmuls.
-    assert _vocab_bytes(torch.bfloat16, wide_copy=True) == 6 and _vocab_bytes(soft=True) == 32
+    assert _vocab_bytes(torch.bfloat16, wide_copy=True) == 6 and _vocab_bytes(torch.float32) == 4
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -77,6 +76,29 @@ def test_chunk_kernels_match_torch_float64(vocab_device, reduction):
             if vocab_device.type == "cpu":  # the torch-op form of the same chunks
                 with effilayers.use_backend("reference"):
                     assert_same(actual, fused(x, w, bias, t, grad_output, reduction=reduction, **options), f64)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_probability_kernels_match_torch_float64(vocab_device, reduction):
+    """Probability targets through the two soft chunk kernels, in whole rows
+    and in vocabulary chunks, with smoothing and class weights; targets in
+    float32 (another dtype than the logits) and with classes not contiguous."""
+    x, w, b, _ = make_problem((1, 5), 4, 13, f64, vocab_device, seed=4)
+    probs = torch.softmax(make_positive((1, 5, 13), vocab_device, seed=2) * 4, dim=-1)
+    class_weight = make_positive(13, vocab_device, seed=1)
+    grad_output = make_positive((1, 5), vocab_device, seed=9) if reduction == "none" else None
+    strided = probs.transpose(0, 2).contiguous().transpose(0, 2)
+    assert strided.stride(-1) != 1
+    cases = [(b, probs, dict()), (b, probs, dict(label_smoothing=0.1)),
+             (None, strided, dict(class_weight=class_weight, label_smoothing=0.2)),
+             (b, probs.float(), dict(class_weight=class_weight))]
+    for pieces in (None, 5):
+        with pytest.MonkeyPatch.context() as patch:
+            if pieces:
+                _split_vocabulary(patch, 5, 13, pieces)
+            for bias, target, options in cases:
+                actual = fused(x, w, bias, target, grad_output, reduction=reduction, **options)
+                assert_same(actual, unfused(x, w, bias, target, grad_output, reduction=reduction, **options), f64)
 
 
 @pytest.mark.parametrize("classes", [7, 50257, 262144])
@@ -139,9 +161,42 @@ def test_chunk_kernels_on_poisoned_memory(vocab_device, request):
     assert torch.isnan(storage[:, width:]).all()
 
 
+def test_probability_kernels_on_poisoned_memory(vocab_device, request):
+    """The soft chunk kernels against their formulas written out: the chunk
+    and its float16 probabilities are views with NaN-filled gaps, the
+    statistics carry earlier chunks' values, and C++ allocations start as NaN."""
+    poison_cpp_allocations(request)
+    generator = torch.Generator().manual_seed(1)
+    rows, width, nan = 4, 9, math.nan
+    z = torch.randn(rows, width, generator=generator, dtype=f64) * 3
+    storage = torch.full((rows, width + 2), nan, dtype=f64, device=vocab_device)
+    chunk = storage[:, :width]
+    chunk.copy_(z)
+    probs_storage = torch.full((rows, width + 3), nan, dtype=torch.float16, device=vocab_device)
+    probs = probs_storage[:, :width]
+    probs.copy_(torch.softmax(torch.randn(rows, width, generator=generator, dtype=f64), 1))
+    p = probs.cpu().double()
+    prob_weight, class_term = make_positive(width, vocab_device, seed=3), make_positive(width, vocab_device, seed=4)
+    q = p * prob_weight.cpu() + class_term.cpu()
+    before = torch.stack([torch.randn(rows, generator=generator, dtype=f64), make_positive(rows, seed=2),
+                          torch.randn(rows, generator=generator, dtype=f64), make_positive(rows, seed=6)])
+    stats = before.clone().to(vocab_device)
+    torch.ops.effilayers.cross_entropy_soft_chunk_stats_(chunk, probs, prob_weight, class_term, stats)
+    new_max = torch.maximum(before[0], z.amax(1))
+    sum_exp = before[1] * torch.exp(before[0] - new_max) + torch.exp(z - new_max[:, None]).sum(1)
+    expected = torch.stack([new_max, sum_exp, before[2] + (q * z).sum(1), before[3] + q.sum(1)])
+    torch.testing.assert_close(stats.cpu(), expected, rtol=1e-12, atol=1e-12)
+
+    row_terms = torch.stack([z.logsumexp(1) + 0.5, make_positive(rows, seed=7), make_positive(rows, seed=8)])
+    torch.ops.effilayers.cross_entropy_soft_chunk_grad_(chunk, probs, None, None, row_terms.to(vocab_device))
+    lse, mass, scale = row_terms[:, :, None]
+    torch.testing.assert_close(chunk.cpu(), scale * (mass * torch.exp(z - lse) - p), rtol=1e-12, atol=1e-12)
+    assert torch.isnan(storage[:, width:]).all() and torch.isnan(probs_storage[:, width:]).all()
+
+
 def test_vocabulary_chunks_with_token_weights_and_probabilities(monkeypatch):
     x, w, b, target = make_problem((2, 3), 4, 11, torch.float64, ignore_every=4)
-    _split_vocabulary(monkeypatch, 6, 11, 8, soft=True)
+    _split_vocabulary(monkeypatch, 6, 11, 8)
     token_weight = make_positive((2, 3), seed=3)
     class_weight = make_positive(11, seed=4)
     for reduction in ("mean", "none"):
@@ -238,7 +293,7 @@ def test_float16_vocabulary_chunks_on_every_backend(vocab_device, monkeypatch):
 
 
 def test_chunk_ops_opcheck():
-    """The two in-place custom ops: schemas, fake kernels and mutation
+    """The in-place chunk ops: schemas, fake kernels and mutation
     annotations agree with what the kernels do (torch.library.opcheck)."""
     generator = torch.Generator().manual_seed(1)
     chunk = torch.randn(3, 5, generator=generator, dtype=f64)
@@ -249,3 +304,8 @@ def test_chunk_ops_opcheck():
     row_terms = torch.stack([chunk.logsumexp(1), make_positive(3), make_positive(3, seed=2), make_positive(3, seed=3)])
     torch.library.opcheck(torch.ops.effilayers.cross_entropy_chunk_grad_.default,
                           (chunk.clone(), target, None, row_terms, 0, -100))
+    probs = torch.softmax(torch.randn(3, 5, generator=generator, dtype=f64), 1)
+    torch.library.opcheck(torch.ops.effilayers.cross_entropy_soft_chunk_stats_.default,
+                          (chunk, probs, make_positive(5), None, stats.clone()))
+    torch.library.opcheck(torch.ops.effilayers.cross_entropy_soft_chunk_grad_.default,
+                          (chunk.clone(), probs.float(), None, make_positive(5, seed=4), row_terms[:3].clone()))

@@ -100,6 +100,19 @@ constexpr const char* kCrossEntropyChunkGrad =
     "cross_entropy_chunk_grad_(Tensor(a!) logits, Tensor target, Tensor? class_term, Tensor row_terms, "
     "int class_offset, int ignore_index) -> ()";
 
+// The same two passes for rows with class-probability targets `probs` (the
+// chunk's classes, (rows, classes), any floating dtype), each probability
+// weighted as q_c = p_c * prob_weight_c + class_term_c: `stats` (4, rows)
+// gains sum_c q_c z_c and sum_c q_c; `row_terms` (3, rows) is the final
+// log-sum-exp, sum_c q_c over the whole row, and the gradient's scale.
+constexpr const char* kCrossEntropySoftChunkStats =
+    "cross_entropy_soft_chunk_stats_(Tensor logits, Tensor probs, Tensor? prob_weight, Tensor? class_term, "
+    "Tensor(a!) stats) -> ()";
+
+constexpr const char* kCrossEntropySoftChunkGrad =
+    "cross_entropy_soft_chunk_grad_(Tensor(a!) logits, Tensor probs, Tensor? prob_weight, Tensor? class_term, "
+    "Tensor row_terms) -> ()";
+
 // Sum / mean / var / std / vector 2-norm over the middle dimension of an
 // (outer, reduced, inner) strided view into a contiguous (outer, inner) out
 // of the result dtype (effilayers/ops/reductions/).

@@ -1,6 +1,7 @@
 // Row-wise cross-entropy on CPU: effilayers_cpu::cross_entropy_rows, and the
 // two passes of one vocabulary chunk of a wider row (cross_entropy_chunk_stats_,
-// cross_entropy_chunk_grad_; see the end of this file).
+// cross_entropy_chunk_grad_, and their cross_entropy_soft_chunk_* forms for
+// probability targets; see the end of this file).
 //
 // The logits arrive as an (N, C, I) strided view (the Python side merges
 // (N, C, d1, ...) with _core/layout.three_groups, copying only when the
@@ -32,9 +33,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <optional>
 #include <type_traits>
+#include <utility>
 
 #include "common/checks.h"
 #include "common/schemas.h"
@@ -81,8 +84,10 @@ void exp_shifted<float>(float* buffer, int64_t n, float shift) {
   for (; k < n; ++k) buffer[k] = std::exp(buffer[k] - shift);
 }
 
-// A row's running statistics: the maximum, sum exp(x - maximum), and with
-// label smoothing sum_c w_c x_c and sum_c w_c (w_c = 1 without weights).
+// A row's running statistics: the maximum, sum exp(x - maximum), and the
+// weighted sums sum_c w_c x_c and sum_c w_c: with label smoothing, w_c is
+// the class weight (1 without weights); with probability targets, the
+// weighted probability q_c.
 template <typename acc_t>
 struct RowStats {
   acc_t running_max = -std::numeric_limits<acc_t>::infinity();
@@ -91,9 +96,11 @@ struct RowStats {
 
 // Folds C logits `stride` apart into `stats` (which may carry earlier
 // chunks of the same row), kChunkClasses at a time through `buffer`.
-template <typename scalar_t, typename acc_t>
-void accumulate_row(const scalar_t* x, int64_t stride, int64_t C, const acc_t* weight, bool smoothing,
-                    acc_t* buffer, RowStats<acc_t>& stats) {
+// weigh(c0, len, values, stats) sees each piece in the accumulation type
+// before it becomes exp values, for the weighted sums.
+template <typename scalar_t, typename acc_t, typename Weigh>
+void accumulate_row(const scalar_t* x, int64_t stride, int64_t C, acc_t* buffer, RowStats<acc_t>& stats,
+                    const Weigh& weigh) {
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
   for (int64_t c0 = 0; c0 < C; c0 += kChunkClasses) {
     const int64_t len = std::min(kChunkClasses, C - c0);
@@ -102,20 +109,7 @@ void accumulate_row(const scalar_t* x, int64_t stride, int64_t C, const acc_t* w
       buffer[k] = static_cast<acc_t>(x[(c0 + k) * stride]);
       chunk_max = std::max(chunk_max, buffer[k]);
     }
-    if (smoothing) {  // before the buffer is overwritten with exp values
-      acc_t chunk_wx = 0, chunk_w = 0;
-      if (weight == nullptr) {
-        chunk_wx = lane_sum(buffer, len);
-        chunk_w = static_cast<acc_t>(len);
-      } else {
-        for (int64_t k = 0; k < len; ++k) {
-          chunk_wx += weight[c0 + k] * buffer[k];
-          chunk_w += weight[c0 + k];
-        }
-      }
-      stats.sum_wx += chunk_wx;
-      stats.sum_w += chunk_w;
-    }
+    weigh(c0, len, static_cast<const acc_t*>(buffer), stats);
     const acc_t new_max = std::max(stats.running_max, chunk_max);
     if (new_max != neg_inf) {  // all -inf so far: the sum stays 0
       exp_shifted(buffer, len, new_max);
@@ -128,31 +122,58 @@ void accumulate_row(const scalar_t* x, int64_t stride, int64_t C, const acc_t* w
   }
 }
 
-// What the gradient of a row needs beside its logits.
+// Class-index rows' weighted sums: with label smoothing, sum_c w_c x_c and
+// sum_c w_c (w_c = weight[c], 1 when null); nothing without.
 template <typename acc_t>
-struct RowTerms {
-  acc_t lse, coef, target_coef, scale;
-};
+auto smoothing_sums(const acc_t* weight, bool smoothing) {
+  return [weight, smoothing](int64_t c0, int64_t len, const acc_t* values, RowStats<acc_t>& stats) {
+    if (!smoothing) return;
+    acc_t chunk_wx = 0, chunk_w = 0;
+    if (weight == nullptr) {
+      chunk_wx = lane_sum(values, len);
+      chunk_w = static_cast<acc_t>(len);
+    } else {
+      for (int64_t k = 0; k < len; ++k) {
+        chunk_wx += weight[c0 + k] * values[k];
+        chunk_w += weight[c0 + k];
+      }
+    }
+    stats.sum_wx += chunk_wx;
+    stats.sum_w += chunk_w;
+  };
+}
 
-// g[c] = scale * (coef * exp(x_c - lse) - class_scale * w_c - target_coef * [c == t]),
-// w_c = class_weight[c] (1 when null), the class term skipped when class_scale
-// is 0. `g` may be `x` itself: each piece is read into `buffer` before it is
-// written. `t` outside [0, C) matches no class.
-template <typename scalar_t, typename acc_t>
-void write_gradient(const scalar_t* x, int64_t x_stride, scalar_t* g, int64_t g_stride, int64_t C, int64_t t,
-                    const RowTerms<acc_t>& terms, const acc_t* class_weight, acc_t class_scale, acc_t* buffer) {
+// g[c] = scale * (coef * exp(x_c - lse) - (the row's other terms for c)):
+// subtract(c0, len, values) takes those terms off each piece of coef *
+// softmax in place. `g` may be `x` itself: each piece is read into `buffer`
+// before it is written.
+template <typename scalar_t, typename acc_t, typename Subtract>
+void write_gradient(const scalar_t* x, int64_t x_stride, scalar_t* g, int64_t g_stride, int64_t C, acc_t lse,
+                    acc_t coef, acc_t scale, acc_t* buffer, const Subtract& subtract) {
   for (int64_t c0 = 0; c0 < C; c0 += kChunkClasses) {
     const int64_t len = std::min(kChunkClasses, C - c0);
     for (int64_t k = 0; k < len; ++k) buffer[k] = static_cast<acc_t>(x[(c0 + k) * x_stride]);
-    exp_shifted(buffer, len, terms.lse);  // softmax
-    for (int64_t k = 0; k < len; ++k) {
-      const int64_t c = c0 + k;
-      acc_t value = terms.coef * buffer[k];
-      if (class_scale != 0) value -= class_scale * (class_weight == nullptr ? acc_t(1) : class_weight[c]);
-      if (c == t) value -= terms.target_coef;
-      g[c * g_stride] = static_cast<scalar_t>(value * terms.scale);
-    }
+    exp_shifted(buffer, len, lse);  // softmax
+    for (int64_t k = 0; k < len; ++k) buffer[k] *= coef;
+    subtract(c0, len, buffer);
+    for (int64_t k = 0; k < len; ++k) g[(c0 + k) * g_stride] = static_cast<scalar_t>(buffer[k] * scale);
   }
+}
+
+// A class-index row's other gradient terms: class_scale * w_c (skipped when
+// class_scale is 0; w_c = class_weight[c], 1 when null) and target_coef at
+// class t (which, outside [0, C), matches no class).
+template <typename acc_t>
+auto class_index_terms(int64_t t, acc_t target_coef, const acc_t* class_weight, acc_t class_scale) {
+  return [=](int64_t c0, int64_t len, acc_t* values) {
+    if (class_scale != 0) {
+      for (int64_t k = 0; k < len; ++k) {
+        values[k] -= class_scale * (class_weight == nullptr ? acc_t(1) : class_weight[c0 + k]);
+      }
+    }
+    const int64_t local = t - c0;
+    if (local >= 0 && local < len) values[local] -= target_coef;
+  };
 }
 
 template <typename scalar_t, typename acc_t>
@@ -180,7 +201,7 @@ void cross_entropy_rows_kernel(const scalar_t* logits, const RowGeometry& lg, co
       TORCH_CHECK_INDEX(t >= 0 && t < C, "cross_entropy: target ", t, " is out of bounds for ", C,
                         " classes (and is not ignore_index=", ignore_index, ")");
       RowStats<acc_t> stats;
-      accumulate_row(x, lg.class_stride, C, weight, eps > 0, buffer, stats);
+      accumulate_row(x, lg.class_stride, C, buffer, stats, smoothing_sums(weight, eps > 0));
       const acc_t lse = stats.running_max == neg_inf ? neg_inf : stats.running_max + std::log(stats.sum_exp);
       const acc_t x_t = static_cast<acc_t>(x[t * lg.class_stride]);
       const acc_t w_t = weight == nullptr ? acc_t(1) : weight[t];
@@ -190,8 +211,8 @@ void cross_entropy_rows_kernel(const scalar_t* logits, const RowGeometry& lg, co
       if (g == nullptr) continue;
 
       const acc_t coef = eps > 0 ? (1 - eps) * w_t + eps_per_class * stats.sum_w : w_t;
-      write_gradient(x, lg.class_stride, g, gg.class_stride, C, t, RowTerms<acc_t>{lse, coef, (1 - eps) * w_t, scale},
-                     weight, eps > 0 ? eps_per_class : acc_t(0), buffer);
+      write_gradient(x, lg.class_stride, g, gg.class_stride, C, lse, coef, scale, buffer,
+                     class_index_terms(t, (1 - eps) * w_t, weight, eps > 0 ? eps_per_class : acc_t(0)));
     }
   });
 }
@@ -262,33 +283,47 @@ struct ChunkGeometry {
   int64_t rows, classes, row_stride;
 };
 
-// The checks both chunk kernels share; `vector` (named `vector_name`) is an
-// optional per-class tensor, `per_row` (named `per_row_name`) the (4, rows) one.
-ChunkGeometry check_chunk(const char* op, const at::Tensor& logits, const at::Tensor& target,
-                          const std::optional<at::Tensor>& vector, const char* vector_name, const at::Tensor& per_row,
-                          const char* per_row_name, int64_t class_offset) {
-  TORCH_CHECK_VALUE(logits.dim() == 2 && (logits.stride(1) == 1 || logits.size(1) <= 1), op,
+bool is_floating(at::ScalarType type) {
+  return type == at::kHalf || type == at::kBFloat16 || type == at::kFloat || type == at::kDouble;
+}
+
+bool has_contiguous_classes(const at::Tensor& t) {
+  return t.dim() == 2 && (t.stride(1) == 1 || t.size(1) <= 1);
+}
+
+// The checks every chunk kernel makes: the logits, an optional per-class
+// vector (named `vector_name`) and the per-row table (`count` rows of
+// `rows` values, named `per_row_name`), the vector and table in the
+// accumulation type.
+ChunkGeometry check_chunk(const char* op, const at::Tensor& logits, std::initializer_list<std::pair<
+                              const std::optional<at::Tensor>*, const char*>> vectors,
+                          const at::Tensor& per_row, const char* per_row_name, int64_t count) {
+  TORCH_CHECK_VALUE(has_contiguous_classes(logits), op,
                     ": logits must be a (rows, classes) view with contiguous classes, got sizes ", logits.sizes(),
                     " and strides ", logits.strides());
   const auto dtype = logits.scalar_type();
-  TORCH_CHECK_TYPE(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat || dtype == at::kDouble, op,
-                   ": logits must be float16, bfloat16, float32 or float64, got ", dtype);
+  TORCH_CHECK_TYPE(is_floating(dtype), op, ": logits must be float16, bfloat16, float32 or float64, got ", dtype);
   TORCH_CHECK(logits.device().is_cpu(), op, " (cpu kernel): logits must be a CPU tensor, got ", logits.device());
   const auto acc_type = accumulation_type(dtype);
   const int64_t rows = logits.size(0), classes = logits.size(1);
-  TORCH_CHECK_VALUE(target.scalar_type() == at::kLong && target.dim() == 1 && target.is_contiguous() &&
-                        target.numel() == rows,
-                    op, ": target must be a contiguous int64 tensor of ", rows, " rows");
-  if (vector.has_value()) {
-    TORCH_CHECK_VALUE(vector->scalar_type() == acc_type && vector->dim() == 1 && vector->is_contiguous() &&
-                          vector->numel() == classes,
-                      op, ": ", vector_name, " must be a contiguous ", acc_type, " tensor of ", classes, " classes");
+  for (const auto& [vector, vector_name] : vectors) {
+    if (!vector->has_value()) continue;
+    const at::Tensor& v = **vector;
+    TORCH_CHECK_VALUE(v.scalar_type() == acc_type && v.dim() == 1 && v.is_contiguous() && v.numel() == classes, op,
+                      ": ", vector_name, " must be a contiguous ", acc_type, " tensor of ", classes, " classes");
   }
-  TORCH_CHECK_VALUE(per_row.scalar_type() == acc_type && per_row.dim() == 2 && per_row.size(0) == 4 &&
+  TORCH_CHECK_VALUE(per_row.scalar_type() == acc_type && per_row.dim() == 2 && per_row.size(0) == count &&
                         per_row.size(1) == rows && per_row.is_contiguous(),
-                    op, ": ", per_row_name, " must be a contiguous (4, ", rows, ") ", acc_type, " tensor");
-  TORCH_CHECK_VALUE(class_offset >= 0, op, ": class_offset must be >= 0, got ", class_offset);
+                    op, ": ", per_row_name, " must be a contiguous (", count, ", ", rows, ") ", acc_type, " tensor");
   return {rows, classes, logits.stride(0)};
+}
+
+// What the class-index chunk kernels check beside check_chunk's.
+void check_class_index_chunk(const char* op, const ChunkGeometry& cg, const at::Tensor& target, int64_t class_offset) {
+  TORCH_CHECK_VALUE(target.scalar_type() == at::kLong && target.dim() == 1 && target.is_contiguous() &&
+                        target.numel() == cg.rows,
+                    op, ": target must be a contiguous int64 tensor of ", cg.rows, " rows");
+  TORCH_CHECK_VALUE(class_offset >= 0, op, ": class_offset must be >= 0, got ", class_offset);
 }
 
 // body(r, buffer) for every row of a chunk, in parallel blocks fixed by the
@@ -305,8 +340,9 @@ void for_each_chunk_row(const ChunkGeometry& cg, const Body& body) {
 void cross_entropy_chunk_stats_cpu(const at::Tensor& logits, const at::Tensor& target,
                                    const std::optional<at::Tensor>& weight, const at::Tensor& stats,
                                    int64_t class_offset, int64_t ignore_index, bool smoothing) {
-  const ChunkGeometry cg =
-      check_chunk("cross_entropy_chunk_stats_", logits, target, weight, "weight", stats, "stats", class_offset);
+  const char* op = "cross_entropy_chunk_stats_";
+  const ChunkGeometry cg = check_chunk(op, logits, {{&weight, "weight"}}, stats, "stats", 4);
+  check_class_index_chunk(op, cg, target, class_offset);
   if (cg.rows == 0) return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "cross_entropy_chunk_cpu", [&] {
     using acc_t = accumulation_t<scalar_t>;
@@ -322,7 +358,7 @@ void cross_entropy_chunk_stats_cpu(const at::Tensor& logits, const at::Tensor& t
       RowStats<acc_t> row;
       row.running_max = s[r];
       row.sum_exp = s[R + r];
-      accumulate_row(x, 1, cg.classes, w, smoothing, buffer, row);
+      accumulate_row(x, 1, cg.classes, buffer, row, smoothing_sums(w, smoothing));
       s[r] = row.running_max;
       s[R + r] = row.sum_exp;
       const int64_t local = t - class_offset;
@@ -335,8 +371,9 @@ void cross_entropy_chunk_stats_cpu(const at::Tensor& logits, const at::Tensor& t
 void cross_entropy_chunk_grad_cpu(const at::Tensor& logits, const at::Tensor& target,
                                   const std::optional<at::Tensor>& class_term, const at::Tensor& row_terms,
                                   int64_t class_offset, int64_t ignore_index) {
-  const ChunkGeometry cg = check_chunk("cross_entropy_chunk_grad_", logits, target, class_term, "class_term", row_terms,
-                                       "row_terms", class_offset);
+  const char* op = "cross_entropy_chunk_grad_";
+  const ChunkGeometry cg = check_chunk(op, logits, {{&class_term, "class_term"}}, row_terms, "row_terms", 4);
+  check_class_index_chunk(op, cg, target, class_offset);
   if (cg.rows == 0) return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "cross_entropy_chunk_cpu", [&] {
     using acc_t = accumulation_t<scalar_t>;
@@ -352,9 +389,111 @@ void cross_entropy_chunk_grad_cpu(const at::Tensor& logits, const at::Tensor& ta
         std::fill(g, g + cg.classes, scalar_t(0));
         return;
       }
-      const RowTerms<acc_t> terms{rt[r], rt[R + r], rt[2 * R + r], rt[3 * R + r]};
-      write_gradient(g, 1, g, 1, cg.classes, t - class_offset, terms, term, term == nullptr ? acc_t(0) : acc_t(1),
-                     buffer);
+      write_gradient(g, 1, g, 1, cg.classes, rt[r], rt[R + r], rt[3 * R + r], buffer,
+                     class_index_terms(t - class_offset, rt[2 * R + r], term, term == nullptr ? acc_t(0) : acc_t(1)));
+    });
+  });
+}
+
+// -- probability targets ----------------------------------------------------
+//
+// cross_entropy_soft_chunk_stats_ / _grad_: the same two passes for rows
+// whose target is a probability row `probs` (the chunk's classes, any
+// floating type, classes contiguous), weighted as q_c = p_c * prob_weight_c
+// + class_term_c (label smoothing and class weights, folded in by the
+// caller; each vector optional). stats (4, rows): [0], [1] as above, [2] +=
+// sum_c q_c x_c, [3] += sum_c q_c. row_terms (3, rows): the final
+// log-sum-exp, sum_c q_c over the whole row, and the gradient's scale; the
+// gradient scale * (sum_q * softmax_c - q_c) is written over the logits.
+
+// One piece of a probability row's weights: q[k] for classes c0 .. c0 + len.
+template <typename acc_t>
+void soft_weights(const at::Tensor& probs, int64_t row, int64_t c0, int64_t len, const acc_t* prob_weight,
+                  const acc_t* class_term, acc_t* q) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, probs.scalar_type(), "soft_weights", [&] {
+    const scalar_t* p = probs.const_data_ptr<scalar_t>() + row * probs.stride(0) + c0;
+    for (int64_t k = 0; k < len; ++k) q[k] = static_cast<acc_t>(p[k]);
+  });
+  if (prob_weight != nullptr) {
+    for (int64_t k = 0; k < len; ++k) q[k] *= prob_weight[c0 + k];
+  }
+  if (class_term != nullptr) {
+    for (int64_t k = 0; k < len; ++k) q[k] += class_term[c0 + k];
+  }
+}
+
+void check_probs(const char* op, const at::Tensor& logits, const at::Tensor& probs) {
+  TORCH_CHECK_VALUE(has_contiguous_classes(probs) && probs.sizes() == logits.sizes(), op,
+                    ": probs must be a ", logits.sizes(), " view with contiguous classes, got sizes ", probs.sizes(),
+                    " and strides ", probs.strides());
+  TORCH_CHECK_TYPE(is_floating(probs.scalar_type()), op, ": probs must be float16, bfloat16, float32 or float64, got ",
+                   probs.scalar_type());
+  TORCH_CHECK(probs.device().is_cpu(), op, " (cpu kernel): probs must be a CPU tensor, got ", probs.device());
+}
+
+template <typename T>
+const T* optional_data(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? t->const_data_ptr<T>() : nullptr;
+}
+
+void cross_entropy_soft_chunk_stats_cpu(const at::Tensor& logits, const at::Tensor& probs,
+                                        const std::optional<at::Tensor>& prob_weight,
+                                        const std::optional<at::Tensor>& class_term, const at::Tensor& stats) {
+  const char* op = "cross_entropy_soft_chunk_stats_";
+  const ChunkGeometry cg =
+      check_chunk(op, logits, {{&prob_weight, "prob_weight"}, {&class_term, "class_term"}}, stats, "stats", 4);
+  check_probs(op, logits, probs);
+  if (cg.rows == 0) return;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "cross_entropy_soft_cpu", [&] {
+    using acc_t = accumulation_t<scalar_t>;
+    const scalar_t* data = logits.const_data_ptr<scalar_t>();
+    const acc_t* pw = optional_data<acc_t>(prob_weight);
+    const acc_t* ct = optional_data<acc_t>(class_term);
+    acc_t* s = stats.mutable_data_ptr<acc_t>();
+    const int64_t R = cg.rows;
+    for_each_chunk_row<acc_t>(cg, [&](int64_t r, acc_t* buffer) {
+      acc_t q[kChunkClasses];
+      RowStats<acc_t> row;
+      row.running_max = s[r];
+      row.sum_exp = s[R + r];
+      accumulate_row(data + r * cg.row_stride, 1, cg.classes, buffer, row,
+                     [&](int64_t c0, int64_t len, const acc_t* values, RowStats<acc_t>& sums) {
+                       soft_weights(probs, r, c0, len, pw, ct, q);
+                       sums.sum_w += lane_sum(q, len);
+                       for (int64_t k = 0; k < len; ++k) q[k] *= values[k];
+                       sums.sum_wx += lane_sum(q, len);
+                     });
+      s[r] = row.running_max;
+      s[R + r] = row.sum_exp;
+      s[2 * R + r] += row.sum_wx;
+      s[3 * R + r] += row.sum_w;
+    });
+  });
+}
+
+void cross_entropy_soft_chunk_grad_cpu(const at::Tensor& logits, const at::Tensor& probs,
+                                       const std::optional<at::Tensor>& prob_weight,
+                                       const std::optional<at::Tensor>& class_term, const at::Tensor& row_terms) {
+  const char* op = "cross_entropy_soft_chunk_grad_";
+  const ChunkGeometry cg = check_chunk(op, logits, {{&prob_weight, "prob_weight"}, {&class_term, "class_term"}},
+                                       row_terms, "row_terms", 3);
+  check_probs(op, logits, probs);
+  if (cg.rows == 0) return;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "cross_entropy_soft_cpu", [&] {
+    using acc_t = accumulation_t<scalar_t>;
+    scalar_t* data = logits.mutable_data_ptr<scalar_t>();
+    const acc_t* pw = optional_data<acc_t>(prob_weight);
+    const acc_t* ct = optional_data<acc_t>(class_term);
+    const acc_t* rt = row_terms.const_data_ptr<acc_t>();
+    const int64_t R = cg.rows;
+    for_each_chunk_row<acc_t>(cg, [&](int64_t r, acc_t* buffer) {
+      acc_t q[kChunkClasses];
+      scalar_t* g = data + r * cg.row_stride;
+      write_gradient(g, 1, g, 1, cg.classes, rt[r], rt[R + r], rt[2 * R + r], buffer,
+                     [&](int64_t c0, int64_t len, acc_t* values) {
+                       soft_weights(probs, r, c0, len, pw, ct, q);
+                       for (int64_t k = 0; k < len; ++k) values[k] -= q[k];
+                     });
     });
   });
 }
@@ -366,10 +505,14 @@ TORCH_LIBRARY_FRAGMENT(effilayers_cpu, m) {
   m.def(effilayers::schema::kCrossEntropyRows);
   m.def(effilayers::schema::kCrossEntropyChunkStats);
   m.def(effilayers::schema::kCrossEntropyChunkGrad);
+  m.def(effilayers::schema::kCrossEntropySoftChunkStats);
+  m.def(effilayers::schema::kCrossEntropySoftChunkGrad);
 }
 
 TORCH_LIBRARY_IMPL(effilayers_cpu, CPU, m) {
   m.impl("cross_entropy_rows", &effilayers::cross_entropy_rows_cpu);
   m.impl("cross_entropy_chunk_stats_", &effilayers::cross_entropy_chunk_stats_cpu);
   m.impl("cross_entropy_chunk_grad_", &effilayers::cross_entropy_chunk_grad_cpu);
+  m.impl("cross_entropy_soft_chunk_stats_", &effilayers::cross_entropy_soft_chunk_stats_cpu);
+  m.impl("cross_entropy_soft_chunk_grad_", &effilayers::cross_entropy_soft_chunk_grad_cpu);
 }

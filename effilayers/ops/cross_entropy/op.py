@@ -14,7 +14,8 @@ from ..._core.dtypes import accumulation_dtype
 from ..._core.layout import autocast_to_float32, is_dense, refuse_forward_ad, three_groups, three_view
 from .contract import check_arguments, check_target_range
 from .reference import (cross_entropy_chunk_grad_reference, cross_entropy_chunk_stats_reference,
-                        cross_entropy_rows_reference)
+                        cross_entropy_rows_reference, cross_entropy_soft_chunk_grad_reference,
+                        cross_entropy_soft_chunk_stats_reference)
 
 registry.register(registry.OpKernels(name="cross_entropy", reference=cross_entropy_rows_reference,
                                      cpp="cross_entropy_rows",
@@ -32,8 +33,19 @@ registry.define(
     "cross_entropy_chunk_grad_",
     "(Tensor(a!) logits, Tensor target, Tensor? class_term, Tensor row_terms, int class_offset, int ignore_index) "
     "-> ()", lambda *args: None, mutates_args=("logits",))
+# The same two passes for rows with probability targets.
+registry.define(
+    "cross_entropy_soft_chunk_stats_",
+    "(Tensor logits, Tensor probs, Tensor? prob_weight, Tensor? class_term, Tensor(a!) stats) -> ()",
+    lambda *args: None, mutates_args=("stats",))
+registry.define(
+    "cross_entropy_soft_chunk_grad_",
+    "(Tensor(a!) logits, Tensor probs, Tensor? prob_weight, Tensor? class_term, Tensor row_terms) -> ()",
+    lambda *args: None, mutates_args=("logits",))
 for _name, _reference in (("cross_entropy_chunk_stats_", cross_entropy_chunk_stats_reference),
-                          ("cross_entropy_chunk_grad_", cross_entropy_chunk_grad_reference)):
+                          ("cross_entropy_chunk_grad_", cross_entropy_chunk_grad_reference),
+                          ("cross_entropy_soft_chunk_stats_", cross_entropy_soft_chunk_stats_reference),
+                          ("cross_entropy_soft_chunk_grad_", cross_entropy_soft_chunk_grad_reference)):
     registry.register(registry.OpKernels(name=_name, reference=_reference, cpp=_name,
                                          triton=f"effilayers.ops.cross_entropy.triton:{_name[:-1]}_triton"))
 

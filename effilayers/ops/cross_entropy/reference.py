@@ -99,6 +99,23 @@ def cross_entropy_rows_reference(
     return loss_rows
 
 
+def _fold_online(stats, z, valid):
+    """Folds the chunk ``z`` (accumulation dtype) into the running maximum
+    ``stats[0]`` and ``stats[1] = sum exp(z - maximum)`` of the rows where
+    ``valid`` (every row when None)."""
+    m, s = stats[0], stats[1]
+    new_m = torch.maximum(m, z.amax(1))
+    if valid is not None:
+        new_m = torch.where(valid, new_m, m)
+    # Equal maxima (-inf included) keep s as it is, and a maximum of -inf
+    # shifts by 0 (every exp is 0): exp(-inf - -inf) would be NaN.
+    rescaled = torch.where(new_m == m, s, s * torch.exp(m - new_m))
+    shift = torch.where(new_m == -math.inf, 0.0, new_m)
+    folded = rescaled + torch.exp(z - shift[:, None]).sum(1)
+    s.copy_(folded if valid is None else torch.where(valid, folded, s))
+    m.copy_(new_m)
+
+
 def cross_entropy_chunk_stats_reference(logits, target, weight, stats, class_offset, ignore_index, smoothing):
     """One vocabulary chunk's share of the online statistics of its rows.
 
@@ -113,14 +130,7 @@ def cross_entropy_chunk_stats_reference(logits, target, weight, stats, class_off
     acc = stats.dtype
     z = logits.to(acc)
     valid = target != ignore_index
-    m, s = stats[0], stats[1]
-    new_m = torch.where(valid, torch.maximum(m, z.amax(1)), m)
-    # Equal maxima (-inf included) keep s as it is, and a maximum of -inf
-    # shifts by 0 (every exp is 0): exp(-inf - -inf) would be NaN.
-    rescaled = torch.where(new_m == m, s, s * torch.exp(m - new_m))
-    shift = torch.where(new_m == -math.inf, 0.0, new_m)
-    s.copy_(torch.where(valid, rescaled + torch.exp(z - shift[:, None]).sum(1), s))
-    m.copy_(new_m)
+    _fold_online(stats, z, valid)
     local = target - class_offset
     here = valid & (local >= 0) & (local < z.shape[1])
     picked = z.gather(1, local.clamp(0, max(z.shape[1] - 1, 0))[:, None])[:, 0]
@@ -144,3 +154,41 @@ def cross_entropy_chunk_grad_reference(logits, target, class_term, row_terms, cl
     columns = torch.arange(logits.shape[1], device=logits.device)
     g = torch.where(columns == (target - class_offset)[:, None], g - target_coef, g)
     logits.copy_(torch.where((target != ignore_index)[:, None], g * scale, 0.0))
+
+
+def _target_weights(probs, prob_weight, class_term, acc):
+    """What a probability target weighs each logit's ``lse - z_c`` by:
+    ``q_c = p_c * prob_weight_c + class_term_c`` (label smoothing and class
+    weights folded into the two per-class vectors by the caller)."""
+    q = probs.to(acc)
+    if prob_weight is not None:
+        q = q * prob_weight.to(acc)
+    return q if class_term is None else q + class_term.to(acc)
+
+
+def cross_entropy_soft_chunk_stats_reference(logits, probs, prob_weight, class_term, stats):
+    """One chunk's share of the online statistics of rows with probability
+    targets. ``logits`` and ``probs``: ``(rows, classes)`` (the same
+    classes); ``prob_weight`` and ``class_term``: None or those classes'
+    ``(classes,)`` values in the accumulation dtype. ``stats``: ``(4, rows)``
+    in the accumulation dtype, updated in place: the running maximum, the
+    rescaled ``sum exp(z - maximum)``, ``+= sum_c q_c z_c`` and ``+= sum_c q_c``
+    (``q``: :func:`_target_weights`). A row's loss is then
+    ``stats[3] * lse - stats[2]``."""
+    acc = stats.dtype
+    z = logits.to(acc)
+    _fold_online(stats, z, None)
+    q = _target_weights(probs, prob_weight, class_term, acc)
+    stats[2].add_((q * z).sum(1))
+    stats[3].add_(q.sum(1))
+
+
+def cross_entropy_soft_chunk_grad_reference(logits, probs, prob_weight, class_term, row_terms):
+    """Writes one chunk's d loss / d logits for probability targets over
+    ``logits``: ``scale * (mass * exp(z_c - lse) - q_c)`` with ``lse, mass,
+    scale = row_terms[:, r]`` (``(3, rows)``, the accumulation dtype; ``mass
+    = sum_c q_c`` over the whole row)."""
+    acc = row_terms.dtype
+    lse, mass, scale = row_terms[:, :, None]
+    q = _target_weights(probs, prob_weight, class_term, acc)
+    logits.copy_((mass * torch.exp(logits.to(acc) - lse) - q) * scale)

@@ -17,7 +17,10 @@ How it runs
     ``grad_input[chunk] = dlogits @ W``, ``grad_weight += dlogits^T x`` and
     ``grad_bias += sum(dlogits)``, the last two in float32 accumulators
     (float64 for float64 input) whatever the number of chunks. Probability
-    targets, which no row kernel takes, use chunk-sized torch ops instead.
+    targets take the family's two probability kernels instead of the row
+    kernel (``cross_entropy_soft_chunk_stats_``, then
+    ``cross_entropy_soft_chunk_grad_`` writing the gradient over the logits),
+    each chunk of whole rows being one chunk of every class for them.
 
 Chunk sizes, from the shapes (``op.chunk_shape``)
     A chunk of logits may take ``max(CHUNK_LOGITS_BYTES = 16 MiB, the
@@ -30,8 +33,7 @@ Chunk sizes, from the shapes (``op.chunk_shape``)
     rows overflow the budget, the vocabulary is split too: chunks of 32
     tokens (or ``chunk_size``) by the most classes that fit, at the bytes per
     logit of ``vocab_chunks.vocab_chunk_bytes`` (the compute dtype, plus a
-    float32 copy for fp16/bf16 gradients on CPU, or ``VOCAB_TEMPORARIES``
-    float32 temporaries for probability targets). Those chunks run
+    float32 copy for fp16/bf16 gradients on CPU). Those chunks run
     ``vocab_chunks.py``: per token chunk, an online log-sum-exp over the
     vocabulary chunks (running maximum, rescaled sum of exponentials, the
     target's logit and the smoothing sums, all float32), then the gradient
@@ -40,8 +42,8 @@ Chunk sizes, from the shapes (``op.chunk_shape``)
     cast once per token chunk). For class indices each pass is one kernel
     per vocabulary chunk after its matmul (``cross_entropy_chunk_stats_``,
     then ``cross_entropy_chunk_grad_`` writing the gradient over the chunk's
-    logits; C++ on CPU, Triton on GPU); probability targets use chunk-sized
-    torch ops.
+    logits; C++ on CPU, Triton on GPU); probability targets run their two
+    kernels the same way, reading the chunk's slice of the probabilities.
 
 Mean with class and token weights
     With ``l_i`` torch's unreduced loss of token ``i`` (class weight and
@@ -73,8 +75,7 @@ Memory: what is saved, and the peak
     the inputs is one chunk of logits (one buffer, reused by every chunk;
     plus a float32 copy of it for fp16/bf16 on CPU, which has no mixed-dtype
     GEMM; with the vocabulary chunked, one vocabulary chunk of logits, its
-    float32 copy for fp16/bf16 on CPU, and for probability targets a few
-    float32 temporaries of that size) and the weight-sized accumulators
+    float32 copy for fp16/bf16 on CPU) and the weight-sized accumulators
     (``tests/test_linear_cross_entropy_vocab_chunks.py`` checks the largest
     temporary stays the same as the vocabulary grows). Measured on CPU (4096 tokens,
     hidden 128, 32768 classes, float32: 512 MiB of logits), the process's

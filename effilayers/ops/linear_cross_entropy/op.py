@@ -14,7 +14,8 @@ from ..._core.layout import refuse_forward_ad
 # Importing the family registers the "cross_entropy" row kernels this op runs on each chunk.
 from ..cross_entropy import op as _cross_entropy_op  # noqa: F401
 from .contract import INPUT_DTYPES, OP, check_arguments, check_target_range
-from .vocab_chunks import accumulate_product, vocab_chunk_bytes, vocab_chunked_rows
+from .vocab_chunks import (accumulate_product, probability_terms, vocab_chunk_bytes, vocab_chunked_rows,
+                           whole_probability_rows)
 from .vocab_parallel import is_sharded, runs_vocab_parallel, vocab_parallel_linear_cross_entropy
 
 # A chunk of logits takes at most this many bytes, or the input's own size
@@ -65,25 +66,6 @@ def chunk_shape(tokens: int, classes: int, itemsize: int, vocab_itemsize: int, i
 # ---------------------------------------------------------------------------
 
 
-def _soft_rows(logits, probs, class_weight, label_smoothing, grad_scale, write_grad):
-    """Probability targets (no row kernel takes them): per-row losses in the
-    accumulation dtype; the scaled gradient is written over ``logits``. The
-    float32 temporaries are chunk-sized."""
-    acc = accumulation_dtype(logits.dtype)
-    x = logits.to(acc)
-    lse = torch.logsumexp(x, dim=1, keepdim=True)
-    p = probs.to(acc)
-    if label_smoothing > 0:
-        p = p * (1.0 - label_smoothing) + label_smoothing / logits.shape[1]
-    weighted = p if class_weight is None else p * class_weight
-    rows = (weighted * (lse - x)).sum(1)
-    if write_grad:
-        # d/dx_c sum_k q_k (lse - x_k) = softmax_c * sum_k q_k - q_c
-        grad = torch.exp(x - lse) * weighted.sum(1, keepdim=True) - weighted
-        logits.copy_(grad * grad_scale)
-    return rows
-
-
 def _chunks(input, weight, target, bias, class_weight, ignore_index, label_smoothing, chunk_size, compute_dtype,
             grad_scale, row_scale, needs, keep_rows):
     """Walk the tokens in chunks: logits = x W^T + b, one row-kernel call
@@ -99,6 +81,9 @@ def _chunks(input, weight, target, bias, class_weight, ignore_index, label_smoot
     soft = target.is_floating_point()
     if not soft:  # the row kernels read int64 class indices, row r at offset r
         target = target.to(torch.int64).contiguous()
+    elif target.stride(1) != 1 and classes > 1:
+        # The probability kernels read each row's classes contiguously; other layouts cost one copy.
+        target = target.contiguous()
     w = weight.to(compute_dtype)
     b = None if bias is None else bias.to(compute_dtype)
     kernel_weight = None if class_weight is None else class_weight.to(acc).contiguous()
@@ -109,7 +94,7 @@ def _chunks(input, weight, target, bias, class_weight, ignore_index, label_smoot
     bytes_per_logit = compute_dtype.itemsize + (acc.itemsize if needs_scratch else 0)
     # A vocabulary chunk's gradient feeds grad_input's float32 sum as well: any gradient reads the copy.
     wide_copy = any(needs) and compute_dtype != acc and device.type != "cuda"
-    vocab_bytes = vocab_chunk_bytes(compute_dtype, acc, soft, wide_copy)
+    vocab_bytes = vocab_chunk_bytes(compute_dtype, acc, wide_copy)
     step, vocab_step = chunk_shape(tokens, classes, bytes_per_logit, vocab_bytes,
                                    input.numel() * input.element_size(), chunk_size)
     loss_rows = torch.empty(tokens, dtype=acc, device=device) if keep_rows else None
@@ -127,7 +112,10 @@ def _chunks(input, weight, target, bias, class_weight, ignore_index, label_smoot
             if keep_rows:
                 loss_rows[start:stop] = rows
         return loss_rows, grad_input, grad_weight, grad_bias
-    rows_kernel = None if soft else registry.kernel("cross_entropy", device)
+    if soft:
+        terms = probability_terms(kernel_weight, label_smoothing, classes, acc, device)
+    else:
+        rows_kernel = registry.kernel("cross_entropy", device)
     # One logits buffer for every chunk: a fresh chunk-sized allocation per
     # chunk costs page faults each time on CPU, and glibc keeps some of the
     # freed chunks (its mmap threshold rises to their size), which grew the
@@ -143,7 +131,7 @@ def _chunks(input, weight, target, bias, class_weight, ignore_index, label_smoot
         else:
             torch.addmm(b, x, w.t(), out=logits)
         if soft:
-            rows = _soft_rows(logits, target[start:stop], kernel_weight, label_smoothing, grad_scale, write_grad)
+            rows = whole_probability_rows(logits, target[start:stop], terms, grad_scale, write_grad)
         else:
             view = logits.view(stop - start, classes, 1)
             rows = rows_kernel(view, target[start:stop], kernel_weight, view if write_grad else None, grad_scale,

@@ -21,14 +21,17 @@ chunk kernels, taken from the registry (C++ on CPU, Triton on GPU):
   fp16/bf16, which has no mixed-dtype GEMM, the matmuls read one float32 copy
   of the chunk's gradient.
 
+Probability targets run the same two walks with the family's
+``cross_entropy_soft_chunk_stats_`` / ``cross_entropy_soft_chunk_grad_``,
+which read the chunk's slice of the caller's probabilities (any floating
+dtype) beside its logits: the statistics gain ``sum_c q_c z_c`` and ``sum_c
+q_c``, ``q`` being torch's smoothed, class-weighted probabilities (label
+smoothing and class weights folded into two per-class vectors,
+:func:`probability_terms`). Whole rows (the token chunks) take them too,
+as one chunk of every class.
+
 So a vocabulary chunk costs its logits (plus that float32 copy) and nothing
 else chunk-sized, and the gradient never exists beyond one chunk.
-
-Probability targets keep plain torch ops on chunk-sized tensors (a float32
-copy of the logits and two float32 temporaries: ``VOCAB_TEMPORARIES``): no
-kernel of the project takes them (whole rows use torch ops too), a fused
-form would read a second chunk-sized operand with its own dtype and
-smoothing, and language-model heads train on class indices.
 """
 
 from __future__ import annotations
@@ -39,17 +42,10 @@ import torch
 
 from ..._core import registry
 
-# Probability targets: bytes a vocabulary chunk holds per logit beyond the
-# compute-dtype logits, in float32 (its copy and two temporaries).
-VOCAB_TEMPORARIES = 3
-
-
-def vocab_chunk_bytes(compute_dtype: torch.dtype, acc: torch.dtype, soft: bool, wide_copy: bool) -> int:
+def vocab_chunk_bytes(compute_dtype: torch.dtype, acc: torch.dtype, wide_copy: bool) -> int:
     """Bytes per logit of a vocabulary chunk: the compute-dtype logits, plus
-    the torch-op temporaries of probability targets, or the float32 copy
-    (``wide_copy``) that CPU matmuls read for fp16/bf16 gradients."""
-    if soft:
-        return compute_dtype.itemsize + VOCAB_TEMPORARIES * acc.itemsize
+    the float32 copy (``wide_copy``) that CPU matmuls read for fp16/bf16
+    gradients."""
     return compute_dtype.itemsize + (acc.itemsize if wide_copy else 0)
 
 
@@ -78,6 +74,13 @@ def _chunk_logits(x, w, b, step, buffer):
         yield start, z
 
 
+def _new_stats(rows: int, acc: torch.dtype, device) -> torch.Tensor:
+    """The (4, rows) statistics before the first chunk: a maximum of -inf, zero sums."""
+    stats = torch.zeros((4, rows), dtype=acc, device=device)
+    stats[0] = -math.inf
+    return stats
+
+
 class _Gradients:
     """Adds each vocabulary chunk's d loss / d logits into grad_input's
     float32 sum, grad_weight and grad_bias."""
@@ -100,6 +103,20 @@ class _Gradients:
     def finish(self):
         if self.needs[0]:
             self.grad_input.copy_(self.gi)
+
+    def walk(self, b, step, buffer, write_chunk_gradient):
+        """The second walk: each chunk's logits recomputed,
+        ``write_chunk_gradient(z, start, stop)`` writes d loss / d logits
+        over them, and the chunk's share of each gradient is added."""
+        # CPU matmuls take no fp16/bf16 operands with a float32 output: one float32 copy of each chunk's gradient.
+        x, acc = self.x, self.acc
+        wide = None if x.device.type == "cuda" or x.dtype == acc else torch.empty(buffer.shape, dtype=acc,
+                                                                                 device=x.device)
+        for start, z in _chunk_logits(x, self.w, b, step, buffer):
+            write_chunk_gradient(z, start, start + z.shape[1])
+            if wide is not None:
+                z = wide[:z.numel()].view(z.shape).copy_(z)
+            self.add(z, start)
 
 
 def class_index_loss(lse, target_logit, smooth, w_t, class_weight, eps: float, classes: int):
@@ -145,8 +162,7 @@ def _class_index_rows(x, w, b, target, class_weight, ignore_index, eps, scale, s
     out_of_range = valid & ((safe < 0) | (safe >= classes))
     safe = safe.clamp(0, classes - 1)
     smoothing = eps > 0
-    stats = torch.zeros((4, rows_n), dtype=acc, device=device)
-    stats[0] = -math.inf
+    stats = _new_stats(rows_n, acc, device)
     buffer = torch.empty(rows_n * min(step, classes), dtype=x.dtype, device=device)
     stats_kernel = registry.dispatch("cross_entropy_chunk_stats_", x)
     for start, z in _chunk_logits(x, w, b, step, buffer):
@@ -164,55 +180,67 @@ def _class_index_rows(x, w, b, target, class_weight, ignore_index, eps, scale, s
     if smoothing:
         class_term = (torch.full((classes,), eps / classes, dtype=acc, device=device) if class_weight is None
                       else eps / classes * class_weight)
-    # CPU matmuls take no fp16/bf16 operands with a float32 output: one float32 copy of each chunk's gradient.
-    wide = None if device.type == "cuda" or x.dtype == acc else torch.empty(buffer.shape, dtype=acc, device=device)
     grad_kernel = registry.dispatch("cross_entropy_chunk_grad_", x)
-    for start, z in _chunk_logits(x, w, b, step, buffer):
-        stop = start + z.shape[1]
-        grad_kernel(z, target, None if class_term is None else class_term[start:stop], row_terms, start, ignore_index)
-        if wide is not None:
-            z = wide[:z.numel()].view(z.shape).copy_(z)
-        grads.add(z, start)
+    grads.walk(b, step, buffer, lambda z, start, stop: grad_kernel(
+        z, target, None if class_term is None else class_term[start:stop], row_terms, start, ignore_index))
     return rows
 
 
-def _smoothed(probs, start, stop, class_weight, eps, classes, acc):
-    """The probability targets' slice as torch weighs them: smoothed, then class-weighted."""
-    q = probs[:, start:stop].to(acc)
-    if eps > 0:
-        q = q * (1.0 - eps) + eps / classes
-    return q if class_weight is None else q * class_weight[start:stop]
+def probability_terms(class_weight, eps: float, classes: int, acc, device):
+    """``(prob_weight, class_term)`` of the probability kernels, each
+    ``(classes,)`` or None: ``q_c = p_c * prob_weight_c + class_term_c`` is
+    torch's weighting of a probability target, ``((1 - eps) p_c + eps / C)
+    w_c`` (``w_c = 1`` without class weights)."""
+    if eps <= 0:
+        return class_weight, None
+    if class_weight is None:
+        return (torch.full((classes,), 1.0 - eps, dtype=acc, device=device),
+                torch.full((classes,), eps / classes, dtype=acc, device=device))
+    return (1.0 - eps) * class_weight, eps / classes * class_weight
+
+
+def _sliced(terms, start, stop):
+    return tuple(None if t is None else t[start:stop] for t in terms)
+
+
+def probability_loss(stats):
+    """``(loss rows, log-sum-exp, sum_c q_c)`` of probability rows from their
+    statistics: ``sum_c q_c (lse - z_c) = lse * sum_c q_c - sum_c q_c z_c``."""
+    lse = stats[0] + torch.log(stats[1])
+    return stats[3] * lse - stats[2], lse, stats[3]
+
+
+def whole_probability_rows(logits, probs, terms, scale, write_grad):
+    """Loss rows (accumulation dtype) of ``(rows, classes)`` logits holding
+    every class, against ``probs``, ``terms``: :func:`probability_terms`;
+    with ``write_grad``, d loss / d logits times ``scale`` (1 element) is
+    written over the logits."""
+    rows_n = logits.shape[0]
+    stats = _new_stats(rows_n, scale.dtype, logits.device)  # the scale is in the accumulation dtype
+    registry.dispatch("cross_entropy_soft_chunk_stats_", logits)(logits, probs, *terms, stats)
+    rows, lse, mass = probability_loss(stats)
+    if write_grad:
+        row_terms = torch.stack((lse, mass, scale.expand(rows_n)))
+        registry.dispatch("cross_entropy_soft_chunk_grad_", logits)(logits, probs, *terms, row_terms)
+    return rows
 
 
 def _probability_rows(x, w, b, probs, class_weight, eps, scale, step, acc, grads):
-    """Probability targets in torch ops (see the module docstring): the same
-    online log-sum-exp, with ``sum_c q_c`` and ``sum_c q_c z_c``."""
+    """Probability targets: the same two walks with the soft chunk kernels."""
     rows_n, classes = x.shape[0], w.shape[0]
     device = x.device
-    running_max = torch.full((rows_n,), -torch.inf, dtype=acc, device=device)
-    sum_exp = torch.zeros(rows_n, dtype=acc, device=device)
-    linear = torch.zeros(rows_n, dtype=acc, device=device)  # sum_c q_c z_c
-    mass = torch.zeros(rows_n, dtype=acc, device=device)  # sum_c q_c
+    terms = probability_terms(class_weight, eps, classes, acc, device)
+    stats = _new_stats(rows_n, acc, device)
     buffer = torch.empty(rows_n * min(step, classes), dtype=x.dtype, device=device)
-    for start, z in _chunk_logits(x, w, b, step, buffer):
-        z = z.to(acc)
-        new_max = torch.maximum(running_max, z.amax(1))
-        # Equal maxima (-inf included) keep the sum as it is, where exp(-inf - -inf) would be NaN.
-        sum_exp = (torch.where(new_max == running_max, sum_exp, sum_exp * torch.exp(running_max - new_max))
-                   + torch.exp(z - new_max[:, None]).sum(1))
-        running_max = new_max
-        q = _smoothed(probs, start, start + z.shape[1], class_weight, eps, classes, acc)
-        mass += q.sum(1)
-        linear += (q * z).sum(1)
-    lse = running_max + torch.log(sum_exp)
-    rows = mass * lse - linear
-    if grads is None:
-        return rows
+    stats_kernel = registry.dispatch("cross_entropy_soft_chunk_stats_", x)
     for start, z in _chunk_logits(x, w, b, step, buffer):
         stop = start + z.shape[1]
-        softmax = torch.exp(z.to(acc) - lse[:, None])
-        g = (softmax * mass[:, None] - _smoothed(probs, start, stop, class_weight, eps, classes, acc)) * scale[:, None]
-        if device.type == "cuda" and x.dtype != acc:
-            g = g.to(x.dtype)  # the GEMMs read fp16/bf16 and write float32
-        grads.add(g, start)
+        stats_kernel(z, probs[:, start:stop], *_sliced(terms, start, stop), stats)
+    rows, lse, mass = probability_loss(stats)
+    if grads is None:
+        return rows
+    row_terms = torch.stack((lse, mass, scale))
+    grad_kernel = registry.dispatch("cross_entropy_soft_chunk_grad_", x)
+    grads.walk(b, step, buffer, lambda z, start, stop: grad_kernel(
+        z, probs[:, start:stop], *_sliced(terms, start, stop), row_terms))
     return rows
