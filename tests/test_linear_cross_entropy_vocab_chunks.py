@@ -79,10 +79,11 @@ def test_chunk_kernels_match_torch_float64(vocab_device, reduction):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_probability_kernels_match_torch_float64(vocab_device, reduction):
+def test_probability_kernels_match_torch_float64(vocab_device, ce_small_triton_block, reduction):
     """Probability targets through the two soft chunk kernels, in whole rows
-    and in vocabulary chunks, with smoothing and class weights; targets in
-    float32 (another dtype than the logits) and with classes not contiguous."""
+    (two Triton blocks of 8 classes) and in vocabulary chunks, with smoothing
+    and class weights; targets in float32 (another dtype than the logits)
+    and with classes not contiguous (read where they lie)."""
     x, w, b, _ = make_problem((1, 5), 4, 13, f64, vocab_device, seed=4)
     probs = torch.softmax(make_positive((1, 5, 13), vocab_device, seed=2) * 4, dim=-1)
     class_weight = make_positive(13, vocab_device, seed=1)
@@ -161,6 +162,37 @@ def test_chunk_kernels_on_poisoned_memory(vocab_device, request):
     assert torch.isnan(storage[:, width:]).all()
 
 
+def test_probability_rows_wider_than_a_cpp_piece(vocab_device):
+    """2500 classes: the C++ kernels walk a row in pieces of 2048 (each
+    piece's class weights and probabilities at its own offset), in whole
+    rows and in vocabulary chunks of 2300 classes."""
+    x, w, b, _ = make_problem((3,), 4, 2500, f64, vocab_device, seed=6)
+    probs = torch.softmax(make_positive((3, 2500), vocab_device, seed=2) * 8, dim=-1)
+    options = dict(class_weight=make_positive(2500, vocab_device, seed=1), label_smoothing=0.1)
+    with pytest.MonkeyPatch.context() as patch:
+        for pieces in (None, 2):
+            if pieces:
+                _split_vocabulary(patch, 3, 2500, pieces)
+            assert_same(fused(x, w, b, probs, **options), unfused(x, w, b, probs, **options), f64)
+
+
+def test_soft_chunk_kernels_refuse_bad_arguments():
+    """The C++ kernels' own checks, each naming what is wrong."""
+    chunk = torch.randn(3, 5, dtype=f64)
+    probs = torch.softmax(torch.randn(3, 5, dtype=f64), 1)
+    stats = torch.zeros(4, 3, dtype=f64)
+    with effilayers.use_backend("cpp"):
+        soft_stats = torch.ops.effilayers.cross_entropy_soft_chunk_stats_
+        with pytest.raises(ValueError, match=r"probs must have the logits' shape \[3, 5\], got \[3, 4\]"):
+            soft_stats(chunk, probs[:, :4], None, None, stats)
+        with pytest.raises(TypeError, match="probs must be float16, bfloat16, float32 or float64, got Long"):
+            soft_stats(chunk, probs.long(), None, None, stats)
+        with pytest.raises(ValueError, match="prob_weight must be a contiguous Double tensor of 5 classes"):
+            soft_stats(chunk, probs, torch.ones(5), None, stats)
+        with pytest.raises(ValueError, match=r"row_terms must be a contiguous \(3, 3\) Double tensor"):
+            torch.ops.effilayers.cross_entropy_soft_chunk_grad_(chunk, probs, None, None, stats)
+
+
 def test_probability_kernels_on_poisoned_memory(vocab_device, request):
     """The soft chunk kernels against their formulas written out: the chunk
     and its float16 probabilities are views with NaN-filled gaps, the
@@ -232,7 +264,7 @@ def test_all_ignored_mean_is_nan_with_vocabulary_chunks(monkeypatch):
 
 
 class _LargestTemporary(TorchDispatchMode):
-    """The bytes of the largest tensor any op returns, leaving out the
+    """The bytes of the largest tensor any op allocates, leaving out the
     weight-shaped gradient accumulators (which grow with the vocabulary
     whatever the chunks)."""
 
@@ -242,8 +274,12 @@ class _LargestTemporary(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # A view (a slice of the caller's targets) or an out= result allocates nothing.
+        inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(a, torch.Tensor)}
         for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and tuple(t.shape) not in self.weight_shapes:
+            if (isinstance(t, torch.Tensor) and tuple(t.shape) not in self.weight_shapes
+                    and t.untyped_storage().data_ptr() not in inputs):
                 self.largest = max(self.largest, t.numel() * t.element_size())
         return out
 
@@ -253,18 +289,25 @@ def test_temporaries_do_not_grow_with_the_vocabulary(monkeypatch):
     # time (the logits are all a chunk holds); the largest temporary is the
     # same for 2048 and 8192 classes (whole rows would be 256 KiB and 1 MiB)
     # and within the budget.
+    # Probability targets (the caller's table, read where it lies: also
+    # with the classes not contiguous) take no chunk-sized temporary more.
     monkeypatch.setattr(op, "CHUNK_LOGITS_BYTES", 64 << 10)
-    largest = []
-    for classes in (2048, 8192):
-        x, w, b, target = make_problem((32,), 8, classes, torch.float32, ignore_every=5)
-        assert op.chunk_shape(32, classes, 4, _vocab_bytes(torch.float32), x.numel() * 4, None) == (32, 512)
-        scale = torch.ones(1)
-        meter = _LargestTemporary({(classes, 8), (classes,)})
-        with meter:
-            op._chunks(x, w, target, b, None, -100, 0.1, None, torch.float32, scale, None, (True, True, True),
-                       keep_rows=True)
-        largest.append(meter.largest)
-    assert largest[0] == largest[1] <= 64 << 10, largest
+    for kind in ("class indices", "probabilities", "transposed probabilities"):
+        largest = []
+        for classes in (2048, 8192):
+            x, w, b, target = make_problem((32,), 8, classes, torch.float32, ignore_every=5)
+            if kind != "class indices":
+                target = torch.softmax(make_positive((32, classes), seed=2, dtype=torch.float32), dim=1)
+                if kind.startswith("transposed"):
+                    target = target.t().contiguous().t()
+            assert op.chunk_shape(32, classes, 4, _vocab_bytes(torch.float32), x.numel() * 4, None) == (32, 512)
+            scale = torch.ones(1)
+            meter = _LargestTemporary({(classes, 8), (classes,)})
+            with meter:
+                op._chunks(x, w, target, b, None, -100, 0.1, None, torch.float32, scale, None, (True, True, True),
+                           keep_rows=True)
+            largest.append(meter.largest)
+        assert largest[0] == largest[1] <= 64 << 10, (kind, largest)
 
 
 def _low_precision_case(monkeypatch, dtype, device):
@@ -277,9 +320,11 @@ def _low_precision_case(monkeypatch, dtype, device):
     assert op.chunk_shape(37, 300, itemsize, vocab_itemsize, x.numel() * x.element_size(), None) == (32, 60)
     grad_output = make_positive((37,), device, seed=4, dtype=dtype)
     options = dict(label_smoothing=0.05, reduction="none")
-    loss, grads = actual = fused(x, w, b, target, grad_output, **options)
-    assert loss.dtype == dtype and all(g.dtype == dtype for g in grads)
-    assert_same(actual, unfused(x, w, b, target, grad_output, **options), dtype, grad_tier="linear_cross_entropy")
+    probs = torch.softmax(make_positive((37, 300), device, seed=2) * 6, dim=-1).to(dtype)
+    for t in (target, probs):
+        loss, grads = actual = fused(x, w, b, t, grad_output, **options)
+        assert loss.dtype == dtype and all(g.dtype == dtype for g in grads)
+        assert_same(actual, unfused(x, w, b, t, grad_output, **options), dtype, grad_tier="linear_cross_entropy")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

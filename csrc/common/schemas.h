@@ -101,7 +101,7 @@ constexpr const char* kCrossEntropyChunkGrad =
     "int class_offset, int ignore_index) -> ()";
 
 // The same two passes for rows with class-probability targets `probs` (the
-// chunk's classes, (rows, classes), any floating dtype), each probability
+// chunk's classes, (rows, classes), any floating dtype and strides), each probability
 // weighted as q_c = p_c * prob_weight_c + class_term_c: `stats` (4, rows)
 // gains sum_c q_c z_c and sum_c q_c; `row_terms` (3, rows) is the final
 // log-sum-exp, sum_c q_c over the whole row, and the gradient's scale.

@@ -287,18 +287,14 @@ bool is_floating(at::ScalarType type) {
   return type == at::kHalf || type == at::kBFloat16 || type == at::kFloat || type == at::kDouble;
 }
 
-bool has_contiguous_classes(const at::Tensor& t) {
-  return t.dim() == 2 && (t.stride(1) == 1 || t.size(1) <= 1);
-}
-
-// The checks every chunk kernel makes: the logits, an optional per-class
-// vector (named `vector_name`) and the per-row table (`count` rows of
-// `rows` values, named `per_row_name`), the vector and table in the
+// The checks every chunk kernel makes: the logits, the optional per-class
+// vectors (each with its name) and the per-row table (`count` rows of
+// `rows` values, named `per_row_name`), the vectors and table in the
 // accumulation type.
 ChunkGeometry check_chunk(const char* op, const at::Tensor& logits, std::initializer_list<std::pair<
                               const std::optional<at::Tensor>*, const char*>> vectors,
                           const at::Tensor& per_row, const char* per_row_name, int64_t count) {
-  TORCH_CHECK_VALUE(has_contiguous_classes(logits), op,
+  TORCH_CHECK_VALUE(logits.dim() == 2 && (logits.stride(1) == 1 || logits.size(1) <= 1), op,
                     ": logits must be a (rows, classes) view with contiguous classes, got sizes ", logits.sizes(),
                     " and strides ", logits.strides());
   const auto dtype = logits.scalar_type();
@@ -399,21 +395,49 @@ void cross_entropy_chunk_grad_cpu(const at::Tensor& logits, const at::Tensor& ta
 //
 // cross_entropy_soft_chunk_stats_ / _grad_: the same two passes for rows
 // whose target is a probability row `probs` (the chunk's classes, any
-// floating type, classes contiguous), weighted as q_c = p_c * prob_weight_c
-// + class_term_c (label smoothing and class weights, folded in by the
-// caller; each vector optional). stats (4, rows): [0], [1] as above, [2] +=
-// sum_c q_c x_c, [3] += sum_c q_c. row_terms (3, rows): the final
-// log-sum-exp, sum_c q_c over the whole row, and the gradient's scale; the
-// gradient scale * (sum_q * softmax_c - q_c) is written over the logits.
+// floating type, any strides: a column slice of a transposed table is read
+// where it lies), weighted as q_c = p_c * prob_weight_c + class_term_c
+// (label smoothing and class weights, folded in by the caller; each vector
+// optional). stats (4, rows): [0], [1] as above, [2] += sum_c q_c x_c,
+// [3] += sum_c q_c. row_terms (3, rows): the final log-sum-exp, sum_c q_c
+// over the whole row, and the gradient's scale; the gradient
+// scale * (sum_q * softmax_c - q_c) is written over the logits.
+
+// Where the probabilities are, resolved once per call: the type is
+// switched on once per piece of kChunkClasses values, not per value.
+struct ProbsView {
+  const char* data;
+  at::ScalarType type;
+  int64_t row_stride, class_stride;  // in elements
+};
+
+template <typename scalar_t, typename acc_t>
+void widen(const scalar_t* p, int64_t stride, int64_t len, acc_t* q) {
+  if (stride == 1) {
+    for (int64_t k = 0; k < len; ++k) q[k] = static_cast<acc_t>(p[k]);
+  } else {
+    for (int64_t k = 0; k < len; ++k) q[k] = static_cast<acc_t>(p[k * stride]);
+  }
+}
 
 // One piece of a probability row's weights: q[k] for classes c0 .. c0 + len.
 template <typename acc_t>
-void soft_weights(const at::Tensor& probs, int64_t row, int64_t c0, int64_t len, const acc_t* prob_weight,
+void soft_weights(const ProbsView& probs, int64_t row, int64_t c0, int64_t len, const acc_t* prob_weight,
                   const acc_t* class_term, acc_t* q) {
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, probs.scalar_type(), "soft_weights", [&] {
-    const scalar_t* p = probs.const_data_ptr<scalar_t>() + row * probs.stride(0) + c0;
-    for (int64_t k = 0; k < len; ++k) q[k] = static_cast<acc_t>(p[k]);
-  });
+  const int64_t offset = row * probs.row_stride + c0 * probs.class_stride;
+  switch (probs.type) {
+    case at::kDouble:
+      widen(reinterpret_cast<const double*>(probs.data) + offset, probs.class_stride, len, q);
+      break;
+    case at::kFloat:
+      widen(reinterpret_cast<const float*>(probs.data) + offset, probs.class_stride, len, q);
+      break;
+    case at::kHalf:
+      widen(reinterpret_cast<const c10::Half*>(probs.data) + offset, probs.class_stride, len, q);
+      break;
+    default:  // check_probs let through only these four
+      widen(reinterpret_cast<const c10::BFloat16*>(probs.data) + offset, probs.class_stride, len, q);
+  }
   if (prob_weight != nullptr) {
     for (int64_t k = 0; k < len; ++k) q[k] *= prob_weight[c0 + k];
   }
@@ -422,13 +446,13 @@ void soft_weights(const at::Tensor& probs, int64_t row, int64_t c0, int64_t len,
   }
 }
 
-void check_probs(const char* op, const at::Tensor& logits, const at::Tensor& probs) {
-  TORCH_CHECK_VALUE(has_contiguous_classes(probs) && probs.sizes() == logits.sizes(), op,
-                    ": probs must be a ", logits.sizes(), " view with contiguous classes, got sizes ", probs.sizes(),
-                    " and strides ", probs.strides());
+ProbsView check_probs(const char* op, const at::Tensor& logits, const at::Tensor& probs) {
+  TORCH_CHECK_VALUE(probs.sizes() == logits.sizes(), op, ": probs must have the logits' shape ", logits.sizes(),
+                    ", got ", probs.sizes());
   TORCH_CHECK_TYPE(is_floating(probs.scalar_type()), op, ": probs must be float16, bfloat16, float32 or float64, got ",
                    probs.scalar_type());
   TORCH_CHECK(probs.device().is_cpu(), op, " (cpu kernel): probs must be a CPU tensor, got ", probs.device());
+  return {static_cast<const char*>(probs.const_data_ptr()), probs.scalar_type(), probs.stride(0), probs.stride(1)};
 }
 
 template <typename T>
@@ -442,7 +466,7 @@ void cross_entropy_soft_chunk_stats_cpu(const at::Tensor& logits, const at::Tens
   const char* op = "cross_entropy_soft_chunk_stats_";
   const ChunkGeometry cg =
       check_chunk(op, logits, {{&prob_weight, "prob_weight"}, {&class_term, "class_term"}}, stats, "stats", 4);
-  check_probs(op, logits, probs);
+  const ProbsView view = check_probs(op, logits, probs);
   if (cg.rows == 0) return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "cross_entropy_soft_cpu", [&] {
     using acc_t = accumulation_t<scalar_t>;
@@ -458,7 +482,7 @@ void cross_entropy_soft_chunk_stats_cpu(const at::Tensor& logits, const at::Tens
       row.sum_exp = s[R + r];
       accumulate_row(data + r * cg.row_stride, 1, cg.classes, buffer, row,
                      [&](int64_t c0, int64_t len, const acc_t* values, RowStats<acc_t>& sums) {
-                       soft_weights(probs, r, c0, len, pw, ct, q);
+                       soft_weights(view, r, c0, len, pw, ct, q);
                        sums.sum_w += lane_sum(q, len);
                        for (int64_t k = 0; k < len; ++k) q[k] *= values[k];
                        sums.sum_wx += lane_sum(q, len);
@@ -477,7 +501,7 @@ void cross_entropy_soft_chunk_grad_cpu(const at::Tensor& logits, const at::Tenso
   const char* op = "cross_entropy_soft_chunk_grad_";
   const ChunkGeometry cg = check_chunk(op, logits, {{&prob_weight, "prob_weight"}, {&class_term, "class_term"}},
                                        row_terms, "row_terms", 3);
-  check_probs(op, logits, probs);
+  const ProbsView view = check_probs(op, logits, probs);
   if (cg.rows == 0) return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "cross_entropy_soft_cpu", [&] {
     using acc_t = accumulation_t<scalar_t>;
@@ -491,7 +515,7 @@ void cross_entropy_soft_chunk_grad_cpu(const at::Tensor& logits, const at::Tenso
       scalar_t* g = data + r * cg.row_stride;
       write_gradient(g, 1, g, 1, cg.classes, rt[r], rt[R + r], rt[2 * R + r], buffer,
                      [&](int64_t c0, int64_t len, acc_t* values) {
-                       soft_weights(probs, r, c0, len, pw, ct, q);
+                       soft_weights(view, r, c0, len, pw, ct, q);
                        for (int64_t k = 0; k < len; ++k) values[k] -= q[k];
                      });
     });

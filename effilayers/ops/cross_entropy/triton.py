@@ -277,16 +277,18 @@ def cross_entropy_chunk_grad_triton(logits, target, class_term, row_terms, class
 # -- one chunk of rows with probability targets -----------------------------------
 #
 # The same two passes when each row's target is a probability row (probs: the
-# chunk's classes, classes contiguous, any floating dtype), each probability
+# chunk's classes, any strides, any floating dtype), each probability
 # weighted as q_c = p_c * prob_weight_c + class_term_c. The statistics gain
 # sum_c q_c z_c and sum_c q_c; the gradient is scale * (sum_q * softmax - q).
 
 
 @triton.jit
-def _soft_weights(probs_row_ptr, prob_weight_ptr, class_term_ptr, offsets, mask,
+def _soft_weights(probs_row_ptr, probs_class_stride, prob_weight_ptr, class_term_ptr, offsets, mask,
                   HAS_PROB_WEIGHT: tl.constexpr, HAS_CLASS_TERM: tl.constexpr, ACC: tl.constexpr):
-    """One block's weighted probabilities q_c (0 past the row's end)."""
-    q = tl.load(probs_row_ptr + offsets, mask=mask, other=0.0).to(ACC)
+    """One block's weighted probabilities q_c (0 past the row's end). A
+    class stride of 1 is specialised by Triton's launcher: contiguous
+    probabilities get vector loads."""
+    q = tl.load(probs_row_ptr + offsets.to(tl.int64) * probs_class_stride, mask=mask, other=0.0).to(ACC)
     if HAS_PROB_WEIGHT:
         q *= tl.load(prob_weight_ptr + offsets, mask=mask, other=0.0).to(ACC)
     if HAS_CLASS_TERM:
@@ -297,7 +299,7 @@ def _soft_weights(probs_row_ptr, prob_weight_ptr, class_term_ptr, offsets, mask,
 @triton.jit
 def _soft_chunk_stats_kernel(
     logits_ptr, probs_ptr, prob_weight_ptr, class_term_ptr, stats_ptr,
-    classes, row_stride, probs_row_stride, stats_stride,
+    classes, row_stride, probs_row_stride, probs_class_stride, stats_stride,
     HAS_PROB_WEIGHT: tl.constexpr, HAS_CLASS_TERM: tl.constexpr, BLOCK: tl.constexpr,
 ):
     ACC = stats_ptr.dtype.element_ty
@@ -314,10 +316,10 @@ def _soft_chunk_stats_kernel(
         mask = offsets < classes
         x = tl.load(row_ptr + offsets, mask=mask, other=float("-inf")).to(ACC)
         running_max, sum_exp = _online_block(running_max, sum_exp, x, ACC)
-        q = _soft_weights(probs_row_ptr, prob_weight_ptr, class_term_ptr, offsets, mask, HAS_PROB_WEIGHT,
-                          HAS_CLASS_TERM, ACC)
-        # Past the row's end x is -inf and q is 0: select, as 0 * -inf is NaN.
-        sum_qz += tl.sum(tl.where(mask, q * x, 0.0), axis=0)
+        q = _soft_weights(probs_row_ptr, probs_class_stride, prob_weight_ptr, class_term_ptr, offsets, mask,
+                          HAS_PROB_WEIGHT, HAS_CLASS_TERM, ACC)
+        # Past the row's end x is -inf and q is 0: read x as 0 there, as 0 * -inf is NaN.
+        sum_qz += tl.sum(q * tl.where(mask, x, 0.0), axis=0)
         sum_q += tl.sum(q, axis=0)
     tl.store(stats_ptr + row, running_max)
     tl.store(stats_ptr + stats_stride + row, sum_exp)
@@ -328,7 +330,7 @@ def _soft_chunk_stats_kernel(
 @triton.jit
 def _soft_chunk_grad_kernel(
     logits_ptr, probs_ptr, prob_weight_ptr, class_term_ptr, row_terms_ptr,
-    classes, row_stride, probs_row_stride, terms_stride,
+    classes, row_stride, probs_row_stride, probs_class_stride, terms_stride,
     HAS_PROB_WEIGHT: tl.constexpr, HAS_CLASS_TERM: tl.constexpr, BLOCK: tl.constexpr,
 ):
     ACC = row_terms_ptr.dtype.element_ty
@@ -343,8 +345,8 @@ def _soft_chunk_grad_kernel(
         offsets = start + cols
         mask = offsets < classes
         x = tl.load(row_ptr + offsets, mask=mask, other=0.0).to(ACC)
-        q = _soft_weights(probs_row_ptr, prob_weight_ptr, class_term_ptr, offsets, mask, HAS_PROB_WEIGHT,
-                          HAS_CLASS_TERM, ACC)
+        q = _soft_weights(probs_row_ptr, probs_class_stride, prob_weight_ptr, class_term_ptr, offsets, mask,
+                          HAS_PROB_WEIGHT, HAS_CLASS_TERM, ACC)
         g = (mass * tl.exp(x - lse) - q) * scale
         tl.store(row_ptr + offsets, g.to(logits_ptr.dtype.element_ty), mask=mask)
 
@@ -356,7 +358,7 @@ def _soft_chunk_launch(kernel, logits, probs, prob_weight, class_term, per_row):
     block, warps = _block_and_warps(classes)
     kernel[(rows,)](logits, probs, prob_weight if prob_weight is not None else per_row,
                     class_term if class_term is not None else per_row, per_row,
-                    classes, logits.stride(0), probs.stride(0), per_row.stride(0),
+                    classes, logits.stride(0), probs.stride(0), probs.stride(1), per_row.stride(0),
                     HAS_PROB_WEIGHT=prob_weight is not None, HAS_CLASS_TERM=class_term is not None,
                     BLOCK=block, num_warps=warps)
 
@@ -449,13 +451,17 @@ def _chunk_specialisations():
             arguments = dict(common, class_term_ptr=acc, row_terms_ptr=acc, terms_stride=rows)
             yield KernelSpec(_chunk_grad_kernel, arguments, dict(HAS_CLASS_TERM=has_class_term, BLOCK=block),
                              warps, f"{name} grad{' class_term' if has_class_term else ''}", 2 * size, 2 * size)
-        # Probability targets in the logits' dtype: each pass also reads them.
-        soft = dict(logits_ptr=dtype, probs_ptr=dtype, prob_weight_ptr=acc, class_term_ptr=acc, classes=classes,
-                    row_stride=classes, probs_row_stride=classes)
-        for weighted in (False, True):
-            flags = dict(HAS_PROB_WEIGHT=weighted, HAS_CLASS_TERM=weighted, BLOCK=block)
-            label = f"{name} soft{' weighted' if weighted else ''}"
-            yield KernelSpec(_soft_chunk_stats_kernel, dict(soft, stats_ptr=acc, stats_stride=rows), flags, warps,
-                             f"{label} stats", 2 * size, 2 * size)
-            yield KernelSpec(_soft_chunk_grad_kernel, dict(soft, row_terms_ptr=acc, terms_stride=rows), flags,
-                             warps, f"{label} grad", 3 * size, 3 * size)
+        # Probability targets, contiguous, in the logits' dtype and (bf16
+        # logits under autocast, a float32 softmax as the target) in float32:
+        # each pass also reads them.
+        for probs_dtype in (dtype, torch.float32) if dtype == torch.bfloat16 else (dtype,):
+            soft = dict(logits_ptr=dtype, probs_ptr=probs_dtype, prob_weight_ptr=acc, class_term_ptr=acc,
+                        classes=classes, row_stride=classes, probs_row_stride=classes, probs_class_stride=1)
+            read = size + probs_dtype.itemsize
+            for weighted in (False, True):
+                flags = dict(HAS_PROB_WEIGHT=weighted, HAS_CLASS_TERM=weighted, BLOCK=block)
+                label = f"{name} soft {str(probs_dtype)[6:]}{' weighted' if weighted else ''}"
+                yield KernelSpec(_soft_chunk_stats_kernel, dict(soft, stats_ptr=acc, stats_stride=rows), flags, warps,
+                                 f"{label} stats", read, read)
+                yield KernelSpec(_soft_chunk_grad_kernel, dict(soft, row_terms_ptr=acc, terms_stride=rows), flags,
+                                 warps, f"{label} grad", read + size, read + size)

@@ -49,8 +49,8 @@ def chunk_shape(tokens: int, classes: int, itemsize: int, vocab_itemsize: int, i
     ``max(CHUNK_LOGITS_BYTES, input_bytes)``; otherwise the token chunk is
     ``chunk_size`` or ``min(tokens, MIN_CHUNK_TOKENS)``, and the vocabulary is
     split into the most classes whose logits fit the budget at
-    ``vocab_itemsize`` bytes each (the compute dtype plus the float32
-    temporaries of a vocabulary chunk), at least one."""
+    ``vocab_itemsize`` bytes each (the compute dtype, plus the float32 copy
+    that CPU matmuls read for fp16/bf16 gradients), at least one."""
     budget = max(CHUNK_LOGITS_BYTES, input_bytes)
     step = chunk_tokens(tokens, classes, itemsize, input_bytes, chunk_size)
     fits = step * classes * itemsize <= budget
@@ -81,9 +81,6 @@ def _chunks(input, weight, target, bias, class_weight, ignore_index, label_smoot
     soft = target.is_floating_point()
     if not soft:  # the row kernels read int64 class indices, row r at offset r
         target = target.to(torch.int64).contiguous()
-    elif target.stride(1) != 1 and classes > 1:
-        # The probability kernels read each row's classes contiguously; other layouts cost one copy.
-        target = target.contiguous()
     w = weight.to(compute_dtype)
     b = None if bias is None else bias.to(compute_dtype)
     kernel_weight = None if class_weight is None else class_weight.to(acc).contiguous()
