@@ -141,3 +141,19 @@ def test_an_op_without_inputs_fails(without_cuda, monkeypatch):
 
 def test_tests_share_the_package_tolerances():
     assert TOLERANCES["default"] == _selftest.TOLERANCES
+
+
+def test_kernels_see_the_layout_their_case_built(without_cuda, monkeypatch):
+    """A case's chunk with gaps between its rows reaches the kernel with
+    those gaps (a compacting copy would hide a kernel that ignores the row
+    stride)."""
+    seen = []
+
+    def records(logits, *rest):
+        seen.append(logits.stride())
+        return registry.op_kernels("cross_entropy_soft_chunk_stats_").reference(logits, *rest)
+
+    monkeypatch.setattr(registry.op_kernels("cross_entropy_soft_chunk_stats_"), "cpp", records)
+    rows = _selftest.selftest(["cross_entropy_soft_chunk_stats_"])
+    assert any(row.backend == "cpp" and row.status == "pass" for row in rows)
+    assert seen and all(stride == (13, 1) for stride in seen), seen
