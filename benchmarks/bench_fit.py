@@ -139,5 +139,6 @@ def test_densenet121_fit_extra_time_by_image_size(benchmark, one_thread, size):
              "fit(0.25)": _training_step(fitted, images, labels)}
     medians = interleaved_medians(steps, blocks=20, calls=1, warmup=2, clock=time.process_time)
     _report(benchmark, f"fit extra time densenet121 0.25 {size}x{size} cpu threads=1 process time", medians, "plain")
-    print(f"  extra of the memory-efficient layers {(medians['memory-efficient layers'] - medians['plain']) * 1e3:.1f} ms")
+    extra = medians["memory-efficient layers"] - medians["plain"]
+    print(f"  extra of the memory-efficient layers {extra * 1e3:.1f} ms")
     benchmark.pedantic(steps["fit(0.25)"], warmup_rounds=1, rounds=3)
