@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Callable
 
 import pytest
 import torch
@@ -27,19 +28,21 @@ SMALL = (2, 64, 8, 8)
 LAYER = (32, 64, 56, 56)
 
 
-def interleaved_medians(steps: dict, blocks: int, calls: int, warmup: int = 10) -> dict:
+def interleaved_medians(steps: dict, blocks: int, calls: int, warmup: int = 10,
+                        clock: Callable[[], float] = time.perf_counter) -> dict:
     """Median seconds per call of each step, over ``blocks`` rounds in which
-    every step runs ``calls`` times in turn."""
+    every step runs ``calls`` times in turn, read on ``clock`` (the wall
+    clock, or e.g. ``time.process_time`` for the process's CPU time)."""
     for step in steps.values():
         for _ in range(warmup):
             step()
     times = {name: [] for name in steps}
     for _ in range(blocks):
         for name, step in steps.items():
-            start = time.perf_counter()
+            start = clock()
             for _ in range(calls):
                 step()
-            times[name].append((time.perf_counter() - start) / calls)
+            times[name].append((clock() - start) / calls)
     return {name: statistics.median(values) for name, values in times.items()}
 
 

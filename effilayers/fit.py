@@ -124,7 +124,12 @@ class FitStep:
     the bytes it cannot remove were above the budget already (module
     docstring).
     ``extra_compute``: the forward FLOPs this step recomputes in backward, as a
-    fraction of a training step's (forward + backward ~ 3x forward) FLOPs."""
+    fraction of a training step's (forward + backward ~ 3x forward) FLOPs.
+    FLOPs are what ``torch.utils.flop_counter`` counts: convolutions and
+    matrix products. Elementwise recomputation (norms, activations,
+    concatenations: the memory-efficient DenseNet step) counts as none, and
+    the checkpoint machinery's own host work is not in it either; both take
+    time all the same, most visibly on a CPU at small batches."""
 
     kind: str  # "inplace_abn", "densenet_memory_efficient" or "checkpoint"
     target: str  # the module path ("" for the root), or "model" for whole-model steps
@@ -603,6 +608,9 @@ def _walk_chain(model: nn.Module, inputs: tuple, budget_bytes: int, exact: bool,
         # separate per-layer prediction.
         record(FitStep("densenet_memory_efficient", "model", f"{len(switched)} DenseNet modules recompute "
                        "cat + norm + ReLU in backward", measured, measured))
+        report.notes.append("densenet_memory_efficient: its recomputation is elementwise (cat, norm, ReLU), so "
+                            "extra_compute, which counts convolution and matmul FLOPs, counts none of it; it "
+                            "takes time all the same")
     if done():
         return
     parts = _sequential_parts(model)

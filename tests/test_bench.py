@@ -82,7 +82,8 @@ def test_resnet50_json_report(resnet_report):
                                   "channels_last": False, "steps": 1, "train": 0, "max_batch_limit": None,
                                   "compile": False, "loss_noise_factor": bench.LOSS_NOISE_FACTOR,
                                   "loss_tolerance_floor": 1e-5, "spread_warning": bench.SPREAD_WARNING,
-                                  "timed_in_turn": True}
+                                  "timed_in_turn": True, "clock": "wall clock",
+                                  "threads": torch.get_num_threads()}
     # One timed step has no spread: no timing warning.
     assert report["timing_warning"] is None
     assert report["skipped"] == ["resnet50 / inplace_abn (mapillary): skipped, inplace_abn is not installed"]

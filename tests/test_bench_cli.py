@@ -5,6 +5,7 @@ headline and the GPU session script."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,31 @@ def test_time_call_uses_cuda_events_on_cuda_and_the_clock_on_cpu(monkeypatch):
     FakeEvent.recorded = []
     seconds = bench.time_call(lambda: calls.append(2), torch.device("cpu"))
     assert FakeEvent.recorded == [] and calls == [1, 2] and 0 <= seconds < 0.25
+
+
+def test_the_cpu_clock_does_not_count_time_the_process_waits():
+    cpu = torch.device("cpu")
+    assert bench.time_call(lambda: time.sleep(0.05), cpu) >= 0.05
+    assert bench.time_call(lambda: time.sleep(0.05), cpu, "cpu") < 0.025
+    with pytest.raises(ValueError, match="clock must be one of wall, cpu, got 'gpu'"):
+        bench.time_call(lambda: None, cpu, "gpu")
+
+
+def test_clock_and_threads_are_in_the_table_and_the_json_and_threads_are_restored(tmp_path, capsys):
+    threads = torch.get_num_threads()
+    report = run_bench(tmp_path, "--model", "tests.test_bench:tiny_convertible_model", "--size", "32",
+                       "--steps", "1", "--clock", "cpu", "--threads", "1")
+    assert torch.get_num_threads() == threads
+    assert report["settings"]["clock"] == "process CPU time" and report["settings"]["threads"] == 1
+    assert report["environment"]["threads"] == 1  # collected while the run's setting held
+    out = capsys.readouterr().out
+    assert "timed by process CPU time, 1 thread\n" in out and "cpu step ms" in out
+
+
+def test_the_cpu_clock_is_refused_on_cuda(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert bench.main(["--clock", "cpu"]) == 2
+    assert "--clock cpu times the host; CUDA steps are timed with CUDA events" in capsys.readouterr().err
 
 
 # ---- the plot ------------------------------------------------------------------------------
@@ -123,7 +149,7 @@ def test_timed_steps_take_turns_and_report_their_spread(monkeypatch):
     order = []
     seconds = {"a": iter([1.0, 2.0, 4.0]), "b": iter([1.0, 1.0, 1.1])}
 
-    def fake_time_call(call, device):
+    def fake_time_call(call, device, clock):
         call()
         return next(seconds[order[-1]])
 
@@ -249,6 +275,7 @@ def test_channels_last_with_5d_weights_exits_2_with_a_message(capsys):
     (["--batch", "0"], "--batch must be >= 1"),
     (["--size", "16"], "--size must be >= 32, got 16"),
     (["--max-batch-limit", "64"], "--max-batch-limit needs --max-batch"),
+    (["--threads", "0"], "--threads must be >= 1, got 0"),
 ])
 def test_bad_settings_exit_2(argv, message, capsys):
     assert bench.main(argv) == 2

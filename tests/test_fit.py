@@ -131,6 +131,8 @@ def test_fitted_model_computes_the_original_function_and_revert_restores_it(name
     _assert_same_tensors(model.state_dict(), state)
     if name == "densenet":
         assert "densenet_memory_efficient" in kinds
+        assert any(note.startswith("densenet_memory_efficient: its recomputation is elementwise")
+                   for note in report.notes)
         assert not any(getattr(module, "memory_efficient", False) for module in model.modules())
     # fitting again is allowed after revert
     effilayers.fit(model, x, 1.0)

@@ -189,7 +189,8 @@ def budget_variants(variants: list[Variant], fraction: float, example: Callable[
         fitted = fitted.to("cpu")
         rows.append(Variant(model_name, FIT.format(fraction), lambda: copy.deepcopy(fitted),
                             note=f"fit steps: {steps}{checkpointed}; predicted extra compute "
-                                 f"{report.extra_compute:.3f} of a training step"))
+                                 f"{report.extra_compute:.3f} of a training step (recomputed convolution and "
+                                 "matmul FLOPs)"))
         torch_row = _torch_checkpoint_row(plain, fitted, report.measured_bytes, images, prepare, autocast)
         segments = _fitted_segments(fitted)
         label = "fit's parts"

@@ -24,7 +24,7 @@ import torch
 
 from ..max_batch import DEFAULT_LIMIT
 from .budget import budget_fraction, budget_variants
-from .measure import LOSS_NOISE_FACTOR, SEED, Result, Setup, count_ticks, run_model
+from .measure import CLOCKS, LOSS_NOISE_FACTOR, SEED, Result, Setup, count_ticks, run_model
 from .report import format_losses, format_table, load_pyplot, loss_warnings, plot, timing_warning, write_json
 from .variants import BenchError, builtin_models, compiled_twin, variants_for
 
@@ -78,6 +78,14 @@ def _parser() -> argparse.ArgumentParser:
                              "dropout run eager's kernels, torch._inductor.config.fallback_random, so the compiled "
                              "variants draw the float64 reference's masks)")
     parser.add_argument("--steps", type=int, help="timed training steps per variant (default: 10 on CUDA, 3 on CPU)")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="on CPU, what times a step: wall (the host clock, the default) or cpu (the CPU time of "
+                             "the bench's process, all its threads: time spent waiting while other programs use "
+                             "the cores is not counted, so ratios repeat on a shared machine; with more than one "
+                             "--threads it counts OpenMP's spin-waits too); CUDA steps are timed with CUDA events")
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help="intra-op threads for the run (torch.set_num_threads, restored after; default: "
+                             f"torch's, here {torch.get_num_threads()})")
     parser.add_argument("--train", type=int, default=0, metavar="N",
                         help="also train N steps per variant from the same weights and data, and check the losses "
                              "against a float64 run of plain PyTorch computing the same function: at step t the "
@@ -134,6 +142,9 @@ def _setup(args: argparse.Namespace) -> Setup:
         raise BenchError("--budget adds its own torch.compile row; run it without --compile")
     if args.max_batch_limit is not None and not args.max_batch:
         raise BenchError("--max-batch-limit needs --max-batch")
+    if args.clock != "wall" and on_cuda:
+        raise BenchError(f"--clock {args.clock} times the host; CUDA steps are timed with CUDA events "
+                         "(use --device cpu to time on the CPU)")
     dtype = DTYPES[args.dtype]
     if dtype == torch.float16 and not on_cuda:
         raise BenchError("--dtype float16 needs CUDA; on CPU use float32 or bfloat16")
@@ -142,8 +153,10 @@ def _setup(args: argparse.Namespace) -> Setup:
                   size=args.size if args.size is not None else (224 if on_cuda else 64),
                   dtype=dtype, channels_last=args.channels_last,
                   steps=args.steps if args.steps is not None else (10 if on_cuda else 3), train_steps=args.train,
-                  compile=args.compile)
+                  compile=args.compile, clock=args.clock,
+                  threads=args.threads if args.threads is not None else torch.get_num_threads())
     for name, value, minimum in (("--batch", setup.batch, 1), ("--size", setup.size, 32), ("--steps", setup.steps, 1),
+                                 ("--threads", args.threads, 1),
                                  ("--train", setup.train_steps, 0), ("--max-batch-limit", args.max_batch_limit, 1)):
         if value is not None and value < minimum:
             raise BenchError(f"{name} must be >= {minimum}, got {value}")
@@ -193,6 +206,15 @@ def _load_kernels(device_type: str) -> None:
 def _run(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     setup = _setup(args)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(setup.threads)
+    try:
+        return _run_with(args, argv, setup)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_with(args: argparse.Namespace, argv: list[str], setup: Setup) -> int:
     for option in ("json", "plot"):
         if getattr(args, option):
             _check_output_path(f"--{option}", getattr(args, option))
@@ -213,7 +235,9 @@ def _run(argv: list[str]) -> int:
     print(f"effilayers bench: {setup.device.type}, batch {setup.batch}, {setup.size}x{setup.size}, "
           f"{args.dtype}{', channels_last' if setup.channels_last else ''}"
           f"{', eager and torch.compile' if setup.compile else ''}, "
-          f"1 warm-up + {setup.steps} timed steps per variant", flush=True)
+          f"1 warm-up + {setup.steps} timed steps per variant"
+          f"{'' if setup.device.type == 'cuda' else f', timed by {CLOCKS[setup.clock]}'}, "
+          f"{setup.threads} thread{'s' if setup.threads > 1 else ''}", flush=True)
     for line in skipped:
         print(line, flush=True)
     max_batch_limit = _max_batch_limit(args)
@@ -227,7 +251,7 @@ def _run(argv: list[str]) -> int:
     finally:
         bar.close()
 
-    print(format_table(results))
+    print(format_table(results, setup.clock if setup.device.type != "cuda" else "wall"))
     _print_notes(results, setup, args.dtype, args.verbose)
     for line in loss_warnings(results, setup.dtype):
         print(f"{PROG}: warning: {line}", file=sys.stderr)

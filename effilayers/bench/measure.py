@@ -33,7 +33,7 @@ from ..max_batch import find_max_batch, is_out_of_memory, max_tries, release_mem
 from .variants import BenchError, Variant
 
 __all__ = ["Setup", "Result", "time_call", "SEED", "LOSS_NOISE_FACTOR", "LOSS_TOLERANCE_FLOOR", "count_ticks", "run_model",
-           "SPREAD_WARNING"]
+           "SPREAD_WARNING", "CLOCKS"]
 
 SEED = 0
 # --train: a variant's loss at step t may differ from its float64 reference by
@@ -47,6 +47,10 @@ LOSS_TOLERANCE_FLOOR = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16
 # of their median gets a warning: something else used the machine, and the
 # time ratios are less certain than their digits.
 SPREAD_WARNING = 0.15
+# What a CPU step is timed by (--clock): the host's wall clock, or the CPU
+# time of the bench's process (all its threads), which does not count the
+# time the process waits while others use the cores.
+CLOCKS = {"wall": "wall clock", "cpu": "process CPU time"}
 
 
 # ---- one training step ---------------------------------------------------------------------
@@ -62,6 +66,9 @@ class Setup:
     steps: int
     train_steps: int
     compile: bool = False
+    clock: str = "wall"
+    # Intra-op threads the timed steps run on (torch.get_num_threads()).
+    threads: int = field(default_factory=torch.get_num_threads)
 
     def autocast(self) -> ContextManager:
         if self.dtype not in (torch.bfloat16, torch.float16):
@@ -138,9 +145,13 @@ def _num_classes(model: nn.Module, setup: Setup) -> int:
     return logits.shape[1]
 
 
-def time_call(call: Callable[[], Any], device: torch.device) -> float:
+def time_call(call: Callable[[], Any], device: torch.device, clock: str = "wall") -> float:
     """Seconds ``call()`` takes: between two CUDA events on CUDA (what the
-    GPU's stream spends, launch gaps included), else the host clock."""
+    GPU's stream spends, launch gaps included), else the host's wall clock,
+    or with ``clock="cpu"`` the CPU time of this process (every thread's,
+    OpenMP's spin-waits included; time spent descheduled is not counted)."""
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -148,9 +159,10 @@ def time_call(call: Callable[[], Any], device: torch.device) -> float:
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3
-    started = time.perf_counter()
+    read = time.process_time if clock == "cpu" else time.perf_counter
+    started = read()
     call()
-    return time.perf_counter() - started
+    return read() - started
 
 
 @dataclass
@@ -246,7 +258,7 @@ def _time_in_turn(sessions: list[_Session], setup: Setup) -> None:
                 continue
             setup.synchronize()
             step = session.step
-            if _fits(lambda: session.times.append(time_call(step, setup.device)), setup):
+            if _fits(lambda: session.times.append(time_call(step, setup.device, setup.clock)), setup):
                 session.tick()
             else:
                 _out_of_memory(session, setup)

@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .measure import LOSS_NOISE_FACTOR, LOSS_TOLERANCE_FLOOR, SPREAD_WARNING, Result, Setup
+from .measure import CLOCKS, LOSS_NOISE_FACTOR, LOSS_TOLERANCE_FLOOR, SPREAD_WARNING, Result, Setup
 from .variants import AS_GIVEN, PLAIN, BenchError
 
 __all__ = ["measured_cells", "agreement", "format_table", "precision_name", "format_losses", "loss_warnings", "plot",
@@ -61,13 +61,15 @@ def _spread_cell(r: Result) -> str:
     return f"{r.step_time_min_s * 1e3:.1f}-{r.step_time_max_s * 1e3:.1f}"
 
 
-def format_table(results: list[Result]) -> str:
+def format_table(results: list[Result], clock: str = "wall") -> str:
     """One row per variant; each measurement with its ratio to plain PyTorch
     in one cell, so the header stands over both; text columns start, number
-    columns end, at the same place in every row."""
+    columns end, at the same place in every row. ``clock``: what timed the
+    steps (measure.CLOCKS); the step columns say so when it is CPU time."""
     show_max_batch = any(r.max_batch is not None for r in results)
     show_losses = any(r.losses is not None for r in results)
-    header = ["model", "variant", "activation MiB", "CUDA peak MiB", "step ms", "min-max ms", "images/s"]
+    step = "step ms" if clock == "wall" else f"{clock} step ms"
+    header = ["model", "variant", "activation MiB", "CUDA peak MiB", step, "min-max ms", "images/s"]
     if show_max_batch:
         header += ["max batch"]
     if show_losses:
@@ -103,7 +105,8 @@ def timing_warning(results: list[Result]) -> Optional[str]:
             f"{SPREAD_WARNING:.0%} of their median (most: {worst.model} / {worst.variant}, "
             f"{worst.step_time_spread:.0%}; min-max in the table): the machine was busy and the time ratios are "
             "uncertain; "
-            "rerun on an idle machine or with more --steps")
+            "rerun on an idle machine or with more --steps (on a shared CPU, --clock cpu --threads 1 does not "
+            "count the time other programs take)")
 
 
 def precision_name(dtype: torch.dtype) -> str:
@@ -273,7 +276,10 @@ def write_json(path: str, argv: list[str], setup: Setup, dtype_name: str, max_ba
                      "train": setup.train_steps, "max_batch_limit": max_batch_limit,
                      "loss_noise_factor": LOSS_NOISE_FACTOR,
                      "loss_tolerance_floor": LOSS_TOLERANCE_FLOOR[setup.dtype], "spread_warning": SPREAD_WARNING,
-                     "timed_in_turn": not setup.compile},
+                     "timed_in_turn": not setup.compile,
+                     # What timed a step: CUDA events on CUDA, else measure.CLOCKS[clock].
+                     "clock": "cuda events" if setup.device.type == "cuda" else CLOCKS[setup.clock],
+                     "threads": setup.threads},
         "skipped": skipped,
         # The warning printed when a variant's step times spread over more than spread_warning of their median.
         "timing_warning": timing_warning(results),
