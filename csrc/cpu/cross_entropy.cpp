@@ -84,6 +84,35 @@ void exp_shifted<float>(float* buffer, int64_t n, float shift) {
   for (; k < n; ++k) buffer[k] = std::exp(buffer[k] - shift);
 }
 
+// Reads n values `stride` apart into buffer in the accumulation type; the
+// contiguous case is its own loop, which the compiler vectorises (the
+// conversion of fp16/bf16 included).
+template <typename scalar_t, typename acc_t>
+void widen_into(const scalar_t* x, int64_t stride, int64_t n, acc_t* buffer) {
+  if (stride == 1) {
+    for (int64_t k = 0; k < n; ++k) buffer[k] = static_cast<acc_t>(x[k]);
+  } else {
+    for (int64_t k = 0; k < n; ++k) buffer[k] = static_cast<acc_t>(x[k * stride]);
+  }
+}
+
+// The maximum of n values, NaN ignored as std::max ignores it when it comes
+// second; kLanes independent maxima so the loop needs no reassociation.
+template <typename acc_t>
+acc_t buffer_max(const acc_t* buffer, int64_t n) {
+  constexpr int kLanes = 16;
+  acc_t lanes[kLanes];
+  for (int l = 0; l < kLanes; ++l) lanes[l] = -std::numeric_limits<acc_t>::infinity();
+  int64_t k = 0;
+  for (; k + kLanes <= n; k += kLanes) {
+    for (int l = 0; l < kLanes; ++l) lanes[l] = std::max(lanes[l], buffer[k + l]);
+  }
+  acc_t result = -std::numeric_limits<acc_t>::infinity();
+  for (int l = 0; l < kLanes; ++l) result = std::max(result, lanes[l]);
+  for (; k < n; ++k) result = std::max(result, buffer[k]);
+  return result;
+}
+
 // A row's running statistics: the maximum, sum exp(x - maximum), and the
 // weighted sums sum_c w_c x_c and sum_c w_c: with label smoothing, w_c is
 // the class weight (1 without weights); with probability targets, the
@@ -104,11 +133,8 @@ void accumulate_row(const scalar_t* x, int64_t stride, int64_t C, acc_t* buffer,
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
   for (int64_t c0 = 0; c0 < C; c0 += kChunkClasses) {
     const int64_t len = std::min(kChunkClasses, C - c0);
-    acc_t chunk_max = neg_inf;
-    for (int64_t k = 0; k < len; ++k) {
-      buffer[k] = static_cast<acc_t>(x[(c0 + k) * stride]);
-      chunk_max = std::max(chunk_max, buffer[k]);
-    }
+    widen_into(x + c0 * stride, stride, len, buffer);
+    const acc_t chunk_max = buffer_max(buffer, len);
     weigh(c0, len, static_cast<const acc_t*>(buffer), stats);
     const acc_t new_max = std::max(stats.running_max, chunk_max);
     if (new_max != neg_inf) {  // all -inf so far: the sum stays 0
@@ -152,11 +178,16 @@ void write_gradient(const scalar_t* x, int64_t x_stride, scalar_t* g, int64_t g_
                     acc_t coef, acc_t scale, acc_t* buffer, const Subtract& subtract) {
   for (int64_t c0 = 0; c0 < C; c0 += kChunkClasses) {
     const int64_t len = std::min(kChunkClasses, C - c0);
-    for (int64_t k = 0; k < len; ++k) buffer[k] = static_cast<acc_t>(x[(c0 + k) * x_stride]);
+    widen_into(x + c0 * x_stride, x_stride, len, buffer);
     exp_shifted(buffer, len, lse);  // softmax
     for (int64_t k = 0; k < len; ++k) buffer[k] *= coef;
     subtract(c0, len, buffer);
-    for (int64_t k = 0; k < len; ++k) g[(c0 + k) * g_stride] = static_cast<scalar_t>(buffer[k] * scale);
+    scalar_t* out = g + c0 * g_stride;
+    if (g_stride == 1) {
+      for (int64_t k = 0; k < len; ++k) out[k] = static_cast<scalar_t>(buffer[k] * scale);
+    } else {
+      for (int64_t k = 0; k < len; ++k) out[k * g_stride] = static_cast<scalar_t>(buffer[k] * scale);
+    }
   }
 }
 
