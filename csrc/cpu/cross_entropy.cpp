@@ -442,15 +442,6 @@ struct ProbsView {
   int64_t row_stride, class_stride;  // in elements
 };
 
-template <typename scalar_t, typename acc_t>
-void widen(const scalar_t* p, int64_t stride, int64_t len, acc_t* q) {
-  if (stride == 1) {
-    for (int64_t k = 0; k < len; ++k) q[k] = static_cast<acc_t>(p[k]);
-  } else {
-    for (int64_t k = 0; k < len; ++k) q[k] = static_cast<acc_t>(p[k * stride]);
-  }
-}
-
 // One piece of a probability row's weights: q[k] for classes c0 .. c0 + len.
 template <typename acc_t>
 void soft_weights(const ProbsView& probs, int64_t row, int64_t c0, int64_t len, const acc_t* prob_weight,
@@ -458,16 +449,16 @@ void soft_weights(const ProbsView& probs, int64_t row, int64_t c0, int64_t len, 
   const int64_t offset = row * probs.row_stride + c0 * probs.class_stride;
   switch (probs.type) {
     case at::kDouble:
-      widen(reinterpret_cast<const double*>(probs.data) + offset, probs.class_stride, len, q);
+      widen_into(reinterpret_cast<const double*>(probs.data) + offset, probs.class_stride, len, q);
       break;
     case at::kFloat:
-      widen(reinterpret_cast<const float*>(probs.data) + offset, probs.class_stride, len, q);
+      widen_into(reinterpret_cast<const float*>(probs.data) + offset, probs.class_stride, len, q);
       break;
     case at::kHalf:
-      widen(reinterpret_cast<const c10::Half*>(probs.data) + offset, probs.class_stride, len, q);
+      widen_into(reinterpret_cast<const c10::Half*>(probs.data) + offset, probs.class_stride, len, q);
       break;
     default:  // check_probs let through only these four
-      widen(reinterpret_cast<const c10::BFloat16*>(probs.data) + offset, probs.class_stride, len, q);
+      widen_into(reinterpret_cast<const c10::BFloat16*>(probs.data) + offset, probs.class_stride, len, q);
   }
   if (prob_weight != nullptr) {
     for (int64_t k = 0; k < len; ++k) q[k] *= prob_weight[c0 + k];
