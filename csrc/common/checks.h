@@ -26,10 +26,21 @@ inline at::ScalarType accumulation_type(at::ScalarType dtype) {
   return dtype == at::kDouble ? at::kDouble : at::kFloat;
 }
 
+// The floating types the kernels dispatch on (AT_DISPATCH_FLOATING_TYPES_AND2(kHalf, kBFloat16)).
+inline bool is_floating_type(at::ScalarType dtype) {
+  return dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat || dtype == at::kDouble;
+}
+
+// An optional tensor's data, or null when it is absent.
+template <typename T>
+const T* optional_data(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? t->const_data_ptr<T>() : nullptr;
+}
+
 inline void check_floating_input(const at::Tensor& input, const char* op) {
   const auto dtype = input.scalar_type();
-  TORCH_CHECK_TYPE(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat || dtype == at::kDouble, op,
-                   ": input dtype must be float16, bfloat16, float32 or float64, got ", dtype);
+  TORCH_CHECK_TYPE(is_floating_type(dtype), op, ": input dtype must be float16, bfloat16, float32 or float64, got ",
+                   dtype);
 }
 
 inline void check_batch_input(const at::Tensor& input, const char* op) {

@@ -406,11 +406,6 @@ void check_common(const at::Tensor& x, const at::Tensor& mean, const at::Tensor&
   check_channel_vector(bias, C, op, "bias");
 }
 
-template <typename scalar_t>
-const scalar_t* maybe_ptr(const std::optional<at::Tensor>& t) {
-  return t.has_value() ? t->const_data_ptr<scalar_t>() : nullptr;
-}
-
 // ---- ops ----------------------------------------------------------------------------
 
 // The forward of abn_forward (into a new tensor) and abn_forward_ (into
@@ -432,7 +427,7 @@ at::Tensor forward(const at::Tensor& x_arg, const at::Tensor& mean, const at::Te
       const auto ch = fold_channels<acc_t>(walk.g.channels, mean, invstd, weight, bias, weight_eps);
       with_activation(act, [&](auto a) {
         forward_kernel<decltype(a)::value, scalar_t, acc_t>(x.const_data_ptr<scalar_t>(),
-                                                           maybe_ptr<scalar_t>(residual),
+                                                           optional_data<scalar_t>(residual),
                                                            out.mutable_data_ptr<scalar_t>(), walk, ch,
                                                            static_cast<acc_t>(param));
       });
@@ -502,7 +497,7 @@ std::tuple<at::Tensor, at::Tensor> abn_backward_reduce_cpu(
       const auto ch = fold_channels<acc_t>(C, mean, invstd, weight, bias, weight_eps);
       with_backward_variant(act, saved_is_output, [&](auto a, auto from_output) {
         reduce_kernel<decltype(a)::value, decltype(from_output)::value, scalar_t, acc_t>(
-            grad.const_data_ptr<scalar_t>(), saved.const_data_ptr<scalar_t>(), maybe_ptr<scalar_t>(residual), walk,
+            grad.const_data_ptr<scalar_t>(), saved.const_data_ptr<scalar_t>(), optional_data<scalar_t>(residual), walk,
             ch, static_cast<acc_t>(param), sum_dy.data(), sum_dy_xhat.data());
       });
     });
@@ -539,7 +534,7 @@ std::tuple<at::Tensor, at::Tensor> abn_backward_elemt_cpu(
       const at::Tensor mdyx = mean_dy_xhat.to(acc_type).contiguous();
       with_backward_variant(act, saved_is_output, [&](auto a, auto from_output) {
         elemt_kernel<decltype(a)::value, decltype(from_output)::value, scalar_t, acc_t>(
-            grad.const_data_ptr<scalar_t>(), saved.const_data_ptr<scalar_t>(), maybe_ptr<scalar_t>(residual),
+            grad.const_data_ptr<scalar_t>(), saved.const_data_ptr<scalar_t>(), optional_data<scalar_t>(residual),
             grad_input.mutable_data_ptr<scalar_t>(),
             want_residual_grad ? grad_residual.mutable_data_ptr<scalar_t>() : nullptr, walk, ch,
             static_cast<acc_t>(param), mdy.const_data_ptr<acc_t>(), mdyx.const_data_ptr<acc_t>());

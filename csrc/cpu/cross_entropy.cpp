@@ -254,8 +254,7 @@ at::Tensor cross_entropy_rows_cpu(const at::Tensor& logits, const at::Tensor& ta
   const char* op = "cross_entropy_rows";
   TORCH_CHECK_VALUE(logits.dim() == 3, op, ": logits must be an (N, C, I) view, got ", logits.dim(), " dims");
   const auto dtype = logits.scalar_type();
-  TORCH_CHECK_TYPE(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat || dtype == at::kDouble, op,
-                   ": logits must be float16, bfloat16, float32 or float64, got ", dtype);
+  TORCH_CHECK_TYPE(is_floating_type(dtype), op, ": logits must be float16, bfloat16, float32 or float64, got ", dtype);
   TORCH_CHECK(logits.device().is_cpu(), op, " (cpu kernel): logits must be a CPU tensor, got ", logits.device());
   const auto acc_type = accumulation_type(dtype);
   const RowGeometry lg = geometry_of(logits);
@@ -283,8 +282,7 @@ at::Tensor cross_entropy_rows_cpu(const at::Tensor& logits, const at::Tensor& ta
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "cross_entropy_rows_cpu", [&] {
     using acc_t = accumulation_t<scalar_t>;
     cross_entropy_rows_kernel<scalar_t, acc_t>(
-        logits.const_data_ptr<scalar_t>(), lg, target.const_data_ptr<int64_t>(),
-        weight.has_value() ? weight->const_data_ptr<acc_t>() : nullptr,
+        logits.const_data_ptr<scalar_t>(), lg, target.const_data_ptr<int64_t>(), optional_data<acc_t>(weight),
         grad.has_value() ? grad->mutable_data_ptr<scalar_t>() : nullptr, gg, grad_scale.const_data_ptr<acc_t>()[0],
         ignore_index, static_cast<acc_t>(label_smoothing), loss.mutable_data_ptr<acc_t>());
   });
@@ -314,10 +312,6 @@ struct ChunkGeometry {
   int64_t rows, classes, row_stride;
 };
 
-bool is_floating(at::ScalarType type) {
-  return type == at::kHalf || type == at::kBFloat16 || type == at::kFloat || type == at::kDouble;
-}
-
 // The checks every chunk kernel makes: the logits, the optional per-class
 // vectors (each with its name) and the per-row table (`count` rows of
 // `rows` values, named `per_row_name`), the vectors and table in the
@@ -329,7 +323,7 @@ ChunkGeometry check_chunk(const char* op, const at::Tensor& logits, std::initial
                     ": logits must be a (rows, classes) view with contiguous classes, got sizes ", logits.sizes(),
                     " and strides ", logits.strides());
   const auto dtype = logits.scalar_type();
-  TORCH_CHECK_TYPE(is_floating(dtype), op, ": logits must be float16, bfloat16, float32 or float64, got ", dtype);
+  TORCH_CHECK_TYPE(is_floating_type(dtype), op, ": logits must be float16, bfloat16, float32 or float64, got ", dtype);
   TORCH_CHECK(logits.device().is_cpu(), op, " (cpu kernel): logits must be a CPU tensor, got ", logits.device());
   const auto acc_type = accumulation_type(dtype);
   const int64_t rows = logits.size(0), classes = logits.size(1);
@@ -375,7 +369,7 @@ void cross_entropy_chunk_stats_cpu(const at::Tensor& logits, const at::Tensor& t
     using acc_t = accumulation_t<scalar_t>;
     const scalar_t* data = logits.const_data_ptr<scalar_t>();
     const int64_t* targets = target.const_data_ptr<int64_t>();
-    const acc_t* w = weight.has_value() ? weight->const_data_ptr<acc_t>() : nullptr;
+    const acc_t* w = optional_data<acc_t>(weight);
     acc_t* s = stats.mutable_data_ptr<acc_t>();
     const int64_t R = cg.rows;
     for_each_chunk_row<acc_t>(cg, [&](int64_t r, acc_t* buffer) {
@@ -406,7 +400,7 @@ void cross_entropy_chunk_grad_cpu(const at::Tensor& logits, const at::Tensor& ta
     using acc_t = accumulation_t<scalar_t>;
     scalar_t* data = logits.mutable_data_ptr<scalar_t>();
     const int64_t* targets = target.const_data_ptr<int64_t>();
-    const acc_t* term = class_term.has_value() ? class_term->const_data_ptr<acc_t>() : nullptr;
+    const acc_t* term = optional_data<acc_t>(class_term);
     const acc_t* rt = row_terms.const_data_ptr<acc_t>();
     const int64_t R = cg.rows;
     for_each_chunk_row<acc_t>(cg, [&](int64_t r, acc_t* buffer) {
@@ -471,15 +465,10 @@ void soft_weights(const ProbsView& probs, int64_t row, int64_t c0, int64_t len, 
 ProbsView check_probs(const char* op, const at::Tensor& logits, const at::Tensor& probs) {
   TORCH_CHECK_VALUE(probs.sizes() == logits.sizes(), op, ": probs must have the logits' shape ", logits.sizes(),
                     ", got ", probs.sizes());
-  TORCH_CHECK_TYPE(is_floating(probs.scalar_type()), op, ": probs must be float16, bfloat16, float32 or float64, got ",
+  TORCH_CHECK_TYPE(is_floating_type(probs.scalar_type()), op, ": probs must be float16, bfloat16, float32 or float64, got ",
                    probs.scalar_type());
   TORCH_CHECK(probs.device().is_cpu(), op, " (cpu kernel): probs must be a CPU tensor, got ", probs.device());
   return {static_cast<const char*>(probs.const_data_ptr()), probs.scalar_type(), probs.stride(0), probs.stride(1)};
-}
-
-template <typename T>
-const T* optional_data(const std::optional<at::Tensor>& t) {
-  return t.has_value() ? t->const_data_ptr<T>() : nullptr;
 }
 
 void cross_entropy_soft_chunk_stats_cpu(const at::Tensor& logits, const at::Tensor& probs,

@@ -447,9 +447,7 @@ void reduce_cpu(const at::Tensor& x, const at::Tensor& out, const std::string& k
               x.device(), " and ", out.device());
   const Kind kind = parse_kind(kind_name);
   const at::ScalarType out_type = out.scalar_type();
-  TORCH_CHECK_TYPE(out_type == at::kHalf || out_type == at::kBFloat16 || out_type == at::kFloat ||
-                       out_type == at::kDouble,
-                   "reduce: out dtype must be float16, bfloat16, float32 or float64, got ", out_type);
+  TORCH_CHECK_TYPE(is_floating_type(out_type), "reduce: out dtype must be float16, bfloat16, float32 or float64, got ", out_type);
   const Geometry g{x.size(0), x.size(1), x.size(2), x.stride(0), x.stride(1), x.stride(2)};
   TORCH_CHECK_VALUE(out.dim() == 2 && out.size(0) == g.outer && out.size(1) == g.inner && out.is_contiguous(),
                     "reduce (cpu kernel): out must be a contiguous (", g.outer, ", ", g.inner, ") tensor, got ",

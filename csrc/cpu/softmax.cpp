@@ -130,10 +130,6 @@ int64_t wrap_dim(int64_t dim, int64_t ndim, const char* op) {
   return dim < 0 ? dim + rank : dim;
 }
 
-bool is_floating(at::ScalarType t) {
-  return t == at::kHalf || t == at::kBFloat16 || t == at::kFloat || t == at::kDouble;
-}
-
 // ---------------------------------------------------------------- conversion
 
 template <typename scalar_t, typename acc_t>
@@ -612,7 +608,7 @@ at::Tensor softmax_forward_cpu(const at::Tensor& x_arg, int64_t dim, bool log, s
   check_floating_input(x_arg, op);
   TORCH_CHECK(x_arg.device().is_cpu(), op, " (cpu kernel): x must be a CPU tensor, got ", x_arg.device());
   const at::ScalarType out_type = dtype.value_or(x_arg.scalar_type());
-  TORCH_CHECK_TYPE(is_floating(out_type), op, ": dtype must be float16, bfloat16, float32 or float64, got ",
+  TORCH_CHECK_TYPE(is_floating_type(out_type), op, ": dtype must be float16, bfloat16, float32 or float64, got ",
                    out_type);
   dim = wrap_dim(dim, x_arg.dim(), op);
   auto [x, xg] = readable(x_arg, dim);
@@ -683,7 +679,7 @@ at::Tensor softmax_backward_cpu(const at::Tensor& grad_arg, const at::Tensor& ou
   constexpr const char* op = "softmax_backward";
   check_floating_input(grad_arg, op);
   check_floating_input(output_arg, op);
-  TORCH_CHECK_TYPE(is_floating(input_dtype), op, ": input_dtype must be floating, got ", input_dtype);
+  TORCH_CHECK_TYPE(is_floating_type(input_dtype), op, ": input_dtype must be floating, got ", input_dtype);
   TORCH_CHECK_VALUE(grad_arg.sizes() == output_arg.sizes(), op, ": grad has shape ", grad_arg.sizes(),
                     ", output ", output_arg.sizes());
   TORCH_CHECK(output_arg.device().is_cpu() && grad_arg.device().is_cpu(), op,
@@ -770,7 +766,7 @@ at::Tensor scaled_masked_softmax_forward_cpu(const at::Tensor& x, const std::opt
   std::vector<int64_t> mask_strides(nd, 0);
   if (mask.has_value()) {
     const at::Tensor& m = *mask;
-    TORCH_CHECK_TYPE(m.scalar_type() == at::kBool || is_floating(m.scalar_type()), op,
+    TORCH_CHECK_TYPE(m.scalar_type() == at::kBool || is_floating_type(m.scalar_type()), op,
                      ": mask dtype must be bool or floating, got ", m.scalar_type());
     TORCH_CHECK_VALUE(m.device() == x.device(), op, ": mask is on ", m.device(), " but x is on ", x.device());
     TORCH_CHECK_VALUE(m.dim() <= nd, op, ": mask of shape ", m.sizes(), " does not broadcast to ", x.sizes());
