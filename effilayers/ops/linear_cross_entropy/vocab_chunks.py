@@ -74,7 +74,7 @@ def _chunk_logits(x, w, b, step, buffer):
         yield start, z
 
 
-def _new_stats(rows: int, acc: torch.dtype, device) -> torch.Tensor:
+def new_stats(rows: int, acc: torch.dtype, device) -> torch.Tensor:
     """The (4, rows) statistics before the first chunk: a maximum of -inf, zero sums."""
     stats = torch.zeros((4, rows), dtype=acc, device=device)
     stats[0] = -math.inf
@@ -162,7 +162,7 @@ def _class_index_rows(x, w, b, target, class_weight, ignore_index, eps, scale, s
     out_of_range = valid & ((safe < 0) | (safe >= classes))
     safe = safe.clamp(0, classes - 1)
     smoothing = eps > 0
-    stats = _new_stats(rows_n, acc, device)
+    stats = new_stats(rows_n, acc, device)
     buffer = torch.empty(rows_n * min(step, classes), dtype=x.dtype, device=device)
     stats_kernel = registry.dispatch("cross_entropy_chunk_stats_", x)
     for start, z in _chunk_logits(x, w, b, step, buffer):
@@ -176,14 +176,21 @@ def _class_index_rows(x, w, b, target, class_weight, ignore_index, eps, scale, s
     if grads is None:
         return rows
     row_terms = torch.stack((lse, coef, (1.0 - eps) * w_t, torch.where(out_of_range, math.nan, scale)))
-    class_term = None
-    if smoothing:
-        class_term = (torch.full((classes,), eps / classes, dtype=acc, device=device) if class_weight is None
-                      else eps / classes * class_weight)
+    class_term = smoothing_term(class_weight, eps, classes, acc, device) if smoothing else None
     grad_kernel = registry.dispatch("cross_entropy_chunk_grad_", x)
     grads.walk(b, step, buffer, lambda z, start, stop: grad_kernel(
         z, target, None if class_term is None else class_term[start:stop], row_terms, start, ignore_index))
     return rows
+
+
+def smoothing_term(class_weight, eps: float, classes: int, acc, device, count=None):
+    """Label smoothing's share of each class's target weight, ``eps / C *
+    w_c``: the ``class_term`` of the chunk kernels; over ``class_weight``'s
+    classes, or without class weights (``w_c = 1``) over ``count`` classes
+    (default all ``classes``)."""
+    if class_weight is None:
+        return torch.full((classes if count is None else count,), eps / classes, dtype=acc, device=device)
+    return eps / classes * class_weight
 
 
 def probability_terms(class_weight, eps: float, classes: int, acc, device):
@@ -193,10 +200,9 @@ def probability_terms(class_weight, eps: float, classes: int, acc, device):
     w_c`` (``w_c = 1`` without class weights)."""
     if eps <= 0:
         return class_weight, None
-    if class_weight is None:
-        return (torch.full((classes,), 1.0 - eps, dtype=acc, device=device),
-                torch.full((classes,), eps / classes, dtype=acc, device=device))
-    return (1.0 - eps) * class_weight, eps / classes * class_weight
+    prob_weight = (torch.full((classes,), 1.0 - eps, dtype=acc, device=device) if class_weight is None
+                   else (1.0 - eps) * class_weight)
+    return prob_weight, smoothing_term(class_weight, eps, classes, acc, device)
 
 
 def _sliced(terms, start, stop):
@@ -216,7 +222,7 @@ def whole_probability_rows(logits, probs, terms, scale, write_grad):
     with ``write_grad``, d loss / d logits times ``scale`` (1 element) is
     written over the logits."""
     rows_n = logits.shape[0]
-    stats = _new_stats(rows_n, scale.dtype, logits.device)  # the scale is in the accumulation dtype
+    stats = new_stats(rows_n, scale.dtype, logits.device)  # the scale is in the accumulation dtype
     registry.dispatch("cross_entropy_soft_chunk_stats_", logits)(logits, probs, *terms, stats)
     rows, lse, mass = probability_loss(stats)
     if write_grad:
@@ -230,7 +236,7 @@ def _probability_rows(x, w, b, probs, class_weight, eps, scale, step, acc, grads
     rows_n, classes = x.shape[0], w.shape[0]
     device = x.device
     terms = probability_terms(class_weight, eps, classes, acc, device)
-    stats = _new_stats(rows_n, acc, device)
+    stats = new_stats(rows_n, acc, device)
     buffer = torch.empty(rows_n * min(step, classes), dtype=x.dtype, device=device)
     stats_kernel = registry.dispatch("cross_entropy_soft_chunk_stats_", x)
     for start, z in _chunk_logits(x, w, b, step, buffer):

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from ..._core import registry
 from ..._core.dtypes import accumulation_dtype
 from .contract import OP
-from .vocab_chunks import class_index_loss
+from .vocab_chunks import class_index_loss, new_stats, smoothing_term
 
 
 def is_sharded(tensor) -> bool:
@@ -98,8 +98,7 @@ class _VocabParallelFunction(torch.autograd.Function):
         grad_kernel = registry.dispatch("cross_entropy_chunk_grad_", input)
         class_term = None
         if smoothing and any(needs):
-            class_term = (torch.full((local_classes,), eps / classes, dtype=acc, device=device) if w_local is None
-                          else eps / classes * w_local)
+            class_term = smoothing_term(w_local, eps, classes, acc, device, count=local_classes)
         for start in range(0, tokens, step):
             stop = min(start + step, tokens)
             x = input[start:stop].to(acc)
@@ -111,8 +110,7 @@ class _VocabParallelFunction(torch.autograd.Function):
             # This rank's classes: running maximum, rescaled sum of
             # exponentials, the target's logit where this rank owns it (0
             # elsewhere) and the smoothing sum; ignored rows keep -inf, 0, 0, 0.
-            stats = torch.zeros((4, stop - start), dtype=acc, device=device)
-            stats[0] = -math.inf
+            stats = new_stats(stop - start, acc, device)
             stats_kernel(z, t, w_local if smoothing else None, stats, offset, ignore_index, smoothing)
             local_max = stats[0]
             row_max = local_max.clone()
