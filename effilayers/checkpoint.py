@@ -42,6 +42,19 @@ Under ``torch.compile`` the recomputation is the compiler's (the graph's
 buffer updates run once), so the compiled path calls torch's checkpoint
 with your ``context_fn`` and only the input copy added.
 
+``recompute_in_backward(modules, input)`` is the leaner form ``effilayers.fit``
+runs its segments with (a run of modules, one tensor in and out): the
+forward runs without building a graph and keeps only the input, and the
+backward recomputes the run with gradients and hands autograd the
+gradients of the input and of the modules' parameters. It skips what
+torch's non-reentrant checkpoint pays per saved tensor in forward and
+recomputation (a hook call and a holder each, and the check of every
+recomputed tensor's metadata), which on a CPU at small batches is a
+visible share of a ResNet block's time. It is correct only where every
+tensor requiring gradients that the run's output depends on is the input
+or one of the modules' parameters; ``lean_segment_ok`` checks that once on
+a probe forward, and fit falls back to ``checkpoint`` where it fails.
+
 Example::
 
     from effilayers.checkpoint import checkpoint, checkpoint_sequential
@@ -55,13 +68,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from typing import Any, Callable, ContextManager, Iterable, Sequence, Union
+from typing import Any, Callable, ContextManager, Iterable, Optional, Sequence, Union
 
 import torch
 from torch import nn
 from torch.utils import checkpoint as torch_checkpoint
 
-__all__ = ["checkpoint", "checkpoint_sequential", "sqrt_segments"]
+__all__ = ["checkpoint", "checkpoint_sequential", "sqrt_segments", "recompute_in_backward", "lean_segment_ok"]
 
 _RUNNING_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 # The keywords checkpoint_sequential passes on to checkpoint (torch's own
@@ -307,3 +320,126 @@ def checkpoint_sequential(functions: Union[nn.Sequential, Sequence[Callable]], s
         input = _checkpoint(run_segment(segment), (input,), {}, segment, use_reentrant=False,
                             owner="checkpoint_sequential", **settings)
     return run_segment(functions[end:])(input)
+
+
+def _run_modules(modules: Sequence[nn.Module], value: torch.Tensor) -> Any:
+    for module in modules:
+        value = module(value)
+    return value
+
+
+def _parameters(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
+    # By identity: a parameter two of the modules share is one input.
+    return list({id(p): p for module in modules for p in module.parameters()}.values())
+
+
+class _Replay:
+    """The random-number and autocast state a segment's forward ran under, put back for its recomputation."""
+
+    __slots__ = ("cpu_rng", "cuda_rng", "autocast", "autocast_cache")
+
+    def __init__(self, input: torch.Tensor) -> None:
+        self.cpu_rng = torch.get_rng_state()
+        index = input.device.index if input.device.index is not None else 0
+        self.cuda_rng = [(index, torch.cuda.get_rng_state(index))] if input.is_cuda else []
+        # Backward runs outside the caller's autocast block; the recomputation
+        # must cast as the forward did or it saves tensors of other dtypes.
+        self.autocast = [(kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+                         for kind in dict.fromkeys(("cpu", input.device.type))]
+        self.autocast_cache = torch.is_autocast_cache_enabled()
+
+    @contextlib.contextmanager
+    def replayed(self):
+        with torch.random.fork_rng(devices=[index for index, _ in self.cuda_rng]), contextlib.ExitStack() as stack:
+            torch.set_rng_state(self.cpu_rng)
+            for index, state in self.cuda_rng:
+                torch.cuda.set_rng_state(state, index)
+            for kind, enabled, dtype in self.autocast:
+                stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled,
+                                                   cache_enabled=self.autocast_cache))
+            yield
+
+
+class _RecomputedSegment(torch.autograd.Function):
+    """Inputs: (modules, running buffers, _Replay, input, *parameters)."""
+
+    @staticmethod
+    def forward(ctx, modules, buffers, replay, input, *parameters):  # type: ignore[override]
+        ctx.modules, ctx.buffers, ctx.replay, ctx.parameters = modules, buffers, replay, parameters
+        ctx.save_for_backward(input)
+        # A copy, so a first module that writes in place leaves the saved input intact.
+        return _run_modules(modules, input.clone())
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        (input,) = ctx.saved_tensors
+        input_needed = ctx.needs_input_grad[3]
+        wanted = [p for p, needed in zip(ctx.parameters, ctx.needs_input_grad[4:]) if needed]
+        input_grad: Optional[torch.Tensor] = None
+        grads: dict[int, Optional[torch.Tensor]] = {}
+        if input_needed or wanted:
+            # Grad mode is on here only for a backward with create_graph=True.
+            create_graph = torch.is_grad_enabled()
+            with _KeepRunningStatistics(ctx.buffers):
+                with ctx.replay.replayed(), torch.enable_grad():
+                    # For second derivatives the gradients must be functions of
+                    # the input itself, not of a detached copy.
+                    leaf = input if create_graph else input.detach().requires_grad_(input_needed)
+                    output = _run_modules(ctx.modules, leaf.clone())
+                sources = ([leaf] if input_needed else []) + wanted
+                if output.requires_grad:
+                    found = list(torch.autograd.grad(output, sources, grad_output, allow_unused=True,
+                                                     create_graph=create_graph))
+                    if input_needed:
+                        input_grad = found.pop(0)
+                    grads = {id(p): grad for p, grad in zip(wanted, found)}
+        return (None, None, None, input_grad, *(grads.get(id(p)) for p in ctx.parameters))
+
+
+def recompute_in_backward(modules: Sequence[nn.Module], input: torch.Tensor) -> torch.Tensor:
+    """``modules`` run in order on ``input``, keeping only ``input`` for
+    backward and recomputing the run there (see the module docstring; call
+    it only where :func:`lean_segment_ok` holds). Running statistics move
+    once per forward, random ops and autocast replay the forward's."""
+    modules = tuple(modules)
+    return _RecomputedSegment.apply(modules, _running_buffers(modules), _Replay(input), input,
+                                    *_parameters(modules))
+
+
+def _unchanged(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def lean_segment_ok(modules: Sequence[nn.Module], input: Any) -> bool:
+    """Whether :func:`recompute_in_backward` gives ``modules`` on ``input``
+    the gradients autograd would: a plain tensor in and out, plain tensor
+    parameters, and every leaf requiring gradients that the output's graph
+    reaches on a probe forward is the input or one of the modules'
+    parameters (a tensor the modules read from elsewhere would get no
+    gradient). The probe keeps nothing, moves no running statistics and
+    draws no random numbers."""
+    modules = tuple(modules)
+    parameters = _parameters(modules)
+    if type(input) is not torch.Tensor or any(type(p.data) is not torch.Tensor for p in parameters):
+        return False
+    allowed = {id(p) for p in parameters}
+    probe = input.detach().requires_grad_(input.is_floating_point() or input.is_complex())
+    allowed.add(id(probe))
+    devices = [input.device.index or 0] if input.is_cuda else []
+    with _KeepRunningStatistics(_running_buffers(modules)), torch.random.fork_rng(devices=devices), \
+            torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_unchanged, _unchanged):
+        output = _run_modules(modules, probe.clone())
+    if type(output) is not torch.Tensor:
+        return False
+    seen: set = set()
+    stack = [output.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None and id(variable) not in allowed:
+            return False
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return True

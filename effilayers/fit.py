@@ -76,7 +76,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from . import memory
-from .checkpoint import checkpoint, sqrt_segments
+from .checkpoint import checkpoint, lean_segment_ok, recompute_in_backward, sqrt_segments
 from .convert import FIT_UNDO_ATTR as UNDO_ATTR, convert, revert
 from .models import densenet
 
@@ -181,14 +181,23 @@ class CheckpointedSequential(nn.Sequential):
         done = 0
         for start, end in self._fit_segments:
             input = _run_in_order(children[done:start])(input)
-            input = self._checkpoint_segment(_run_in_order(children[start:end]), input)
+            input = self._checkpoint_segment(children[start:end], input)
             done = end
         return _run_in_order(children[done:])(input)
 
-    @staticmethod
-    def _checkpoint_segment(run: Callable, input: Any) -> Any:
-        # A subclass may run another checkpoint (the bench's torch peer).
-        return checkpoint(run, input)
+    def _checkpoint_segment(self, modules: list[nn.Module], input: Any) -> Any:
+        """The lean recomputation where its probe allows it (checked once per
+        run of modules), else effilayers' checkpoint; compiled, always the
+        latter, which the compiler recomputes from its graph. A subclass may
+        run another checkpoint (the bench's torch peer)."""
+        if not torch.compiler.is_compiling() and type(input) is torch.Tensor:
+            key = tuple(map(id, modules))
+            lean = self.__dict__.setdefault("_fit_lean", {})
+            if key not in lean:
+                lean[key] = lean_segment_ok(modules, input)
+            if lean[key]:
+                return recompute_in_backward(modules, input)
+        return checkpoint(_run_in_order(modules), input)
 
 
 def _run_in_order(modules: list[nn.Module]) -> Callable:
@@ -485,9 +494,11 @@ def _set_segments(part: nn.Sequential, segments: list[tuple[int, int]],
     previous = part.__dict__.get("_fit_segments")
     part.__class__ = sequential
     part._fit_segments = segments
+    part.__dict__.pop("_fit_lean", None)
 
     def restore() -> None:
         part.__class__ = previous_class
+        part.__dict__.pop("_fit_lean", None)
         if previous is None:
             del part._fit_segments
         else:

@@ -15,7 +15,8 @@ from torch import nn
 
 import effilayers
 from effilayers import memory
-from effilayers.checkpoint import checkpoint, checkpoint_sequential, sqrt_segments
+from effilayers.checkpoint import (checkpoint, checkpoint_sequential, lean_segment_ok, recompute_in_backward,
+                                   sqrt_segments)
 from effilayers.models.densenet import DenseLayer
 
 DTYPE = torch.float64
@@ -426,3 +427,194 @@ def test_bad_arguments():
         checkpoint_sequential(model, 2, x, bogus=1)
     with pytest.raises(ValueError, match="debug=True cannot be combined"):
         checkpoint(model, x, debug=True)
+
+
+# recompute_in_backward: the lean segment fit runs (forward without a graph,
+# recomputation with gradients in backward).
+
+def lean_forward(segments: int):
+    """``forward(model, x)`` running ``model`` (an nn.Sequential) as ``segments`` lean segments."""
+    def forward(model, x):
+        children = list(model)
+        size = -(-len(children) // segments)
+        for start in range(0, len(children), size):
+            x = recompute_in_backward(children[start:start + size], x)
+        return x
+
+    return forward
+
+
+@pytest.mark.parametrize("kind", ["batchnorm", "cumulative", "abn", "inplace_abn"])
+def test_lean_segments_match_the_plain_model(kind):
+    torch.manual_seed(0)
+    model = conv_norm_relu(kind, 4, dropout=0.25)
+    reference = copy.deepcopy(model)
+    assert lean_segment_ok(list(model)[:4], torch.randn(3, 4, 5, 5, dtype=DTYPE))
+    assert_gradients_equal(train(model, lean_forward(3)), train(reference, plain_forward))
+    assert_buffers_equal(model, reference)
+
+
+def _input_and_parameter_gradients(model, x, forward):
+    x = x.clone().requires_grad_()
+    out = forward(model, x)
+    weights = torch.randn_like(out, generator=torch.Generator().manual_seed(1))
+    return torch.autograd.grad((out * weights).sum(), [x, *model.parameters()])
+
+
+def test_lean_segment_answers_autograd_grad_and_leaves_dot_grad_alone():
+    torch.manual_seed(0)
+    model = conv_norm_relu("batchnorm", 2)
+    reference = copy.deepcopy(model)
+    x = torch.randn(3, 4, 5, 5, dtype=DTYPE)
+    got = _input_and_parameter_gradients(model, x, lean_forward(1))
+    want = _input_and_parameter_gradients(reference, x, plain_forward)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    assert all(p.grad is None for p in model.parameters())
+    assert_buffers_equal(model, reference)
+
+
+def test_lean_segment_of_an_input_without_gradients_and_frozen_parameters():
+    torch.manual_seed(0)
+    model = conv_norm_relu("batchnorm", 2)
+    model[0].weight.requires_grad_(False)
+    reference = copy.deepcopy(model)
+    x = torch.randn(3, 4, 5, 5, dtype=DTYPE)  # the images: no gradient wanted
+    lean_forward(1)(model, x).square().mean().backward()
+    reference(x).square().mean().backward()
+    assert model[0].weight.grad is None
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    assert not lean_forward(1)(model, x).requires_grad
+
+
+@pytest.mark.parametrize("first", ["relu_inplace", "inplace_abn"])
+def test_lean_segment_starting_with_an_in_place_layer(first):
+    torch.manual_seed(0)
+    head = nn.ReLU(inplace=True) if first == "relu_inplace" else effilayers.nn.InPlaceABN(4).to(DTYPE)
+    model = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1).to(DTYPE), head,
+                          nn.Conv2d(4, 4, 3, padding=1).to(DTYPE), nn.BatchNorm2d(4).to(DTYPE))
+    reference = copy.deepcopy(model)
+
+    def forward(model, x):
+        # the segment starts at the in-place layer, whose input is a non-leaf
+        return recompute_in_backward(list(model)[1:], model[0](x))
+
+    assert_gradients_equal(train(model, forward), train(reference, plain_forward))
+    assert_buffers_equal(model, reference)
+
+
+def test_lean_segment_with_retain_graph_recomputes_twice_and_updates_once():
+    torch.manual_seed(0)
+    model = conv_norm_relu("batchnorm", 2)
+    reference = copy.deepcopy(model)
+    x = torch.randn(3, 4, 5, 5, dtype=DTYPE)
+    for m, forward in ((model, lean_forward(1)), (reference, plain_forward)):
+        loss = forward(m, x).square().mean()
+        loss.backward(retain_graph=True)
+        loss.backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+    assert_buffers_equal(model, reference)
+
+
+def test_lean_segment_second_derivatives():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3), nn.Softplus()).to(DTYPE)
+    x = torch.randn(4, 5, dtype=DTYPE)
+
+    def second(forward):
+        leaf = x.clone().requires_grad_()
+        (first,) = torch.autograd.grad(forward(model, leaf).square().sum(), leaf, create_graph=True)
+        return torch.autograd.grad(first.square().sum(), [leaf, *model.parameters()])
+
+    for got, want in zip(second(lean_forward(2)), second(plain_forward), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_lean_segment_replays_cpu_autocast():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).float()
+    x = torch.randn(6, 8)
+
+    def gradients(forward):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = forward(model, x.clone().requires_grad_())
+        assert out.dtype == torch.bfloat16
+        return torch.autograd.grad(out.float().square().sum(), list(model.parameters()))
+
+    # the recomputation casts as the forward did: the same bf16 products, bit for bit
+    for got, want in zip(gradients(lean_forward(1)), gradients(plain_forward), strict=True):
+        assert got.dtype == want.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_lean_segment_keeps_only_its_input():
+    torch.manual_seed(0)
+    model = conv_norm_relu("batchnorm", 3)
+    x = torch.randn(3, 4, 5, 5, dtype=DTYPE, requires_grad=True)
+    pre = model[0]
+    with memory.track_activations(exclude=model) as meter:
+        middle = pre(x)
+        out = recompute_in_backward(list(model)[1:], middle)
+    storages = meter.storages()
+    # the conv before the segment saves x; the segment saves its input only
+    assert {s.key for s in storages} == {memory.storage_key(x), memory.storage_key(middle)}
+    assert meter.bytes == 2 * x.numel() * x.element_size()
+    out.sum().backward()
+    assert meter.bytes == 0
+
+
+class _ReadsAnOutsideWeight(nn.Module):
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.reads = [weight]  # not a parameter of this module
+
+    def forward(self, x):
+        return x * self.reads[0]
+
+
+def test_lean_segment_ok_refuses_what_it_cannot_differentiate_and_the_probe_leaves_no_trace():
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, 5, 5, dtype=DTYPE)
+    outside = nn.Parameter(torch.randn(4, 1, 1, dtype=DTYPE))
+    norm = nn.BatchNorm2d(4).to(DTYPE)
+    modules = [norm, nn.Dropout(0.5), _ReadsAnOutsideWeight(outside)]
+    state = torch.get_rng_state()
+    assert not lean_segment_ok(modules, x)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert norm.num_batches_tracked.item() == 0 and torch.equal(norm.running_mean, torch.zeros(4, dtype=DTYPE))
+    with memory.track_activations() as meter:
+        assert lean_segment_ok(modules[:2], x)
+    assert meter.peak_bytes == 0
+
+    class Pair(nn.Module):
+        def forward(self, x):
+            return x, x
+
+    assert not lean_segment_ok([Pair()], x)
+    assert not lean_segment_ok([norm], [x])
+
+
+def test_fit_falls_back_to_checkpoint_where_the_probe_refuses():
+    outside = nn.Parameter(torch.randn(8, 1, 1, dtype=DTYPE))
+
+    def build():
+        torch.manual_seed(0)
+        layers = [nn.Conv2d(3, 8, 3, padding=1, bias=False)]
+        for _ in range(4):
+            layers += [nn.BatchNorm2d(8), _ReadsAnOutsideWeight(outside), nn.Conv2d(8, 8, 3, padding=1, bias=False)]
+        return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten()).to(DTYPE)
+
+    model, reference = build(), build()
+    x = torch.randn(2, 3, 8, 8, dtype=DTYPE)
+    effilayers.fit(model, x, 0.5)
+    assert model._fit_segments and model._fit_lean and not any(model._fit_lean.values())
+    model(x).square().sum().backward()
+    got = outside.grad.clone()
+    outside.grad = None
+    reference(x).square().sum().backward()
+    torch.testing.assert_close(got, outside.grad, rtol=1e-10, atol=1e-12)

@@ -107,6 +107,10 @@ def test_fitted_model_computes_the_original_function_and_revert_restores_it(name
     kinds = {step.kind for step in report.steps}
     assert "checkpoint" in kinds
     assert any(isinstance(module, CheckpointedSequential) for module in model.modules())
+    # fit's measuring forward found every segment fit for the lean recomputation
+    lean = [value for module in model.modules() if isinstance(module, CheckpointedSequential)
+            for value in module._fit_lean.values()]
+    assert lean and all(lean)
     inputs = x.clone().requires_grad_()
     reference_inputs = x.clone().requires_grad_()
     out, reference_out = model(inputs), original(reference_inputs)

@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint, checkpoint_sequential
 
 from ..checkpoint import sqrt_segments
-from ..fit import CheckpointedSequential, _sequential_parts, _set_segments, checkpoint_runs_to, fit
+from ..fit import CheckpointedSequential, _run_in_order, _sequential_parts, _set_segments, checkpoint_runs_to, fit
 from .variants import BenchError, Variant
 
 __all__ = ["budget_fraction", "budget_variants", "TorchCheckpointedSequential", "TorchCheckpointedRuns",
@@ -79,9 +79,8 @@ class TorchCheckpointedRuns(CheckpointedSequential):
     (``use_reentrant=False``): BatchNorm running statistics move twice per
     step under it, as users run it."""
 
-    @staticmethod
-    def _checkpoint_segment(run: Callable, input: Any) -> Any:
-        return torch_checkpoint(run, input, use_reentrant=False)
+    def _checkpoint_segment(self, modules: list[nn.Module], input: Any) -> Any:
+        return torch_checkpoint(_run_in_order(modules), input, use_reentrant=False)
 
 
 def _with_torch_runs(model: nn.Module, segments: dict[str, list[tuple[int, int]]]) -> nn.Module:
