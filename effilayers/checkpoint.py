@@ -125,15 +125,25 @@ def _modules_reached(objects: Iterable[Any]) -> list[nn.Module]:
     return list(found.values())
 
 
-def _running_buffers(objects: Iterable[Any]) -> list[torch.Tensor]:
+def _module_tensors(modules: Iterable[nn.Module]) -> tuple[list[nn.Parameter], list[torch.Tensor]]:
+    """The parameters and running-statistics buffers of ``modules`` and their
+    submodules, each once (by identity: two modules may share one), in one walk."""
+    parameters: dict[int, nn.Parameter] = {}
     buffers: dict[int, torch.Tensor] = {}
-    for top in _modules_reached(objects):
+    for top in modules:
         for module in top.modules():
+            for parameter in module._parameters.values():
+                if parameter is not None:
+                    parameters.setdefault(id(parameter), parameter)
             for name in _RUNNING_BUFFERS:
                 buffer = module._buffers.get(name)
                 if buffer is not None:
                     buffers.setdefault(id(buffer), buffer)
-    return list(buffers.values())
+    return list(parameters.values()), list(buffers.values())
+
+
+def _running_buffers(objects: Iterable[Any]) -> list[torch.Tensor]:
+    return _module_tensors(_modules_reached(objects))[1]
 
 
 class _KeepRunningStatistics:
@@ -328,11 +338,6 @@ def _run_modules(modules: Sequence[nn.Module], value: torch.Tensor) -> Any:
     return value
 
 
-def _parameters(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
-    # By identity: a parameter two of the modules share is one input.
-    return list({id(p): p for module in modules for p in module.parameters()}.values())
-
-
 class _Replay:
     """The random-number and autocast state a segment's forward ran under, put back for its recomputation."""
 
@@ -402,8 +407,8 @@ def recompute_in_backward(modules: Sequence[nn.Module], input: torch.Tensor) -> 
     it only where :func:`lean_segment_ok` holds). Running statistics move
     once per forward, random ops and autocast replay the forward's."""
     modules = tuple(modules)
-    return _RecomputedSegment.apply(modules, _running_buffers(modules), _Replay(input), input,
-                                    *_parameters(modules))
+    parameters, buffers = _module_tensors(modules)
+    return _RecomputedSegment.apply(modules, buffers, _Replay(input), input, *parameters)
 
 
 def _unchanged(tensor: torch.Tensor) -> torch.Tensor:
@@ -419,14 +424,14 @@ def lean_segment_ok(modules: Sequence[nn.Module], input: Any) -> bool:
     gradient). The probe keeps nothing, moves no running statistics and
     draws no random numbers."""
     modules = tuple(modules)
-    parameters = _parameters(modules)
+    parameters, buffers = _module_tensors(modules)
     if type(input) is not torch.Tensor or any(type(p.data) is not torch.Tensor for p in parameters):
         return False
     allowed = {id(p) for p in parameters}
     probe = input.detach().requires_grad_(input.is_floating_point() or input.is_complex())
     allowed.add(id(probe))
     devices = [input.device.index or 0] if input.is_cuda else []
-    with _KeepRunningStatistics(_running_buffers(modules)), torch.random.fork_rng(devices=devices), \
+    with _KeepRunningStatistics(buffers), torch.random.fork_rng(devices=devices), \
             torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_unchanged, _unchanged):
         output = _run_modules(modules, probe.clone())
     if type(output) is not torch.Tensor:

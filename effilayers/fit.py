@@ -27,8 +27,13 @@ measured, see below) and stops at the first that meets the budget:
    of an ``n``-child part; adjacent checkpointed children join into
    segments of at most that length, so with every child checkpointed a
    part runs as ``ceil(sqrt(n))`` segments (memonger's choice). Segments
-   run through :func:`effilayers.checkpoint.checkpoint`, which keeps
-   BatchNorm running statistics moving once per step. Only the
+   run through :func:`effilayers.checkpoint.recompute_in_backward` (no
+   graph in forward, only the segment's input kept, gradients of the input
+   and parameters from a recomputation in backward) where a probe forward
+   of the segment, once, shows that its output depends on no tensor
+   requiring gradients other than its input and its modules' parameters;
+   elsewhere, and compiled, through :func:`effilayers.checkpoint.checkpoint`.
+   Both keep BatchNorm running statistics moving once per step. Only the
    checkpointed children are recomputed in backward, so fit stops at the
    first run that brings the bytes within the budget instead of
    recomputing whole parts.
