@@ -46,21 +46,23 @@ with your ``context_fn`` and only the input copy added.
 runs its segments with (a run of modules, one tensor in and out): the
 forward runs without building a graph and keeps only the input, and the
 backward recomputes the run with gradients and hands autograd the
-gradients of the input and of the modules' parameters. It skips what
-torch's non-reentrant checkpoint pays per saved tensor in forward and
-recomputation (a hook call and a holder each, and the check of every
-recomputed tensor's metadata), which on a CPU at small batches is a
-visible share of a ResNet block's time. It is correct only where every
-tensor requiring gradients that the run's output depends on is the input
-or one of the modules' parameters; ``lean_segment_ok`` checks that once on
-a probe forward, and fit falls back to ``checkpoint`` where it fails.
-
-Example::
-
-    from effilayers.checkpoint import checkpoint, checkpoint_sequential
-
-    y = checkpoint(block, x)                            # like torch.utils.checkpoint.checkpoint
-    y = checkpoint_sequential(model, "sqrt", x)         # model: an nn.Sequential
+gradients of the input and of the modules' parameters (so
+``torch.autograd.grad`` and double backward work, unlike torch's reentrant
+checkpoint). It skips what torch's non-reentrant checkpoint pays per saved
+tensor in forward and recomputation (a hook call and a holder each, and
+the check of every recomputed tensor's metadata), which on a CPU at small
+batches is a visible share of a ResNet block's time. The recomputation
+runs on copies of the running statistics, so the real buffers are written
+once, by the forward. It is correct only where the run reads no tensor but
+its input, its modules' parameters and buffers and what it makes from them;
+``lean_segment_ok`` checks that once on a probe forward, and fit falls back
+to ``checkpoint`` where it fails. Each call also falls back while a module
+of the run has a forward hook (it could keep an inner output, which would
+have no graph), a parameter has a hook (``torch.autograd.grad`` would run it
+a second time) or a parameter is not a plain tensor (FSDP2's DTensors). A
+module that registers a tensor hook inside its own forward fails there
+("cannot register a hook on a tensor that doesn't require gradient"), as
+under torch's reentrant checkpoint.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ from typing import Any, Callable, ContextManager, Iterable, Optional, Sequence, 
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils import checkpoint as torch_checkpoint
 
 __all__ = ["checkpoint", "checkpoint_sequential", "sqrt_segments", "recompute_in_backward", "lean_segment_ok"]
@@ -125,25 +128,31 @@ def _modules_reached(objects: Iterable[Any]) -> list[nn.Module]:
     return list(found.values())
 
 
-def _module_tensors(modules: Iterable[nn.Module]) -> tuple[list[nn.Parameter], list[torch.Tensor]]:
-    """The parameters and running-statistics buffers of ``modules`` and their
-    submodules, each once (by identity: two modules may share one), in one walk."""
+def _module_tensors(modules: Iterable[nn.Module]) -> tuple[list[nn.Parameter], list[tuple[nn.Module, str]], bool]:
+    """In one walk of ``modules`` and their submodules: their parameters and
+    their running-statistics buffers (as (module, name) slots), each once
+    (two modules may share one), and whether a forward hook, a hook on a
+    parameter or a parameter that is not a plain tensor (a DTensor under
+    FSDP2) rules out :func:`recompute_in_backward`'s lean path."""
     parameters: dict[int, nn.Parameter] = {}
-    buffers: dict[int, torch.Tensor] = {}
+    slots: dict[int, tuple[nn.Module, str]] = {}
+    hooked = False
     for top in modules:
         for module in top.modules():
+            hooked = hooked or bool(module._forward_hooks or module._forward_pre_hooks)
             for parameter in module._parameters.values():
                 if parameter is not None:
                     parameters.setdefault(id(parameter), parameter)
+                    hooked = hooked or bool(parameter._backward_hooks) or type(parameter.data) is not torch.Tensor
             for name in _RUNNING_BUFFERS:
                 buffer = module._buffers.get(name)
                 if buffer is not None:
-                    buffers.setdefault(id(buffer), buffer)
-    return list(parameters.values()), list(buffers.values())
+                    slots.setdefault(id(buffer), (module, name))
+    return list(parameters.values()), list(slots.values()), hooked
 
 
 def _running_buffers(objects: Iterable[Any]) -> list[torch.Tensor]:
-    return _module_tensors(_modules_reached(objects))[1]
+    return [module._buffers[name] for module, name in _module_tensors(_modules_reached(objects))[1]]
 
 
 class _KeepRunningStatistics:
@@ -365,15 +374,34 @@ class _Replay:
             yield
 
 
+@contextlib.contextmanager
+def _scratch_running_statistics(slots: list[tuple[nn.Module, str]]):
+    """The modules read and write copies of their running statistics inside:
+    the real buffers keep their values and their version counters, which a
+    graph that saved them (a norm also used outside the segment, a double
+    backward) checks."""
+    originals = [module._buffers[name] for module, name in slots]
+    for (module, name), buffer in zip(slots, originals):
+        module._buffers[name] = buffer.clone()
+    try:
+        yield
+    finally:
+        for (module, name), buffer in zip(slots, originals):
+            module._buffers[name] = buffer
+
+
 class _RecomputedSegment(torch.autograd.Function):
-    """Inputs: (modules, running buffers, _Replay, input, *parameters)."""
+    """Inputs: (modules, running-statistics slots, _Replay, input, *parameters)."""
 
     @staticmethod
-    def forward(ctx, modules, buffers, replay, input, *parameters):  # type: ignore[override]
-        ctx.modules, ctx.buffers, ctx.replay, ctx.parameters = modules, buffers, replay, parameters
+    def forward(ctx, modules, slots, replay, input, *parameters):  # type: ignore[override]
+        ctx.modules, ctx.slots, ctx.replay, ctx.parameters = modules, slots, replay, parameters
         ctx.save_for_backward(input)
         # A copy, so a first module that writes in place leaves the saved input intact.
-        return _run_modules(modules, input.clone())
+        output = _run_modules(modules, input.clone())
+        # A view leaving a custom Function may not be written in place later
+        # (a Flatten ending the segment, an in-place ReLU after it).
+        return output.detach() if output._is_view() else output
 
     @staticmethod
     def backward(ctx, grad_output):  # type: ignore[override]
@@ -385,30 +413,80 @@ class _RecomputedSegment(torch.autograd.Function):
         if input_needed or wanted:
             # Grad mode is on here only for a backward with create_graph=True.
             create_graph = torch.is_grad_enabled()
-            with _KeepRunningStatistics(ctx.buffers):
-                with ctx.replay.replayed(), torch.enable_grad():
-                    # For second derivatives the gradients must be functions of
-                    # the input itself, not of a detached copy.
-                    leaf = input if create_graph else input.detach().requires_grad_(input_needed)
-                    output = _run_modules(ctx.modules, leaf.clone())
-                sources = ([leaf] if input_needed else []) + wanted
-                if output.requires_grad:
-                    found = list(torch.autograd.grad(output, sources, grad_output, allow_unused=True,
-                                                     create_graph=create_graph))
-                    if input_needed:
-                        input_grad = found.pop(0)
-                    grads = {id(p): grad for p, grad in zip(wanted, found)}
+            with _scratch_running_statistics(ctx.slots), ctx.replay.replayed(), torch.enable_grad():
+                # For second derivatives the gradients must be functions of
+                # the input itself, not of a detached copy.
+                leaf = input if create_graph else input.detach().requires_grad_(input_needed)
+                output = _run_modules(ctx.modules, leaf.clone())
+            sources = ([leaf] if input_needed else []) + wanted
+            if output.requires_grad:
+                found = list(torch.autograd.grad(output, sources, grad_output, allow_unused=True,
+                                                 create_graph=create_graph))
+                if input_needed:
+                    input_grad = found.pop(0)
+                grads = {id(p): grad for p, grad in zip(wanted, found)}
+                if create_graph and input_grad is not None and input.grad_fn is not None and wanted:
+                    # From the real input, the parameters' gradients also took
+                    # the paths through the input's history (a parameter used
+                    # before the segment too), which autograd adds again when it
+                    # passes the input's gradient on: take them out here.
+                    upstream = torch.autograd.grad(input, wanted, input_grad, allow_unused=True, create_graph=True)
+                    for p, extra in zip(wanted, upstream):
+                        if extra is not None and grads[id(p)] is not None:
+                            grads[id(p)] = grads[id(p)] - extra
         return (None, None, None, input_grad, *(grads.get(id(p)) for p in ctx.parameters))
+
+
+def _global_module_hooks() -> bool:
+    module = nn.modules.module
+    return bool(getattr(module, "_global_forward_hooks", None) or getattr(module, "_global_forward_pre_hooks", None))
 
 
 def recompute_in_backward(modules: Sequence[nn.Module], input: torch.Tensor) -> torch.Tensor:
     """``modules`` run in order on ``input``, keeping only ``input`` for
     backward and recomputing the run there (see the module docstring; call
     it only where :func:`lean_segment_ok` holds). Running statistics move
-    once per forward, random ops and autocast replay the forward's."""
+    once per forward, random ops and autocast replay the forward's. While a
+    module of the run has a forward hook (it may keep an inner output that
+    would have no graph), a parameter has a hook (``torch.autograd.grad``
+    would run it once more) or is not a plain tensor, it runs through
+    :func:`checkpoint` instead. A module that registers a tensor hook in its
+    own forward cannot run here (the forward builds no graph)."""
     modules = tuple(modules)
-    parameters, buffers = _module_tensors(modules)
-    return _RecomputedSegment.apply(modules, buffers, _Replay(input), input, *parameters)
+    parameters, slots, hooked = _module_tensors(modules)
+    if hooked or _global_module_hooks():
+        return checkpoint(functools.partial(_run_modules, modules), input)
+    return _RecomputedSegment.apply(modules, slots, _Replay(input), input, *parameters)
+
+
+def _tensors_in(value: Any) -> Iterable[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors_in(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors_in(item)
+
+
+class _OutsideReads(TorchFunctionMode):
+    """Notes whether a torch function reads a tensor that is none of
+    ``known`` (the input, the modules' parameters and buffers) and was not
+    made by an earlier function in the block."""
+
+    def __init__(self, known: set[int]) -> None:
+        super().__init__()
+        self.known = known
+        self.found = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(id(tensor) not in self.known for tensor in _tensors_in((args, kwargs))):
+            self.found = True
+        result = func(*args, **kwargs)
+        self.known.update(id(tensor) for tensor in _tensors_in(result))
+        return result
 
 
 def _unchanged(tensor: torch.Tensor) -> torch.Tensor:
@@ -417,34 +495,26 @@ def _unchanged(tensor: torch.Tensor) -> torch.Tensor:
 
 def lean_segment_ok(modules: Sequence[nn.Module], input: Any) -> bool:
     """Whether :func:`recompute_in_backward` gives ``modules`` on ``input``
-    the gradients autograd would: a plain tensor in and out, plain tensor
-    parameters, and every leaf requiring gradients that the output's graph
-    reaches on a probe forward is the input or one of the modules'
-    parameters (a tensor the modules read from elsewhere would get no
-    gradient). The probe keeps nothing, moves no running statistics and
+    the gradients autograd would: a plain tensor in and out, and on a probe
+    forward the run reads no tensor but its input, its modules' parameters
+    and buffers and what it made from them. A tensor read from elsewhere
+    would get no gradient, now or once it requires one, so it rules the
+    lean path out. The probe keeps nothing, moves no running statistics and
     draws no random numbers."""
     modules = tuple(modules)
-    parameters, buffers = _module_tensors(modules)
-    if type(input) is not torch.Tensor or any(type(p.data) is not torch.Tensor for p in parameters):
+    if type(input) is not torch.Tensor:
         return False
-    allowed = {id(p) for p in parameters}
-    probe = input.detach().requires_grad_(input.is_floating_point() or input.is_complex())
-    allowed.add(id(probe))
+    parameters, slots, _ = _module_tensors(modules)
+    known = {id(p) for p in parameters} | {id(module._buffers[name]) for module, name in slots}
+    known |= {id(buffer) for top in modules for buffer in top.buffers()}
+    probe = input.detach().requires_grad_(input.is_floating_point() or input.is_complex()).clone()
+    known.add(id(probe))
     devices = [input.device.index or 0] if input.is_cuda else []
-    with _KeepRunningStatistics(buffers), torch.random.fork_rng(devices=devices), \
-            torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_unchanged, _unchanged):
-        output = _run_modules(modules, probe.clone())
-    if type(output) is not torch.Tensor:
-        return False
-    seen: set = set()
-    stack = [output.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)
-        if variable is not None and id(variable) not in allowed:
-            return False
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return True
+    reads = _OutsideReads(known)
+    with _scratch_running_statistics(slots), torch.random.fork_rng(devices=devices), torch.enable_grad(), \
+            torch.autograd.graph.saved_tensors_hooks(_unchanged, _unchanged):
+        # The scratch buffers are what the modules read now.
+        reads.known |= {id(module._buffers[name]) for module, name in slots}
+        with reads:
+            output = _run_modules(modules, probe)
+    return type(output) is torch.Tensor and not reads.found

@@ -597,6 +597,12 @@ def test_lean_segment_ok_refuses_what_it_cannot_differentiate_and_the_probe_leav
 
     assert not lean_segment_ok([Pair()], x)
     assert not lean_segment_ok([norm], [x])
+    # a frozen outside tensor would get no gradient once unfrozen; one made
+    # from the run's own parameter outside it has a graph of its own
+    assert not lean_segment_ok([_ReadsAnOutsideWeight(torch.randn(4, 1, 1, dtype=DTYPE))], x)
+    scale = nn.Conv2d(4, 4, 1).to(DTYPE)
+    assert not lean_segment_ok([scale, _ReadsAnOutsideWeight(scale.weight.sum() * 2)], x)
+    assert lean_segment_ok([scale, nn.ReLU(inplace=True), norm], x)
 
 
 def test_fit_falls_back_to_checkpoint_where_the_probe_refuses():
@@ -618,3 +624,65 @@ def test_fit_falls_back_to_checkpoint_where_the_probe_refuses():
     outside.grad = None
     reference(x).square().sum().backward()
     torch.testing.assert_close(got, outside.grad, rtol=1e-10, atol=1e-12)
+
+
+def _segment_against_plain(build, loss, segment=lambda modules, x: recompute_in_backward(modules, x)):
+    """``loss(run, modules, x)`` on fresh modules from ``build``, with the modules run plainly and as a lean
+    segment; returns both runs' (parameter gradients, input gradient)."""
+    results = []
+    for run in (lambda modules, x: functools.reduce(lambda value, module: module(value), modules, x), segment):
+        torch.manual_seed(0)
+        modules = build()
+        x = torch.randn(6, 4, dtype=DTYPE, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        loss(run, modules, x)
+        results.append(([p.grad for m in modules for p in m.parameters()], x.grad))
+    return results
+
+
+def _assert_same(results):
+    (grads, input_grad), (want, want_input) = results
+    for got, expected in zip(grads, want, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(input_grad, want_input, rtol=1e-10, atol=1e-12)
+
+
+def test_lean_segment_hands_hooked_modules_to_the_checkpoint():
+    # a forward hook keeps an inner output for a second loss; a hook on a
+    # parameter must run once: both run through the non-reentrant checkpoint
+    def build():
+        modules = [nn.Linear(4, 4).to(DTYPE), nn.Tanh(), nn.Linear(4, 4).to(DTYPE)]
+        modules[1].register_forward_hook(lambda module, args, output: features.append(output))
+        modules[2].weight.register_hook(lambda grad: calls.append(1) or grad * 2)
+        return modules
+
+    def loss(run, modules, x):
+        (run(modules, x).sum() + features[-1].square().sum()).backward()
+
+    features, calls = [], []
+    _assert_same(_segment_against_plain(build, loss))
+    assert len(calls) == 2  # once per run
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_lean_segment_double_backward_through_a_norm_and_a_parameter_used_before_it():
+    def build():
+        return [nn.Linear(4, 6).to(DTYPE), nn.BatchNorm1d(6).to(DTYPE), nn.Tanh(), nn.Linear(6, 4).to(DTYPE)]
+
+    def loss(run, modules, x):
+        before = modules[3](modules[2](modules[1](modules[0](x))))  # the same modules ahead of the segment
+        run(modules, before).square().sum().backward(create_graph=True)
+        x.grad.square().sum().backward()
+
+    _assert_same(_segment_against_plain(build, loss))
+
+
+def test_lean_segment_sharing_a_norm_with_the_code_around_it_and_ending_in_a_view():
+    def build():
+        return [nn.Linear(4, 4).to(DTYPE), nn.BatchNorm1d(4).to(DTYPE), nn.Flatten(0)]
+
+    def loss(run, modules, x):
+        outside = modules[1](x)  # the norm's buffers are saved by this graph too
+        out = run(modules, outside)
+        nn.ReLU(inplace=True)(out).sum().backward()  # in place on the segment's output, a view
+
+    _assert_same(_segment_against_plain(build, loss))
