@@ -197,9 +197,14 @@ class CheckpointedSequential(nn.Sequential):
         run another checkpoint (the bench's torch peer)."""
         if not torch.compiler.is_compiling() and type(input) is torch.Tensor:
             key = tuple(map(id, modules))
-            lean = self.__dict__.setdefault("_fit_lean", {})
+            lean = self.__dict__.get("_fit_lean", {})
             if key not in lean:
+                # Answers for modules no longer here (a deepcopy carries the
+                # original's) go; the dict holds at most one per segment.
+                children = set(map(id, self))
+                lean = {probed: ok for probed, ok in lean.items() if children.issuperset(probed)}
                 lean[key] = lean_segment_ok(modules, input)
+                self.__dict__["_fit_lean"] = lean
             if lean[key]:
                 return recompute_in_backward(modules, input)
         return checkpoint(_run_in_order(modules), input)
@@ -492,23 +497,40 @@ def _plan(profile: _Profile) -> list[tuple[int, int, int]]:
                 state, kept, first = trial, kept - gain, cut
 
 
+# The undo steps fit leaves on the model are objects, not closures: a
+# deepcopy of a fitted model then reverts its own modules (a closure would
+# still point at the original's), and torch.save can pickle the model.
+@dataclass
+class _RestoreSegments:
+    part: nn.Module
+    previous_class: type
+    previous: Optional[list]
+
+    def __call__(self) -> None:
+        self.part.__class__ = self.previous_class
+        self.part.__dict__.pop("_fit_lean", None)
+        if self.previous is None:
+            del self.part._fit_segments
+        else:
+            self.part._fit_segments = self.previous
+
+
+@dataclass
+class _MemoryEfficientOff:
+    modules: list
+
+    def __call__(self) -> None:
+        for module in self.modules:
+            module.memory_efficient = False
+
+
 def _set_segments(part: nn.Sequential, segments: list[tuple[int, int]],
                   sequential: type = CheckpointedSequential) -> Callable[[], None]:
     """Make ``part`` checkpoint ``segments`` (a class swap to ``sequential``); returns what puts it back as it was."""
-    previous_class = type(part)
-    previous = part.__dict__.get("_fit_segments")
+    restore = _RestoreSegments(part, type(part), part.__dict__.get("_fit_segments"))
     part.__class__ = sequential
     part._fit_segments = segments
     part.__dict__.pop("_fit_lean", None)
-
-    def restore() -> None:
-        part.__class__ = previous_class
-        part.__dict__.pop("_fit_lean", None)
-        if previous is None:
-            del part._fit_segments
-        else:
-            part._fit_segments = previous
-
     return restore
 
 
@@ -518,12 +540,7 @@ def _memory_efficient_densenet(model: nn.Module) -> tuple[list[str], Callable[[]
                 and not module.memory_efficient]
     for _, module in switched:
         module.memory_efficient = True
-
-    def undo() -> None:
-        for _, module in switched:
-            module.memory_efficient = False
-
-    return [name for name, _ in switched], undo
+    return [name for name, _ in switched], _MemoryEfficientOff([module for _, module in switched])
 
 
 def fit(model: nn.Module, example_input: Union[torch.Tensor, tuple], budget: Union[int, str, float], *,

@@ -271,3 +271,30 @@ def test_bad_arguments_and_unreachable_budget():
     effilayers.fit(model, x, 0.9)
     with pytest.raises(ValueError, match="already fitted"):
         effilayers.fit(model, x, 0.9)
+
+
+def test_a_copy_of_a_fitted_model_reverts_itself_and_a_fitted_model_pickles():
+    import io
+
+    torch.manual_seed(0)
+    model = _deep_sequential().double()
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    effilayers.fit(model, x, 0.6)
+    model(x).sum().backward()
+    twin = copy.deepcopy(model)
+    twin(x).sum().backward()
+    # the copy's probe answers replace the original's, one per segment
+    assert len(twin._fit_lean) == len(twin._fit_segments)
+    effilayers.revert(twin)
+    assert type(twin) is nn.Sequential and type(model) is CheckpointedSequential
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for fitted in (model, loaded):
+        fitted.zero_grad(set_to_none=True)
+        fitted(x).square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), loaded.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=name)
+    effilayers.revert(loaded)
+    assert type(loaded) is nn.Sequential and type(model) is CheckpointedSequential
