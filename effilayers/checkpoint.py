@@ -9,8 +9,9 @@ non-reentrant checkpoint, with two differences:
   inside it updates ``running_mean``, ``running_var`` and
   ``num_batches_tracked`` twice per step (with ``momentum=None`` the
   cumulative average then counts each batch twice). Here the recomputation
-  puts back the running statistics it found, so they end where the plain
-  model leaves them. The normalisation itself needs no help: in training it
+  runs on copies of the running statistics, so the real ones end where the
+  plain model leaves them, and a norm also used outside the segment keeps
+  the buffers its other graph saved unchanged. The normalisation itself needs no help: in training it
   uses the batch's statistics, which the recomputation reproduces from the
   same input. This covers every module with buffers named ``running_mean``,
   ``running_var`` or ``num_batches_tracked`` that the checkpointed function
@@ -151,29 +152,34 @@ def _module_tensors(modules: Iterable[nn.Module]) -> tuple[list[nn.Parameter], l
     return list(parameters.values()), list(slots.values()), hooked
 
 
-def _running_buffers(objects: Iterable[Any]) -> list[torch.Tensor]:
-    return [module._buffers[name] for module, name in _module_tensors(_modules_reached(objects))[1]]
+def _running_slots(objects: Iterable[Any]) -> list[tuple[nn.Module, str]]:
+    return _module_tensors(_modules_reached(objects))[1]
 
 
-class _KeepRunningStatistics:
-    """Recomputation context: whatever the recomputed forward writes into the
-    running statistics is undone on the way out, also when torch stops the
-    recomputation early (it raises through this context)."""
+class _ScratchRunningStatistics:
+    """Recomputation context: the modules read and write copies of their
+    running statistics inside, so the real buffers keep the values the
+    forward left and their version counters, which a graph that saved them
+    checks (a norm also used outside the recomputed run, a double
+    backward). The originals come back on the way out, also when torch
+    stops the recomputation early (it raises through this context).
+    Reusable: a backward with ``retain_graph=True`` and a second one
+    recompute twice."""
 
-    def __init__(self, buffers: list[torch.Tensor]) -> None:
-        self.buffers = buffers
-        self.saved: list[torch.Tensor] = []
+    def __init__(self, slots: list[tuple[nn.Module, str]]) -> None:
+        self.slots = slots
+        self.originals: list[torch.Tensor] = []
 
-    def __enter__(self) -> "_KeepRunningStatistics":
-        with torch.no_grad():
-            self.saved = [buffer.clone() for buffer in self.buffers]
+    def __enter__(self) -> "_ScratchRunningStatistics":
+        self.originals = [module._buffers[name] for module, name in self.slots]
+        for (module, name), buffer in zip(self.slots, self.originals):
+            module._buffers[name] = buffer.clone()
         return self
 
     def __exit__(self, *exc_info: Any) -> bool:
-        with torch.no_grad():
-            for buffer, value in zip(self.buffers, self.saved):
-                buffer.copy_(value)
-        self.saved = []
+        for (module, name), buffer in zip(self.slots, self.originals):
+            module._buffers[name] = buffer
+        self.originals = []
         return False
 
 
@@ -182,7 +188,7 @@ class _Recompute:
     caller's own recompute context. Reusable, like torch's contexts: a
     backward with ``retain_graph=True`` and a second one recompute twice."""
 
-    def __init__(self, keep: _KeepRunningStatistics, context: ContextManager) -> None:
+    def __init__(self, keep: _ScratchRunningStatistics, context: ContextManager) -> None:
         self.keep, self.context = keep, context
         self.stack = contextlib.ExitStack()
 
@@ -235,8 +241,8 @@ def _checkpoint(function: Callable, args: tuple, kwargs: dict, reached: Iterable
     run = _on_copies(function)
     # Compiled: the compiler recomputes from its graph, where the buffer
     # updates happen once, and it accepts only dispatch-mode contexts.
-    buffers = [] if torch.compiler.is_compiling() else _running_buffers(reached)
-    if not buffers:
+    slots = [] if torch.compiler.is_compiling() else _running_slots(reached)
+    if not slots:
         if context_fn is not torch_checkpoint.noop_context_fn:
             settings["context_fn"] = context_fn
         # Passed on only when given: dynamo's checkpoint accepts no other
@@ -248,7 +254,7 @@ def _checkpoint(function: Callable, args: tuple, kwargs: dict, reached: Iterable
 
     def contexts() -> tuple[ContextManager, ContextManager]:
         forward_context, recompute_context = context_fn()
-        return forward_context, _Recompute(_KeepRunningStatistics(buffers), recompute_context)
+        return forward_context, _Recompute(_ScratchRunningStatistics(slots), recompute_context)
 
     return torch_checkpoint.checkpoint(run, *args, context_fn=contexts, **settings, **kwargs)
 
@@ -374,22 +380,6 @@ class _Replay:
             yield
 
 
-@contextlib.contextmanager
-def _scratch_running_statistics(slots: list[tuple[nn.Module, str]]):
-    """The modules read and write copies of their running statistics inside:
-    the real buffers keep their values and their version counters, which a
-    graph that saved them (a norm also used outside the segment, a double
-    backward) checks."""
-    originals = [module._buffers[name] for module, name in slots]
-    for (module, name), buffer in zip(slots, originals):
-        module._buffers[name] = buffer.clone()
-    try:
-        yield
-    finally:
-        for (module, name), buffer in zip(slots, originals):
-            module._buffers[name] = buffer
-
-
 class _RecomputedSegment(torch.autograd.Function):
     """Inputs: (modules, running-statistics slots, _Replay, input, *parameters)."""
 
@@ -413,7 +403,7 @@ class _RecomputedSegment(torch.autograd.Function):
         if input_needed or wanted:
             # Grad mode is on here only for a backward with create_graph=True.
             create_graph = torch.is_grad_enabled()
-            with _scratch_running_statistics(ctx.slots), ctx.replay.replayed(), torch.enable_grad():
+            with _ScratchRunningStatistics(ctx.slots), ctx.replay.replayed(), torch.enable_grad():
                 # For second derivatives the gradients must be functions of
                 # the input itself, not of a detached copy.
                 leaf = input if create_graph else input.detach().requires_grad_(input_needed)
@@ -505,13 +495,12 @@ def lean_segment_ok(modules: Sequence[nn.Module], input: Any) -> bool:
     if type(input) is not torch.Tensor:
         return False
     parameters, slots, _ = _module_tensors(modules)
-    known = {id(p) for p in parameters} | {id(module._buffers[name]) for module, name in slots}
-    known |= {id(buffer) for top in modules for buffer in top.buffers()}
+    known = {id(p) for p in parameters} | {id(buffer) for top in modules for buffer in top.buffers()}
     probe = input.detach().requires_grad_(input.is_floating_point() or input.is_complex()).clone()
     known.add(id(probe))
     devices = [input.device.index or 0] if input.is_cuda else []
     reads = _OutsideReads(known)
-    with _scratch_running_statistics(slots), torch.random.fork_rng(devices=devices), torch.enable_grad(), \
+    with _ScratchRunningStatistics(slots), torch.random.fork_rng(devices=devices), torch.enable_grad(), \
             torch.autograd.graph.saved_tensors_hooks(_unchanged, _unchanged):
         # The scratch buffers are what the modules read now.
         reads.known |= {id(module._buffers[name]) for module, name in slots}

@@ -676,7 +676,12 @@ def test_lean_segment_double_backward_through_a_norm_and_a_parameter_used_before
     _assert_same(_segment_against_plain(build, loss))
 
 
-def test_lean_segment_sharing_a_norm_with_the_code_around_it_and_ending_in_a_view():
+def _through_checkpoint(modules, x):
+    return checkpoint(lambda value: functools.reduce(lambda out, module: module(out), modules, value), x)
+
+
+@pytest.mark.parametrize("segment", [recompute_in_backward, _through_checkpoint], ids=["lean", "checkpoint"])
+def test_segment_sharing_a_norm_with_the_code_around_it_and_ending_in_a_view(segment):
     def build():
         return [nn.Linear(4, 4).to(DTYPE), nn.BatchNorm1d(4).to(DTYPE), nn.Flatten(0)]
 
@@ -685,4 +690,4 @@ def test_lean_segment_sharing_a_norm_with_the_code_around_it_and_ending_in_a_vie
         out = run(modules, outside)
         nn.ReLU(inplace=True)(out).sum().backward()  # in place on the segment's output, a view
 
-    _assert_same(_segment_against_plain(build, loss))
+    _assert_same(_segment_against_plain(build, loss, segment))
