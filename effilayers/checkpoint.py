@@ -498,9 +498,9 @@ def lean_segment_ok(modules: Sequence[nn.Module], input: Any) -> bool:
     known = {id(p) for p in parameters} | {id(buffer) for top in modules for buffer in top.buffers()}
     probe = input.detach().requires_grad_(input.is_floating_point() or input.is_complex()).clone()
     known.add(id(probe))
-    devices = [input.device.index or 0] if input.is_cuda else []
     reads = _OutsideReads(known)
-    with _ScratchRunningStatistics(slots), torch.random.fork_rng(devices=devices), torch.enable_grad(), \
+    # _Replay forks the random state as a recomputation does, so the probe draws none.
+    with _ScratchRunningStatistics(slots), _Replay(input).replayed(), torch.enable_grad(), \
             torch.autograd.graph.saved_tensors_hooks(_unchanged, _unchanged):
         # The scratch buffers are what the modules read now.
         reads.known |= {id(module._buffers[name]) for module, name in slots}
