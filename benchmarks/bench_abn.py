@@ -22,7 +22,7 @@ from effilayers.nn import ABN, InPlaceABN
 from .conftest import devices, synchronize
 
 CPU_SHAPES = [(32, 64, 56, 56), (32, 256, 14, 14)]
-GPU_SHAPES = [(128, 64, 112, 112), (128, 256, 56, 56), (128, 1024, 14, 14)]
+GPU_SHAPES = [(32, 256, 56, 56)]  # issue 28's: a ResNet stage-2 map, 100 MB in fp32
 HAS_INPLACE_ABN = importlib.util.find_spec("inplace_abn") is not None
 
 

@@ -19,7 +19,8 @@ Variants, all DenseNet-121 with the same weights:
 Each test records the activation bytes of one forward at 1x3x224x224
 (``effilayers.memory``, device-independent) and their ratio to the naive
 model's in ``extra_info``, and times a training step (forward, backward) at
-the device's size: CPU 4x3x64x64, CUDA 64x3x224x224 (plus CUDA peak bytes).
+the device's size: CPU 4x3x64x64 in float32, CUDA 64x3x224x224 under bf16
+autocast, as models are trained there (plus CUDA peak bytes).
 Targets (issue 4): activation bytes <= 0.33x naive at 224; on GPU a step
 <= 1.05x the naive model's time.
 """
@@ -73,13 +74,17 @@ def test_densenet121_training_step(benchmark, variant, device, naive_bytes_224):
     x = torch.randn(shape, device=device)
     target = torch.randint(0, 1000, (shape[0],), device=device)
 
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda")
+
     def step():
-        loss = F.cross_entropy(model(x), target)
+        with autocast:
+            loss = F.cross_entropy(model(x), target)
         loss.backward()
         model.zero_grad(set_to_none=True)
         synchronize(device)
 
-    benchmark.group = f"densenet121 training step {device} {'x'.join(map(str, shape))}"
+    precision = "bf16 autocast" if device == "cuda" else "float32"
+    benchmark.group = f"densenet121 training step {device} {'x'.join(map(str, shape))} {precision}"
     # Activation bytes at 1x3x224x224, whatever the timed shape (named like
     # the other suites' keys so summarize.py shows the ratio).
     info = dict(activation_bytes=saved, activation_bytes_ratio=saved / naive_bytes_224,

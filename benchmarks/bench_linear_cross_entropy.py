@@ -51,7 +51,8 @@ from .conftest import devices, synchronize
 # (tokens, hidden, classes)
 CPU_SHAPES = [(1024, 128, 32768), (4096, 128, 32768)]
 GPU_SHAPES = [(16384, 4096, 128256), (8192, 4096, 32000)]
-IMPLEMENTATIONS = ["torch", "torch-compile", "effilayers", "liger"]
+IMPLEMENTATIONS = ["torch", "torch-compile", "torch-linear_cross_entropy", "torch-linear_cross_entropy-chunked",
+                   "effilayers", "liger"]
 
 
 def cases():
@@ -81,6 +82,15 @@ def implementation_fn(name, device):
         if "fn" not in _compiled:
             _compiled["fn"] = torch.compile(unfused)
         return _compiled["fn"]
+    if name.startswith("torch-linear_cross_entropy"):
+        # torch's own fused head (2.13; absent from 2.11, the GPU image's):
+        # without options its reference path, with LinearCrossEntropyOptions
+        # the batch-chunked one whose logits never exist whole.
+        native = getattr(F, "linear_cross_entropy", None)
+        if native is None:
+            pytest.skip(f"torch {torch.__version__} has no F.linear_cross_entropy")
+        options = torch.nn.LinearCrossEntropyOptions() if name.endswith("chunked") else None
+        return lambda x, weight, bias, target: native(x, weight, target, linear_bias=bias, options=options)
     if name == "effilayers":
         return fused
     if name == "liger":

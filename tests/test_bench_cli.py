@@ -1,12 +1,11 @@
 """The bench's timing, plot and command line: CUDA events or the clock, the
 plot's panels, argument and model errors (exit 2), output paths, the README
-headline and the GPU session script."""
+headline."""
 
 from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -331,45 +330,3 @@ def test_readme_headline_is_generated_from_the_committed_results(monkeypatch):
         assert {"command", "settings", "environment", "results"} <= set(report)
     assert section.strip() == headline.render(sources).strip()
 
-
-def _info_help() -> str:
-    import contextlib
-    import io
-
-    from effilayers import _info
-
-    text = io.StringIO()
-    with contextlib.redirect_stdout(text), contextlib.suppress(SystemExit):
-        _info.main(["--help"])
-    return text.getvalue()
-
-
-def test_gpu_session_script_commands_are_valid():
-    """benchmarks/gpu_session.sh is what a session with a GPU runs; it can
-    only run there, so check here that every command it would run names
-    files that exist and options the bench command and pytest accept."""
-    import shlex
-    import subprocess
-
-    from effilayers.bench.cli import _parser
-
-    root = Path(__file__).resolve().parents[1]
-    listing = subprocess.run(["bash", str(root / "benchmarks" / "gpu_session.sh"), "--list"],
-                             capture_output=True, text=True, check=True).stdout
-    commands = [line for line in listing.splitlines() if line and not line.startswith("#")]
-    assert len(commands) >= 8, listing
-    assert commands[0] == "python3 -m effilayers.info --selftest", listing  # the first thing run on a GPU
-    for command in commands:
-        words = shlex.split(command)
-        assert words[:3] in (["python3", "-m", "pytest"], ["python3", "-m", "effilayers.bench"],
-                             ["python3", "-m", "effilayers.info"]), command
-        if words[2] == "effilayers.info":
-            assert words[3:] == ["--selftest"] and "--selftest" in _info_help(), command
-        elif words[2] == "effilayers.bench":
-            arguments = _parser().parse_args(words[3:])
-            assert arguments.device == "cuda" and arguments.json, command
-        else:
-            paths = [w for w in words[3:] if w.startswith(("tests", "benchmarks/"))]
-            assert paths and all((root / path).exists() for path in paths), command
-    bad = subprocess.run(["bash", str(root / "benchmarks" / "gpu_session.sh"), "nope"], capture_output=True, text=True)
-    assert bad.returncode == 2 and "part must be one of" in bad.stderr

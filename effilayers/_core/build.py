@@ -126,11 +126,16 @@ def cuda_cflags() -> list[str]:
     return ["-O3", "-lineinfo"]
 
 
-def _fingerprint(kind: str, files: list[str]) -> str:
+def _fingerprint(kind: str, files: list[str], python_version: bool = True) -> str:
+    """The build's identity: sources, headers, flags and torch's version,
+    and by default Python's (the cache key). The libraries have no Python
+    binding, so a copy shipped to a machine with another Python
+    (``export_library``) is checked without it."""
     import torch
 
     digest = hashlib.sha256()
-    for item in (torch.__version__, sys.version, kind, *cflags(kind), *ldflags(kind), *cuda_cflags()):
+    pinned = (torch.__version__, sys.version) if python_version else (torch.__version__,)
+    for item in (*pinned, kind, *cflags(kind), *ldflags(kind), *cuda_cflags()):
         digest.update(item.encode())
     root = csrc_dir()
     # Headers are not in the source list but change the build all the same.
@@ -225,6 +230,43 @@ def build_and_load(kind: str) -> str:
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return f"built in {build_dir}"
+
+
+def export_library(kind: str, directory: str | os.PathLike) -> Path:
+    """Build (or load) the library for ``kind`` here and copy it into
+    ``directory`` with a stamp of what it was built from, for a machine whose
+    time is too short to build it (a lent GPU): ``import_library`` there
+    takes it only if the stamp still matches that checkout and torch."""
+    build_and_load(kind)
+    files = sources(kind)
+    built = cache_root() / f"{library_name(kind)}-{_fingerprint(kind, files)}" / f"{library_name(kind)}.so"
+    if not built.exists():
+        raise ExtensionUnavailable(f"{library_name(kind)} was loaded from a prebuilt copy, not built into the cache")
+    target = Path(directory)
+    target.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(built, target / built.name)
+    (target / f"{library_name(kind)}.stamp").write_text(_fingerprint(kind, files, python_version=False) + "\n")
+    return target / built.name
+
+
+def import_library(kind: str, directory: str | os.PathLike) -> str:
+    """Place a library exported by ``export_library`` into this machine's
+    build cache, where ``build_and_load`` finds it, if its stamp matches the
+    sources, flags and torch version here. Returns what happened, in words;
+    a mismatch leaves the cache alone, so the library is built as usual."""
+    source = Path(directory) / f"{library_name(kind)}.so"
+    stamp = Path(directory) / f"{library_name(kind)}.stamp"
+    if not source.exists() or not stamp.exists():
+        return f"no prebuilt {library_name(kind)} in {directory}"
+    files = sources(kind)
+    expected = _fingerprint(kind, files, python_version=False)
+    shipped = stamp.read_text().strip()
+    if shipped != expected:
+        return f"prebuilt {library_name(kind)} is stale (stamp {shipped}, these sources and torch {expected}): building"
+    build_dir = cache_root() / f"{library_name(kind)}-{_fingerprint(kind, files)}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(source, build_dir / source.name)
+    return f"prebuilt {library_name(kind)} matches (stamp {expected}): placed in {build_dir}"
 
 
 def _seed_from_previous_build(kind: str, build_dir: Path) -> None:

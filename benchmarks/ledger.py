@@ -1,0 +1,417 @@
+"""The ledger of GPU evidence: for each kernel family, the last commit that
+changed its kernels, its newest GPU result, that result's headline against
+the family's target, and whether the result is fresh or stale.
+
+    python3 benchmarks/ledger.py            # write benchmarks/results/GPU.md
+    python3 benchmarks/ledger.py --check    # exit 1 when GPU.md is not what it would write
+    python3 benchmarks/ledger.py --order    # family names, stale ones first
+
+GPU results are the files in benchmarks/results named
+``<prefix>-<device>-<YYYY-MM-DD>[-anything].json`` (or ``.log`` / ``.md``)
+with a device other than ``cpu``. A result is fresh when it is dated on or
+after the day of the last commit that changed its family's kernels and, if
+it is committed, its commit contains that change (a result committed before
+the change cannot have measured it, whatever the day). A JSON that records
+the commit it measured (``machine_info.effilayers.commit``) is judged by that
+commit alone. Without git history every family is stale.
+
+``benchmarks/gpu_session.py`` imports :func:`ledger_rows` and
+:func:`stale_first` to spend a GPU session on the stale families first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import difflib
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    kernels: tuple[str, ...]  # git pathspecs; a change to any of them makes older results stale
+    prefixes: tuple[str, ...]  # result file names start with one of these, then -<device>-<date>
+    target: str
+    ours: str = "effilayers"  # pytest-benchmark implementation compared ...
+    baseline: str = "torch"  # ... with this one, group by group
+
+
+# One line per family. fit's results carry the model and budget before the
+# device (budget-resnet50-0.35-<device>-<date>.json), so those spellings are
+# prefixes of their own. max_batch's prefix is exactly `bench` so that
+# bench-densenet121-... and bench-densenet264-... runs (no max-batch search) do not count.
+FAMILIES: tuple[Family, ...] = (
+    Family("softmax", ("effilayers/ops/softmax", "csrc/cpu/softmax.cpp"), ("softmax",), ">= 1.0x torch eager 1K-256K columns; >= 90% of copy bandwidth"),
+    Family("cross_entropy", ("effilayers/ops/cross_entropy", "csrc/cpu/cross_entropy.cpp"), ("cross_entropy",), "fwd+bwd <= 1.0x torch eager"),
+    Family("reductions", ("effilayers/ops/reductions", "csrc/cpu/reductions.cpp"), ("reductions",), ">= 90% of copy bandwidth"),
+    Family("linear_cross_entropy", ("effilayers/ops/linear_cross_entropy",), ("linear_cross_entropy",), "time <= 1.0x torch's F.linear_cross_entropy, peak well under the unfused"),
+    Family("abn", ("effilayers/ops/abn", "effilayers/ops/stats", "effilayers/ops/_batchnorm.py", "effilayers/ops/_activation.py", "csrc/cuda/abn*", "csrc/cuda/stats*", "csrc/cpu/abn*", "csrc/cpu/stats.cpp", "csrc/common"), ("abn",), "InPlaceABN fwd+bwd <= 0.9x cuDNN BN + LeakyReLU", ours="effilayers-inplace"),
+    Family("densenet", ("effilayers/ops/densenet", "csrc/cpu/densenet.cpp", "effilayers/models/densenet.py"), ("densenet",), "step <= 1.05x naive at <= 0.33x activation bytes", baseline="torch-naive"),
+    Family("adam", ("effilayers/ops/adam", "effilayers/optim", "csrc/cpu/adam.cpp"), ("optim",), ">= 90% of 28 B/param floor, <= 1.0x torch fused", baseline="torch-fused"),
+    Family("max_batch", ("effilayers/max_batch.py", "effilayers/bench", "effilayers/nn", "effilayers/models"), ("bench",), "largest batch >= 1.6x plain (ResNet-50 InPlaceABN), >= 3x (DenseNet-121)"),
+    Family("fit", ("effilayers/fit.py", "effilayers/checkpoint.py"), ("budget", "budget-resnet50-0.35", "budget-densenet121-0.25"), "within budget on CUDA peak bytes at <= 1.15x (ResNet-50) / 1.3x (DenseNet-121) plain's step"),
+    Family("offload", ("effilayers/optim/offload.py", "effilayers/optim/sharded.py"), ("fsdp_offload",), "<= 0.35x GPU memory at <= 1.5x step time"),
+    Family("pooling", ("effilayers/nn/pooling.py",), ("pooling",), "no target"),
+)
+
+RESULTS = Path("benchmarks") / "results"
+LEDGER = RESULTS / "GPU.md"
+COMMAND = "python3 benchmarks/ledger.py"
+EXTENSIONS = (".json", ".log", ".md")
+
+
+@dataclass(frozen=True)
+class Commit:
+    short: str
+    full: str
+    date: str  # YYYY-MM-DD, committer date
+
+
+@dataclass(frozen=True)
+class Row:
+    family: str
+    kernel_change: Optional[Commit]  # None: no git history, or no commit touches the kernels
+    result: Optional[str]  # file name in benchmarks/results
+    result_date: Optional[str]
+    headline: str
+    target: str
+    fresh: bool
+    reason: str
+
+
+# --- git ---------------------------------------------------------------------
+
+# A git hook or a `git rebase --exec` exports these; left in place they would
+# point every call below at the caller's repository instead of root's.
+_GIT_ENV = ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_OBJECT_DIRECTORY", "GIT_LITERAL_PATHSPECS")
+
+
+def _git(root: Path, *args: str) -> Optional[subprocess.CompletedProcess]:
+    env = {key: value for key, value in os.environ.items() if key not in _GIT_ENV}
+    try:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, env=env)
+    except OSError:  # no git installed
+        return None
+
+
+def _git_out(root: Path, *args: str) -> Optional[str]:
+    done = _git(root, *args)
+    return done.stdout.strip() if done is not None and done.returncode == 0 else None
+
+
+def has_history(root: Path) -> bool:
+    """Whether root is the top of a git checkout with its full history. A copy
+    of the tree inside some other repository is not (its log would be that
+    repository's), nor is a shallow clone (its oldest commit would claim every
+    file it holds)."""
+    top = _git_out(root, "rev-parse", "--show-toplevel")
+    if top is None or Path(top).resolve() != root.resolve():
+        return False
+    return _git_out(root, "rev-parse", "--is-shallow-repository") == "false"
+
+
+def last_change(root: Path, pathspecs: tuple[str, ...]) -> Optional[Commit]:
+    line = _git_out(root, "log", "-1", "--format=%H %cs", "--", *pathspecs)
+    if not line:
+        return None
+    full, date = line.split()
+    # Not %h: its length follows each clone's object count and core.abbrev,
+    # and GPU.md must come out the same in every clone for --check.
+    return Commit(full[:7], full, date)
+
+
+def _contains(root: Path, commit: str, change: Commit) -> Optional[bool]:
+    """Whether ``commit`` has ``change`` in its history; None when git does
+    not know ``commit`` (a measurement taken on a branch never pushed here)."""
+    done = _git(root, "merge-base", "--is-ancestor", change.full, commit)
+    if done is None or done.returncode not in (0, 1):
+        return None
+    return done.returncode == 0
+
+
+def _committed_in(root: Path, path: Path) -> Optional[str]:
+    """The commit that holds the file's current content; None when the file
+    is untracked or modified, i.e. newer than any commit."""
+    relative = path.relative_to(root).as_posix()
+    if _git_out(root, "status", "--porcelain", "--", relative) != "":
+        return None
+    return _git_out(root, "log", "-1", "--format=%H", "--", relative) or None
+
+
+# --- results -----------------------------------------------------------------
+
+def _result_pattern(prefix: str) -> re.Pattern:
+    # The date right after the device is what tells a device token from a
+    # qualifier: optim-chunk-size-cpu-<date> is not an `optim` result.
+    return re.compile(rf"{re.escape(prefix)}-(?P<device>[A-Za-z0-9]+)-(?P<date>\d{{4}}-\d{{2}}-\d{{2}})(?P<rest>-.*)?")
+
+
+def _valid_date(text: str) -> bool:
+    try:
+        datetime.date.fromisoformat(text)
+    except ValueError:
+        return False
+    return True
+
+
+def gpu_results(results: Path, family: Family) -> list[tuple[str, Path]]:
+    """(date, path) of the family's GPU results, newest first; on one day a
+    JSON (the only kind with a headline) before a log or a note."""
+    found = []
+    for path in sorted(results.iterdir()) if results.is_dir() else ():
+        if path.suffix not in EXTENSIONS or not path.is_file():
+            continue
+        for prefix in family.prefixes:
+            match = _result_pattern(prefix).fullmatch(path.name[:-len(path.suffix)])
+            # A "-before-<commit>" file measured the code as it was before
+            # that commit, on purpose: it is not evidence about today's code.
+            if (match and match["device"].lower() != "cpu" and _valid_date(match["date"])
+                    and "-before-" not in (match["rest"] or "")):
+                found.append((match["date"], path))
+                break
+    return sorted(found, key=lambda item: (item[0], item[1].suffix == ".json", -len(item[1].name), item[1].name),
+                  reverse=True)
+
+
+def _load(path: Path) -> Optional[dict]:
+    if path.suffix != ".json":
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def recorded_commit(data: Optional[dict]) -> Optional[str]:
+    try:
+        commit = data["machine_info"]["effilayers"]["commit"]
+    except (KeyError, TypeError):
+        return None
+    return commit if isinstance(commit, str) and re.fullmatch(r"[0-9a-f]{7,40}", commit) else None
+
+
+def _number(value) -> Optional[float]:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _span(values: list[float], fmt: str) -> str:
+    low, high = min(values), max(values)
+    return format(low, fmt) if format(low, fmt) == format(high, fmt) else f"{low:{fmt}}–{high:{fmt}}"
+
+
+def _labels(ids: list[str]) -> list[str]:
+    """Implementation labels of one group's rows: their ids less the tokens
+    every row shares at the end (torch-softmax-cuda-4096x32768-dim-1-float16
+    and effilayers-softmax-cuda-... -> torch, effilayers), since the benches
+    spell the rest of the id each in their own way."""
+    tokens = [name.split("-") for name in ids]
+    shared = 0
+    while (len(tokens) > 1 and all(len(t) > shared + 1 for t in tokens)
+           and len({t[-1 - shared] for t in tokens}) == 1):
+        shared += 1
+    return ["-".join(t[:len(t) - shared]) for t in tokens]
+
+
+# extra_info figures worth a range in the headline, when the rows of ours carry them.
+_EXTRA_INFO = (
+    ("pct_of_copy", "{ours} at {span}% of copy bandwidth", ".0f"),
+    ("activation_bytes_ratio", "activation bytes {span}x plain PyTorch's", ".2f"),
+    ("peak_ratio_vs_torch", "peak {span}x torch's", ".2f"),
+)
+
+
+def pytest_benchmark_headline(data: dict, family: Family) -> Optional[str]:
+    groups: dict[str, list[tuple[str, dict]]] = {}
+    for bench in data.get("benchmarks") or ():
+        if not isinstance(bench, dict):
+            continue
+        match = re.search(r"\[(.*)\]$", str(bench.get("name", "")))
+        groups.setdefault(str(bench.get("group")), []).append((match[1] if match else "", bench))
+    ratios: list[float] = []
+    extra: dict[str, list[float]] = {key: [] for key, _, _ in _EXTRA_INFO}
+    for rows in groups.values():
+        by_label = dict(zip(_labels([id_ for id_, _ in rows]), (bench for _, bench in rows)))
+        ours, baseline = by_label.get(family.ours), by_label.get(family.baseline)
+        if ours is None:
+            continue
+        for key, values in extra.items():
+            value = _number((ours.get("extra_info") or {}).get(key))
+            if value is not None:
+                values.append(value)
+        if baseline is not None:
+            mine = _number((ours.get("stats") or {}).get("median"))
+            theirs = _number((baseline.get("stats") or {}).get("median"))
+            if mine is not None and theirs:
+                ratios.append(mine / theirs)
+    parts = []
+    if ratios:
+        parts.append(f"{family.ours}/{family.baseline} median time ratio {_span(ratios, '.2f')} "
+                     f"over {len(ratios)} group{'s' * (len(ratios) != 1)}")
+    for key, text, fmt in _EXTRA_INFO:
+        if extra[key]:
+            parts.append(text.format(ours=family.ours, span=_span(extra[key], fmt)))
+    return "; ".join(parts) or None
+
+
+def bench_headline(data: dict) -> Optional[str]:
+    """effilayers-bench's JSON: each effilayers / fit row's ratios to plain
+    PyTorch, as the file holds them."""
+    parts = []
+    for result in data.get("results") or ():
+        if not isinstance(result, dict):
+            continue
+        variant = str(result.get("variant", ""))
+        if "effilayers" not in variant and not variant.startswith("fit("):
+            continue
+        ratios = result.get("ratios") or {}
+        figures = []
+        max_batch, max_batch_ratio = result.get("max_batch"), _number(ratios.get("max_batch"))
+        if max_batch_ratio is not None:
+            figures.append(f"max batch {max_batch} ({max_batch_ratio:.2f}x)")
+        for key, label in (("step_time", "step"), ("cuda_peak_bytes", "CUDA peak")):
+            value = _number(ratios.get(key))
+            if value is not None:
+                figures.append(f"{label} {value:.2f}x")
+        if figures:
+            parts.append(f"{result.get('model', '?')} {variant}: {', '.join(figures)}")
+    return "; ".join(parts) + " (ratios to plain PyTorch)" if parts else None
+
+
+def headline(path: Path, data: Optional[dict], family: Family) -> str:
+    text = None
+    if data is not None and isinstance(data.get("benchmarks"), list):
+        text = pytest_benchmark_headline(data, family)
+    elif data is not None and isinstance(data.get("results"), list):
+        text = bench_headline(data)
+    return text or f"see `{path.name}`"
+
+
+# --- the ledger ----------------------------------------------------------------
+
+def _freshness(root: Path, history: bool, change: Optional[Commit], date: Optional[str], path: Optional[Path],
+               data: Optional[dict]) -> tuple[bool, str]:
+    if path is None:
+        return False, "no GPU result"
+    if not history:
+        return False, "kernel history unknown (no git history here)"
+    if change is None:
+        return False, "no commit touches the kernel paths"
+    measured = recorded_commit(data)
+    contains = _contains(root, measured, change) if measured else None
+    if contains is not None:
+        return contains, f"measured at {measured[:7]}, which {'contains' if contains else 'predates'} {change.short}"
+    if date < change.date:
+        return False, f"result dated before {change.short} ({change.date})"
+    committed = _committed_in(root, path)
+    if committed is not None and _contains(root, committed, change) is False:
+        return False, f"result committed in {committed[:7]}, without {change.short}"
+    return True, f"result dated on or after {change.short} ({change.date})"
+
+
+def ledger_rows(root: Path) -> list[Row]:
+    root = Path(root)
+    return _rows(root, has_history(root))
+
+
+def _rows(root: Path, history: bool) -> list[Row]:
+    rows = []
+    for family in FAMILIES:
+        change = last_change(root, family.kernels) if history else None
+        found = gpu_results(root / RESULTS, family)
+        date, path = found[0] if found else (None, None)
+        data = _load(path) if path is not None else None
+        fresh, reason = _freshness(root, history, change, date, path, data)
+        rows.append(Row(family=family.name, kernel_change=change, result=path.name if path else None,
+                        result_date=date, headline=headline(path, data, family) if path else "no GPU result",
+                        target=family.target, fresh=fresh, reason=reason))
+    return rows
+
+
+def stale_first(root: Path) -> list[str]:
+    rows = ledger_rows(Path(root))
+    return [row.family for row in rows if not row.fresh] + [row.family for row in rows if row.fresh]
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def render(root: Path) -> str:
+    root = Path(root)
+    history = has_history(root)
+    rows = _rows(root, history)
+    lines = [
+        "# GPU evidence",
+        "",
+        f"Generated by `{COMMAND}` from `{RESULTS.as_posix()}/` and the git history; do not edit by hand "
+        f"(`{COMMAND} --check` fails when this file is out of date). For each kernel family: the last commit that changed "
+        "its kernels, its newest GPU result in this folder, that result's headline figures and the target "
+        "they answer to. A result is fresh when it is dated on or after the kernel change's day and, if "
+        "committed, was committed with that change in its history (or, when its JSON records "
+        "`machine_info.effilayers.commit`, when that commit contains the change); no result is stale. "
+        f"`{COMMAND} --order` lists the stale families first.",
+        "",
+    ]
+    if not history:
+        lines += ["No git history here: the kernel changes' commits are unknown and every family counts as stale.", ""]
+    lines += [
+        "| family | kernels last changed | newest GPU result | headline | target | status |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in rows:
+        if row.kernel_change is not None:
+            changed = f"`{row.kernel_change.short}` {row.kernel_change.date}"
+        else:
+            changed = "no commit" if history else "unknown (no git)"
+        result = f"`{row.result}` ({row.result_date})" if row.result else "none"
+        status = f"{'fresh' if row.fresh else '**stale**'}: {row.reason}"
+        lines.append("| " + " | ".join(_cell(text) for text in (
+            row.family, changed, result, row.headline, row.target, status)) + " |")
+    stale = sum(not row.fresh for row in rows)
+    lines += ["", f"{stale} of {len(rows)} families stale."]
+    return "\n".join(lines) + "\n"
+
+
+def check(root: Path) -> tuple[bool, str]:
+    """(up to date, unified diff from the file on disk to what render makes)."""
+    path = Path(root) / LEDGER
+    expected = render(root)
+    actual = path.read_text(encoding="utf-8") if path.is_file() else ""
+    diff = "".join(difflib.unified_diff(actual.splitlines(True), expected.splitlines(True),
+                                        str(LEDGER), f"{LEDGER} (regenerated)"))
+    return actual == expected, diff
+
+
+def main(argv: Optional[list[str]] = None, root: Optional[Path] = None) -> int:
+    """The command line; ``root`` (default: the checkout holding this file)
+    lets tests run it on a throwaway tree."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--check", action="store_true", help=f"exit 1 when {LEDGER} is not what this would write")
+    mode.add_argument("--order", action="store_true", help="print the family names, stale ones first")
+    args = parser.parse_args(argv)
+    root = Path(__file__).resolve().parents[1] if root is None else Path(root)
+    if args.order:
+        print("\n".join(stale_first(root)))
+        return 0
+    if args.check:
+        current, diff = check(root)
+        if not current:
+            print(f"{LEDGER} is out of date; run `{COMMAND}`\n{diff}", file=sys.stderr)
+        return 0 if current else 1
+    (root / LEDGER).write_text(render(root), encoding="utf-8")
+    print(f"wrote {LEDGER}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
