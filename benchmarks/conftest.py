@@ -60,3 +60,18 @@ def pytest_benchmark_update_machine_info(config, machine_info):
         "backends": report["ops"],
         "command": "python -m pytest " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
     }
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own reordering and -k
+def pytest_collection_modifyitems(items):
+    """Run each case's implementations one after another (pytest would run
+    every case of the first implementation first), so that a run cut short,
+    as a GPU session's steps can be, leaves whole comparisons rather than
+    torch's rows alone. Test ids are unchanged."""
+    groups: dict = {}
+    for item in items:
+        spec = getattr(item, "callspec", None)
+        params = {} if spec is None else {k: repr(v) for k, v in spec.params.items() if k != "implementation"}
+        key = (item.fspath, item.originalname, tuple(sorted(params.items())))
+        groups.setdefault(key, []).append(item)
+    items[:] = [item for group in groups.values() for item in group]
