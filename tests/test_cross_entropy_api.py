@@ -305,15 +305,21 @@ def test_compile_fullgraph_matches_eager(inplace):
 
 @pytest.mark.gpu
 def test_cuda_autocast_float32_loss_like_torch():
+    """A float32 loss like torch's under CUDA autocast, and the accurate one:
+    against the float64 loss of the same bf16 logits. Not against torch's
+    autocast value: on the H200 that differed from the float64 loss by 5e-4
+    relative (benchmarks/results/ce-autocast-diagnosis-h200-2026-11-28.log),
+    and this test failed two sessions comparing with it."""
     head = Head(16, 1000, torch.float32).cuda()
     h = make_logits((64, 16), torch.float32, "cuda")
     target = make_target((64,), 1000, "cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         logits = head(h)
         loss = cross_entropy(logits, target)
-        expected = F.cross_entropy(logits, target)
-    assert logits.dtype == torch.bfloat16 and loss.dtype == torch.float32 and expected.dtype == torch.float32
-    torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-4)
+        torch_loss = F.cross_entropy(logits, target)
+    assert logits.dtype == torch.bfloat16 and loss.dtype == torch.float32 and torch_loss.dtype == torch.float32
+    exact = F.cross_entropy(logits.double(), target)
+    torch.testing.assert_close(loss.double(), exact, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.gpu

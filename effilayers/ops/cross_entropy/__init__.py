@@ -102,6 +102,11 @@ Autocast
     over many rows does not overflow float16 (8000x1000 fp16 logits with
     ``reduction="sum"``: about 9e4 like torch, where rounding to fp16 gave
     ``inf``; ``tests/test_cross_entropy_autograd.py::test_autocast_loss_dtype_follows_torch``).
+    The value is the float32-accurate loss of the low-precision
+    logits; torch's on CUDA is not: on an H200 (torch 2.11, 2026-11-28) its
+    autocast loss of 64x1000 bf16 logits was 38.8737 where the float64 loss
+    of the same logits, torch's float32 upcast and this op all gave 38.8539
+    (``benchmarks/results/ce-autocast-diagnosis-h200-2026-11-28.log``).
     Unlike torch, no float32 copy of the
     logits is made: the kernels accumulate in float32 anyway, and the saved
     gradient (and ``inplace_backward``'s) stays in the logits' dtype, which is
