@@ -31,7 +31,10 @@ Recorded in ``extra_info``:
 
 The GPU cases are the issue's shapes: 16384 tokens, hidden 4096, 128256
 classes in bf16 (8 GiB of bf16 logits: the unfused computation peaks at
-several times that). Nothing here has run on a GPU yet.
+several times that). torch's own ``F.linear_cross_entropy`` rows (with and
+without its batch chunking) skip on torch 2.11, which has neither it nor
+``LinearCrossEntropyOptions``; results/linear_cross_entropy-h200-2026-11-28.json
+is the first GPU run of the rest.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,13 @@ class Family:
     target: str
     ours: str = "effilayers"  # pytest-benchmark implementation compared ...
     baseline: str = "torch"  # ... with this one, group by group
+    # The target as a test of the result's figures (see figures()): True
+    # met, False missed, None when the result does not hold what it needs.
+    met: Optional[Callable[[dict], Optional[bool]]] = None
+    # The groups its bench times on a GPU (its cuda cases, collected with
+    # EFFILAYERS_BENCH_COLLECT_CUDA=1; tests/test_gpu_ledger.py checks): a
+    # result with fewer, from a run cut short, cannot meet the target.
+    cases: int = 0
 
 
 # One line per family. fit's results carry the model and budget before the
@@ -49,16 +56,16 @@ class Family:
 # prefixes of their own. max_batch's prefix is exactly `bench` so that
 # bench-densenet121-... and bench-densenet264-... runs (no max-batch search) do not count.
 FAMILIES: tuple[Family, ...] = (
-    Family("softmax", ("effilayers/ops/softmax", "csrc/cpu/softmax.cpp"), ("softmax",), ">= 1.0x torch eager 1K-256K columns; >= 90% of copy bandwidth"),
-    Family("cross_entropy", ("effilayers/ops/cross_entropy", "csrc/cpu/cross_entropy.cpp"), ("cross_entropy",), "fwd+bwd <= 1.0x torch eager"),
-    Family("reductions", ("effilayers/ops/reductions", "csrc/cpu/reductions.cpp"), ("reductions",), ">= 90% of copy bandwidth"),
-    Family("linear_cross_entropy", ("effilayers/ops/linear_cross_entropy",), ("linear_cross_entropy",), "time <= 1.0x torch's F.linear_cross_entropy, peak well under the unfused"),
-    Family("abn", ("effilayers/ops/abn", "effilayers/ops/stats", "effilayers/ops/_batchnorm.py", "effilayers/ops/_activation.py", "csrc/cuda/abn*", "csrc/cuda/stats*", "csrc/cpu/abn*", "csrc/cpu/stats.cpp", "csrc/common"), ("abn",), "InPlaceABN fwd+bwd <= 0.9x cuDNN BN + LeakyReLU", ours="effilayers-inplace"),
-    Family("densenet", ("effilayers/ops/densenet", "csrc/cpu/densenet.cpp", "effilayers/models/densenet.py"), ("densenet",), "step <= 1.05x naive at <= 0.33x activation bytes", baseline="torch-naive"),
-    Family("adam", ("effilayers/ops/adam", "effilayers/optim", "csrc/cpu/adam.cpp"), ("optim",), ">= 90% of 28 B/param floor, <= 1.0x torch fused", baseline="torch-fused"),
+    Family("softmax", ("effilayers/ops/softmax", "csrc/cpu/softmax.cpp"), ("softmax",), ">= 1.0x torch eager 1K-256K columns; >= 90% of copy bandwidth", met=lambda f: _all(f, 'time_ratio', 1.0) and _all(f, 'pct_of_copy', 90, above=True), cases=33),
+    Family("cross_entropy", ("effilayers/ops/cross_entropy", "csrc/cpu/cross_entropy.cpp"), ("cross_entropy",), "fwd+bwd <= 1.0x torch eager", met=lambda f: _all(f, 'time_ratio', 1.0), cases=3),
+    Family("reductions", ("effilayers/ops/reductions", "csrc/cpu/reductions.cpp"), ("reductions",), ">= 90% of copy bandwidth", met=lambda f: _all(f, 'pct_of_copy', 90, above=True), cases=27),
+    Family("linear_cross_entropy", ("effilayers/ops/linear_cross_entropy",), ("linear_cross_entropy",), "time <= 1.0x torch's F.linear_cross_entropy, peak well under the unfused", cases=2),
+    Family("abn", ("effilayers/ops/abn", "effilayers/ops/stats", "effilayers/ops/_batchnorm.py", "effilayers/ops/_activation.py", "csrc/cuda/abn*", "csrc/cuda/stats*", "csrc/cpu/abn*", "csrc/cpu/stats.cpp", "csrc/common"), ("abn",), "InPlaceABN fwd+bwd <= 0.9x cuDNN BN + LeakyReLU", ours="effilayers-inplace", met=lambda f: _all(f, 'time_ratio', 0.9), cases=4),
+    Family("densenet", ("effilayers/ops/densenet", "csrc/cpu/densenet.cpp", "effilayers/models/densenet.py"), ("densenet",), "step <= 1.05x naive at <= 0.33x activation bytes", baseline="torch-naive", met=lambda f: _all(f, 'time_ratio', 1.05) and _all(f, 'activation_bytes_ratio', 0.33), cases=1),
+    Family("adam", ("effilayers/ops/adam", "effilayers/optim", "csrc/cpu/adam.cpp"), ("optim",), ">= 90% of 28 B/param floor, <= 1.0x torch fused", baseline="torch-fused", met=lambda f: _all(f, 'time_ratio', 1.0), cases=2),
     Family("max_batch", ("effilayers/max_batch.py", "effilayers/bench", "effilayers/nn", "effilayers/models"), ("bench",), "largest batch >= 1.6x plain (ResNet-50 InPlaceABN), >= 3x (DenseNet-121)"),
     Family("fit", ("effilayers/fit.py", "effilayers/checkpoint.py"), ("budget", "budget-resnet50-0.35", "budget-densenet121-0.25"), "within budget on CUDA peak bytes at <= 1.15x (ResNet-50) / 1.3x (DenseNet-121) plain's step"),
-    Family("offload", ("effilayers/optim/offload.py", "effilayers/optim/sharded.py"), ("fsdp_offload",), "<= 0.35x GPU memory at <= 1.5x step time"),
+    Family("offload", ("effilayers/optim/offload.py", "effilayers/optim/sharded.py"), ("fsdp_offload",), "<= 0.35x GPU memory at <= 1.5x step time", met=lambda f: _offload_met(f, 'chunked_adamw', peak=0.35, time=1.5)),
     Family("pooling", ("effilayers/nn/pooling.py",), ("pooling",), "no target"),
 )
 
@@ -85,6 +92,7 @@ class Row:
     target: str
     fresh: bool
     reason: str
+    verdict: str  # the target "met", "**missed**" or "not measured" by that result
 
 
 # --- git ---------------------------------------------------------------------
@@ -208,7 +216,7 @@ def _span(values: list[float], fmt: str) -> str:
     return format(low, fmt) if format(low, fmt) == format(high, fmt) else f"{low:{fmt}}–{high:{fmt}}"
 
 
-def _labels(ids: list[str]) -> list[str]:
+def implementation_labels(ids: list[str]) -> list[str]:
     """Implementation labels of one group's rows: their ids less the tokens
     every row shares at the end (torch-softmax-cuda-4096x32768-dim-1-float16
     and effilayers-softmax-cuda-... -> torch, effilayers), since the benches
@@ -221,6 +229,20 @@ def _labels(ids: list[str]) -> list[str]:
     return ["-".join(t[:len(t) - shared]) for t in tokens]
 
 
+def _all(figures: dict, key: str, bound: float, above: bool = False) -> Optional[bool]:
+    """Every value of ``key`` on the right side of ``bound``; None when the
+    result has none (a target half measured is not met)."""
+    values = figures.get(key) or []
+    if not values:
+        return None
+    return all(v >= bound for v in values) if above else all(v <= bound for v in values)
+
+
+def _offload_met(figures: dict, variant: str, peak: float, time: float) -> Optional[bool]:
+    found = (figures.get("offload") or {}).get(variant)
+    return None if found is None else found[0] <= peak and found[1] <= time
+
+
 # extra_info figures worth a range in the headline, when the rows of ours carry them.
 _EXTRA_INFO = (
     ("pct_of_copy", "{ours} at {span}% of copy bandwidth", ".0f"),
@@ -229,36 +251,52 @@ _EXTRA_INFO = (
 )
 
 
-def pytest_benchmark_headline(data: dict, family: Family) -> Optional[str]:
+def pytest_benchmark_figures(data: dict, family: Family) -> dict:
+    """Per group, ours against the baseline: time ratios (median over
+    median), GB/s where the rows record bytes moved and no copy fraction,
+    and the extra_info figures of ours (_EXTRA_INFO)."""
     groups: dict[str, list[tuple[str, dict]]] = {}
     for bench in data.get("benchmarks") or ():
         if not isinstance(bench, dict):
             continue
         match = re.search(r"\[(.*)\]$", str(bench.get("name", "")))
         groups.setdefault(str(bench.get("group")), []).append((match[1] if match else "", bench))
-    ratios: list[float] = []
-    extra: dict[str, list[float]] = {key: [] for key, _, _ in _EXTRA_INFO}
+    figures: dict[str, list[float]] = {"time_ratio": [], "rates": [], "groups": [],
+                                       **{key: [] for key, _, _ in _EXTRA_INFO}}
     for rows in groups.values():
-        by_label = dict(zip(_labels([id_ for id_, _ in rows]), (bench for _, bench in rows)))
+        by_label = dict(zip(implementation_labels([id_ for id_, _ in rows]), (bench for _, bench in rows)))
         ours, baseline = by_label.get(family.ours), by_label.get(family.baseline)
         if ours is None:
             continue
-        for key, values in extra.items():
-            value = _number((ours.get("extra_info") or {}).get(key))
+        figures["groups"].append(1.0)
+        info = ours.get("extra_info") or {}
+        for key, _, _ in _EXTRA_INFO:
+            value = _number(info.get(key))
             if value is not None:
-                values.append(value)
+                figures[key].append(value)
+        median = _number((ours.get("stats") or {}).get("median"))
+        moved = _number(info.get("bytes_moved"))
+        if moved and median and "pct_of_copy" not in info:
+            figures["rates"].append(moved / median / 1e9)
         if baseline is not None:
-            mine = _number((ours.get("stats") or {}).get("median"))
             theirs = _number((baseline.get("stats") or {}).get("median"))
-            if mine is not None and theirs:
-                ratios.append(mine / theirs)
+            if median is not None and theirs:
+                figures["time_ratio"].append(median / theirs)
+    return figures
+
+
+def pytest_benchmark_headline(figures: dict, family: Family) -> Optional[str]:
     parts = []
+    ratios = figures["time_ratio"]
     if ratios:
         parts.append(f"{family.ours}/{family.baseline} median time ratio {_span(ratios, '.2f')} "
                      f"over {len(ratios)} group{'s' * (len(ratios) != 1)}")
+    if figures["rates"]:
+        parts.append(f"{family.ours} {_span(figures['rates'], '.0f')} GB/s (bytes a one-pass kernel must move / "
+                     "median time)")
     for key, text, fmt in _EXTRA_INFO:
-        if extra[key]:
-            parts.append(text.format(ours=family.ours, span=_span(extra[key], fmt)))
+        if figures[key]:
+            parts.append(text.format(ours=family.ours, span=_span(figures[key], fmt)))
     return "; ".join(parts) or None
 
 
@@ -286,13 +324,41 @@ def bench_headline(data: dict) -> Optional[str]:
     return "; ".join(parts) + " (ratios to plain PyTorch)" if parts else None
 
 
-def headline(path: Path, data: Optional[dict], family: Family) -> str:
-    text = None
+def variants_figures(data: dict) -> dict:
+    """benchmarks/bench_fsdp_offload.py's JSON: each offloaded variant's
+    (peak, step time) ratios to the plain one, as the file holds them."""
+    offload = {}
+    for name, variant in (data.get("variants") or {}).items():
+        if not isinstance(variant, dict) or not variant.get("offload"):
+            continue
+        peak, time = _number(variant.get("peak_ratio")), _number(variant.get("time_ratio"))
+        if peak is not None and time is not None:
+            offload[name] = (peak, time)
+    return {"offload": offload}
+
+
+def figures_and_headline(path: Path, data: Optional[dict], family: Family) -> tuple[dict, str]:
+    figures, text = {}, None
     if data is not None and isinstance(data.get("benchmarks"), list):
-        text = pytest_benchmark_headline(data, family)
+        figures = pytest_benchmark_figures(data, family)
+        text = pytest_benchmark_headline(figures, family)
     elif data is not None and isinstance(data.get("results"), list):
         text = bench_headline(data)
-    return text or f"see `{path.name}`"
+    elif data is not None and isinstance(data.get("variants"), dict):
+        figures = variants_figures(data)
+        text = "; ".join(f"{name}: peak {peak:.2f}x, step {time:.2f}x" for name, (peak, time)
+                         in figures["offload"].items()) + " (ratios to plain FSDP2 + fused AdamW)"
+    return figures, text or f"see `{path.name}`"
+
+
+def verdict(family: Family, figures: dict) -> str:
+    """A miss anywhere is a miss; a target met on part of the cases is
+    not met yet."""
+    met = family.met(figures) if family.met is not None and figures else None
+    measured = len(figures.get("groups") or [])
+    if met and measured < family.cases:
+        return f"not measured ({measured} of {family.cases} cases ran)"
+    return "not measured" if met is None else ("met" if met else "**missed**")
 
 
 # --- the ledger ----------------------------------------------------------------
@@ -330,9 +396,10 @@ def _rows(root: Path, history: bool) -> list[Row]:
         date, path = found[0] if found else (None, None)
         data = _load(path) if path is not None else None
         fresh, reason = _freshness(root, history, change, date, path, data)
+        figures, text = figures_and_headline(path, data, family) if path else ({}, "no GPU result")
         rows.append(Row(family=family.name, kernel_change=change, result=path.name if path else None,
-                        result_date=date, headline=headline(path, data, family) if path else "no GPU result",
-                        target=family.target, fresh=fresh, reason=reason))
+                        result_date=date, headline=text, target=family.target, fresh=fresh, reason=reason,
+                        verdict=verdict(family, figures)))
     return rows
 
 
@@ -364,8 +431,8 @@ def render(root: Path) -> str:
     if not history:
         lines += ["No git history here: the kernel changes' commits are unknown and every family counts as stale.", ""]
     lines += [
-        "| family | kernels last changed | newest GPU result | headline | target | status |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| family | kernels last changed | newest GPU result | headline | target | verdict | status |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in rows:
         if row.kernel_change is not None:
@@ -375,20 +442,62 @@ def render(root: Path) -> str:
         result = f"`{row.result}` ({row.result_date})" if row.result else "none"
         status = f"{'fresh' if row.fresh else '**stale**'}: {row.reason}"
         lines.append("| " + " | ".join(_cell(text) for text in (
-            row.family, changed, result, row.headline, row.target, status)) + " |")
+            row.family, changed, result, row.headline, row.target, row.verdict, status)) + " |")
     stale = sum(not row.fresh for row in rows)
     lines += ["", f"{stale} of {len(rows)} families stale."]
     return "\n".join(lines) + "\n"
 
 
+README = Path("README.md")
+README_START, README_END = "<!-- gpu-ledger:start -->", "<!-- gpu-ledger:end -->"
+
+
+def readme_section(root: Path) -> str:
+    """The README's table of targets against the newest GPU results: the
+    ledger's rows for users (no commits, no freshness)."""
+    lines = [
+        f"Generated by `{COMMAND}` from the newest GPU result of each family in `{RESULTS.as_posix()}/` "
+        f"(`{LEDGER.as_posix()}` says which are fresh and how each headline is computed; a time ratio is "
+        "effilayers' median over the peer's in the same run, below 1 is faster). Results measured on the GPU "
+        "named in the file, with the GPU image's torch 2.11 and Triton 3.6; a target half measured counts as "
+        "not measured.",
+        "",
+        "| family | target | verdict | newest GPU result | figures |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for row in ledger_rows(root):
+        result = f"`{row.result}`" if row.result else "none"
+        lines.append("| " + " | ".join(_cell(text) for text in (
+            row.family, row.target, row.verdict, result, row.headline)) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _with_readme_section(text: str, section: str) -> Optional[str]:
+    if README_START not in text or README_END not in text:
+        return None
+    head, rest = text.split(README_START, 1)
+    return f"{head}{README_START}\n{section}{README_END}{rest.split(README_END, 1)[1]}"
+
+
 def check(root: Path) -> tuple[bool, str]:
-    """(up to date, unified diff from the file on disk to what render makes)."""
-    path = Path(root) / LEDGER
-    expected = render(root)
-    actual = path.read_text(encoding="utf-8") if path.is_file() else ""
-    diff = "".join(difflib.unified_diff(actual.splitlines(True), expected.splitlines(True),
-                                        str(LEDGER), f"{LEDGER} (regenerated)"))
-    return actual == expected, diff
+    """(up to date, unified diff from the files on disk to what render and
+    readme_section make)."""
+    root = Path(root)
+    diff, current = "", True
+    readme = root / README
+    outputs = [(LEDGER, render(root))]
+    if readme.is_file():
+        text = readme.read_text(encoding="utf-8")
+        updated = _with_readme_section(text, readme_section(root))
+        if updated is not None:
+            outputs.append((README, updated))
+    for name, expected in outputs:
+        path = root / name
+        actual = path.read_text(encoding="utf-8") if path.is_file() else ""
+        current &= actual == expected
+        diff += "".join(difflib.unified_diff(actual.splitlines(True), expected.splitlines(True),
+                                             str(name), f"{name} (regenerated)"))
+    return current, diff
 
 
 def main(argv: Optional[list[str]] = None, root: Optional[Path] = None) -> int:
@@ -410,6 +519,12 @@ def main(argv: Optional[list[str]] = None, root: Optional[Path] = None) -> int:
         return 0 if current else 1
     (root / LEDGER).write_text(render(root), encoding="utf-8")
     print(f"wrote {LEDGER}")
+    readme = root / README
+    if readme.is_file():
+        updated = _with_readme_section(readme.read_text(encoding="utf-8"), readme_section(root))
+        if updated is not None:
+            readme.write_text(updated, encoding="utf-8")
+            print(f"wrote the GPU targets section of {README}")
     return 0
 
 

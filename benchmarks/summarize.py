@@ -12,27 +12,29 @@ import json
 import re
 from collections import defaultdict
 
-
-def implementation(name: str) -> str:
-    """The implementation part of a parametrised benchmark name."""
-    match = re.search(r"\[([a-z_-]+?)-(cpu|cuda)-", name)
-    if match:
-        return match.group(1)
-    match = re.search(r"\[([^\]]+)\]", name)
-    return match.group(1) if match else name
+try:
+    from benchmarks.ledger import implementation_labels
+except ImportError:  # run as a script: benchmarks/ is on sys.path, the repository root is not
+    from ledger import implementation_labels
 
 
 def summarize(path: str, baseline: str) -> str:
     with open(path) as handle:
         data = json.load(handle)
-    groups: dict[str, dict[str, dict]] = defaultdict(dict)
+    rows: dict[str, list[dict]] = defaultdict(list)
     for bench in data["benchmarks"]:
-        groups[bench["group"]][implementation(bench["name"])] = bench
+        rows[bench["group"]].append(bench)
+    groups: dict[str, dict[str, dict]] = {}
+    for group, benches in rows.items():
+        ids = [re.search(r"\[(.*)\]$", bench["name"])[1] if "[" in bench["name"] else bench["name"]
+               for bench in benches]
+        groups[group] = dict(zip(implementation_labels(ids), benches))
     names = sorted({impl for group in groups.values() for impl in group}, key=lambda n: (n != baseline, n))
     info = data["machine_info"].get("effilayers", {})
     lines = [
         f"Device: {info.get('device', '?')}, {info.get('threads', '?')} threads, torch {info.get('torch', '?')}. "
         f"Command: `{info.get('command', '?')}`. Time: median (ratio to {baseline}); "
+        "bandwidth: the bench's CUDA-event time against a device-to-device copy of the same bytes, where measured; "
         "memory: activation bytes ratio to plain PyTorch where measured.",
         "",
         "| case | " + " | ".join(names) + " |",
@@ -50,6 +52,9 @@ def summarize(path: str, baseline: str) -> str:
             cell = f"{median * 1e3:.2f} ms"
             if base is not None and name != baseline:
                 cell += f" ({median / base['stats']['median']:.2f}×)"
+            copy_percent = bench.get("extra_info", {}).get("pct_of_copy")
+            if copy_percent is not None:
+                cell += f", {copy_percent:.0f}% of copy"
             memory_ratio = bench.get("extra_info", {}).get("activation_bytes_ratio")
             if memory_ratio is not None:
                 cell += f", mem {memory_ratio:.2f}×"

@@ -5,12 +5,15 @@ without git) results come out fresh or stale by the rules its docstring gives.""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from benchmarks import ledger
 
@@ -95,7 +98,7 @@ def test_committed_ledger_is_up_to_date():
     text = (ROOT / ledger.LEDGER).read_text(encoding="utf-8")
     assert "do not edit by hand" in text and "`python3 benchmarks/ledger.py`" in text
     table = [line for line in text.splitlines() if line.startswith("| ")]
-    assert table[0].startswith("| family | kernels last changed | newest GPU result | headline | target | status")
+    assert table[0].startswith("| family | kernels last changed | newest GPU result | headline | target | verdict | status")
     assert [line.split(" | ")[0][2:] for line in table[2:]] == NAMES
 
 
@@ -191,3 +194,33 @@ def test_order_puts_stale_families_first_and_check_tracks_the_file(tmp_path, cap
     capsys.readouterr()
     assert ledger.main(["--check"], root=tmp_path) == 1
     assert "+| softmax | " in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_case_counts_are_the_benches_gpu_cases():
+    """A family's ``cases`` is how many groups its bench times on a GPU; a
+    result with fewer is a run cut short. Counted by collecting the cuda
+    cases here (EFFILAYERS_BENCH_COLLECT_CUDA lists them without a GPU)."""
+    code = (
+        "import collections, pytest\n"
+        "class Count:\n"
+        "    def pytest_collection_finish(self, session):\n"
+        "        cases = collections.defaultdict(set)\n"
+        "        for item in session.items:\n"
+        "            params = {k: repr(v) for k, v in item.callspec.params.items()\n"
+        "                      if k not in ('implementation', 'variant')}\n"
+        "            cases[item.fspath.basename].add((item.originalname, tuple(sorted(params.items()))))\n"
+        "        print({name: len(found) for name, found in cases.items()})\n"
+        "pytest.main([*FILES, '-k', 'cuda and not deepspeed', '--collect-only', '-q', '-p', 'no:cacheprovider'],"
+        " plugins=[Count()])\n"
+    )
+    benches = {"softmax": "bench_softmax.py", "cross_entropy": "bench_cross_entropy.py",
+               "reductions": "bench_reductions.py", "linear_cross_entropy": "bench_linear_cross_entropy.py",
+               "abn": "bench_abn.py", "densenet": "bench_densenet.py", "adam": "bench_optim.py"}
+    files = [f"benchmarks/{name}" for name in benches.values()]
+    done = subprocess.run([sys.executable, "-c", code.replace("FILES", repr(files))], cwd=ROOT, capture_output=True,
+                          text=True, env={**os.environ, "EFFILAYERS_BENCH_COLLECT_CUDA": "1", "PYTHONPATH": str(ROOT)})
+    counts = ast.literal_eval([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
+    families = {family.name: family for family in ledger.FAMILIES}
+    for family, bench in benches.items():
+        assert families[family].cases == counts[bench], (family, counts)
