@@ -116,21 +116,26 @@ def _demo() -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m effilayers.info", description=__doc__.splitlines()[0])
+    # The docstring's first paragraph: its first line alone stops mid-sentence.
+    parser = argparse.ArgumentParser(prog="python -m effilayers.info", description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--demo", action="store_true", help="also run a small memory and accuracy demo")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--selftest", action="store_true",
                         help="run every compiled kernel once against its reference on this machine (exit 1 on a "
                              "failure)")
+    parser.add_argument("--failures", action="store_true",
+                        help="with --selftest: list only the kernels that failed or did not run, with the reason")
     parser.add_argument("--kernels", action="store_true",
                         help="compile every GPU kernel for sm_90 and sm_80 (no GPU needed) and report registers, "
                              "spills, shared memory and access widths; exit 1 on a failure, a spill or a narrow "
                              "access")
     args = parser.parse_args(argv)
+    if args.failures and not args.selftest:
+        parser.error("--failures goes with --selftest")
     if args.selftest:
         from . import _selftest
 
-        return _selftest.main()
+        return _selftest.main(failures_only=args.failures)
     if args.kernels:
         from . import _kernel_report
 

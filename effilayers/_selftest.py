@@ -442,32 +442,37 @@ def selftest(ops: Optional[Sequence[str]] = None) -> list[Row]:
     return rows
 
 
-def format_rows(rows: Sequence[Row]) -> str:
+def format_rows(rows: Sequence[Row], failures_only: bool = False) -> str:
+    """The summary line, then the table (with ``failures_only``, only the
+    rows that failed or did not run, each with its reason)."""
+    failed = sum(r.status == "FAIL" for r in rows)
+    ran = sum(r.status != "not run" for r in rows)
+    lines = [f"{ran - failed} passed, {failed} failed, {len(rows) - ran} not run "
+             "(error/tol: largest |error| / (atol + rtol |reference|) over the outputs; <= 1 passes)"]
+    if not torch.cuda.is_available():
+        lines.append("no CUDA device: CUDA kernels not run" + (
+            "" if os.environ.get("TRITON_INTERPRET") == "1" else
+            "; Triton kernels not run (set TRITON_INTERPRET=1 to run them through the interpreter)"))
+    shown = [r for r in rows if r.status != "pass"] if failures_only else list(rows)
+    if not shown:
+        return "\n".join(lines)
     header = ("op", "backend", "device", "dtype", "max |error|", "error/tol", "result")
     table = [header]
-    for row in rows:
+    for row in shown:
         table.append((row.op, row.backend, row.device, row.dtype,
                        "-" if row.max_error is None else f"{row.max_error:.2e}",
                        "-" if row.worst is None else f"{row.worst:.3f}",
                        row.status + (f": {row.detail}" if row.detail else "")))
     widths = [max(len(r[i]) for r in table) for i in range(len(header) - 1)]
-    lines = ["  ".join(value.ljust(width) for value, width in zip(r[:-1], widths)) + "  " + r[-1] for r in table]
-    failed = sum(r.status == "FAIL" for r in rows)
-    ran = sum(r.status != "not run" for r in rows)
     lines.append("")
-    lines.append(f"{ran - failed} passed, {failed} failed, {len(rows) - ran} not run "
-                 f"(error/tol: largest |error| / (atol + rtol |reference|) over the outputs; <= 1 passes)")
-    if not torch.cuda.is_available():
-        lines.append("no CUDA device: CUDA kernels not run" + (
-            "" if os.environ.get("TRITON_INTERPRET") == "1" else
-            "; Triton kernels not run (set TRITON_INTERPRET=1 to run them through the interpreter)"))
+    lines += ["  ".join(value.ljust(width) for value, width in zip(r[:-1], widths)) + "  " + r[-1] for r in table]
     return "\n".join(lines)
 
 
-def main(file=None) -> int:
-    """Print the table; 1 when a kernel that ran failed, else 0."""
+def main(file=None, failures_only: bool = False) -> int:
+    """Print the summary and the table; 1 when a kernel that ran failed, else 0."""
     import sys
 
     rows = selftest()
-    print(format_rows(rows), file=file or sys.stdout)
+    print(format_rows(rows, failures_only), file=file or sys.stdout)
     return 1 if any(row.status == "FAIL" for row in rows) else 0

@@ -301,6 +301,9 @@ def test_leaf_input_that_requires_grad_is_refused(device):
         (lambda: InPlaceABN(4, activation="leaky_relu", activation_param=0.0), ValueError, "slope > 0"),
         (lambda: InPlaceABN(4, activation="elu", activation_param=-1.0), ValueError, "elu alpha must be > 0"),
         (lambda: ABN(4, activation="gelu"), ValueError, "activation must be one of"),
+        # In place: only the invertible choices are listed, relu as ABN's.
+        (lambda: InPlaceABN(4, activation="gelu"), ValueError,
+         r"activation must be one of leaky_relu, elu, identity \(effilayers.nn.ABN also takes relu\), got 'gelu'"),
         (lambda: ABN(4, activation_param="big"), TypeError, "activation_param must be a float"),
         (lambda: ABN(4, activation_param=float("nan")), ValueError, "must be finite"),
         (lambda: ABN(0), ValueError, "num_features must be a positive int"),

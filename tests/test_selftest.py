@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 
 import pytest
 import torch
@@ -101,6 +102,19 @@ def test_command_line_passes(without_cuda, monkeypatch, capsys):
     assert _info.main(["--selftest"]) == 0
     out = capsys.readouterr().out
     assert "softmax_forward" in out and "batch_stats" in out and "FAIL" not in out
+
+
+def test_summary_first_and_failures_only(without_cuda, monkeypatch, capsys):
+    monkeypatch.setattr(registry, "registered_ops", lambda: ["softmax_forward", "batch_stats"])
+    assert _info.main(["--selftest", "--failures"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert re.match(r"\d+ passed, 0 failed, \d+ not run", lines[0]), lines
+    table = [line for line in lines if line.startswith(("softmax_forward", "batch_stats"))]
+    # Without CUDA the CUDA kernels are the rows left: each says why it did not run.
+    assert table and all("not run: " in line for line in table), lines
+    with pytest.raises(SystemExit):
+        _info.main(["--failures"])
+    assert "--failures goes with --selftest" in capsys.readouterr().err
 
 
 def test_a_broken_kernel_fails_with_a_nonzero_exit(without_cuda, monkeypatch, capsys):

@@ -224,8 +224,11 @@ def build_and_load(kind: str) -> str:
             _check_toolchain(kind)
             _seed_from_previous_build(kind, build_dir)
             # A first call that seems to hang for a minute needs a reason.
+            # How long depends on the cores free for it: ninja compiles one
+            # source per core, and the largest source alone takes a minute.
             print(f"effilayers: compiling the {kind} kernels into {build_dir} (once per source and torch version; "
-                  "about a minute on 2 cores)", file=sys.stderr, flush=True)
+                  f"1-2 minutes on {os.cpu_count()} idle cores, several on a busy machine)", file=sys.stderr,
+                  flush=True)
             _jit_build(kind, files, build_dir)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)

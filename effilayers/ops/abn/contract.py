@@ -22,7 +22,12 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 def check_activation(activation: str, activation_param: float, inplace: bool, where: str) -> None:
     """Raise a clear ValueError/TypeError for an unusable activation."""
     if not isinstance(activation, str) or activation not in ACTIVATIONS:
-        raise ValueError(f"{where}: activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
+        # In place, only the invertible ones are allowed: listing the others
+        # would name choices the module then refuses.
+        allowed = [name for name in ACTIVATIONS if not inplace or name in INVERTIBLE_ACTIVATIONS]
+        others = [name for name in ACTIVATIONS if name not in allowed]
+        elsewhere = f" (effilayers.nn.ABN also takes {', '.join(others)})" if others else ""
+        raise ValueError(f"{where}: activation must be one of {', '.join(allowed)}{elsewhere}, got {activation!r}")
     if inplace and activation not in INVERTIBLE_ACTIVATIONS:
         raise ValueError(
             f"{where}: activation={activation!r} is not invertible, so it cannot run in place "
