@@ -27,6 +27,9 @@ Targets (issue 4): activation bytes <= 0.33x naive at 224; on GPU a step
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -65,6 +68,20 @@ def naive_bytes_224():
     return _activation_bytes_224("torch-naive")
 
 
+def host_issue_ms(model, x, target, autocast, device, repeats: int = 5) -> float:
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        with autocast:
+            loss = F.cross_entropy(model(x), target)
+        loss.backward()
+        times.append((time.perf_counter() - start) * 1e3)
+        model.zero_grad(set_to_none=True)
+    synchronize(device)
+    return statistics.median(times)
+
+
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_densenet121_training_step(benchmark, variant, device, naive_bytes_224):
@@ -92,5 +109,11 @@ def test_densenet121_training_step(benchmark, variant, device, naive_bytes_224):
     if device == "cuda":
         step()
         info["cuda_peak_bytes"] = memory.cuda_peak_bytes(step)
+        # Host time to issue one step (forward and backward queued, no
+        # synchronisation) against the step's time: close to it means the
+        # step waits on Python and launches (or on a synchronisation inside
+        # it), not on the GPU. The H200's first run had effilayers' step at
+        # 3.2x the naive model's; this says which of the two it is.
+        info["host_issue_ms"] = host_issue_ms(model, x, target, autocast, device)
     benchmark.extra_info.update(info)
     benchmark.pedantic(step, warmup_rounds=1, rounds=5 if device == "cpu" else 20)
