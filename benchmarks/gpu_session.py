@@ -6,7 +6,8 @@ command, so everything it should measure is prepared here and runs in one
 call of at most 540 s. Each step has its own time budget; a step that runs
 out is stopped with everything it started, recorded as cut short, and the
 next one starts. Benchmark steps whose family has no fresh GPU result in the
-ledger (``benchmarks/ledger.py``) run first.
+ledger (``benchmarks/ledger.py``) run first and get their time first
+(``allocate``): together the steps need more than one call.
 
     benchmarks/gpu_session.sh prebuild DIR      # here, with torch 2.11+cu130 and Triton 3.6
     benchmarks/gpu_session.sh all --prebuilt DIR   # on the GPU machine
@@ -84,41 +85,47 @@ def plan(device: str, date: str, results: str, workers: int) -> list[Step]:
                               "python3 benchmarks/gpu_session.py triton-first-launch")),
         # -n 8: 1831 tests took 95 s so on the H200 (2026-11-28); more
         # workers would run more of the tests that each need tens of GiB at
-        # once. The benchmark budgets below are what each took there, or
-        # what its share of 540 s allows: a family cut short stays stale in
-        # the ledger and runs first next time. The compile rows (torch.compile
-        # per shape) are most of the kernels' steps.
+        # once. The benchmark budgets below are what each needs whole, from
+        # that session's durations; they add up to more than one call, and
+        # allocate() gives the time to the stale families first. The compile
+        # rows (torch.compile per shape) are most of the kernels' steps.
         Step("tests", 115, (
             f"python3 -m pytest {failed} -m gpu -q -rfE -p no:cacheprovider --timeout=60 "
             f"--junitxml={results}/gpu_tests_failed_before-{device}-{date}.xml",
             f"python3 -m pytest -m gpu tests -q -rfEs -p no:cacheprovider -n 8 --timeout=120 "
             f"--junitxml={results}/gpu_tests-{device}-{date}.xml")),
         Step("abn", 15, (bench("abn", "benchmarks/bench_abn.py", "cuda"),), family="abn"),
-        Step("densenet", 30, (bench("densenet", "benchmarks/bench_densenet.py", "cuda"),), family="densenet"),
-        Step("adam", 35, (bench("optim", "benchmarks/bench_optim.py", "cuda"),), family="adam"),
-        Step("max_batch", 70, (effilayers_bench("bench", "--max-batch --model resnet50 --model densenet121"),),
+        Step("densenet", 35, (bench("densenet", "benchmarks/bench_densenet.py", "cuda"),), family="densenet"),
+        Step("adam", 40, (bench("optim", "benchmarks/bench_optim.py", "cuda"),), family="adam"),
+        Step("max_batch", 180, (effilayers_bench("bench", "--max-batch --model resnet50 --model densenet121"),),
              family="max_batch"),
-        Step("softmax", 45, (bench("softmax", "benchmarks/bench_softmax.py", "cuda"),), family="softmax"),
-        Step("cross_entropy", 25, (bench("cross_entropy", "benchmarks/bench_cross_entropy.py", "cuda"),),
+        Step("softmax", 60, (bench("softmax", "benchmarks/bench_softmax.py", "cuda"),), family="softmax"),
+        Step("cross_entropy", 40, (bench("cross_entropy", "benchmarks/bench_cross_entropy.py", "cuda"),),
              family="cross_entropy"),
-        Step("reductions", 25, (bench("reductions", "benchmarks/bench_reductions.py", "cuda"),), family="reductions"),
-        Step("linear_cross_entropy", 35,
+        Step("reductions", 40, (bench("reductions", "benchmarks/bench_reductions.py", "cuda"),), family="reductions"),
+        Step("linear_cross_entropy", 40,
              (bench("linear_cross_entropy", "benchmarks/bench_linear_cross_entropy.py", "cuda"),),
              family="linear_cross_entropy"),
-        # torch.compile under the budget compiles the model once, most of a
-        # minute on the H200 for ResNet-50 (2026-11-28): one model a session.
-        Step("fit", 75, (
+        # torch.compile under the budget compiles the model once: most of a
+        # minute on the H200 for ResNet-50 (2026-11-28), longer for
+        # DenseNet-121's many layers. One family each, so that one session's
+        # time can go to one of them whole.
+        Step("fit_resnet50", 120, (
             effilayers_bench("budget-resnet50-0.35",
                              "--model resnet50 --budget 0.35 --batch 32 --size 224 --dtype bfloat16 --steps 5"),
-            bench("fit_selective", "benchmarks/bench_fit.py", "selective")), family="fit"),
+            bench("fit_selective", "benchmarks/bench_fit.py", "selective")), family="fit_resnet50"),
+        Step("fit_densenet121", 150, (
+            effilayers_bench("budget-densenet121-0.25",
+                             "--model densenet121 --budget 0.25 --batch 32 --size 224 --dtype bfloat16 --steps 5"),),
+             family="fit_densenet121"),
         # A quarter of the script's default tokens and half its layers: the
         # offloaded steps run Adam on the CPU (13 s in all on the H200).
         Step("offload", 15,
              (f"python3 benchmarks/bench_fsdp_offload.py --layers 4 --batch 4096 --steps 3 --warmup 1 "
               f"--json {results}/fsdp_offload-{device}-{date}.json",),
              family="offload"),
-        # Whatever time the others leave (the last step takes it all).
-        Step("sanitizer", 5, (
+        # What the others leave (the last step takes it all).
+        Step("sanitizer", 60, (
             "compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m pytest tests/test_stats.py "
             "tests/test_abn.py -k 'cuda-cuda and not random and not gloo' -x -q -p no:cacheprovider",
             "compute-sanitizer --tool racecheck --error-exitcode 1 python3 -m pytest tests/test_abn.py "
@@ -126,20 +133,48 @@ def plan(device: str, date: str, results: str, workers: int) -> list[Step]:
     ]
 
 
-def stale_first(steps: list[Step]) -> list[Step]:
-    """The fixed steps where they are; the benchmark steps between them
-    reordered so those of families without a fresh GPU result in the ledger
-    come first, each group in plan order."""
+def fresh_families() -> Optional[set[str]]:
+    """The families whose newest GPU result in the ledger is fresh; None
+    when the ledger cannot tell (no git history, as on a copy of the tree
+    without .git: then every family counts as stale)."""
     try:
         sys.path.insert(0, str(ROOT))
         from benchmarks.ledger import ledger_rows
-        fresh = {row.family for row in ledger_rows(ROOT) if row.fresh}
-    except Exception as error:  # no ledger, no git: plan order, said once
-        print(f"gpu_session: plan order kept ({type(error).__name__}: {error})", flush=True)
-        return steps
-    measured = sorted((s for s in steps if s.family), key=lambda step: step.family in fresh)
-    fixed_head = [s for s in steps if not s.family and s.name != "sanitizer"]
-    return fixed_head + measured + [s for s in steps if s.name == "sanitizer"]
+        return {row.family for row in ledger_rows(ROOT) if row.fresh}
+    except Exception as error:
+        print(f"gpu_session: no ledger ({type(error).__name__}: {error}): every family counts as stale", flush=True)
+        return None
+
+
+# A step given less than this is not started: it would spend its time
+# importing torch and end with nothing measured.
+SHORTEST = 15
+
+
+def allocate(steps: list[Step], fresh: Optional[set[str]], total: int = TOTAL_BUDGET) -> list[Step]:
+    """Order and time for one call: the fixed steps first (build, self-test,
+    tests), then the benchmark steps of stale families, then those of fresh
+    ones, each group in plan order, the sanitizer last. Time goes in that
+    order: each benchmark step gets its full budget while the total allows,
+    the first that does not fit gets what is left, and a step left under
+    SHORTEST seconds is dropped, so the stalest families are measured
+    whole and the rest wait for the next call. The sanitizer takes what
+    remains (the run also gives the last step whatever the others did not
+    use)."""
+    fresh = fresh or set()
+    head = [s for s in steps if not s.family and s.name != "sanitizer"]
+    tail = [s for s in steps if s.name == "sanitizer"]
+    measured = ([s for s in steps if s.family and s.family not in fresh]
+                + [s for s in steps if s.family and s.family in fresh])
+    left = total - sum(s.budget for s in head) - SHORTEST * len(tail)
+    given = []
+    for step in measured:
+        seconds = min(step.budget, left)
+        if seconds >= SHORTEST:
+            given.append(dataclasses.replace(step, budget=seconds))
+            left -= seconds
+    tail = [dataclasses.replace(s, budget=total - sum(x.budget for x in head + given)) for s in tail]
+    return head + given + tail
 
 
 def check_budgets(steps: list[Step]) -> None:
@@ -252,12 +287,14 @@ def run_all(names: list[str], prebuilt: Optional[Path], dry_run: bool) -> int:
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     folder = (Path("/tmp") if out else ROOT / "benchmarks" / "results") / f"gpu-session-{device}-{date}"
     workers = os.cpu_count() or 1
-    steps = stale_first(plan(device, date, str(folder), workers))
+    steps = plan(device, date, str(folder), workers)
     # STEP=SECONDS: a rerun's own budget for that step.
     overrides = {name: int(seconds) for name, _, seconds in (n.partition("=") for n in names) if seconds}
     names = [n.partition("=")[0] for n in names]
     steps = [dataclasses.replace(s, budget=overrides.get(s.name, s.budget)) for s in steps]
-    if names != ["all"]:
+    if names == ["all"]:
+        steps = allocate(steps, fresh_families())
+    else:
         known = {s.name for s in steps}
         unknown = [n for n in names if n not in known]
         if unknown:

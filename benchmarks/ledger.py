@@ -52,8 +52,8 @@ class Family:
 
 
 # One line per family. fit's results carry the model and budget before the
-# device (budget-resnet50-0.35-<device>-<date>.json), so those spellings are
-# prefixes of their own. max_batch's prefix is exactly `bench` so that
+# device (budget-resnet50-0.35-<device>-<date>.json): one family per model,
+# each with its own target and GPU session step. max_batch's prefix is exactly `bench` so that
 # bench-densenet121-... and bench-densenet264-... runs (no max-batch search) do not count.
 FAMILIES: tuple[Family, ...] = (
     Family("softmax", ("effilayers/ops/softmax", "csrc/cpu/softmax.cpp"), ("softmax",), ">= 1.0x torch eager 1K-256K columns; >= 90% of copy bandwidth", met=lambda f: _all(f, 'time_ratio', 1.0) and _all(f, 'pct_of_copy', 90, above=True), cases=33),
@@ -64,7 +64,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("densenet", ("effilayers/ops/densenet", "csrc/cpu/densenet.cpp", "effilayers/models/densenet.py"), ("densenet",), "step <= 1.05x naive at <= 0.33x activation bytes", baseline="torch-naive", met=lambda f: _all(f, 'time_ratio', 1.05) and _all(f, 'activation_bytes_ratio', 0.33), cases=1),
     Family("adam", ("effilayers/ops/adam", "effilayers/optim", "csrc/cpu/adam.cpp"), ("optim",), ">= 90% of 28 B/param floor, <= 1.0x torch fused", baseline="torch-fused", met=lambda f: _all(f, 'time_ratio', 1.0), cases=2),
     Family("max_batch", ("effilayers/max_batch.py", "effilayers/bench", "effilayers/nn", "effilayers/models"), ("bench",), "largest batch >= 1.6x plain (ResNet-50 InPlaceABN), >= 3x (DenseNet-121)"),
-    Family("fit", ("effilayers/fit.py", "effilayers/checkpoint.py"), ("budget", "budget-resnet50-0.35", "budget-densenet121-0.25"), "within budget on CUDA peak bytes at <= 1.15x (ResNet-50) / 1.3x (DenseNet-121) plain's step"),
+    Family("fit_resnet50", ("effilayers/fit.py", "effilayers/checkpoint.py"), ("budget-resnet50-0.35",), "ResNet-50 within a 0.35 budget on CUDA peak bytes at <= 1.15x plain's step"),
+    Family("fit_densenet121", ("effilayers/fit.py", "effilayers/checkpoint.py"), ("budget-densenet121-0.25",), "DenseNet-121 within a 0.25 budget on CUDA peak bytes at <= 1.3x plain's step"),
     Family("offload", ("effilayers/optim/offload.py", "effilayers/optim/sharded.py"), ("fsdp_offload",), "<= 0.35x GPU memory at <= 1.5x step time", met=lambda f: _offload_met(f, 'chunked_adamw', peak=0.35, time=1.5)),
     Family("pooling", ("effilayers/nn/pooling.py",), ("pooling",), "no target"),
 )

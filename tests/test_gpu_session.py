@@ -29,21 +29,50 @@ def test_dry_run_prints_each_step_and_a_total_within_the_call_limit():
     steps = [re.fullmatch(r"step (\w+) budget (\d+)s: (.+)", line) for line in lines[:-1]]
     assert all(steps), lines
     names = [m.group(1) for m in steps]
-    # The order for what is not reordered by the ledger: build and
-    # the self-test first, the tests next, the sanitizer last.
+    # The order for what the ledger does not reorder: build and the
+    # self-test first, the tests next, the sanitizer last.
     assert names[:3] == ["build", "selftest", "tests"] and names[-1] == "sanitizer", names
-    assert {"abn", "densenet", "adam", "max_batch", "softmax", "cross_entropy", "reductions",
-            "linear_cross_entropy", "fit", "offload"} <= set(names), names
     total = re.fullmatch(r"total budget (\d+)s", lines[-1])
     assert total and int(total.group(1)) == sum(int(m.group(2)) for m in steps) <= 540, lines[-1]
     assert steps[1].group(3).startswith("python3 -m effilayers.info --selftest")
 
 
+def _steps(*families):
+    from benchmarks.gpu_session import Step
+
+    head = [Step("build", 10, ("b",)), Step("tests", 100, ("t",))]
+    measured = [Step(name, budget, (name,), family=name) for name, budget in families]
+    return head + measured + [Step("sanitizer", 60, ("s",))]
+
+
+def test_time_goes_to_stale_families_first_and_whole():
+    from benchmarks.gpu_session import SHORTEST, allocate
+
+    steps = _steps(("abn", 20), ("max_batch", 180), ("fit", 120), ("softmax", 60), ("adam", 40))
+    given = allocate(steps, fresh={"abn", "softmax", "adam"}, total=500)
+    budgets = {s.name: s.budget for s in given}
+    # 500 - 110 for build and tests - SHORTEST kept for the sanitizer: the
+    # stale max_batch and fit whole, then the fresh abn whole, softmax what
+    # is left, adam nothing (dropped, not started with seconds to spare).
+    assert [s.name for s in given] == ["build", "tests", "max_batch", "fit", "abn", "softmax", "sanitizer"]
+    assert budgets["max_batch"] == 180 and budgets["fit"] == 120 and budgets["abn"] == 20
+    assert budgets["softmax"] == 500 - 110 - SHORTEST - 320
+    assert sum(budgets.values()) == 500 and budgets["sanitizer"] == SHORTEST
+    # A stale step that does not fit whole gets what is left.
+    assert {s.name: s.budget for s in allocate(steps, {"abn", "softmax", "adam"}, total=400)}["fit"] == 95
+    # Without a ledger every family is stale: plan order, same rule.
+    assert [s.name for s in allocate(steps, None, total=400)][2:5] == ["abn", "max_batch", "fit"]
+    # Room for everything: the sanitizer gets the rest.
+    roomy = allocate(steps, fresh=set(), total=1000)
+    assert {s.name for s in roomy} == {s.name for s in steps} and roomy[-1].budget == 1000 - 530
+
+
 def test_some_steps_only_and_unknown_steps():
-    done = run("tests", "fit", "--dry-run")
+    done = run("tests", "fit_resnet50=90", "--dry-run")
     assert done.returncode == 0, done.stderr
-    names = re.findall(r"^step (\w+)", done.stdout, flags=re.MULTILINE)
-    assert names == ["build", "tests", "fit"]  # the libraries are loaded before any rerun
+    names = re.findall(r"^step (\w+) budget (\d+)s", done.stdout, flags=re.MULTILINE)
+    # the libraries are loaded before any rerun; STEP=SECONDS sets its budget
+    assert names == [("build", "10"), ("tests", "115"), ("fit_resnet50", "90")]
     bad = run("nope", "--dry-run")
     assert bad.returncode == 2 and "unknown step ['nope']" in bad.stderr
 
