@@ -26,16 +26,13 @@ synchronize. CPU groups are small so they run on a 2-core CI machine.
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import pytest
 import torch
 
 from effilayers import memory
 from effilayers.functional import log_softmax, scaled_masked_softmax, softmax
 
-from .conftest import devices, synchronize
+from .conftest import copy_gb_per_s, device_median_seconds, devices, synchronize
 
 CPU_CASES = [((256, 4096), -1, torch.float32), ((256, 4096), -1, torch.bfloat16), ((16, 64, 32, 32), 1, torch.float32)]
 # 2**27 elements each: the 4096 x 32768 case of the issue and a sweep of row lengths.
@@ -47,7 +44,6 @@ CPU_OPS = ["softmax", "softmax+backward", "log_softmax+backward"]
 IMPLEMENTATIONS = ["torch", "torch-compile", "effilayers", "liger"]
 
 _torch_medians: dict[str, float] = {}
-_copy_bandwidth: dict[tuple, float] = {}
 
 
 def cases():
@@ -82,28 +78,6 @@ def _function(implementation, op, dim):
     return liger
 
 
-def _median_seconds(fn, device, rounds=10):
-    if device == "cuda":
-        import triton.testing
-
-        return triton.testing.do_bench(fn, return_mode="median") / 1e3
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def _copy_gb_per_s(x):
-    key = (tuple(x.shape), x.dtype)
-    if key not in _copy_bandwidth:
-        destination = torch.empty_like(x)
-        seconds = _median_seconds(lambda: destination.copy_(x), x.device.type)
-        _copy_bandwidth[key] = 2 * x.numel() * x.element_size() / seconds / 1e9
-    return _copy_bandwidth[key]
-
-
 @pytest.mark.parametrize("device, shape, dim, dtype, op", list(cases()))
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_softmax(benchmark, run_with_backend, implementation, device, shape, dim, dtype, op):
@@ -136,7 +110,7 @@ def test_softmax(benchmark, run_with_backend, implementation, device, shape, dim
         benchmark.pedantic(run, warmup_rounds=2, rounds=20 if device == "cpu" else 30)
         # CPU: the fastest round, the least disturbed by other processes on
         # a shared machine (the table keeps the full distribution).
-        seconds = _median_seconds(step, device) if device == "cuda" else benchmark.stats.stats.min
+        seconds = device_median_seconds(step, device) if device == "cuda" else benchmark.stats.stats.min
     finally:
         if context is not None:
             context.__exit__(None, None, None)
@@ -149,7 +123,7 @@ def test_softmax(benchmark, run_with_backend, implementation, device, shape, dim
     elif group in _torch_medians:
         info["speedup_vs_torch"] = _torch_medians[group] / seconds
     if device == "cuda":
-        info["copy_gb_per_s"] = _copy_gb_per_s(x.detach())
+        info["copy_gb_per_s"] = copy_gb_per_s(x)
         info["pct_of_copy"] = 100 * info["gb_per_s"] / info["copy_gb_per_s"]
     benchmark.extra_info.update(info)
 

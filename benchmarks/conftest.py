@@ -4,6 +4,8 @@ run and the same group, so pytest-benchmark's table shows the ratios."""
 from __future__ import annotations
 
 import os
+import statistics
+import time
 
 import pytest
 import torch
@@ -25,6 +27,37 @@ def devices():
 def synchronize(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+def device_median_seconds(fn, device, rounds: int = 10) -> float:
+    """Median time of fn(): on CUDA from events (triton.testing.do_bench, its
+    own warm-up), the device's time without the host's; on CPU the host
+    clock over ``rounds`` calls."""
+    if device == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, return_mode="median") / 1e3
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+_copy_gb_per_s: dict[tuple, float] = {}
+
+
+def copy_gb_per_s(like: torch.Tensor) -> float:
+    """GB/s of a device-to-device copy of a tensor like ``like`` (bytes read
+    plus bytes written), measured once per shape, dtype and device: the
+    ceiling a memory-bound kernel over the same bytes is held against."""
+    key = (tuple(like.shape), like.dtype, like.device.type)
+    if key not in _copy_gb_per_s:
+        source, destination = like.detach(), torch.empty_like(like)
+        seconds = device_median_seconds(lambda: destination.copy_(source), like.device.type)
+        _copy_gb_per_s[key] = 2 * like.numel() * like.element_size() / seconds / 1e9
+    return _copy_gb_per_s[key]
 
 
 @pytest.fixture
