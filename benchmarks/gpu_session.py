@@ -68,7 +68,7 @@ class Step:
     family: Optional[str] = None  # the ledger family it measures; None: runs in plan order
 
 
-def plan(device: str, date: str, results: str, workers: int) -> list[Step]:
+def plan(device: str, date: str, results: str) -> list[Step]:
     """Every step, in the issue's order, with ``{...}`` filled in."""
 
     def bench(family: str, path: str, selection: str) -> str:
@@ -286,8 +286,7 @@ def run_all(names: list[str], prebuilt: Optional[Path], dry_run: bool) -> int:
     date = datetime.date.today().isoformat()
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     folder = (Path("/tmp") if out else ROOT / "benchmarks" / "results") / f"gpu-session-{device}-{date}"
-    workers = os.cpu_count() or 1
-    steps = plan(device, date, str(folder), workers)
+    steps = plan(device, date, str(folder))
     # STEP=SECONDS: a rerun's own budget for that step.
     overrides = {name: int(seconds) for name, _, seconds in (n.partition("=") for n in names) if seconds}
     names = [n.partition("=")[0] for n in names]
@@ -313,8 +312,7 @@ def run_all(names: list[str], prebuilt: Optional[Path], dry_run: bool) -> int:
     cache = folder / "cache"
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}".rstrip(os.pathsep),
            "PYTHONUNBUFFERED": "1", "EFFILAYERS_REQUIRE_COMPILED": "1", "TORCH_CUDA_ARCH_LIST": "9.0",
-           "EFFILAYERS_CACHE_DIR": str(cache / "effilayers"), "TRITON_CACHE_DIR": str(cache / "triton"),
-           "EFFILAYERS_SESSION_FOLDER": str(folder)}
+           "EFFILAYERS_CACHE_DIR": str(cache / "effilayers"), "TRITON_CACHE_DIR": str(cache / "triton")}
     header = environment_lines()
     if prebuilt is not None:
         header += place_prebuilt(prebuilt, cache)
@@ -478,7 +476,7 @@ def check_plan() -> int:
 
     problems = []
     with tempfile.TemporaryDirectory() as results:
-        for step in plan("DEVICE", "DATE", results, 2):
+        for step in plan("DEVICE", "DATE", results):
             for command in step.commands:
                 words = shlex.split(command)
                 if words[0] == "compute-sanitizer":  # on the GPU machine only; what it wraps is checked here
