@@ -52,7 +52,7 @@ from ._core.kernel_spec import KernelSpec, specialise
 
 TARGETS = (90, 80)
 # the modules whose kernel_specialisations() cover the package's Triton kernels
-TRITON_FAMILIES = ("softmax", "cross_entropy", "reductions", "adam", "densenet")
+TRITON_FAMILIES = ("softmax", "cross_entropy", "linear_cross_entropy", "reductions", "adam", "densenet")
 WIDE = 128
 REGISTER_CAP = 255  # per thread on sm_80 and sm_90: one more live value and ptxas spills
 

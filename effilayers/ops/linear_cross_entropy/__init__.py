@@ -22,6 +22,23 @@ How it runs
     ``cross_entropy_soft_chunk_grad_`` writing the gradient over the logits),
     each chunk of whole rows being one chunk of every class for them.
 
+The fused path: no logits in memory at all
+    Where the cross_entropy family runs Triton (on CUDA; on CPU tensors
+    under ``TRITON_INTERPRET=1`` when forced, as the tests do), class-index
+    targets without an explicit ``chunk_size`` take two Triton kernels
+    (``triton.py``) instead of the chunks: a statistics pass that forms the
+    logits tile by tile on the tensor cores and folds each tile into every
+    token's running log-sum-exp, target logit and smoothing sum, and a
+    gradient pass that forms each tile again and adds its share into
+    grad_input, grad_weight and grad_bias (float32 sums, atomic adds). The
+    logits are rounded to the compute dtype where they are made, as
+    ``F.linear`` returns them, and the logits' gradient is rounded as the
+    chunked path stores it, so both paths compute the same function. The
+    chunked path runs instead for probability targets, an explicit
+    ``chunk_size`` (which is how a benchmark compares the two), and under
+    ``torch.use_deterministic_algorithms(True)`` (atomic float adds sum in a
+    varying order).
+
 Chunk sizes, from the shapes (``op.chunk_shape``)
     A chunk of logits may take ``max(CHUNK_LOGITS_BYTES = 16 MiB, the
     input's bytes)``. By default a chunk is the most tokens whose whole

@@ -66,6 +66,20 @@ def chunk_shape(tokens: int, classes: int, itemsize: int, vocab_itemsize: int, i
 # ---------------------------------------------------------------------------
 
 
+def _fused_kernels(device: torch.device):
+    """The fused Triton kernels' module where they run: where the
+    cross_entropy family runs Triton (CUDA, or CPU tensors under
+    TRITON_INTERPRET=1 when forced), unless torch is asked for deterministic
+    algorithms (their atomic float adds sum in a varying order); else None,
+    and the chunked path runs."""
+    if registry.choice("cross_entropy", device.type).backend != "triton" \
+            or torch.are_deterministic_algorithms_enabled():
+        return None
+    from . import triton as fused  # imports triton: only where it runs
+
+    return fused
+
+
 def _chunks(input, weight, target, bias, class_weight, ignore_index, label_smoothing, chunk_size, compute_dtype,
             grad_scale, row_scale, needs, keep_rows):
     """Walk the tokens in chunks: logits = x W^T + b, one row-kernel call
@@ -99,6 +113,13 @@ def _chunks(input, weight, target, bias, class_weight, ignore_index, label_smoot
     grad_weight = torch.zeros((classes, hidden), dtype=acc, device=device) if needs[1] else None
     grad_bias = torch.zeros((classes,), dtype=acc, device=device) if needs[2] else None
     write_grad = any(needs)
+    fused = None if soft or chunk_size is not None else _fused_kernels(device)
+    if fused is not None:
+        # No logits in memory at all: every token and class at once.
+        rows = vocab_chunked_rows(
+            input.to(compute_dtype).contiguous(), w.contiguous(), b, target, kernel_weight, ignore_index,
+            label_smoothing, grad_scale, row_scale, needs, classes, acc, grad_input, grad_weight, grad_bias, fused)
+        return (rows if keep_rows else None), grad_input, grad_weight, grad_bias
     if vocab_step < classes:
         for start in range(0, tokens, step):
             stop = min(start + step, tokens)

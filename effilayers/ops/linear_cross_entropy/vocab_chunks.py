@@ -104,6 +104,13 @@ class _Gradients:
         if self.needs[0]:
             self.grad_input.copy_(self.gi)
 
+    def add_fused(self, fused, b, target, class_term, row_terms, ignore_index):
+        """Every class at once through the fused gradient kernel, which adds
+        into the float32 sums itself."""
+        fused.class_index_grads(self.x, self.w, b, target, class_term, row_terms.contiguous(), ignore_index,
+                                self.gi if self.needs[0] else None, self.grad_weight if self.needs[1] else None,
+                                self.grad_bias if self.needs[2] else None)
+
     def walk(self, b, step, buffer, write_chunk_gradient):
         """The second walk: each chunk's logits recomputed,
         ``write_chunk_gradient(z, start, stop)`` writes d loss / d logits
@@ -131,7 +138,7 @@ def class_index_loss(lse, target_logit, smooth, w_t, class_weight, eps: float, c
 
 
 def vocab_chunked_rows(x, w, b, target, class_weight, ignore_index, eps, grad_scale, row_scale, needs, step, acc,
-                       grad_input, grad_weight, grad_bias):
+                       grad_input, grad_weight, grad_bias, fused=None):
     """Loss rows (accumulation dtype) of one token chunk ``x`` (compute
     dtype), walking the classes ``step`` at a time. When a gradient is wanted,
     writes ``grad_input`` (this chunk's rows, any dtype) and adds into
@@ -139,20 +146,23 @@ def vocab_chunked_rows(x, w, b, target, class_weight, ignore_index, eps, grad_sc
     gradient scaled by ``grad_scale`` (1 element) and ``row_scale`` (per row or
     None). ``acc``: the accumulation dtype (``accumulation_dtype`` of the
     compute dtype); ``class_weight``: None or in it; ``target``: int64 class
-    indices, contiguous, or probabilities."""
+    indices, contiguous, or probabilities. ``fused``: None, or the fused
+    Triton kernels' module (``triton.py``) for class indices: the two walks
+    then run as its two kernels, which form the logits tile by tile
+    themselves (``step`` is unused)."""
     scale = grad_scale if row_scale is None else grad_scale * row_scale
     scale = scale.expand(x.shape[0])
     grads = _Gradients(x, w, needs, acc, grad_input, grad_weight, grad_bias) if any(needs) else None
     if target.is_floating_point():
         rows = _probability_rows(x, w, b, target, class_weight, eps, scale, step, acc, grads)
     else:
-        rows = _class_index_rows(x, w, b, target, class_weight, ignore_index, eps, scale, step, acc, grads)
+        rows = _class_index_rows(x, w, b, target, class_weight, ignore_index, eps, scale, step, acc, grads, fused)
     if grads is not None:
         grads.finish()
     return rows
 
 
-def _class_index_rows(x, w, b, target, class_weight, ignore_index, eps, scale, step, acc, grads):
+def _class_index_rows(x, w, b, target, class_weight, ignore_index, eps, scale, step, acc, grads, fused):
     rows_n, classes = x.shape[0], w.shape[0]
     device = x.device
     valid = target != ignore_index
@@ -162,12 +172,15 @@ def _class_index_rows(x, w, b, target, class_weight, ignore_index, eps, scale, s
     out_of_range = valid & ((safe < 0) | (safe >= classes))
     safe = safe.clamp(0, classes - 1)
     smoothing = eps > 0
-    stats = new_stats(rows_n, acc, device)
-    buffer = torch.empty(rows_n * min(step, classes), dtype=x.dtype, device=device)
-    stats_kernel = registry.dispatch("cross_entropy_chunk_stats_", x)
-    for start, z in _chunk_logits(x, w, b, step, buffer):
-        chunk_weight = None if class_weight is None or not smoothing else class_weight[start:start + z.shape[1]]
-        stats_kernel(z, target, chunk_weight, stats, start, ignore_index, smoothing)
+    if fused is not None:
+        stats = fused.class_index_stats(x, w, b, target, class_weight if smoothing else None, smoothing)
+    else:
+        stats = new_stats(rows_n, acc, device)
+        buffer = torch.empty(rows_n * min(step, classes), dtype=x.dtype, device=device)
+        stats_kernel = registry.dispatch("cross_entropy_chunk_stats_", x)
+        for start, z in _chunk_logits(x, w, b, step, buffer):
+            chunk_weight = None if class_weight is None or not smoothing else class_weight[start:start + z.shape[1]]
+            stats_kernel(z, target, chunk_weight, stats, start, ignore_index, smoothing)
     running_max, sum_exp, target_logit, smooth = stats
     lse = running_max + torch.log(sum_exp)
     w_t = torch.ones_like(lse) if class_weight is None else class_weight[safe]
@@ -177,6 +190,9 @@ def _class_index_rows(x, w, b, target, class_weight, ignore_index, eps, scale, s
         return rows
     row_terms = torch.stack((lse, coef, (1.0 - eps) * w_t, torch.where(out_of_range, math.nan, scale)))
     class_term = smoothing_term(class_weight, eps, classes, acc, device) if smoothing else None
+    if fused is not None:
+        grads.add_fused(fused, b, target, class_term, row_terms, ignore_index)
+        return rows
     grad_kernel = registry.dispatch("cross_entropy_chunk_grad_", x)
     grads.walk(b, step, buffer, lambda z, start, stop: grad_kernel(
         z, target, None if class_term is None else class_term[start:stop], row_terms, start, ignore_index))

@@ -1,0 +1,215 @@
+"""The fused Triton path of linear_cross_entropy (``ops/linear_cross_entropy/
+triton.py``), under the interpreter on CPU and on a GPU: values and
+gradients against float64 F.linear + F.cross_entropy with token and class
+counts that do not divide the tiles, one class tile and many, one class
+split and many, ignored and all-ignored rows, label smoothing, class and
+token weights, every reduction; gradcheck; fp32/fp16/bf16 within the
+stated bound; no tensor of tokens x classes is ever created; and the cases
+that run the chunked path instead (an explicit chunk_size, probability
+targets, deterministic algorithms)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from effilayers.functional import linear_cross_entropy
+from effilayers.ops.linear_cross_entropy import triton as kernels
+
+from .conftest import backend_params, forced_backend
+from .linear_cross_entropy_cases import assert_same, fused, make_positive, make_problem, unfused
+
+REDUCTIONS = ["mean", "sum", "none"]
+SMALL_TILE = (16, 16, 16, 4)  # tl.dot's smallest operand: many tiles at test sizes
+
+
+@pytest.fixture(params=backend_params("cross_entropy", backends=["triton"]))
+def fused_device(request, monkeypatch):
+    """The fused path on one device (the Triton interpreter, or CUDA), with
+    16-wide tiles and at most 4 programs per statistics pass, so small
+    problems run many tiles and split their classes."""
+    for table in (kernels.STATS_TILES, kernels.GRAD_TILES):
+        monkeypatch.setitem(table, torch.float16, SMALL_TILE)
+        monkeypatch.setitem(table, torch.bfloat16, SMALL_TILE)
+        monkeypatch.setitem(table, torch.float32, SMALL_TILE)
+        monkeypatch.setitem(table, torch.float64, SMALL_TILE)
+    monkeypatch.setattr(kernels, "TARGET_PROGRAMS", 4)
+    yield from forced_backend(request, "cross_entropy")
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """How many times each fused kernel's launcher ran."""
+    calls = {"stats": 0, "grads": 0}
+    for name, key in (("class_index_stats", "stats"), ("class_index_grads", "grads")):
+        original = getattr(kernels, name)
+
+        def counted(*args, _original=original, _key=key, **kwargs):
+            calls[_key] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(kernels, name, counted)
+    return calls
+
+
+def _grad_output(shape, reduction, device, dtype=torch.float64):
+    return make_positive(shape, device, seed=9, dtype=dtype) - 0.6 if reduction == "none" else None
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.15])
+@pytest.mark.parametrize("class_weighted", [False, True], ids=["unweighted", "class_weighted"])
+def test_matches_torch_float64(fused_device, kernel_calls, reduction, label_smoothing, class_weighted):
+    # 37 tokens (3 tiles, the last short), 45 classes (3 class tiles over 3 splits), hidden 20 (2 K steps).
+    x, w, b, target = make_problem((37,), 20, 45, torch.float64, fused_device, ignore_every=4)
+    class_weight = make_positive(45, fused_device) if class_weighted else None
+    grad_output = _grad_output((37,), reduction, fused_device)
+    options = dict(label_smoothing=label_smoothing, reduction=reduction)
+    expected = unfused(x, w, b, target, grad_output, class_weight=class_weight, **options)
+    actual = fused(x, w, b, target, grad_output, class_weight=class_weight, **options)
+    assert_same(actual, expected, torch.float64)
+    assert kernel_calls["stats"] == (2 if reduction == "none" else 1) and kernel_calls["grads"] == 1
+
+
+@pytest.mark.parametrize("tokens, classes", [(1, 1), (5, 16), (16, 17), (33, 160)])
+def test_shapes_around_the_tiles(fused_device, kernel_calls, tokens, classes):
+    # One class, one exact tile, one class past it, and ten class tiles (more than the splits).
+    x, w, b, target = make_problem((tokens,), 18, classes, torch.float64, fused_device, ignore_every=3)
+    assert_same(fused(x, w, b, target), unfused(x, w, b, target), torch.float64)
+    assert kernel_calls["grads"] == 1
+
+
+def test_without_bias_custom_ignore_index_and_token_weights(fused_device):
+    x, w, _, target = make_problem((2, 11), 7, 30, torch.float64, fused_device, bias=False, ignore_every=3,
+                                   ignore_index=2)
+    token_weight = make_positive((2, 11), fused_device, seed=8)
+    actual = fused(x, w, None, target, ignore_index=2, token_weight=token_weight, reduction="sum")
+    # "sum" with token weights: sum_i s_i * l_i, whose gradient is torch's unreduced loss's with grad_output s.
+    rows, grads = unfused(x, w, None, target, token_weight, ignore_index=2, reduction="none")
+    assert_same(actual, ((rows * token_weight).sum(), grads), torch.float64)
+
+
+def test_all_ignored_rows(fused_device):
+    x, w, b, target = make_problem((20,), 6, 19, torch.float64, fused_device)
+    target[:16] = -100  # the first token tile is all ignored
+    assert_same(fused(x, w, b, target), unfused(x, w, b, target), torch.float64)
+    target[:] = -100  # every row: mean is 0 / 0, as torch's
+    loss, grads = fused(x, w, b, target, reduction="sum")
+    assert loss.item() == 0 and all(bool((g == 0).all()) for g in grads)
+    assert torch.isnan(fused(x, w, b, target)[0])
+
+
+def test_no_tokens(fused_device):
+    x, w, b, target = make_problem((0,), 6, 19, torch.float64, fused_device)
+    for reduction in REDUCTIONS:
+        assert_same(fused(x, w, b, target, reduction=reduction), unfused(x, w, b, target, reduction=reduction),
+                    torch.float64)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_gradcheck(fused_device, reduction):
+    # 19 tokens, 21 classes: two tiles each way. Fast mode (random directions)
+    # keeps the interpreter's launches few; the float64 tests above hold
+    # every gradient element.
+    x, w, b, target = make_problem((19,), 5, 21, torch.float64, fused_device, ignore_every=3)
+    class_weight = make_positive(21, fused_device)
+
+    def fn(x, w, b):
+        return linear_cross_entropy(x, w, target, b, label_smoothing=0.1, reduction=reduction,
+                                    class_weight=class_weight)
+
+    leaves = tuple(t.clone().requires_grad_() for t in (x, w, b))
+    assert torch.autograd.gradcheck(fn, leaves, eps=1e-6, atol=1e-7, fast_mode=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_low_precision_within_stated_bound(fused_device, kernel_calls, dtype, reduction):
+    x, w, b, target = make_problem((37,), 24, 300, dtype, fused_device, ignore_every=5)
+    grad_output = _grad_output((37,), reduction, fused_device, dtype)
+    options = dict(label_smoothing=0.05, reduction=reduction)
+    loss, grads = actual = fused(x, w, b, target, grad_output, **options)
+    assert loss.dtype == dtype and all(g.dtype == dtype for g in grads)
+    assert_same(actual, unfused(x, w, b, target, grad_output, **options), dtype, grad_tier="linear_cross_entropy")
+    assert kernel_calls["grads"] == 1
+
+
+class _LargestTensor(TorchDispatchMode):
+    """The most elements of any tensor a torch op returns while active,
+    outside the Triton launches themselves (under the interpreter the
+    tests' guard bands copy every argument there; a GPU launch makes no
+    tensor)."""
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.largest = 0
+        self.launching = False
+        for kernel in (kernels._stats_kernel, kernels._grad_kernel):
+            run = type(kernel).run
+
+            def paused(jit, *args, _run=run, **kwargs):
+                self.launching = True
+                try:
+                    return _run(jit, *args, **kwargs)
+                finally:
+                    self.launching = False
+
+            monkeypatch.setattr(type(kernel), "run", paused)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.launching:
+            for value in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(value, torch.Tensor):
+                    self.largest = max(self.largest, value.numel())
+        return out
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_no_tensor_of_tokens_by_classes(fused_device, monkeypatch, reduction):
+    # 64 tokens x 200 classes = 12800 logits; the largest other tensor is the
+    # weight (200 x 8) or its gradient. The chunked path would make a
+    # 64 x 200 chunk (it fits its budget whole).
+    tokens, hidden, classes = 64, 8, 200
+    x, w, b, target = make_problem((tokens,), hidden, classes, torch.float32, fused_device)
+    x, w, b = (t.requires_grad_() for t in (x, w, b))
+    with _LargestTensor(monkeypatch) as meter:
+        loss = linear_cross_entropy(x, w, target, b, reduction=reduction)
+        loss.backward(torch.ones_like(loss))
+    assert meter.largest == classes * hidden < tokens * classes
+    with _LargestTensor(monkeypatch) as meter:
+        linear_cross_entropy(x, w, target, b, reduction=reduction, chunk_size=tokens)
+    assert meter.largest >= tokens * classes  # the meter sees a chunk of logits where one exists
+
+
+@pytest.mark.parametrize("case", ["chunk_size", "probabilities", "deterministic"])
+def test_cases_that_run_the_chunked_path(fused_device, kernel_calls, case):
+    x, w, b, target = make_problem((9,), 6, 20, torch.float64, fused_device)
+    options = {}
+    if case == "chunk_size":
+        options["chunk_size"] = 4
+    elif case == "probabilities":
+        target = torch.softmax(make_positive((9, 20), fused_device, seed=3) * 4, dim=-1)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(case == "deterministic")
+    try:
+        actual = fused(x, w, b, target, **options)
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert_same(actual, unfused(x, w, b, target), torch.float64)
+    assert kernel_calls == {"stats": 0, "grads": 0}
+
+
+def test_split_merge_equals_one_split(fused_device, monkeypatch):
+    # The same statistics whether the classes run in one program range or
+    # many: the merge of the splits' online log-sum-exps is exact.
+    x, w, b, target = make_problem((40,), 9, 150, torch.float64, fused_device)
+    assert kernels.class_index_splits(40, 150, *kernels.STATS_TILES[torch.float64][:2]) == 2
+    many = kernels.class_index_stats(x, w, b, target, None, False)
+    monkeypatch.setattr(kernels, "TARGET_PROGRAMS", 1)
+    assert kernels.class_index_splits(40, 150, *kernels.STATS_TILES[torch.float64][:2]) == 1
+    one = kernels.class_index_stats(x, w, b, target, None, False)
+    torch.testing.assert_close(many, one, rtol=1e-12, atol=1e-12)
+    logits = torch.nn.functional.linear(x, w, b)
+    torch.testing.assert_close(one[0] + one[1].log(), torch.logsumexp(logits, 1), rtol=1e-12, atol=1e-12)
