@@ -29,14 +29,14 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def device_median_seconds(fn, device, rounds: int = 10) -> float:
-    """Median time of fn(): on CUDA from events (triton.testing.do_bench, its
-    own warm-up), the device's time without the host's; on CPU the host
-    clock over ``rounds`` calls."""
+def device_median_seconds(fn, device, rounds: int = 10, rep_ms: int = 100) -> float:
+    """Median time of fn(): on CUDA from events (triton.testing.do_bench over
+    about ``rep_ms`` ms after a quarter of that in warm-up), the device's
+    time without the host's; on CPU the host clock over ``rounds`` calls."""
     if device == "cuda":
         import triton.testing
 
-        return triton.testing.do_bench(fn, return_mode="median") / 1e3
+        return triton.testing.do_bench(fn, warmup=max(1, rep_ms // 4), rep=rep_ms, return_mode="median") / 1e3
     times = []
     for _ in range(rounds):
         start = time.perf_counter()

@@ -120,6 +120,10 @@ def plan(device: str, date: str, results: str) -> list[Step]:
              family="fit_densenet121"),
         # A quarter of the script's default tokens and half its layers: the
         # offloaded steps run Adam on the CPU (13 s in all on the H200).
+        # The launch-configuration sweep (benchmarks/tune.py): its own
+        # budget is under the step's, so it ends and writes its winners
+        # before the step's cut; allocate() runs it after the stale families.
+        Step("tune", 120, (f"python3 benchmarks/tune.py sweep --budget 100 --out {results}/tuned-{device}-{date}.json",)),
         Step("offload", 15,
              (f"python3 benchmarks/bench_fsdp_offload.py --layers 4 --batch 4096 --steps 3 --warmup 1 "
               f"--json {results}/fsdp_offload-{device}-{date}.json",),
@@ -153,18 +157,21 @@ SHORTEST = 15
 
 def allocate(steps: list[Step], fresh: Optional[set[str]], total: int = TOTAL_BUDGET) -> list[Step]:
     """Order and time for one call: the fixed steps first (build, self-test,
-    tests), then the benchmark steps of stale families, then those of fresh
-    ones, each group in plan order, the sanitizer last. Time goes in that
-    order: each benchmark step gets its full budget while the total allows,
+    tests), then the benchmark steps of stale families, then the tuning
+    sweep, then the benchmark steps of fresh families, each group in plan
+    order, the sanitizer last. (The sweep never takes time a stale family
+    needs, and goes before re-measuring what is already fresh.) Time goes in that
+    order: each of those steps gets its full budget while the total allows,
     the first that does not fit gets what is left, and a step left under
     SHORTEST seconds is dropped, so the stalest families are measured
     whole and the rest wait for the next call. The sanitizer takes what
     remains (the run also gives the last step whatever the others did not
     use)."""
     fresh = fresh or set()
-    head = [s for s in steps if not s.family and s.name != "sanitizer"]
+    head = [s for s in steps if not s.family and s.name not in ("sanitizer", "tune")]
     tail = [s for s in steps if s.name == "sanitizer"]
     measured = ([s for s in steps if s.family and s.family not in fresh]
+                + [s for s in steps if s.name == "tune"]
                 + [s for s in steps if s.family and s.family in fresh])
     left = total - sum(s.budget for s in head) - SHORTEST * len(tail)
     given = []
@@ -242,9 +249,11 @@ def pack(folder: Path, out: Optional[Path], device: str, date: str) -> None:
         tar.add(folder, arcname=folder.name,
                 filter=lambda info: None if "/cache" in info.name else info)
     partial.replace(archive)
-    summary = folder / f"summary-{device}-{date}.md"
-    if summary.exists():
-        shutil.copy2(summary, out / summary.name)
+    # The summary, and the tuning sweep's winners (for tune.py merge), also
+    # beside the archive.
+    for path in (folder / f"summary-{device}-{date}.md", folder / f"tuned-{device}-{date}.json"):
+        if path.exists():
+            shutil.copy2(path, out / path.name)
 
 
 def write_summary(folder: Path, device: str, date: str, header: list[str], rows: list[dict]) -> None:

@@ -1,6 +1,9 @@
 """Markdown table of a pytest-benchmark JSON: per group, each entry's median
 time as a ratio to the baseline entry's (plain PyTorch), and its activation
-bytes ratio when the benchmark recorded one.
+bytes ratio when the benchmark recorded one; then, for each implementation
+whose GPU rows record ``pct_of_copy``, a column of it (the CUDA-event time
+against a device-to-device copy of the same bytes), so the ratios to torch
+and torch.compile and the fraction of the bandwidth ceiling sit side by side.
 
     python benchmarks/summarize.py benchmarks/results/abn-cpu-2026-11-22.json --baseline torch
 """
@@ -30,6 +33,8 @@ def summarize(path: str, baseline: str) -> str:
                for bench in benches]
         groups[group] = dict(zip(implementation_labels(ids), benches))
     names = sorted({impl for group in groups.values() for impl in group}, key=lambda n: (n != baseline, n))
+    copied = [name for name in names
+              if any("pct_of_copy" in group[name].get("extra_info", {}) for group in groups.values() if name in group)]
     info = data["machine_info"].get("effilayers", {})
     lines = [
         f"Device: {info.get('device', '?')}, {info.get('threads', '?')} threads, torch {info.get('torch', '?')}. "
@@ -37,8 +42,8 @@ def summarize(path: str, baseline: str) -> str:
         "bandwidth: the bench's CUDA-event time against a device-to-device copy of the same bytes, where measured; "
         "memory: activation bytes ratio to plain PyTorch where measured.",
         "",
-        "| case | " + " | ".join(names) + " |",
-        "| --- |" + " --- |" * len(names),
+        "| case | " + " | ".join(names + [f"{name} % of copy" for name in copied]) + " |",
+        "| --- |" + " --- |" * (len(names) + len(copied)),
     ]
     for group in sorted(groups):
         base = groups[group].get(baseline)
@@ -52,13 +57,13 @@ def summarize(path: str, baseline: str) -> str:
             cell = f"{median * 1e3:.2f} ms"
             if base is not None and name != baseline:
                 cell += f" ({median / base['stats']['median']:.2f}×)"
-            copy_percent = bench.get("extra_info", {}).get("pct_of_copy")
-            if copy_percent is not None:
-                cell += f", {copy_percent:.0f}% of copy"
             memory_ratio = bench.get("extra_info", {}).get("activation_bytes_ratio")
             if memory_ratio is not None:
                 cell += f", mem {memory_ratio:.2f}×"
             cells.append(cell)
+        for name in copied:
+            copy_percent = groups[group].get(name, {}).get("extra_info", {}).get("pct_of_copy")
+            cells.append("–" if copy_percent is None else f"{copy_percent:.0f}%")
         lines.append(f"| {group} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

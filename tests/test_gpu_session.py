@@ -67,6 +67,20 @@ def test_time_goes_to_stale_families_first_and_whole():
     assert {s.name for s in roomy} == {s.name for s in steps} and roomy[-1].budget == 1000 - 530
 
 
+def test_the_tuning_sweep_waits_for_the_stale_families():
+    from benchmarks.gpu_session import SHORTEST, Step, allocate
+
+    build, tests, *families, sanitizer = _steps(("abn", 20), ("max_batch", 180), ("softmax", 60))
+    steps = [build, tests, Step("tune", 120, ("tune",)), *families, sanitizer]
+    # After the stale max_batch and before the fresh abn and softmax, which
+    # get what the sweep leaves.
+    given = allocate(steps, fresh={"abn", "softmax"}, total=500)
+    assert [s.name for s in given] == ["build", "tests", "max_batch", "tune", "abn", "softmax", "sanitizer"]
+    assert {s.name: s.budget for s in given}["softmax"] == 500 - 110 - SHORTEST - 180 - 120 - 20
+    # When the stale families take everything, the sweep is not started.
+    assert "tune" not in [s.name for s in allocate(steps, fresh={"abn", "softmax"}, total=110 + SHORTEST + 190)]
+
+
 def test_some_steps_only_and_unknown_steps():
     done = run("tests", "fit_resnet50=90", "--dry-run")
     assert done.returncode == 0, done.stderr

@@ -49,6 +49,16 @@ def test_wheel_ships_the_kernel_sources(tmp_path):
     assert not any(name.endswith(".so") for name in names)  # nothing compiled unless asked
 
 
+def test_tuned_tables_ship_with_their_families():
+    """A table that benchmarks/tune.py merge writes is package data of its
+    family, or an installed copy falls back to the heuristics unseen."""
+    from benchmarks.tune import FAMILIES
+
+    data = pyproject()["tool"]["setuptools"]["package-data"]
+    for family in FAMILIES:
+        assert "tuned_*.json" in data.get(f"effilayers.ops.{family}", []), family
+
+
 def test_every_subpackage_is_listed():
     """A new subpackage left out of pyproject's list works in an editable
     install and vanishes from the wheel."""

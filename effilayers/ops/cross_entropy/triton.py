@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..._core import tuning
 from ..._core.dtypes import accumulation_dtype
 from ..._core.kernel_spec import KernelSpec
 
@@ -45,6 +46,38 @@ def _block_and_warps(classes: int) -> tuple[int, int]:
     # 4096-wide block keeps 16 values per thread at 8 warps.
     warps = max(1, min(8, block // 512))
     return block, warps
+
+
+def _rows_launcher(write_grad: bool) -> str:
+    return "rows_grad" if write_grad else "rows_loss"
+
+
+def _rows_config(logits: torch.Tensor, write_grad: bool) -> dict:
+    """The tuned configuration of ``cross_entropy_rows_triton`` for these
+    logits (``_core/tuning.py``), else ``_block_and_warps``. Any block is
+    correct: the row is walked in blocks whatever their width. (The
+    vocabulary-chunk launchers below are linear_cross_entropy's and keep
+    the heuristic.)"""
+    classes = logits.shape[1]
+    found = tuning.lookup("cross_entropy", logits.device, _rows_launcher(write_grad), logits.dtype, classes)
+    if found is not None:
+        return found
+    block, warps = _block_and_warps(classes)
+    return {"BLOCK": block, "num_warps": warps}
+
+
+def tuning_candidates(launcher: str, sizes: tuple[int, ...]) -> list[dict]:
+    """What benchmarks/tune.py times for ``cross_entropy_rows_triton``: the
+    heuristic and its neighbours (block halved or doubled, up to the row;
+    warps halved or doubled; 1 or 2 stages where the block loops)."""
+    (classes,) = sizes
+    block, warps = _block_and_warps(classes)
+    heuristic = {"BLOCK": block, "num_warps": warps}
+    variations = {"BLOCK": [b for b in (block // 2, block * 2) if 256 <= b <= triton.next_power_of_2(classes)],
+                  "num_warps": [warps // 2, warps * 2]}
+    if block < classes:
+        variations["num_stages"] = [1, 2]
+    return tuning.around(heuristic, variations, lambda config: config["BLOCK"])
 
 
 @triton.jit
@@ -161,8 +194,8 @@ def cross_entropy_rows_triton(logits, target, weight, grad, grad_scale, ignore_i
     loss = torch.full((rows,), float("nan"), dtype=acc, device=logits.device)
     if rows == 0:
         return loss
-    block, warps = _block_and_warps(classes)
     write_grad = grad is not None
+    config = _rows_config(logits, write_grad)
     grad_arg = grad if write_grad else logits
     grad_strides = grad.stride() if write_grad else (0, 0, 0)
     eps = float(label_smoothing)
@@ -173,7 +206,8 @@ def cross_entropy_rows_triton(logits, target, weight, grad, grad_scale, ignore_i
         logits.stride(0), logits.stride(1), logits.stride(2),
         grad_strides[0], grad_strides[1], grad_strides[2],
         ignore_index, eps_tensor,
-        HAS_WEIGHT=weight is not None, SMOOTHING=eps > 0.0, WRITE_GRAD=write_grad, BLOCK=block, num_warps=warps,
+        HAS_WEIGHT=weight is not None, SMOOTHING=eps > 0.0, WRITE_GRAD=write_grad, BLOCK=config["BLOCK"],
+        **tuning.launch_options(config),
     )
     return loss
 

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..._core import tuning
 from ..._core.dtypes import accumulation_dtype
 from ..._core.kernel_spec import KernelSpec
 
@@ -135,16 +136,54 @@ def _reduce_kernel(x_ptr, a_ptr, b_ptr, e_ptr, R, I, stride_o, stride_r, stride_
         tl.store(e_ptr + out_index, exponent, mask=col_mask)
 
 
-def _config(outer: int, reduced: int, inner: int):
+def _heuristic(outer: int, reduced: int, inner: int) -> dict:
     block_i = 1 if inner == 1 else min(MAX_BLOCK_I, triton.next_power_of_2(inner))
     block_r = max(1, min(TILE_ELEMENTS // block_i, triton.next_power_of_2(max(reduced, 1))))
     programs = outer * triton.cdiv(inner, block_i)
     splits = 1
     if programs < TARGET_PROGRAMS and reduced > 2 * block_r:
         splits = min(triton.cdiv(reduced, block_r), triton.cdiv(TARGET_PROGRAMS, programs))
-    rows_per_split = triton.cdiv(triton.cdiv(reduced, splits), block_r) * block_r
+    return {"BLOCK_R": block_r, "BLOCK_I": block_i, "splits": splits, "num_warps": NUM_WARPS}
+
+
+def _launcher(partial: int) -> str:
+    return f"reduce_{('sum', 'norm', 'var')[partial]}"
+
+
+def _config(outer: int, reduced: int, inner: int, partial: int = 0, dtype: torch.dtype = torch.float32,
+            device: torch.device = torch.device("cpu")):
+    """(BLOCK_R, BLOCK_I, splits, rows_per_split, launch options): the tuned
+    configuration of this launch (``_core/tuning.py``), else the heuristic.
+    Any configuration is correct: the split count is what ``splits`` rows
+    per split, rounded to whole tiles, come to."""
+    config = tuning.lookup("reductions", device, _launcher(partial), dtype, outer, reduced, inner)
+    if config is None:
+        config = _heuristic(outer, reduced, inner)
+    block_r = config["BLOCK_R"]
+    rows_per_split = triton.cdiv(triton.cdiv(reduced, config["splits"]), block_r) * block_r
     splits = triton.cdiv(reduced, rows_per_split)
-    return block_r, block_i, splits, rows_per_split
+    return block_r, config["BLOCK_I"], splits, rows_per_split, tuning.launch_options(config)
+
+
+def tuning_candidates(launcher: str, sizes: tuple[int, ...]) -> list[dict]:
+    """What benchmarks/tune.py times for ``reduce_triton`` at these (outer,
+    reduced, inner) sizes (as the kernel walks them, ``_tile_view``): the
+    heuristic and its neighbours (tile rows and columns, warps, and the
+    split count where the range is split, each halved or doubled; 1 or 2
+    stages)."""
+    outer, reduced, inner = sizes
+    heuristic = _heuristic(outer, reduced, inner)
+    variations = {
+        "BLOCK_R": [b for b in (heuristic["BLOCK_R"] // 2, heuristic["BLOCK_R"] * 2)
+                    if 1 <= b <= triton.next_power_of_2(reduced)],
+        "BLOCK_I": [b for b in (heuristic["BLOCK_I"] // 2, heuristic["BLOCK_I"] * 2)
+                    if inner > 1 and 1 <= b <= min(2 * MAX_BLOCK_I, triton.next_power_of_2(inner))],
+        "num_warps": [NUM_WARPS // 2, NUM_WARPS * 2],
+        "num_stages": [1, 2],
+    }
+    if heuristic["splits"] > 1:
+        variations["splits"] = [heuristic["splits"] // 2, heuristic["splits"] * 2]
+    return tuning.around(heuristic, variations, lambda config: config["BLOCK_R"] * config["BLOCK_I"])
 
 
 def _tile_view(outer: int, reduced: int, inner: int, strides) -> tuple[int, int, tuple[int, int, int]]:
@@ -170,7 +209,7 @@ def reduce_triton(x: torch.Tensor, out: torch.Tensor, kind: str, correction: flo
         wide = torch.zeros(out.shape, dtype=torch.float64, device=x.device)
         out.copy_(_finish(kind, wide, wide, 0, correction))
         return
-    block_r, block_i, splits, rows_per_split = _config(outer, reduced, inner)
+    block_r, block_i, splits, rows_per_split, options = _config(outer, reduced, inner, partial, x.dtype, x.device)
     outputs = outer * inner
     # float64 input accumulates in float64 (no scaling: not part of the
     # fp16/bf16 contract); everything else in float32.
@@ -181,7 +220,7 @@ def reduce_triton(x: torch.Tensor, out: torch.Tensor, kind: str, correction: flo
     e = torch.empty(outputs * splits, dtype=torch.int32, device=x.device) if scaled else a
     grid = (outer * triton.cdiv(inner, block_i), splits)
     _reduce_kernel[grid](x, a, b, e, reduced, inner, stride_o, stride_r, stride_i, rows_per_split, splits,
-                         PARTIAL=partial, SCALED=scaled, BLOCK_R=block_r, BLOCK_I=block_i, num_warps=NUM_WARPS)
+                         PARTIAL=partial, SCALED=scaled, BLOCK_R=block_r, BLOCK_I=block_i, **options)
     shape = (outputs, splits)
     power = e.view(shape).to(torch.float64) if scaled else torch.zeros(shape, dtype=torch.float64, device=x.device)
     value = a.view(shape).to(torch.float64)
@@ -248,7 +287,7 @@ def kernel_specialisations():
         scaled = dtype in (torch.bfloat16, torch.float32)
         for dim_name, ((outer, reduced, inner), strides) in views.items():
             outer, inner, (stride_o, stride_r, stride_i) = _tile_view(outer, reduced, inner, strides)
-            block_r, block_i, splits, rows_per_split = _config(outer, reduced, inner)
+            block_r, block_i, splits, rows_per_split, _ = _config(outer, reduced, inner)
             for kind, partial in (("sum", 0), ("norm", 1), ("var", 2)):
                 arguments = dict(x_ptr=dtype, a_ptr=acc, b_ptr=acc, e_ptr=torch.int32 if scaled else acc, R=reduced,
                                  I=inner, stride_o=stride_o, stride_r=stride_r, stride_i=stride_i,

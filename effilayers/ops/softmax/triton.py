@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..._core import tuning
 from ..._core.dtypes import accumulation_dtype
 from ..._core.kernel_spec import KernelSpec
 from ..._core.layout import three_groups
@@ -340,15 +341,69 @@ def _tile_blocks(reduced: int, inner: int) -> tuple[int, int, bool]:
     return max(1, MAX_TILE // block_i // 2), block_i, False
 
 
+def _row_heuristic(n_cols: int) -> dict:
+    block, _ = _row_block(n_cols)
+    return {"BLOCK": block, "num_warps": _row_warps(block)}
+
+
+def _tile_heuristic(reduced: int, inner: int) -> dict:
+    block_r, block_i, _ = _tile_blocks(reduced, inner)
+    return {"BLOCK_R": block_r, "BLOCK_I": block_i, "num_warps": _tile_warps(block_r * block_i)}
+
+
+def _tile_launcher(direction: str, reduced_stride: int) -> str:
+    # A unit-stride reduced dimension (dim=1 of channels_last) is another
+    # access pattern from a unit-stride inner one: tuned apart.
+    return f"tile_{direction}" + ("_reduced_contiguous" if reduced_stride == 1 else "")
+
+
+def _config(launcher: str, dtype: torch.dtype, device: torch.device, *sizes: int) -> dict:
+    """The tuned configuration of this launch (``_core/tuning.py``), else the
+    heuristic. Any configuration is correct: a row or tile column takes the
+    one-block path exactly when the block covers it."""
+    found = tuning.lookup("softmax", device, launcher, dtype, *sizes)
+    if found is not None:
+        return found
+    return _row_heuristic(*sizes) if launcher.startswith("row") else _tile_heuristic(*sizes)
+
+
+def tuning_candidates(launcher: str, sizes: tuple[int, ...]) -> list[dict]:
+    """What benchmarks/tune.py times for this launcher at these sizes: the
+    heuristic and its neighbours (block halved or doubled, up to the row;
+    warps halved or doubled; 1 or 2 stages where the block loops)."""
+    if launcher.startswith("row"):
+        (n_cols,) = sizes
+        heuristic = _row_heuristic(n_cols)
+        widest = triton.next_power_of_2(n_cols)
+        loops = heuristic["BLOCK"] < n_cols
+        variations = {"BLOCK": [b for b in (heuristic["BLOCK"] // 2, heuristic["BLOCK"] * 2) if 256 <= b <= widest]}
+        elements = lambda config: config["BLOCK"]  # noqa: E731
+    else:
+        reduced, inner = sizes
+        heuristic = _tile_heuristic(reduced, inner)
+        loops = heuristic["BLOCK_R"] < reduced
+        variations = {
+            "BLOCK_R": [b for b in (heuristic["BLOCK_R"] // 2, heuristic["BLOCK_R"] * 2)
+                        if 1 <= b <= triton.next_power_of_2(reduced)],
+            "BLOCK_I": [b for b in (heuristic["BLOCK_I"] // 2, heuristic["BLOCK_I"] * 2)
+                        if 1 <= b <= min(128, triton.next_power_of_2(inner))]}
+        elements = lambda config: config["BLOCK_R"] * config["BLOCK_I"]  # noqa: E731
+    variations["num_warps"] = [heuristic["num_warps"] // 2, heuristic["num_warps"] * 2]
+    if loops:
+        variations["num_stages"] = [1, 2]
+    return tuning.around(heuristic, variations, elements)
+
+
 def _launch_row_forward(x, mask, out, sizes, x_strides, mask_strides, out_strides, n_cols, scale, mask_kind,
                         causal, log, acc):
     rows = sizes[0] * sizes[1] * sizes[2]
-    block, single = _row_block(n_cols)
+    masked = mask_kind != 0 or causal
+    config = _config("row_forward_masked" if masked else "row_forward", x.dtype, x.device, n_cols)
     _row_forward[(rows,)](
         x, mask if mask is not None else x, out, sizes[1], sizes[2],
         *x_strides, *mask_strides, *out_strides, n_cols, scale,
-        MASK_KIND=mask_kind, CAUSAL=causal, LOG=log, SINGLE=single, ACC=acc, BLOCK=block,
-        num_warps=_row_warps(block),
+        MASK_KIND=mask_kind, CAUSAL=causal, LOG=log, SINGLE=n_cols <= config["BLOCK"], ACC=acc,
+        BLOCK=config["BLOCK"], **tuning.launch_options(config),
     )
 
 
@@ -366,12 +421,13 @@ def softmax_forward(x: torch.Tensor, dim: int, log: bool, dtype) -> torch.Tensor
                             (0, 0, 0, 0), (og.outer_stride, 0, 0, og.reduced_stride), xg.reduced, 1.0, 0, False,
                             log, acc)
         return out
-    block_r, block_i, single = _tile_blocks(xg.reduced, xg.inner)
-    inner_blocks = triton.cdiv(xg.inner, block_i)
+    config = _config(_tile_launcher("forward", xg.reduced_stride), x.dtype, x.device, xg.reduced, xg.inner)
+    inner_blocks = triton.cdiv(xg.inner, config["BLOCK_I"])
     _tile_forward[(xg.outer * inner_blocks,)](
         source, out, xg.reduced, xg.inner, inner_blocks,
         xg.outer_stride, xg.reduced_stride, xg.inner_stride, og.outer_stride, og.reduced_stride, og.inner_stride,
-        LOG=log, SINGLE=single, ACC=acc, BLOCK_R=block_r, BLOCK_I=block_i, num_warps=_tile_warps(block_r * block_i),
+        LOG=log, SINGLE=xg.reduced <= config["BLOCK_R"], ACC=acc, BLOCK_R=config["BLOCK_R"],
+        BLOCK_I=config["BLOCK_I"], **tuning.launch_options(config),
     )
     return out
 
@@ -387,20 +443,23 @@ def softmax_backward(grad: torch.Tensor, output: torch.Tensor, dim: int, log: bo
     og = _groups(out, dim)
     acc = _acc(grad.dtype, output.dtype, input_dtype)
     if yg.inner == 1:
-        block, single = _row_block(yg.reduced)
+        config = _config("row_backward", output.dtype, output.device, yg.reduced)
         _row_backward[(yg.outer,)](
             g, y, out, gg.outer_stride, gg.reduced_stride, yg.outer_stride, yg.reduced_stride,
             og.outer_stride, og.reduced_stride, yg.reduced, float(scale),
-            LOG=log, SINGLE=single, ACC=acc, BLOCK=block, num_warps=_row_warps(block),
+            LOG=log, SINGLE=yg.reduced <= config["BLOCK"], ACC=acc, BLOCK=config["BLOCK"],
+            **tuning.launch_options(config),
         )
         return out
-    block_r, block_i, single = _tile_blocks(yg.reduced, yg.inner)
-    inner_blocks = triton.cdiv(yg.inner, block_i)
+    config = _config(_tile_launcher("backward", yg.reduced_stride), output.dtype, output.device, yg.reduced,
+                     yg.inner)
+    inner_blocks = triton.cdiv(yg.inner, config["BLOCK_I"])
     _tile_backward[(yg.outer * inner_blocks,)](
         g, y, out, yg.reduced, yg.inner, inner_blocks,
         gg.outer_stride, gg.reduced_stride, gg.inner_stride, yg.outer_stride, yg.reduced_stride, yg.inner_stride,
         og.outer_stride, og.reduced_stride, og.inner_stride, float(scale),
-        LOG=log, SINGLE=single, ACC=acc, BLOCK_R=block_r, BLOCK_I=block_i, num_warps=_tile_warps(block_r * block_i),
+        LOG=log, SINGLE=yg.reduced <= config["BLOCK_R"], ACC=acc, BLOCK_R=config["BLOCK_R"],
+        BLOCK_I=config["BLOCK_I"], **tuning.launch_options(config),
     )
     return out
 
