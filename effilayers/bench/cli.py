@@ -18,12 +18,12 @@ import argparse
 import os
 import sys
 from contextlib import nullcontext
-from typing import Any, ContextManager, Optional
+from typing import Any, ContextManager, Optional, Union
 
 import torch
 
 from ..max_batch import DEFAULT_LIMIT
-from .budget import budget_fraction, budget_variants
+from .budget import budget_argument, budget_variants
 from .measure import CLOCKS, LOSS_NOISE_FACTOR, SEED, Result, Setup, count_ticks, run_model
 from .report import format_losses, format_table, load_pyplot, loss_warnings, plot, timing_warning, write_json
 from .variants import BenchError, builtin_models, compiled_twin, variants_for
@@ -98,17 +98,18 @@ def _parser() -> argparse.ArgumentParser:
                         help="find the largest batch that trains one step, per variant (CUDA only)")
     parser.add_argument("--max-batch-limit", type=int, metavar="N",
                         help=f"with --max-batch: the largest batch it tries (default: {DEFAULT_MAX_BATCH_LIMIT})")
-    parser.add_argument("--budget", type=budget_fraction, metavar="FRACTION",
-                        help="also, per model, side by side: effilayers.fit(model, the first batch, FRACTION) "
+    parser.add_argument("--budget", type=budget_argument, metavar="BUDGET",
+                        help="also, per model, side by side: effilayers.fit(model, the first batch, BUDGET) "
                              "(a budget below reach prints fit's smallest reachable figure and drops the row); "
                              "torch's checkpoint_sequential (use_reentrant=False) over the parts fit checkpointed "
                              "children of, at ceil(sqrt(n)) segments each (over the outermost nn.Sequential parts "
                              "when fit checkpointed none); torch's checkpoint (use_reentrant=False) on the plain "
                              "model over fit's runs of children, then more in fit's order until it keeps no more "
                              "bytes than fit; and torch.compile of the plain model under "
-                             "torch._functorch.config.activation_memory_budget = FRACTION, its activation bytes "
-                             "counted on the compiled module; FRACTION in (0, 1] of the plain activation bytes; "
-                             "not with --compile")
+                             "torch._functorch.config.activation_memory_budget = BUDGET as a fraction, its "
+                             "activation bytes counted on the compiled module; BUDGET: a fraction in (0, 1] of the "
+                             "plain activation bytes (0.35) or bytes as fit takes them (123456, 2GiB, 512MiB, "
+                             "1.5GB); not with --compile")
     parser.add_argument("--json", metavar="FILE", help="write all results, the environment and the command here")
     parser.add_argument("--plot", metavar="FILE.png",
                         help="bar charts with ratios (and loss curves with --train); needs matplotlib")
@@ -186,10 +187,10 @@ def _compiled_random_like_eager(setup: Setup) -> ContextManager:
     return torch._inductor.config.patch(fallback_random=True)
 
 
-def _budget_rows(variants: list, fraction: float, setup: Setup) -> tuple[list, list[str]]:
+def _budget_rows(variants: list, budget: Union[float, int], setup: Setup) -> tuple[list, list[str]]:
     # The images of the bench's first batch (drawn before the labels, so the
     # number of classes does not change them): fit's example input.
-    return budget_variants(variants, fraction, example=lambda: setup.data(setup.batch, 1, SEED)[0],
+    return budget_variants(variants, budget, example=lambda: setup.data(setup.batch, 1, SEED)[0],
                            prepare=lambda model: model.to(setup.device).train(), autocast=setup.autocast)
 
 
