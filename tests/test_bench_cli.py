@@ -5,6 +5,7 @@ headline."""
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -183,8 +184,6 @@ def test_a_spread_over_15_percent_warns_in_one_line():
 
 
 def test_table_columns_line_up():
-    import re
-
     results = with_ratios([
         spread_result("plain PyTorch", [0.0123, 0.0125, 0.013]),
         spread_result("effilayers InPlaceABN, a long name", [12.3, 12.5, 13.0]),
@@ -204,6 +203,25 @@ def test_table_columns_line_up():
     for column in columns[2:]:  # numbers: same end
         assert len({end for _, end in column}) == 1
     assert "12300.0-13000.0" in lines[3] and "12.3-13.0" in lines[2]
+
+
+def test_the_cuda_peak_column_is_there_on_cuda_only():
+    results = with_ratios([spread_result("plain PyTorch", [1.0]), spread_result("effilayers ABN", [2.0])])
+    on_cuda, on_cpu = bench.format_table(results), bench.format_table(results, cuda=False)
+    assert "CUDA peak MiB" in on_cuda.splitlines()[0] and "n/a" in on_cuda
+    assert "CUDA peak" not in on_cpu and "n/a" not in on_cpu
+    # the same rows otherwise, one cell fewer (cells stand two spaces apart at least)
+    cells = lambda table: [re.split(r"\s{2,}", line) for line in table.splitlines()[2:]]  # noqa: E731
+    assert cells(on_cpu) == [row[:3] + row[4:] for row in cells(on_cuda)]
+
+
+def test_a_cpu_run_prints_no_cuda_column(tmp_path, capsys):
+    report = run_bench(tmp_path, "--model", "tests.test_bench:tiny_convertible_model", "--size", "32",
+                       "--steps", "1")
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("model "))
+    assert "activation MiB" in header and "CUDA peak" not in header
+    assert all(r["cuda_peak_bytes"] is None for r in report["results"])
 
 
 def test_kernels_are_loaded_before_the_progress_bar(monkeypatch, capsys):
@@ -313,7 +331,6 @@ def test_both_kinds_of_error_share_one_prefix(capsys):
 def test_readme_headline_is_generated_from_the_committed_results(monkeypatch):
     """The README's headline table is exactly what benchmarks/headline.py makes
     of the results files it names: nobody edits the numbers by hand."""
-    import re
     from pathlib import Path
 
     from benchmarks import headline

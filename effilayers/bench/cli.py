@@ -252,7 +252,8 @@ def _run_with(args: argparse.Namespace, argv: list[str], setup: Setup) -> int:
     finally:
         bar.close()
 
-    print(format_table(results, setup.clock if setup.device.type != "cuda" else "wall"))
+    on_cuda = setup.device.type == "cuda"
+    print(format_table(results, "wall" if on_cuda else setup.clock, cuda=on_cuda))
     _print_notes(results, setup, args.dtype, args.verbose)
     for line in loss_warnings(results, setup.dtype):
         print(f"{PROG}: warning: {line}", file=sys.stderr)
@@ -281,14 +282,14 @@ def _print_notes(results: list[Result], setup: Setup, dtype_name: str, verbose: 
               "keeps for backward (2 bytes per parameter), the same for every variant.")
     if not verbose:
         if setup.device.type == "cpu":
-            print("CUDA peak bytes: n/a on CPU (activation bytes do not depend on the device).")
+            print("No CUDA peak bytes on CPU (activation bytes do not depend on the device).")
         if setup.train_steps:
             print("losses vs float64: each variant against a float64 run of the same function (--verbose: per step).")
         if notes:
             print(f"{len(notes)} note(s) on the variants: --verbose prints them.")
         return
     if setup.device.type == "cpu":
-        print("CUDA peak bytes: n/a on CPU. Activation bytes count the tensors autograd keeps, which these "
+        print("No CUDA peak bytes on CPU. Activation bytes count the tensors autograd keeps, which these "
               "layers choose the same way on every device; a GPU run adds the peak bytes.")
     if setup.compile:
         print("Under --compile each compiled row is timed alone (dynamo's caches are reset between them); "

@@ -61,15 +61,19 @@ def _spread_cell(r: Result) -> str:
     return f"{r.step_time_min_s * 1e3:.1f}-{r.step_time_max_s * 1e3:.1f}"
 
 
-def format_table(results: list[Result], clock: str = "wall") -> str:
+def format_table(results: list[Result], clock: str = "wall", cuda: bool = True) -> str:
     """One row per variant; each measurement with its ratio to plain PyTorch
     in one cell, so the header stands over both; text columns start, number
     columns end, at the same place in every row. ``clock``: what timed the
-    steps (measure.CLOCKS); the step columns say so when it is CPU time."""
+    steps (measure.CLOCKS); the step columns say so when it is CPU time.
+    ``cuda``: whether the variants ran on CUDA; elsewhere there is no CUDA
+    peak to show, and a column of "n/a" would only push the rest aside."""
     show_max_batch = any(r.max_batch is not None for r in results)
     show_losses = any(r.losses is not None for r in results)
     step = "step ms" if clock == "wall" else f"{clock} step ms"
     header = ["model", "variant", "activation MiB", "CUDA peak MiB", step, "min-max ms", "images/s"]
+    if not cuda:
+        header.remove("CUDA peak MiB")
     if show_max_batch:
         header += ["max batch"]
     if show_losses:
@@ -77,9 +81,11 @@ def format_table(results: list[Result], clock: str = "wall") -> str:
     rows = [header]
     for r in results:
         activation, peak, step, speed = measured_cells(vars(r))
-        row = [r.model, r.variant, _with_ratio(activation, r.ratios.get("activation_bytes")),
-               _with_ratio(peak, r.ratios.get("cuda_peak_bytes")), _with_ratio(step, r.ratios.get("step_time")),
-               _spread_cell(r), _with_ratio(speed, r.ratios.get("images_per_s"))]
+        row = [r.model, r.variant, _with_ratio(activation, r.ratios.get("activation_bytes"))]
+        if cuda:
+            row += [_with_ratio(peak, r.ratios.get("cuda_peak_bytes"))]
+        row += [_with_ratio(step, r.ratios.get("step_time")), _spread_cell(r),
+                _with_ratio(speed, r.ratios.get("images_per_s"))]
         if show_max_batch:
             row += [_with_ratio(str(r.max_batch), r.ratios.get("max_batch"))]
         if show_losses:
