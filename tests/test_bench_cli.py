@@ -215,13 +215,40 @@ def test_the_cuda_peak_column_is_there_on_cuda_only():
     assert cells(on_cpu) == [row[:3] + row[4:] for row in cells(on_cuda)]
 
 
-def test_a_cpu_run_prints_no_cuda_column(tmp_path, capsys):
+def conclusion_result(variant: str, activation=None, step=None) -> bench.Result:
+    """A row; without measurements, one that ran out of memory."""
+    return bench.Result("resnet50", variant, True, activation, None, [], step, None,
+                        out_of_memory=activation is None)
+
+
+def test_the_conclusion_names_the_fewest_bytes_and_their_step_time():
+    results = with_ratios([conclusion_result("plain PyTorch", 1000, 0.10), conclusion_result("ABN", 800, 0.09),
+                           conclusion_result("InPlaceABN", 420, 0.118), conclusion_result("more", 1200, 0.05)])
+    assert bench.conclusion(results) == ("resnet50: InPlaceABN saves 58% of the activation bytes "
+                                         "(0.42x plain PyTorch) at 1.18x the step time")
+    # bytes equal at the table's two decimals: the faster one
+    results = with_ratios([conclusion_result("plain PyTorch", 10000, 0.1), conclusion_result("slow", 4200, 0.3),
+                           conclusion_result("fast", 4201, 0.2)])
+    assert bench.conclusion(results).startswith("resnet50: fast saves 58% ")
+    results = with_ratios([conclusion_result("plain PyTorch", 1000, 0.1), conclusion_result("bigger", 1500, 0.1)])
+    assert bench.conclusion(results) == "resnet50: no variant keeps fewer activation bytes than plain PyTorch"
+    results = [conclusion_result("plain PyTorch"), conclusion_result("ABN", 5, 0.1)]
+    for r in results:
+        r.ratios = {"activation_bytes": None, "step_time": None}
+    assert bench.conclusion(results) == "resnet50: nothing to compare, plain PyTorch did not fit at this batch"
+
+
+def test_a_cpu_run_prints_no_cuda_column_and_a_conclusion_from_its_rows(tmp_path, capsys):
     report = run_bench(tmp_path, "--model", "tests.test_bench:tiny_convertible_model", "--size", "32",
                        "--steps", "1")
     out = capsys.readouterr().out
     header = next(line for line in out.splitlines() if line.startswith("model "))
     assert "activation MiB" in header and "CUDA peak" not in header
-    assert all(r["cuda_peak_bytes"] is None for r in report["results"])
+    plain, converted = report["results"]
+    kept, time = converted["ratios"]["activation_bytes"], converted["ratios"]["step_time"]
+    assert kept == converted["activation_bytes"] / plain["activation_bytes"] < 1
+    assert f"{plain['model']}: {converted['variant']} saves {1 - kept:.0%} of the activation bytes ({kept:.2f}x " \
+           f"as given) at {time:.2f}x the step time\n" in out
 
 
 def test_kernels_are_loaded_before_the_progress_bar(monkeypatch, capsys):

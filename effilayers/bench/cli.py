@@ -25,7 +25,8 @@ import torch
 from ..max_batch import DEFAULT_LIMIT
 from .budget import budget_argument, budget_variants
 from .measure import CLOCKS, LOSS_NOISE_FACTOR, SEED, Result, Setup, count_ticks, run_model
-from .report import format_losses, format_table, load_pyplot, loss_warnings, plot, timing_warning, write_json
+from .report import (conclusion, format_losses, format_table, load_pyplot, loss_warnings, plot, timing_warning,
+                     write_json)
 from .variants import BenchError, builtin_models, compiled_twin, variants_for
 
 __all__ = ["main"]
@@ -244,16 +245,19 @@ def _run_with(args: argparse.Namespace, argv: list[str], setup: Setup) -> int:
     max_batch_limit = _max_batch_limit(args)
     _load_kernels(setup.device.type)
     bar = _progress(sum(count_ticks(variants, setup, max_batch_limit) for variants in variants_per_model))
-    results: list[Result] = []
+    results_per_model: list[list[Result]] = []
     try:
         with _compiled_random_like_eager(setup):
             for variants in variants_per_model:
-                results += run_model(variants, setup, max_batch_limit, bar)
+                results_per_model.append(run_model(variants, setup, max_batch_limit, bar))
     finally:
         bar.close()
 
+    results = [result for model_results in results_per_model for result in model_results]
     on_cuda = setup.device.type == "cuda"
     print(format_table(results, "wall" if on_cuda else setup.clock, cuda=on_cuda))
+    for model_results in results_per_model:
+        print(conclusion(model_results))
     _print_notes(results, setup, args.dtype, args.verbose)
     for line in loss_warnings(results, setup.dtype):
         print(f"{PROG}: warning: {line}", file=sys.stderr)

@@ -14,7 +14,7 @@ import torch
 from .measure import CLOCKS, LOSS_NOISE_FACTOR, LOSS_TOLERANCE_FLOOR, SPREAD_WARNING, Result, Setup
 from .variants import AS_GIVEN, PLAIN, BenchError
 
-__all__ = ["measured_cells", "agreement", "format_table", "precision_name", "format_losses", "loss_warnings", "plot",
+__all__ = ["measured_cells", "agreement", "format_table", "conclusion", "precision_name", "format_losses", "loss_warnings", "plot",
            "load_pyplot", "write_json", "timing_warning"]
 
 # Plain PyTorch this far from float64 means the check is weak here: say so.
@@ -98,6 +98,28 @@ def format_table(results: list[Result], clock: str = "wall", cuda: bool = True) 
                        for i, (cell, w) in enumerate(zip(row, widths))) for row in rows]
     lines.insert(1, "-" * len(lines[0].rstrip()))
     return "\n".join(line.rstrip() for line in lines)
+
+
+def conclusion(results: list[Result]) -> str:
+    """One model's result in a line, from its rows (``results[0]`` is plain,
+    the baseline of the ratios): the variant that keeps the fewest activation
+    bytes and the step time that costs, as ratios to plain. Bytes are
+    compared as the table shows them (two decimals), the faster variant
+    taking a tie: a few bytes less must not pick a slower row over one the
+    table shows as equal."""
+    plain, others = results[0], results[1:]
+    measured = [r for r in others if r.ratios.get("activation_bytes") is not None]
+    if not measured:
+        why = f"{plain.variant} did not fit at this batch" if plain.out_of_memory else "no other variant was measured"
+        return f"{plain.model}: nothing to compare, {why}"
+    best = min(measured, key=lambda r: (round(r.ratios["activation_bytes"], 2),
+                                        r.ratios.get("step_time") or float("inf")))
+    kept, time = best.ratios["activation_bytes"], best.ratios.get("step_time")
+    if round(kept, 2) >= 1.0:
+        return f"{plain.model}: no variant keeps fewer activation bytes than {plain.variant}"
+    cost = "(step time not measured)" if time is None else f"at {time:.2f}x the step time"
+    return (f"{plain.model}: {best.variant} saves {1 - kept:.0%} of the activation bytes ({kept:.2f}x "
+            f"{plain.variant}) {cost}")
 
 
 def timing_warning(results: list[Result]) -> Optional[str]:
