@@ -14,8 +14,8 @@ import torch
 from .measure import CLOCKS, LOSS_NOISE_FACTOR, LOSS_TOLERANCE_FLOOR, SPREAD_WARNING, Result, Setup
 from .variants import AS_GIVEN, PLAIN, BenchError
 
-__all__ = ["measured_cells", "agreement", "format_table", "conclusion", "precision_name", "format_losses", "loss_warnings", "plot",
-           "load_pyplot", "write_json", "timing_warning"]
+__all__ = ["measured_cells", "agreement", "format_table", "conclusion", "precision_name", "format_losses",
+           "loss_warnings", "plot", "load_pyplot", "write_json", "timing_warning"]
 
 # Plain PyTorch this far from float64 means the check is weak here: say so.
 ILL_CONDITIONED = 1e-3
