@@ -106,7 +106,9 @@ def test_densenet121_end_to_end_with_checkpointing_baseline(tmp_path, capsys):
     assert saved["effilayers"] < saved["torch.utils.checkpoint"] < saved["plain PyTorch"]
     assert all(r["same_weights"] for r in results.values())
     out = capsys.readouterr().out
-    assert "densenet121" in out and "n/a" in out and "images/s" in out
+    assert "densenet121" in out and "images/s" in out and "CUDA peak MiB" not in out
+    # a conclusion line: the fewest bytes, which the test above found to be effilayers'
+    assert "\ndensenet121: effilayers saves " in out
     # The default report is short: the checkpointing note is counted, not printed.
     assert len(out.splitlines()) < 30
     assert "1 note(s) on the variants: --verbose prints them." in out and "note: densenet121" not in out

@@ -7,8 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from effilayers import bench
+from effilayers import bench, memory
 from effilayers.bench import budget
+from effilayers.fit import parse_budget
 
 from .bench_cases import by_variant, check_ratios_against_plain, run_bench
 
@@ -73,22 +74,60 @@ def test_a_budget_below_reach_drops_fit_with_the_smallest_figure(tmp_path, monke
     assert any("fit(0.05): dropped" in line for line in report["skipped"])
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--budget", "0"], "--budget must be a fraction in (0, 1]"),
-    (["--budget", "1.5"], "--budget must be a fraction in (0, 1]"),
-    (["--budget", "half"], "--budget 'half': expected a fraction"),
-    (["--budget", "0.5", "--compile"], "run it without --compile"),
+def test_a_budget_in_bytes_fits_to_those_bytes_and_compiles_at_their_fraction(tmp_path, monkeypatch):
+    fractions = []
+    monkeypatch.setattr(budget, "compile_under_budget", lambda model, fraction: fractions.append(fraction) or model)
+    plain_bytes = memory.activation_bytes(tiny_deep_model(), torch.randn(2, 3, 32, 32))
+    kib = plain_bytes // 2 // 2**10
+    report = run_bench(tmp_path, "--model", MODEL, "--size", "32", "--steps", "1", "--budget", f"{kib}KiB")
+    results = by_variant(report)
+    plain = results["as given"]
+    assert plain["activation_bytes"] == plain_bytes
+    assert results[f"fit({kib} KiB)"]["activation_bytes"] <= kib * 2**10
+    # torch.compile takes a fraction: the bytes over the plain model's
+    (fraction,) = fractions
+    assert fraction == pytest.approx(kib * 2**10 / plain_bytes)
+    assert f"torch.compile budget {fraction:.3g}" in results
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("0.35", 0.35), ("1", 1.0),  # a number in (0, 1]: a fraction
+    ("123456", 123456), ("2GiB", 2 * 2**30), ("512MiB", 512 * 2**20), ("1.5GB", 1_500_000_000), ("1e6", 10**6),
 ])
-def test_bad_budgets_exit_2(argv, message, capsys):
-    assert bench.main(argv) == 2
-    assert message in capsys.readouterr().err
+def test_budget_takes_what_fit_takes(text, expected):
+    value = budget.budget_argument(text)
+    assert value == expected and type(value) is type(expected)
+    if isinstance(expected, int):  # sizes are read by fit's own parser
+        assert value == parse_budget(text, 0)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("0", "budget must be a positive size, got '0'"),
+    ("1.5", "'1.5' is neither a fraction in (0, 1] of the plain model's activation bytes nor a whole number"),
+    ("nan", "'nan' is neither a fraction"),
+    ("half", "budget 'half' is not a size; write e.g. '2GiB'"),
+    ("2XB", "budget '2XB' is not a size"),
+    ("-1", "budget '-1' is not a size"),
+])
+def test_bad_budget_forms_are_argparse_errors_naming_the_argument(text, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        bench.main(["--budget", text])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"effilayers-bench: error: argument --budget: {message}" in err and "Traceback" not in err
+
+
+def test_a_budget_with_compile_exits_2(capsys):
+    assert bench.main(["--budget", "0.5", "--compile"]) == 2
+    assert "run it without --compile" in capsys.readouterr().err
 
 
 def test_help_documents_budget(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--help"])
     out = " ".join(capsys.readouterr().out.split())
-    assert "--budget FRACTION" in out and "activation_memory_budget" in out and "checkpoint_sequential" in out
+    assert "--budget BUDGET" in out and "activation_memory_budget" in out and "checkpoint_sequential" in out
+    assert "2GiB" in out and "0.35" in out
 
 
 def test_compile_under_budget_sets_the_budget_only_while_the_model_runs():

@@ -5,6 +5,7 @@ headline."""
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -183,8 +184,6 @@ def test_a_spread_over_15_percent_warns_in_one_line():
 
 
 def test_table_columns_line_up():
-    import re
-
     results = with_ratios([
         spread_result("plain PyTorch", [0.0123, 0.0125, 0.013]),
         spread_result("effilayers InPlaceABN, a long name", [12.3, 12.5, 13.0]),
@@ -204,6 +203,52 @@ def test_table_columns_line_up():
     for column in columns[2:]:  # numbers: same end
         assert len({end for _, end in column}) == 1
     assert "12300.0-13000.0" in lines[3] and "12.3-13.0" in lines[2]
+
+
+def test_the_cuda_peak_column_is_there_on_cuda_only():
+    results = with_ratios([spread_result("plain PyTorch", [1.0]), spread_result("effilayers ABN", [2.0])])
+    on_cuda, on_cpu = bench.format_table(results), bench.format_table(results, cuda=False)
+    assert "CUDA peak MiB" in on_cuda.splitlines()[0] and "n/a" in on_cuda
+    assert "CUDA peak" not in on_cpu and "n/a" not in on_cpu
+    # the same rows otherwise, one cell fewer (cells stand two spaces apart at least)
+    cells = lambda table: [re.split(r"\s{2,}", line) for line in table.splitlines()[2:]]  # noqa: E731
+    assert cells(on_cpu) == [row[:3] + row[4:] for row in cells(on_cuda)]
+
+
+def conclusion_result(variant: str, activation=None, step=None) -> bench.Result:
+    """A row; without measurements, one that ran out of memory."""
+    return bench.Result("resnet50", variant, True, activation, None, [], step, None,
+                        out_of_memory=activation is None)
+
+
+def test_the_conclusion_names_the_fewest_bytes_and_their_step_time():
+    results = with_ratios([conclusion_result("plain PyTorch", 1000, 0.10), conclusion_result("ABN", 800, 0.09),
+                           conclusion_result("InPlaceABN", 420, 0.118), conclusion_result("more", 1200, 0.05)])
+    assert bench.conclusion(results) == ("resnet50: InPlaceABN saves 58% of the activation bytes "
+                                         "(0.42x plain PyTorch) at 1.18x the step time")
+    # bytes equal at the table's two decimals: the faster one
+    results = with_ratios([conclusion_result("plain PyTorch", 10000, 0.1), conclusion_result("slow", 4200, 0.3),
+                           conclusion_result("fast", 4201, 0.2)])
+    assert bench.conclusion(results).startswith("resnet50: fast saves 58% ")
+    results = with_ratios([conclusion_result("plain PyTorch", 1000, 0.1), conclusion_result("bigger", 1500, 0.1)])
+    assert bench.conclusion(results) == "resnet50: no variant keeps fewer activation bytes than plain PyTorch"
+    results = [conclusion_result("plain PyTorch"), conclusion_result("ABN", 5, 0.1)]
+    for r in results:
+        r.ratios = {"activation_bytes": None, "step_time": None}
+    assert bench.conclusion(results) == "resnet50: nothing to compare, plain PyTorch did not fit at this batch"
+
+
+def test_a_cpu_run_prints_no_cuda_column_and_a_conclusion_from_its_rows(tmp_path, capsys):
+    report = run_bench(tmp_path, "--model", "tests.test_bench:tiny_convertible_model", "--size", "32",
+                       "--steps", "1")
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("model "))
+    assert "activation MiB" in header and "CUDA peak" not in header
+    plain, converted = report["results"]
+    kept, time = converted["ratios"]["activation_bytes"], converted["ratios"]["step_time"]
+    assert kept == converted["activation_bytes"] / plain["activation_bytes"] < 1
+    assert f"{plain['model']}: {converted['variant']} saves {1 - kept:.0%} of the activation bytes ({kept:.2f}x " \
+           f"as given) at {time:.2f}x the step time\n" in out
 
 
 def test_kernels_are_loaded_before_the_progress_bar(monkeypatch, capsys):
@@ -313,7 +358,6 @@ def test_both_kinds_of_error_share_one_prefix(capsys):
 def test_readme_headline_is_generated_from_the_committed_results(monkeypatch):
     """The README's headline table is exactly what benchmarks/headline.py makes
     of the results files it names: nobody edits the numbers by hand."""
-    import re
     from pathlib import Path
 
     from benchmarks import headline

@@ -1,7 +1,8 @@
-"""``--budget FRACTION``: the rows that fit one model's activations into a
-budget, side by side (issue 18):
+"""``--budget BUDGET``: the rows that fit one model's activations into a
+budget, side by side (issue 18). BUDGET is what ``effilayers.fit`` takes: a
+fraction of the plain model's activation bytes or bytes (``2GiB``, issue 33).
 
-* ``fit(FRACTION)``: the model after :func:`effilayers.fit` on the bench's
+* ``fit(BUDGET)``: the model after :func:`effilayers.fit` on the bench's
   own first batch;
 * torch's ``torch.utils.checkpoint.checkpoint_sequential``
   (``use_reentrant=False``) over the sequential parts ``fit`` checkpointed
@@ -17,7 +18,8 @@ budget, side by side (issue 18):
   time is the price of the same bytes with torch's checkpoint alone; where
   no run gets there, its note says what it reached;
 * ``torch.compile`` of the plain model compiled under
-  ``torch._functorch.config.activation_memory_budget = FRACTION``.
+  ``torch._functorch.config.activation_memory_budget``, the budget as a
+  fraction of the plain model's activation bytes.
 
 Every row starts from the plain model (the model's first variant), so the
 ratios compare like with like. Imports variants only; cli uses it.
@@ -25,37 +27,64 @@ ratios compare like with like. Imports variants only; cli uses it.
 
 from __future__ import annotations
 
+import argparse
 import copy
-import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint, checkpoint_sequential
 
+from .. import memory
 from ..checkpoint import sqrt_segments
-from ..fit import CheckpointedSequential, _run_in_order, _sequential_parts, _set_segments, checkpoint_runs_to, fit
+from ..fit import (CheckpointedSequential, _run_in_order, _sequential_parts, _set_segments, checkpoint_runs_to, fit,
+                   parse_budget)
 from .variants import BenchError, Variant
 
-__all__ = ["budget_fraction", "budget_variants", "TorchCheckpointedSequential", "TorchCheckpointedRuns",
+__all__ = ["budget_argument", "budget_label", "budget_variants", "TorchCheckpointedSequential", "TorchCheckpointedRuns",
            "compile_under_budget", "FIT", "CHECKPOINT_SEQUENTIAL", "TORCH_CHECKPOINT", "COMPILE_BUDGET"]
 
-FIT = "fit({:g})"
+FIT = "fit({})"
 CHECKPOINT_SEQUENTIAL = "checkpoint_sequential ({})"
 TORCH_CHECKPOINT = "torch checkpoint (to fit's bytes)"
-COMPILE_BUDGET = "torch.compile budget {:g}"
+COMPILE_BUDGET = "torch.compile budget {:.3g}"
 
 
-def budget_fraction(text: str) -> float:
-    """argparse type of ``--budget``: a fraction in (0, 1]."""
+def budget_argument(text: str) -> Union[float, int]:
+    """argparse type of ``--budget``: what :func:`effilayers.fit` takes as its
+    budget, written on a command line. A number in (0, 1] is a fraction of
+    the plain model's activation bytes (returned as a float, as fit takes
+    it); anything else is a size in bytes, ``123456``, ``2GiB``, ``512MiB``,
+    ``1.5GB``, read by fit's own :func:`~effilayers.fit.parse_budget` so that
+    the two accept the same sizes (returned as an int)."""
     try:
-        value = float(text)
+        number = float(text)
     except ValueError:
-        raise BenchError(f"--budget {text!r}: expected a fraction of the plain model's activation bytes, "
-                         "e.g. 0.35") from None
-    if not (math.isfinite(value) and 0.0 < value <= 1.0):
-        raise BenchError(f"--budget must be a fraction in (0, 1] of the plain model's activation bytes, got {text}")
-    return value
+        number = None
+    if number is not None and 0.0 < number <= 1.0:
+        return number
+    # fit reads a size without a unit as bytes and drops what follows the
+    # point ("1.5" is 1 byte): on a command line that is a mistyped fraction.
+    if number is not None and not number.is_integer():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither a fraction in (0, 1] of the plain model's activation bytes nor a whole number "
+            "of bytes; e.g. 0.35, 123456, 2GiB, 512MiB, 1.5GB")
+    try:
+        # A size does not depend on the model's bytes: 0 stands in for them.
+        return parse_budget(text, 0)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{str(error).removeprefix('fit: ')}; or a fraction in (0, 1] of the "
+                                         "plain model's activation bytes, e.g. 0.35") from None
+
+
+def budget_label(budget: Union[float, int]) -> str:
+    """``budget`` as the rows' names show it: the fraction, or bytes in the
+    largest binary unit that keeps a number >= 1 (2GiB, not 2048 MiB)."""
+    if isinstance(budget, float):
+        return f"{budget:g}"
+    unit, size = next((unit, size) for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+                      if budget >= size)
+    return f"{budget / size:.4g} {unit}"
 
 
 class TorchCheckpointedSequential(nn.Sequential):
@@ -151,28 +180,35 @@ def _fitted_segments(model: nn.Module) -> dict[str, int]:
             if isinstance(module, CheckpointedSequential)}
 
 
-def budget_variants(variants: list[Variant], fraction: float, example: Callable[[], torch.Tensor],
+def budget_variants(variants: list[Variant], budget: Union[float, int], example: Callable[[], torch.Tensor],
                     prepare: Callable[[nn.Module], nn.Module], autocast: Callable[[], Any],
                     ) -> tuple[list[Variant], list[str]]:
     """The --budget rows of one model (``variants[0]`` is its plain form)
-    and one line per row dropped. ``example()``: the bench's first batch of
-    images on its device; ``prepare``: moves a model there in training
-    mode; ``autocast()``: the bench's --dtype context. ``fit`` runs here,
-    once, so that a budget below reach is known before the measurements."""
+    and one line per row dropped. ``budget``: as :func:`budget_argument`
+    returns it, a fraction (float) or bytes (int). ``example()``: the
+    bench's first batch of images on its device; ``prepare``: moves a model
+    there in training mode; ``autocast()``: the bench's --dtype context.
+    ``fit`` runs here, once, so that a budget below reach is known before
+    the measurements."""
     plain = variants[0]
     model_name = plain.model
     # Its weights do not matter (bytes depend on shapes); the bench loads
     # plain PyTorch's into every row.
     fitted = prepare(plain.build())
     images = example()
+    budget_name = budget_label(budget)
     with autocast():
+        # torch.compile's budget is a fraction only: bytes over the plain
+        # model's, at most 1 (a budget above them asks for no recomputation).
+        fraction = budget if isinstance(budget, float) else \
+            min(1.0, budget / max(1, memory.activation_bytes(fitted, images)))
         try:
-            report = fit(fitted, images, fraction)
+            report = fit(fitted, images, budget)
         except ValueError as error:
             if "smallest reachable" not in str(error):
                 raise
             fitted = None
-            dropped = f"{model_name} / {FIT.format(fraction)}: dropped, {error}"
+            dropped = f"{model_name} / {FIT.format(budget_name)}: dropped, {error}"
     rows: list[Variant] = []
     lines: list[str] = []
     if fitted is None:
@@ -186,7 +222,7 @@ def budget_variants(variants: list[Variant], fraction: float, example: Callable[
                                for path, module in fitted.named_modules()
                                if isinstance(module, CheckpointedSequential))
         fitted = fitted.to("cpu")
-        rows.append(Variant(model_name, FIT.format(fraction), lambda: copy.deepcopy(fitted),
+        rows.append(Variant(model_name, FIT.format(budget_name), lambda: copy.deepcopy(fitted),
                             note=f"fit steps: {steps}{checkpointed}; predicted extra compute "
                                  f"{report.extra_compute:.3f} of a training step (recomputed convolution and "
                                  "matmul FLOPs)"))
@@ -209,7 +245,8 @@ def budget_variants(variants: list[Variant], fraction: float, example: Callable[
     rows.append(Variant(model_name, COMPILE_BUDGET.format(fraction),
                         lambda: compile_under_budget(plain.build(), fraction), compiled=True,
                         note=f"plain model under torch.compile, torch._functorch.config.activation_memory_budget "
-                             f"= {fraction:g}"))
+                             f"= {fraction:g}" + ("" if isinstance(budget, float) else
+                                                  f" ({budget_name} over the plain model's activation bytes)")))
     return rows, lines
 
 

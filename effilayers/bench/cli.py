@@ -18,14 +18,15 @@ import argparse
 import os
 import sys
 from contextlib import nullcontext
-from typing import Any, ContextManager, Optional
+from typing import Any, ContextManager, Optional, Union
 
 import torch
 
 from ..max_batch import DEFAULT_LIMIT
-from .budget import budget_fraction, budget_variants
+from .budget import budget_argument, budget_variants
 from .measure import CLOCKS, LOSS_NOISE_FACTOR, SEED, Result, Setup, count_ticks, run_model
-from .report import format_losses, format_table, load_pyplot, loss_warnings, plot, timing_warning, write_json
+from .report import (conclusion, format_losses, format_table, load_pyplot, loss_warnings, plot, timing_warning,
+                     write_json)
 from .variants import BenchError, builtin_models, compiled_twin, variants_for
 
 __all__ = ["main"]
@@ -98,17 +99,18 @@ def _parser() -> argparse.ArgumentParser:
                         help="find the largest batch that trains one step, per variant (CUDA only)")
     parser.add_argument("--max-batch-limit", type=int, metavar="N",
                         help=f"with --max-batch: the largest batch it tries (default: {DEFAULT_MAX_BATCH_LIMIT})")
-    parser.add_argument("--budget", type=budget_fraction, metavar="FRACTION",
-                        help="also, per model, side by side: effilayers.fit(model, the first batch, FRACTION) "
+    parser.add_argument("--budget", type=budget_argument, metavar="BUDGET",
+                        help="also, per model, side by side: effilayers.fit(model, the first batch, BUDGET) "
                              "(a budget below reach prints fit's smallest reachable figure and drops the row); "
                              "torch's checkpoint_sequential (use_reentrant=False) over the parts fit checkpointed "
                              "children of, at ceil(sqrt(n)) segments each (over the outermost nn.Sequential parts "
                              "when fit checkpointed none); torch's checkpoint (use_reentrant=False) on the plain "
                              "model over fit's runs of children, then more in fit's order until it keeps no more "
                              "bytes than fit; and torch.compile of the plain model under "
-                             "torch._functorch.config.activation_memory_budget = FRACTION, its activation bytes "
-                             "counted on the compiled module; FRACTION in (0, 1] of the plain activation bytes; "
-                             "not with --compile")
+                             "torch._functorch.config.activation_memory_budget = BUDGET as a fraction, its "
+                             "activation bytes counted on the compiled module; BUDGET: a fraction in (0, 1] of the "
+                             "plain activation bytes (0.35) or bytes as fit takes them (123456, 2GiB, 512MiB, "
+                             "1.5GB); not with --compile")
     parser.add_argument("--json", metavar="FILE", help="write all results, the environment and the command here")
     parser.add_argument("--plot", metavar="FILE.png",
                         help="bar charts with ratios (and loss curves with --train); needs matplotlib")
@@ -186,10 +188,10 @@ def _compiled_random_like_eager(setup: Setup) -> ContextManager:
     return torch._inductor.config.patch(fallback_random=True)
 
 
-def _budget_rows(variants: list, fraction: float, setup: Setup) -> tuple[list, list[str]]:
+def _budget_rows(variants: list, budget: Union[float, int], setup: Setup) -> tuple[list, list[str]]:
     # The images of the bench's first batch (drawn before the labels, so the
     # number of classes does not change them): fit's example input.
-    return budget_variants(variants, fraction, example=lambda: setup.data(setup.batch, 1, SEED)[0],
+    return budget_variants(variants, budget, example=lambda: setup.data(setup.batch, 1, SEED)[0],
                            prepare=lambda model: model.to(setup.device).train(), autocast=setup.autocast)
 
 
@@ -243,15 +245,19 @@ def _run_with(args: argparse.Namespace, argv: list[str], setup: Setup) -> int:
     max_batch_limit = _max_batch_limit(args)
     _load_kernels(setup.device.type)
     bar = _progress(sum(count_ticks(variants, setup, max_batch_limit) for variants in variants_per_model))
-    results: list[Result] = []
+    results_per_model: list[list[Result]] = []
     try:
         with _compiled_random_like_eager(setup):
             for variants in variants_per_model:
-                results += run_model(variants, setup, max_batch_limit, bar)
+                results_per_model.append(run_model(variants, setup, max_batch_limit, bar))
     finally:
         bar.close()
 
-    print(format_table(results, setup.clock if setup.device.type != "cuda" else "wall"))
+    results = [result for model_results in results_per_model for result in model_results]
+    on_cuda = setup.device.type == "cuda"
+    print(format_table(results, "wall" if on_cuda else setup.clock, cuda=on_cuda))
+    for model_results in results_per_model:
+        print(conclusion(model_results))
     _print_notes(results, setup, args.dtype, args.verbose)
     for line in loss_warnings(results, setup.dtype):
         print(f"{PROG}: warning: {line}", file=sys.stderr)
@@ -280,14 +286,14 @@ def _print_notes(results: list[Result], setup: Setup, dtype_name: str, verbose: 
               "keeps for backward (2 bytes per parameter), the same for every variant.")
     if not verbose:
         if setup.device.type == "cpu":
-            print("CUDA peak bytes: n/a on CPU (activation bytes do not depend on the device).")
+            print("No CUDA peak bytes on CPU (activation bytes do not depend on the device).")
         if setup.train_steps:
             print("losses vs float64: each variant against a float64 run of the same function (--verbose: per step).")
         if notes:
             print(f"{len(notes)} note(s) on the variants: --verbose prints them.")
         return
     if setup.device.type == "cpu":
-        print("CUDA peak bytes: n/a on CPU. Activation bytes count the tensors autograd keeps, which these "
+        print("No CUDA peak bytes on CPU. Activation bytes count the tensors autograd keeps, which these "
               "layers choose the same way on every device; a GPU run adds the peak bytes.")
     if setup.compile:
         print("Under --compile each compiled row is timed alone (dynamo's caches are reset between them); "

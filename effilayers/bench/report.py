@@ -14,8 +14,8 @@ import torch
 from .measure import CLOCKS, LOSS_NOISE_FACTOR, LOSS_TOLERANCE_FLOOR, SPREAD_WARNING, Result, Setup
 from .variants import AS_GIVEN, PLAIN, BenchError
 
-__all__ = ["measured_cells", "agreement", "format_table", "precision_name", "format_losses", "loss_warnings", "plot",
-           "load_pyplot", "write_json", "timing_warning"]
+__all__ = ["measured_cells", "agreement", "format_table", "conclusion", "precision_name", "format_losses",
+           "loss_warnings", "plot", "load_pyplot", "write_json", "timing_warning"]
 
 # Plain PyTorch this far from float64 means the check is weak here: say so.
 ILL_CONDITIONED = 1e-3
@@ -61,15 +61,19 @@ def _spread_cell(r: Result) -> str:
     return f"{r.step_time_min_s * 1e3:.1f}-{r.step_time_max_s * 1e3:.1f}"
 
 
-def format_table(results: list[Result], clock: str = "wall") -> str:
+def format_table(results: list[Result], clock: str = "wall", cuda: bool = True) -> str:
     """One row per variant; each measurement with its ratio to plain PyTorch
     in one cell, so the header stands over both; text columns start, number
     columns end, at the same place in every row. ``clock``: what timed the
-    steps (measure.CLOCKS); the step columns say so when it is CPU time."""
+    steps (measure.CLOCKS); the step columns say so when it is CPU time.
+    ``cuda``: whether the variants ran on CUDA; elsewhere there is no CUDA
+    peak to show, and a column of "n/a" would only push the rest aside."""
     show_max_batch = any(r.max_batch is not None for r in results)
     show_losses = any(r.losses is not None for r in results)
     step = "step ms" if clock == "wall" else f"{clock} step ms"
     header = ["model", "variant", "activation MiB", "CUDA peak MiB", step, "min-max ms", "images/s"]
+    if not cuda:
+        header.remove("CUDA peak MiB")
     if show_max_batch:
         header += ["max batch"]
     if show_losses:
@@ -77,9 +81,11 @@ def format_table(results: list[Result], clock: str = "wall") -> str:
     rows = [header]
     for r in results:
         activation, peak, step, speed = measured_cells(vars(r))
-        row = [r.model, r.variant, _with_ratio(activation, r.ratios.get("activation_bytes")),
-               _with_ratio(peak, r.ratios.get("cuda_peak_bytes")), _with_ratio(step, r.ratios.get("step_time")),
-               _spread_cell(r), _with_ratio(speed, r.ratios.get("images_per_s"))]
+        row = [r.model, r.variant, _with_ratio(activation, r.ratios.get("activation_bytes"))]
+        if cuda:
+            row += [_with_ratio(peak, r.ratios.get("cuda_peak_bytes"))]
+        row += [_with_ratio(step, r.ratios.get("step_time")), _spread_cell(r),
+                _with_ratio(speed, r.ratios.get("images_per_s"))]
         if show_max_batch:
             row += [_with_ratio(str(r.max_batch), r.ratios.get("max_batch"))]
         if show_losses:
@@ -92,6 +98,28 @@ def format_table(results: list[Result], clock: str = "wall") -> str:
                        for i, (cell, w) in enumerate(zip(row, widths))) for row in rows]
     lines.insert(1, "-" * len(lines[0].rstrip()))
     return "\n".join(line.rstrip() for line in lines)
+
+
+def conclusion(results: list[Result]) -> str:
+    """One model's result in a line, from its rows (``results[0]`` is plain,
+    the baseline of the ratios): the variant that keeps the fewest activation
+    bytes and the step time that costs, as ratios to plain. Bytes are
+    compared as the table shows them (two decimals), the faster variant
+    taking a tie: a few bytes less must not pick a slower row over one the
+    table shows as equal."""
+    plain, others = results[0], results[1:]
+    measured = [r for r in others if r.ratios.get("activation_bytes") is not None]
+    if not measured:
+        why = f"{plain.variant} did not fit at this batch" if plain.out_of_memory else "no other variant was measured"
+        return f"{plain.model}: nothing to compare, {why}"
+    best = min(measured, key=lambda r: (round(r.ratios["activation_bytes"], 2),
+                                        r.ratios.get("step_time") or float("inf")))
+    kept, time = best.ratios["activation_bytes"], best.ratios.get("step_time")
+    if round(kept, 2) >= 1.0:
+        return f"{plain.model}: no variant keeps fewer activation bytes than {plain.variant}"
+    cost = "(step time not measured)" if time is None else f"at {time:.2f}x the step time"
+    return (f"{plain.model}: {best.variant} saves {1 - kept:.0%} of the activation bytes ({kept:.2f}x "
+            f"{plain.variant}) {cost}")
 
 
 def timing_warning(results: list[Result]) -> Optional[str]:
