@@ -16,25 +16,44 @@ measured, see below) and stops at the first that meets the budget:
    built with ``memory_efficient=False`` switch it on (the concatenation,
    norm and ReLU are recomputed in backward: elementwise work, no
    convolution).
-3. ``checkpoint``: runs of children of the model's sequential parts (every
-   outermost plain ``nn.Sequential`` with two or more children: a ResNet's
-   ``layer1``..``layer4``, whose children are blocks; a DenseNet's
-   ``features``, whose children are the stem's modules, the dense blocks
-   and transitions), one run per step, in the order of most predicted
-   bytes saved per unit of recomputation (a child's FLOPs plus one per
-   output element), each step's gain predicted given the steps before it.
-   A run is at most one segment long, ``ceil(n / ceil(sqrt(n)))`` children
-   of an ``n``-child part; adjacent checkpointed children join into
-   segments of at most that length, so with every child checkpointed a
-   part runs as ``ceil(sqrt(n))`` segments (memonger's choice). Segments
+3. ``checkpoint``: units, found in any model whatever container holds
+   them, outermost first: the children of every outermost plain
+   ``nn.Sequential`` with two or more children (a ResNet's ``layer1``..
+   ``layer4``, whose children are blocks; a DenseNet's ``features``: the
+   stem's modules, the dense blocks and transitions), the members of an
+   ``nn.ModuleList`` / ``nn.ModuleDict`` (a transformer's blocks, looped
+   over in forward: GPT-2's ``transformer.h``, Llama's ``model.layers``,
+   ``nn.TransformerEncoder``'s ``layers``), and the instances of a class
+   with children that the model holds two or more of (repeated blocks held
+   as plain attributes, as FSDP's transformer auto-wrap finds them).
+   One run per step, in the order of most predicted bytes saved per unit of
+   recomputation (a unit's FLOPs plus one per output element), each step's
+   gain predicted given the steps before it.
+   A Sequential's children run in segments: a run is at most one segment
+   long, ``ceil(n / ceil(sqrt(n)))`` children of an ``n``-child part;
+   adjacent checkpointed children join into segments of at most that
+   length, so with every child checkpointed a part runs as
+   ``ceil(sqrt(n))`` segments (memonger's choice). Segments
    run through :func:`effilayers.checkpoint.recompute_in_backward` (no
    graph in forward, only the segment's input kept, gradients of the input
    and parameters from a recomputation in backward) where a probe forward
    of the segment, once, shows that its output depends on no tensor
    requiring gradients other than its input and its modules' parameters;
    elsewhere, and compiled, through :func:`effilayers.checkpoint.checkpoint`.
+   Any other unit is checkpointed whole, in place: its class becomes a
+   subclass of its own (:func:`unit_class`) whose forward runs the
+   original under :func:`effilayers.checkpoint.checkpoint` (torch's
+   non-reentrant checkpoint: any positional and keyword arguments, any
+   outputs, random draws such as dropout replayed), so parameters,
+   state-dict keys, module names, hooks (outside the checkpoint, run once),
+   ``isinstance``, pickling, ``torch.compile`` and a later FSDP2
+   ``fully_shard`` of the same blocks keep working. An argument that is an
+   object the unit may write into (HF's KV cache, which each layer appends
+   to) is copied, tensors shared, before the forward, and the
+   recomputation runs on a fresh copy of that copy, so the cache is
+   written once and the recomputation sees it as the forward did.
    Both keep BatchNorm running statistics moving once per step. Only the
-   checkpointed children are recomputed in backward, so fit stops at the
+   checkpointed units are recomputed in backward, so fit stops at the
    first run that brings the bytes within the budget instead of
    recomputing whole parts.
 4. ``save_on_cpu`` is not offered: on a CPU model it saves nothing (the
@@ -42,8 +61,8 @@ measured, see below) and stops at the first that meets the budget:
    yet; the report notes it.
 
 Why measured, not only predicted: the predictions (from one profiled
-forward: which storages each child of a part saved tensors on, and its
-input) miss what checkpointing changes beyond dropping saved tensors (an
+forward: which storages each unit saved tensors on, and its first
+tensor input) miss what checkpointing changes beyond dropping saved tensors (an
 in-place first layer writing over a copy, say), so fit stops only at a
 measured step. The chain depends on the model and the example input, never
 on the budget; walking it and stopping at the first step whose measurement
@@ -64,12 +83,23 @@ segment.
 Every measuring forward runs under :func:`torch.random.fork_rng` and puts the
 model's buffers back afterwards, so running statistics end where they began.
 ``effilayers.revert(model)`` undoes what ``fit`` did (and, like after
-``convert``, turns fused norms back into plain ones).
+``convert``, turns fused norms back into plain ones). ``fit(...,
+dry_run=True)`` walks the same chain on a deep copy and returns its report
+(steps, predicted and measured bytes, extra compute), leaving the model
+alone; the chain, and so the plan, depends on the model and the shapes of
+the example input, not on its values (where what the model saves depends
+on shapes only: no data-dependent control flow).
+
+Where fit cannot get under the budget its ``ValueError`` lists the notes
+that say why (no unit found, none that saves bytes, no BatchNorm +
+activation pair, or convert's reason for each pair it left alone, e.g. a
+SiLU, which is not invertible).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import re
 import warnings
@@ -81,11 +111,12 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from . import memory
-from .checkpoint import checkpoint, lean_segment_ok, recompute_in_backward, sqrt_segments
+from .checkpoint import _tensors_in, checkpoint, lean_segment_ok, recompute_in_backward, sqrt_segments
 from .convert import FIT_UNDO_ATTR as UNDO_ATTR, convert, revert
 from .models import densenet
 
-__all__ = ["fit", "FitReport", "FitStep", "parse_budget", "CheckpointedSequential", "checkpoint_runs_to"]
+__all__ = ["fit", "FitReport", "FitStep", "parse_budget", "CheckpointedSequential", "checkpoint_runs_to",
+           "unit_class"]
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -221,20 +252,147 @@ def _run_in_order(modules: list[nn.Module]) -> Callable:
     return run
 
 
-def _as_tuple(example_input: Any) -> tuple:
-    inputs = example_input if isinstance(example_input, tuple) else (example_input,)
-    if not inputs or not all(isinstance(value, torch.Tensor) for value in inputs):
-        raise TypeError("fit: example_input must be a tensor or a tuple of tensors, "
+# ---- units: any module run whole under checkpoint ----------------------------------------------
+
+_UNIT_CLASSES: dict[type, type] = {}
+_PLAIN_CLASS_ATTR = "_fit_plain_class"
+# Set on a unit whose class another swap has built on since (FSDP2's
+# fully_shard makes FSDP<class> of it): revert cannot take the class back
+# without dropping that one, so the unit runs its plain forward instead.
+_UNIT_OFF_ATTR = "_fit_unit_off"
+_PLAIN_VALUES = (torch.Tensor, nn.Module, bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+
+
+def _holds_state(value: Any) -> bool:
+    """Whether ``value`` may be an object the unit's forward writes into
+    (HF's DynamicCache appends each layer's keys and values to itself)."""
+    if value is None or isinstance(value, _PLAIN_VALUES):
+        return False
+    return not isinstance(value, tuple) or any(map(_holds_state, value))
+
+
+def _frozen_copy(value: Any) -> Any:
+    """A copy of ``value``'s Python objects and containers sharing its tensors
+    and modules, so that a recomputation sees such an object as the forward
+    first saw it and leaves the real one alone. Where the copy fails the
+    object itself is passed, as torch's checkpoint would pass it."""
+    shared: dict[int, Any] = {}
+    stack, seen = [value], set()
+    while stack:
+        item = stack.pop()
+        if isinstance(item, (torch.Tensor, nn.Module)):
+            shared[id(item)] = item
+        elif id(item) not in seen:
+            seen.add(id(item))
+            stack.extend(item.values() if isinstance(item, dict) else item if isinstance(item, (list, tuple, set))
+                         else vars(item).values() if hasattr(item, "__dict__") else ())
+    try:
+        return copy.deepcopy(value, shared)
+    except Exception:  # an object deepcopy cannot take (a lock, a process group)
+        return value
+
+
+def _checkpointed_call(unit: nn.Module, forward: Callable, args: tuple, kwargs: dict) -> Any:
+    if not torch.is_grad_enabled() or unit.__dict__.get(_UNIT_OFF_ATTR):
+        return forward(*args, **kwargs)
+    # The keywords travel in closures, not through checkpoint's own keywords
+    # (a unit's debug= or context_fn= would be taken for them).
+    frozen = {key: _frozen_copy(value) for key, value in (*enumerate(args), *kwargs.items()) if _holds_state(value)}
+    if not frozen:
+        # No side effect in the checkpointed function: torch.compile traces it whole.
+        return checkpoint(lambda *args: forward(*args, **kwargs), *args)
+    calls = [0]
+
+    def run(*args: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:
+            return forward(*args, **kwargs)
+        # A recomputation: a fresh copy of the state each time (a backward
+        # with retain_graph=True recomputes again).
+        return forward(*(_frozen_copy(frozen[i]) if i in frozen else value for i, value in enumerate(args)),
+                       **{key: _frozen_copy(frozen[key]) if key in frozen else value for key, value in kwargs.items()})
+
+    return checkpoint(run, *args)
+
+
+def _new_unit(plain: type) -> nn.Module:
+    return object.__new__(unit_class(plain))
+
+
+def _reduce_unit(self: nn.Module, protocol: int) -> Any:
+    # The class is made at run time: pickle and deepcopy rebuild it from the
+    # plain class, which pickles by name.
+    return _new_unit, (getattr(type(self), _PLAIN_CLASS_ATTR),), self.__dict__
+
+
+def unit_class(plain: type) -> type:
+    """The subclass of ``plain`` that ``fit`` swaps a unit's class to: its
+    forward runs ``plain``'s under :func:`effilayers.checkpoint.checkpoint`
+    (torch's non-reentrant checkpoint: any arguments and outputs, random
+    draws replayed) while gradients are on. Parameters, buffers, state-dict
+    keys, hooks and ``isinstance(unit, plain)`` stay; one class per ``plain``."""
+    if plain not in _UNIT_CLASSES:
+        # plain's forward by closure, not looked up through type(self): a
+        # class built on this one (FSDP<class>) must still reach plain's.
+        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return _checkpointed_call(self, functools.partial(plain.forward, self), args, kwargs)
+
+        _UNIT_CLASSES[plain] = type(f"Checkpointed{plain.__name__}", (plain,), {
+            "forward": forward, _PLAIN_CLASS_ATTR: plain, "__reduce_ex__": _reduce_unit, "__module__": __name__})
+    return _UNIT_CLASSES[plain]
+
+
+@dataclass
+class _RestoreUnit:
+    unit: nn.Module
+
+    def __call__(self) -> None:
+        plain = type(self.unit).__dict__.get(_PLAIN_CLASS_ATTR)
+        if plain is None:
+            self.unit.__dict__[_UNIT_OFF_ATTR] = True
+        else:
+            self.unit.__class__ = plain
+
+
+def _checkpoint_unit(unit: nn.Module) -> Callable[[], None]:
+    unit.__class__ = unit_class(type(unit))
+    unit.__dict__.pop(_UNIT_OFF_ATTR, None)
+    return _RestoreUnit(unit)
+
+
+@dataclass(frozen=True)
+class _Call:
+    """``example_input`` as the call ``model(*args, **kwargs)``."""
+
+    args: tuple
+    kwargs: dict
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return list(_tensors_in((self.args, self.kwargs)))
+
+
+def _as_call(example_input: Any) -> _Call:
+    if isinstance(example_input, dict):
+        # Keywords: an attention mask, use_cache=... beside the input ids.
+        call = _Call((), dict(example_input))
+        if not all(isinstance(key, str) for key in example_input) or not call.tensors:
+            raise TypeError("fit: example_input as a dict holds the keyword arguments of one forward, str keys and "
+                            "at least one tensor")
+        return call
+    args = example_input if isinstance(example_input, tuple) else (example_input,)
+    if not args or not all(isinstance(value, torch.Tensor) for value in args):
+        raise TypeError("fit: example_input must be a tensor, a tuple of tensors or a dict of keyword arguments, "
                         f"got {type(example_input).__name__}")
-    return inputs
+    return _Call(args, {})
 
 
 class _Restored:
     """Puts the model's buffers (running statistics) and the RNG back after a measuring forward."""
 
-    def __init__(self, model: nn.Module, inputs: tuple) -> None:
+    def __init__(self, model: nn.Module, call: _Call) -> None:
         self.model = model
-        self.devices = sorted({value.device for value in inputs if value.device.type == "cuda"}, key=str)
+        self.devices = sorted({value.device for value in call.tensors if value.device.type == "cuda"}, key=str)
         self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def __enter__(self) -> None:
@@ -251,9 +409,9 @@ class _Restored:
         self.rng.__exit__(*exc_info)
 
 
-def _measure(model: nn.Module, inputs: tuple) -> int:
-    with _Restored(model, inputs):
-        return memory.activation_bytes(model, *inputs)
+def _measure(model: nn.Module, call: _Call) -> int:
+    with _Restored(model, call):
+        return memory.activation_bytes(model, *call.args, **call.kwargs)
 
 
 def _span_bytes(value: Any) -> int:
@@ -262,15 +420,54 @@ def _span_bytes(value: Any) -> int:
 
 def _sequential_parts(model: nn.Module) -> list[tuple[str, nn.Sequential]]:
     """Outermost plain ``nn.Sequential`` modules with two or more children, in module order."""
-    parts: list[tuple[str, nn.Sequential]] = []
+    return [(part.path, part.module) for part in _checkpoint_parts(model, units=False)]
+
+
+@dataclass(frozen=True)
+class _Part:
+    """What fit checkpoints: a plain ``nn.Sequential`` whose adjacent
+    children join into segments, or one unit (any other module, run whole
+    under checkpoint by a class swap)."""
+
+    path: str
+    module: nn.Module
+    unit: bool
+
+    @property
+    def members(self) -> list[nn.Module]:
+        return [self.module] if self.unit else list(self.module)
+
+    def name(self, index: int) -> str:
+        return self.path if self.unit else list(self.module._modules)[index]
+
+
+def _checkpoint_parts(model: nn.Module, units: bool = True) -> list[_Part]:
+    """In module order, the outermost of: plain ``nn.Sequential`` modules
+    with two or more children, and (``units``) the members of an
+    ``nn.ModuleList`` / ``nn.ModuleDict`` and the instances of a class with
+    children that the model holds two or more of (its repeated blocks, the
+    way FSDP's transformer auto-wrap finds layers: a transformer's blocks
+    live in a ModuleList looped over in forward, whatever the model calls
+    it). A repeated leaf (Linear, Dropout, LayerNorm) is one op, not a
+    block: checkpointing it alone keeps its input, most of what it saves."""
+    counts: dict[type, int] = {}
+    for module in model.modules():
+        counts[type(module)] = counts.get(type(module), 0) + 1
+    parts: list[_Part] = []
 
     def visit(module: nn.Module, path: str) -> None:
-        if type(module) is nn.Sequential and len(module) >= 2:
-            parts.append((path, module))
-            return
         for name, child in module.named_children():
-            visit(child, f"{path}.{name}" if path else name)
+            child_path = f"{path}.{name}" if path else name
+            if type(child) is nn.Sequential and len(child) >= 2:
+                parts.append(_Part(child_path, child, unit=False))
+            elif units and (isinstance(module, (nn.ModuleList, nn.ModuleDict))
+                            or (counts[type(child)] >= 2 and len(child._modules) > 0)):
+                parts.append(_Part(child_path, child, unit=True))
+            else:
+                visit(child, child_path)
 
+    if type(model) is nn.Sequential and len(model) >= 2:
+        return [_Part("", model, unit=False)]
     visit(model, "")
     return parts
 
@@ -379,24 +576,25 @@ class _Profile:
         return largest
 
 
-def _profile(model: nn.Module, inputs: tuple, parts: list[tuple[str, nn.Sequential]]) -> _Profile:
+def _profile(model: nn.Module, call: _Call, parts: list[_Part]) -> _Profile:
     """One forward with the meter: per child of each part, the storages it
     saved on; one with the FLOP counter. Two forwards: FlopCounterMode
     installs global module hooks, and a hooked DenseNet layer calls its
     modules instead of recomputing, which would change what is saved."""
-    children = [[_Child() for _ in part] for _, part in parts]
+    children = [[_Child() for _ in part.members] for part in parts]
 
     def forward_with(before: Callable, after: Callable, at_end: Callable = lambda: None) -> None:
         handles = []
-        for (_, part), records in zip(parts, children):
-            for child, record in zip(part, records):
+        for part, records in zip(parts, children):
+            for child, record in zip(part.members, records):
+                # A unit may be called with keywords only (hidden_states=...).
                 handles.append(child.register_forward_pre_hook(
-                    lambda module, args, record=record: before(record, args)))
+                    lambda module, args, kwargs, record=record: before(record, (args, kwargs)), with_kwargs=True))
                 handles.append(child.register_forward_hook(
                     lambda module, args, output, record=record: after(record, output)))
         try:
-            with _Restored(model, inputs), torch.enable_grad():
-                output = model(*inputs)
+            with _Restored(model, call), torch.enable_grad():
+                output = model(*call.args, **call.kwargs)
                 at_end()
                 del output
         finally:
@@ -409,9 +607,10 @@ def _profile(model: nn.Module, inputs: tuple, parts: list[tuple[str, nn.Sequenti
         def seen() -> dict:
             return {storage.key: (storage.span_bytes, storage.saved_by) for storage in meter.storages()}
 
-        def saves_before(record: _Child, args: tuple) -> None:
-            if args and isinstance(args[0], torch.Tensor):
-                record.input_key, record.input_bytes = memory.storage_key(args[0]), _span_bytes(args[0])
+        def saves_before(record: _Child, arguments: tuple) -> None:
+            first = next(_tensors_in(arguments), None)
+            if first is not None:
+                record.input_key, record.input_bytes = memory.storage_key(first), _span_bytes(first)
             snapshots.append(seen())
 
         def saves_after(record: _Child, output: Any) -> None:
@@ -420,7 +619,7 @@ def _profile(model: nn.Module, inputs: tuple, parts: list[tuple[str, nn.Sequenti
                 old_span, old_count = before.get(key, (0, 0))
                 if count > old_count or span > old_span:
                     record.saves[key] = (max(span - old_span, 0), max(count - old_count, 0))
-            record.output_elements = output.numel() if isinstance(output, torch.Tensor) else 0
+            record.output_elements = sum(value.numel() for value in _tensors_in(output))
 
         forward_with(saves_before, saves_after, lambda: final.update(seen()))
     storages = {}
@@ -438,7 +637,7 @@ def _profile(model: nn.Module, inputs: tuple, parts: list[tuple[str, nn.Sequenti
     warned = set(densenet._WARNED)
     with counter, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        def flops_before(record: _Child, args: tuple) -> None:
+        def flops_before(record: _Child, arguments: tuple) -> None:
             record.flops -= counter.get_total_flops()
 
         def flops_after(record: _Child, output: Any) -> None:
@@ -543,39 +742,50 @@ def _memory_efficient_densenet(model: nn.Module) -> tuple[list[str], Callable[[]
     return [name for name, _ in switched], _MemoryEfficientOff([module for _, module in switched])
 
 
-def fit(model: nn.Module, example_input: Union[torch.Tensor, tuple], budget: Union[int, str, float], *,
-        exact: bool = True) -> FitReport:
+def fit(model: nn.Module, example_input: Union[torch.Tensor, tuple, dict], budget: Union[int, str, float], *,
+        exact: bool = True, dry_run: bool = False) -> FitReport:
     """Make ``model`` keep at most ``budget`` activation bytes for backward, in place.
 
     Args:
         model: the model to change (in place; ``effilayers.revert(model)`` undoes it).
-        example_input: a tensor or tuple of tensors, the inputs of one training
-            forward; activation bytes are measured on it.
+        example_input: the inputs of one training forward, on which the
+            activation bytes are measured: a tensor, a tuple of tensors
+            (``model(*example_input)``) or a dict of keyword arguments
+            (``model(**example_input)``: input ids with an attention mask,
+            ``use_cache``...).
         budget: bytes (int), a size string (``"2GiB"``, ``"500MB"``) or a float
             in (0, 1]: that fraction of the model's activation bytes now.
         exact: keep the model's function: skip in-place ABN where it would
             turn ReLU into leaky_relu. ``False`` allows it.
+        dry_run: plan and measure on a deep copy of the model (a second copy
+            of its parameters in memory) and return the report, leaving
+            ``model`` as it is.
 
-    Returns a :class:`FitReport`. Raises ``ValueError`` naming the smallest
-    reachable figure when no step of the chain gets under ``budget``; the
-    model's steps are then undone (with ``exact=False``, a conversion made on
-    the way is reverted as :func:`effilayers.revert` does it: a ReLU comes
-    back as the LeakyReLU(0.01) the fused norm computed).
+    Returns a :class:`FitReport`; where the model kept no more than the
+    budget already it changes nothing and its note says so. Raises
+    ``ValueError`` naming the smallest reachable figure, and the report's
+    notes (why no step could do more), when no step of the chain gets under
+    ``budget``; the model's steps are then undone (with ``exact=False``, a
+    conversion made on the way is reverted as :func:`effilayers.revert` does
+    it: a ReLU comes back as the LeakyReLU(0.01) the fused norm computed).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fit: model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(exact, bool):
-        raise TypeError(f"fit: exact must be a bool, got {type(exact).__name__}")
+    for name, flag in (("exact", exact), ("dry_run", dry_run)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"fit: {name} must be a bool, got {type(flag).__name__}")
     if UNDO_ATTR in model.__dict__:
         raise ValueError("fit: model was already fitted; call effilayers.revert(model) first")
-    inputs = _as_tuple(example_input)
-    before = _measure(model, inputs)
+    call = _as_call(example_input)
+    if dry_run:
+        return fit(copy.deepcopy(model), example_input, budget, exact=exact)
+    before = _measure(model, call)
     budget_bytes = parse_budget(budget, before)
     undo: list[Callable[[], None]] = []
     model.__dict__[UNDO_ATTR] = undo
     report = FitReport(budget_bytes, before, before, before, 0.0, 0)
     try:
-        _walk_chain(model, inputs, budget_bytes, exact, report, undo)
+        _walk_chain(model, call, budget_bytes, exact, report, undo)
     except BaseException:
         _revert_fit(model, report)
         raise
@@ -585,7 +795,8 @@ def fit(model: nn.Module, example_input: Union[torch.Tensor, tuple], budget: Uni
         raise ValueError(f"fit: budget {budget_bytes} bytes is below the smallest reachable figure, {smallest} "
                          f"activation bytes ({smallest / max(before, 1):.3f}x of the {before} now)"
                          + ("; exact=False also allows in-place ABN with leaky_relu"
-                            if any("exact=True" in note for note in report.notes) else ""))
+                            if any("exact=True" in note for note in report.notes) else "")
+                         + "".join(f"\n  {note}" for note in report.notes))
     return report
 
 
@@ -597,7 +808,19 @@ def _revert_fit(model: nn.Module, report: FitReport) -> None:
         revert(model)
 
 
-def _walk_chain(model: nn.Module, inputs: tuple, budget_bytes: int, exact: bool, report: FitReport,
+def _left_alone_note(left_alone: list) -> str:
+    """Why convert fused no pair, in its own words, each reason once."""
+    if not left_alone:
+        return "inplace_abn: no BatchNorm + activation pair to convert"
+    reasons: dict[str, list[str]] = {}
+    for entry in left_alone:
+        reasons.setdefault(entry.reason, []).append(entry.path or "(root)")
+    return "inplace_abn: convert fused no norm: " + "; ".join(
+        f"{paths[0]}{f' and {len(paths) - 1} more' if len(paths) > 1 else ''}: {reason}"
+        for reason, paths in reasons.items())
+
+
+def _walk_chain(model: nn.Module, call: _Call, budget_bytes: int, exact: bool, report: FitReport,
                 undo: list) -> None:
     """Apply the chain's steps until one measures within the budget (see the module docstring)."""
     def done() -> bool:
@@ -611,31 +834,33 @@ def _walk_chain(model: nn.Module, inputs: tuple, budget_bytes: int, exact: bool,
         report.extra_compute += step.extra_compute
 
     if done():
+        report.notes.append(f"nothing to do: the model keeps {report.before_bytes} activation bytes, within the "
+                            f"budget of {budget_bytes}; it is unchanged")
         return
     report.notes.append("save_on_cpu not offered: on CPU it saves nothing (the tensors are host memory already)"
-                        if all(value.device.type == "cpu" for value in inputs)
+                        if all(value.device.type == "cpu" for value in call.tensors)
                         else "save_on_cpu not offered: not implemented yet for CUDA models")
     trial = copy.deepcopy(model)
     trial.__dict__.pop(UNDO_ATTR, None)
     trial_report = convert(trial, "inplace")
     if not trial_report.fused:
-        report.notes.append("inplace_abn: no BatchNorm + activation pair to convert")
+        report.notes.append(_left_alone_note(trial_report.left_alone))
     elif exact and trial_report.function_changed:
         report.notes.append("inplace_abn skipped: it would turn ReLU into leaky_relu (exact=True; pass exact=False "
                             "to allow it)")
     else:
-        predicted = _measure(trial, inputs)
+        predicted = _measure(trial, call)
         del trial
         if predicted < report.measured_bytes:
             conversion = convert(model, "inplace")
             record(FitStep("inplace_abn", "model", f"{len(conversion.fused)} norm + activation pairs fused",
-                           predicted, _measure(model, inputs)))
+                           predicted, _measure(model, call)))
     if done():
         return
     switched, undo_switch = _memory_efficient_densenet(model)
     if switched:
         undo.append(undo_switch)
-        measured = _measure(model, inputs)
+        measured = _measure(model, call)
         # The recomputing Function reproduces the plain path's bytes minus the
         # concatenations and norm outputs it drops; measured, there is no
         # separate per-layer prediction.
@@ -646,45 +871,53 @@ def _walk_chain(model: nn.Module, inputs: tuple, budget_bytes: int, exact: bool,
                             "takes time all the same")
     if done():
         return
-    parts = _sequential_parts(model)
+    parts = _checkpoint_parts(model)
     if not parts:
-        report.notes.append("checkpoint: no nn.Sequential with two or more children to checkpoint")
+        report.notes.append("checkpoint: no unit to checkpoint (no nn.Sequential with two or more children, no "
+                            "member of an nn.ModuleList or nn.ModuleDict, no block class with two or more "
+                            "instances)")
     else:
-        _checkpoint_chain(model, inputs, parts, report, undo, record, done)
+        _checkpoint_chain(model, call, parts, report, undo, record, done)
 
 
-def _checkpoint_chain(model, inputs, parts, report, undo, record, done) -> None:
+def _checkpoint_chain(model, call, parts, report, undo, record, done) -> None:
     """Checkpoint runs of children in the plan's order (``_plan``) until the
     measured bytes are within the budget. A step is measured unless the
     profile's lower bound on its bytes (``_Profile.lower_bound``) is above
     the budget already: such a step cannot be the first within the budget,
     so the walk stops where measuring every step would stop. The last step
     is always measured: its bytes are the smallest reachable figure."""
-    profile = _profile(model, inputs, parts)
+    profile = _profile(model, call, parts)
     moves = _plan(profile)
     if not moves:
-        report.notes.append("checkpoint: no run of children of the nn.Sequential parts saves bytes")
+        paths = [part.path or "(root)" for part in parts]
+        report.notes.append(f"checkpoint: no run of the units found ({', '.join(paths[:4])}"
+                            f"{f' and {len(paths) - 4} more' if len(paths) > 4 else ''}) saves bytes: what they "
+                            "save is kept all the same, as a checkpoint's input or by the code around them")
         return
     step_flops = 3 * max(profile.total_flops, 1)
     state = tuple(frozenset() for _ in parts)
     # The prediction counts what the parts' children and their inputs keep;
     # the measurement also counts what no prediction moves.
     offset = report.measured_bytes - profile.kept_bytes(state)
-    for number, (part, start, end) in enumerate(moves, 1):
+    for number, (index, start, end) in enumerate(moves, 1):
         if done():
             break
-        path, module = parts[part]
-        state = _with_run(state, part, start, end)
-        segments = profile.segments(part, state[part])
-        undo.append(_set_segments(module, segments))
+        part = parts[index]
+        state = _with_run(state, index, start, end)
+        segments = profile.segments(index, state[index])
+        undo.append(_checkpoint_unit(part.module) if part.unit else _set_segments(part.module, segments))
         measured = None
         if number == len(moves) or profile.lower_bound(state) <= report.budget_bytes:
-            measured = _measure(model, inputs)
-        names = [name for name, _ in module.named_children()]
-        children = names[start] if end - start == 1 else f"{names[start]}..{names[end - 1]}"
-        flops = sum(child.flops for child in profile.children[part][start:end])
-        record(FitStep("checkpoint", path, f"{children} checkpointed; segments now {segments}",
-                       offset + profile.kept_bytes(state), measured, flops / step_flops))
+            measured = _measure(model, call)
+        if part.unit:
+            detail = f"{getattr(type(part.module), _PLAIN_CLASS_ATTR).__name__} checkpointed whole"
+        else:
+            children = part.name(start) if end - start == 1 else f"{part.name(start)}..{part.name(end - 1)}"
+            detail = f"{children} checkpointed; segments now {segments}"
+        flops = sum(child.flops for child in profile.children[index][start:end])
+        record(FitStep("checkpoint", part.path, detail, offset + profile.kept_bytes(state), measured,
+                       flops / step_flops))
     report.recompute_bytes = profile.largest_segment_bytes(state)
 
 
@@ -701,22 +934,22 @@ def checkpoint_runs_to(model: nn.Module, example_input: Union[torch.Tensor, tupl
     ``_checkpoint_segment`` may call another checkpoint) while measured,
     and ``model`` is left as it was. Returns ``(segments, measured bytes)``:
     bytes above the target are the least every run reached."""
-    inputs = _as_tuple(example_input)
-    parts = _sequential_parts(model)
-    paths = [path for path, _ in parts]
+    call = _as_call(example_input)
+    parts = _checkpoint_parts(model, units=False)
+    paths = [part.path for part in parts]
     unknown = sorted(set(first or ()) - set(paths))
     if unknown:
         raise ValueError(f"checkpoint_runs_to: {', '.join(unknown)} is not a plain nn.Sequential part of the model "
                          f"(parts: {', '.join(paths) or 'none'})")
     state = tuple(frozenset(index for start, end in (first or {}).get(path, ()) for index in range(start, end))
                   for path in paths)
-    profile = _profile(model, inputs, parts)
+    profile = _profile(model, call, parts)
 
     def measure(state: tuple[frozenset, ...]) -> int:
-        undo = [_set_segments(module, profile.segments(index, state[index]), sequential)
-                for index, (_, module) in enumerate(parts) if state[index]]
+        undo = [_set_segments(part.module, profile.segments(index, state[index]), sequential)
+                for index, part in enumerate(parts) if state[index]]
         try:
-            return _measure(model, inputs)
+            return _measure(model, call)
         finally:
             for restore in reversed(undo):
                 restore()

@@ -1,0 +1,332 @@
+"""effilayers.fit on models whose blocks are not children of an nn.Sequential:
+units found in any container (ModuleList, ModuleDict, repeated block
+classes), checkpointed in place by a class swap (HF GPT-2 and Llama,
+nn.TransformerEncoder, a model calling its blocks with keywords only);
+budgets met and monotone; outputs, gradients and the KV cache equal the
+plain model's with dropout active; the unit keeps its state-dict keys,
+hooks, pickling; dry runs; errors and notes that say why."""
+
+import copy
+import importlib
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import effilayers
+from effilayers import memory, models
+
+import transformers  # in the test extra; not importorskip: CI must run these
+fit_module = importlib.import_module("effilayers.fit")
+
+
+def _gpt2():
+    config = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=100, n_positions=32,
+                                     bos_token_id=0, eos_token_id=0)  # dropout 0.1 in embeddings, attention, blocks
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _llama():
+    config = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=64, intermediate_size=128,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
+                                      attention_dropout=0.1, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _encoder():
+    return nn.TransformerEncoder(nn.TransformerEncoderLayer(64, 4, 256, dropout=0.1, batch_first=True), 4,
+                                 enable_nested_tensor=False)
+
+
+def _token_inputs():
+    ids = torch.randint(0, 100, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :5] = 0  # left padding: the mask changes row 1's outputs
+    return {"input_ids": ids, "attention_mask": mask, "use_cache": True}
+
+
+def _encoder_inputs():
+    padding = torch.zeros(2, 12, dtype=torch.bool)
+    padding[1, 8:] = True
+    return {"src": torch.randn(2, 12, 64), "src_key_padding_mask": padding}
+
+
+MODELS = {"gpt2": (_gpt2, _token_inputs), "llama": (_llama, _token_inputs),
+          "transformer_encoder": (_encoder, _encoder_inputs)}
+
+
+def _output(result):
+    return result if isinstance(result, torch.Tensor) else result.logits
+
+
+class _Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.norm = nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        return torch.tanh(self.norm(self.fc(x)))
+
+
+class _Block(nn.Module):
+    """Called with keywords only, returns a dict; holds a repeated class of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = _Inner(), _Inner()
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, *, x, scale):
+        hidden = self.drop(self.second(self.first(x)))
+        return {"out": x + scale * hidden, "aux": hidden.square().mean()}
+
+
+class _Net(nn.Module):
+    """Blocks held as plain attributes and in a ModuleDict, no nn.Sequential, no ModuleList."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = _Block(), _Block()
+        self.heads = nn.ModuleDict({"main": nn.Linear(8, 3)})
+        self.stem = nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = self.stem(x)
+        first = self.a(x=x, scale=0.5)
+        second = self.b(x=first["out"], scale=2.0)
+        return self.heads["main"](second["out"]) + second["aux"] + first["aux"]
+
+
+def test_units_are_found_whatever_container_holds_them():
+    units = lambda model: [(part.path, part.unit) for part in fit_module._checkpoint_parts(model)]
+    assert units(_gpt2()) == [(f"transformer.h.{i}", True) for i in range(4)]
+    assert units(_llama()) == [(f"model.layers.{i}", True) for i in range(4)]
+    assert units(_encoder()) == [(f"layers.{i}", True) for i in range(4)]
+    # repeated blocks held as attributes, outermost only (not their _Inner), and ModuleDict members;
+    # a single leaf (stem) is not a unit
+    assert units(_Net()) == [("a", True), ("b", True), ("heads.main", True)]
+    # a CNN's parts stay its outermost nn.Sequential modules, as before units
+    resnet = models.resnet18(num_classes=10)
+    assert units(resnet) == [(path, False) for path, _ in fit_module._sequential_parts(resnet)]
+    assert [path for path, _ in fit_module._sequential_parts(resnet)] == [f"layer{i}" for i in range(1, 5)]
+
+
+def _fit_budgets(build, make_inputs):
+    torch.manual_seed(0)
+    base = build().train()
+    inputs = make_inputs()
+    plain = memory.activation_bytes(base, **inputs)
+    previous, reached = plain, []
+    for tenths in range(10, 2, -1):
+        model = copy.deepcopy(base)
+        report = effilayers.fit(model, inputs, tenths / 10)
+        measured = memory.activation_bytes(model, **inputs)
+        assert measured == report.measured_bytes <= report.budget_bytes == int(tenths / 10 * plain), tenths
+        assert measured <= previous, (tenths, measured, previous)
+        previous = measured
+        reached.append(measured / plain)
+    return reached
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_budgets_down_to_0_3_are_met_and_bytes_never_grow_as_the_budget_shrinks(name):
+    reached = _fit_budgets(*MODELS[name])
+    assert reached[0] == 1.0 and reached[-1] <= 0.3
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_fitted_model_computes_the_plain_outputs_gradients_and_cache_with_dropout_active(name):
+    build, make_inputs = MODELS[name]
+    torch.manual_seed(0)
+    plain = build().train()
+    fitted = copy.deepcopy(plain)
+    inputs = make_inputs()
+    classes = [type(module) for module in fitted.modules()]
+    keys = list(fitted.state_dict())
+    report = effilayers.fit(fitted, inputs, 0.3)
+    assert {step.kind for step in report.steps} == {"checkpoint"}
+    swapped = [module for module in fitted.modules() if type(module).__name__.startswith("Checkpointed")]
+    # one unit per step, each still an instance of its own class
+    assert len(swapped) == len(report.steps)
+    assert all(type(unit).__mro__[1] in classes and type(unit).__name__ == "Checkpointed"
+               + type(unit).__mro__[1].__name__ for unit in swapped)
+    assert list(fitted.state_dict()) == keys
+
+    def step(model, seed, **overrides):
+        torch.manual_seed(seed)
+        result = model(**{**inputs, **overrides})
+        out = _output(result)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        return result
+
+    expected, got = step(plain, 1), step(fitted, 1)
+    torch.testing.assert_close(_output(got), _output(expected))
+    for (key, parameter), reference in zip(fitted.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(parameter.grad, reference.grad, msg=key)
+    if name != "transformer_encoder":
+        for layer, reference in zip(got.cache.layers, expected.cache.layers):
+            torch.testing.assert_close(layer.keys, reference.keys)
+            torch.testing.assert_close(layer.values, reference.values)
+    # the comparison means something: dropout draws differ from seed to seed, and the mask matters
+    other_seed = _output(step(copy.deepcopy(plain), 2))
+    assert not torch.allclose(other_seed, _output(expected))
+    unmasked = {"attention_mask": None} if name != "transformer_encoder" else {"src_key_padding_mask": None}
+    assert not torch.allclose(_output(step(copy.deepcopy(plain), 1, **unmasked)), _output(expected))
+    undone = effilayers.revert(fitted)
+    assert undone.fit_steps_undone == len(report.steps)
+    assert [type(module) for module in fitted.modules()] == classes
+
+
+def test_keyword_only_units_with_dict_outputs_and_revert():
+    torch.manual_seed(0)
+    plain = _Net().train()
+    fitted = copy.deepcopy(plain)
+    x = torch.randn(4, 8)
+    report = effilayers.fit(fitted, x, 0.7)
+    assert {step.target for step in report.steps} <= {"a", "b"} and report.steps
+    for model in (plain, fitted):
+        torch.manual_seed(3)
+        model(x.clone().requires_grad_()).square().sum().backward()
+    for (key, parameter), reference in zip(fitted.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(parameter.grad, reference.grad, msg=key)
+    # the recomputation leaves the running statistics where the forward put them
+    for (key, buffer), reference in zip(fitted.named_buffers(), plain.buffers()):
+        torch.testing.assert_close(buffer, reference, msg=key)
+
+
+def test_a_unit_keeps_its_hooks_and_class_pickles_and_reverts():
+    torch.manual_seed(0)
+    model = _encoder()
+    x = torch.randn(2, 6, 64)
+    calls = []
+    hook = model.layers[0].register_forward_hook(lambda module, args, output: calls.append(type(module).__name__))
+    effilayers.fit(model, x, 0.3)
+    assert calls  # fit's measuring forwards ran it too
+    calls.clear()
+    layer = model.layers[0]
+    assert type(layer).__name__ == "CheckpointedTransformerEncoderLayer"
+    assert isinstance(layer, nn.TransformerEncoderLayer)
+    model(x).sum().backward()
+    # the hook ran once: the checkpoint is inside forward, so the recomputation does not call it again
+    assert calls == ["CheckpointedTransformerEncoderLayer"]
+    hook.remove()  # a lambda does not pickle
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert type(loaded.layers[0]) is type(layer)
+    twin = copy.deepcopy(model)
+    effilayers.revert(twin)
+    assert type(twin.layers[0]) is nn.TransformerEncoderLayer and type(model.layers[0]) is type(layer)
+    effilayers.revert(loaded)
+    assert all(type(module) is nn.TransformerEncoderLayer for module in loaded.layers)
+
+
+def test_dry_run_leaves_the_model_alone_and_its_plan_depends_on_shapes_only():
+    torch.manual_seed(0)
+    model = _gpt2().train()
+    inputs = _token_inputs()
+    classes = [type(module) for module in model.modules()]
+    state = copy.deepcopy(model.state_dict())
+    torch.manual_seed(5)
+    before = model(**inputs).logits
+    report = effilayers.fit(model, inputs, 0.5, dry_run=True)
+    assert report.steps and report.extra_compute > 0 and report.predicted_bytes <= report.budget_bytes
+    assert [type(module) for module in model.modules()] == classes
+    assert fit_module.UNDO_ATTR not in model.__dict__
+    assert all(torch.equal(value, state[key]) for key, value in model.state_dict().items())
+    torch.manual_seed(5)
+    torch.testing.assert_close(model(**inputs).logits, before, rtol=0, atol=0)
+
+    def plan(report):
+        return [(step.kind, step.target, step.detail, step.predicted_bytes, step.extra_compute)
+                for step in report.steps]
+
+    other = {**inputs, "input_ids": torch.randint(0, 100, (2, 12))}
+    assert plan(effilayers.fit(model, other, 0.5, dry_run=True)) == plan(report)
+    assert plan(effilayers.fit(model, inputs, 0.5)) == plan(report)
+
+
+class _Linears(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_errors_and_notes_say_why_fit_cannot_help():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match=r"(?s)smallest reachable figure.*no BatchNorm \+ activation "
+                                         r"pair to convert.*no unit to checkpoint"):
+        effilayers.fit(nn.Linear(8, 8), x, 0.5)
+    # checkpointing a lone Linear keeps its input: all it saves
+    with pytest.raises(ValueError, match=r"no run of the units found \(layers.0, layers.1, layers.2\) saves bytes"):
+        effilayers.fit(_Linears(), x, 0.5)
+    report = effilayers.fit(_Linears(), x, 1.0)
+    assert not report.steps and any(note.startswith("nothing to do") for note in report.notes)
+    # BatchNorm + SiLU: the pair is there, its activation is not invertible; say what convert says
+    silu = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.SiLU(), nn.Conv2d(8, 4, 3, padding=1))
+    images = torch.randn(2, 3, 6, 6)
+    reason = effilayers.convert(copy.deepcopy(silu), "inplace").reason("1")
+    assert "SiLU" in reason
+    with pytest.raises(ValueError) as raised:
+        effilayers.fit(silu, images, 1)
+    assert reason in str(raised.value)
+    assert "no BatchNorm + activation pair" not in str(raised.value)
+    with pytest.raises(TypeError, match="example_input"):
+        effilayers.fit(_Linears(), {0: x}, 0.5)
+    with pytest.raises(TypeError, match="dry_run"):
+        effilayers.fit(_Linears(), x, 0.5, dry_run="yes")
+
+
+@pytest.mark.slow
+def test_compiled_fitted_encoder_matches_the_compiled_plain_one():
+    torch.manual_seed(0)
+    plain = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True), 2,
+                                  enable_nested_tensor=False)
+    fitted = copy.deepcopy(plain)
+    x = torch.randn(2, 6, 32)
+    effilayers.fit(fitted, x, 0.6)
+    assert any(type(module).__name__.startswith("Checkpointed") for module in fitted.modules())
+    for model in (plain, fitted):
+        # aot_eager: dynamo and AOT autograd, where checkpoint is traced, without inductor's compile time
+        torch.compile(model, backend="aot_eager", fullgraph=True)(x).square().sum().backward()
+    for (key, parameter), reference in zip(fitted.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(parameter.grad, reference.grad, msg=key)
+
+
+def test_fsdp2_fully_shard_of_the_fitted_blocks_trains_as_the_plain_sharded_model():
+    from torch import distributed
+    from torch.distributed.fsdp import fully_shard
+
+    # One process: enough for fully_shard's class swap and hooks around the unit's checkpoint.
+    distributed.init_process_group("gloo", store=distributed.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        plain = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=True), 3,
+                                      enable_nested_tensor=False)
+        fitted = copy.deepcopy(plain)
+        x = torch.randn(2, 6, 32)
+        report = effilayers.fit(fitted, x, 0.4)
+        for model in (plain, fitted):
+            for layer in model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+        assert [type(fitted.layers[0]).__name__, len(report.steps)] == ["FSDPCheckpointedTransformerEncoderLayer", 2]
+        for model in (plain, fitted):
+            torch.manual_seed(1)
+            model(x).square().sum().backward()
+        for (key, parameter), reference in zip(fitted.named_parameters(), plain.parameters()):
+            torch.testing.assert_close(parameter.grad.full_tensor(), reference.grad.full_tensor(), msg=key)
+        # revert cannot take FSDP's class back off: the unit runs its plain forward from then on
+        effilayers.revert(fitted)
+        assert type(fitted.layers[0]).__name__ == "FSDPCheckpointedTransformerEncoderLayer"
+        assert fitted.layers[0].__dict__[fit_module._UNIT_OFF_ATTR]
+    finally:
+        distributed.destroy_process_group()
