@@ -45,11 +45,15 @@ TIERS = {
     "gemm_tf32": {f32: (0.0, 4e-3)},
     # A reduction against float64: results that cancel to near zero while their terms are not.
     "reduction": {f64: (1e-10, 1e-10), f32: (1e-5, 1e-5), f16: (1e-3, 1e-3), bf16: (1e-2, 1e-2)},
+    # The fused linear + cross-entropy passes: GEMMs whose operand, the logits'
+    # gradient, is rounded to fp16/bf16 first (as the chunked path and
+    # torch's unfused pair store it); atol relative to the largest value.
+    "linear_cross_entropy": {f32: (1e-5, 1e-5), f16: (2e-3, 4e-3), bf16: (1.6e-2, 3e-2)},
     # 8-bit optimizer states against the reference's: a code one step off moves
     # an element's update by ~1e-6; codes themselves may differ by one.
     "adam_8bit": {f32: (1e-5, 2e-5), torch.int8: (0, 1), torch.uint8: (0, 1)},
 }
-SCALED = {"gemm": (f16, bf16), "gemm_tf32": (f32,)}
+SCALED = {"gemm": (f16, bf16), "gemm_tf32": (f32,), "linear_cross_entropy": (f16, bf16)}
 
 
 @dataclass(frozen=True)
@@ -136,6 +140,33 @@ def _cross_entropy_chunk_grad(device, dtype, g):
     row_terms = torch.stack([lse, _positive((5,), g, device), _positive((5,), g, device), _positive((5,), g, device)])
     return [(chunk, target, _positive((11,), g, device, 0.001, 0.01), row_terms, 4, -100),
             (chunk, target, None, row_terms, 4, -100)]
+
+
+def _linear_rows(device, dtype, g):
+    """x (7 tokens, hidden 20, rows a gap apart), W (37 classes), b and
+    targets (one ignored, one out of range): more than one tile of the
+    fused kernels' smallest 16 in every dimension."""
+    x = _randn((7, 24), g, dtype, device)[:, :20]
+    w = _randn((37, 20), g, dtype, device, 0.3)
+    target = torch.tensor([3, -100, 36, 0, 40, 17, 9], device=device)
+    return x, w, _randn((37,), g, dtype, device), target
+
+
+def _linear_cross_entropy_stats(device, dtype, g):
+    x, w, b, target = _linear_rows(device, dtype, g)
+    return [(x, w, b, target, _positive((37,), g, device), True), (x, w, None, target, None, False)]
+
+
+def _linear_cross_entropy_grads(device, dtype, g):
+    x, w, b, target = _linear_rows(device, dtype, g)
+    lse = torch.logsumexp(torch.nn.functional.linear(x.float(), w.float(), b.float()), 1) + 0.25
+    row_terms = torch.stack([lse, _positive((7,), g, device), _positive((7,), g, device), _positive((7,), g, device)])
+
+    def sums():
+        return (_randn((7, 20), g, f32, device), _randn((37, 20), g, f32, device), _randn((37,), g, f32, device))
+
+    return [(x, w, b, target, _positive((37,), g, device, 0.001, 0.01), row_terms, -100, *sums()),
+            (x, w, None, target, None, row_terms, -100, sums()[0], None, None)]
 
 
 def _soft_chunk(device, dtype, g):
@@ -288,6 +319,9 @@ CASES: dict[str, Case] = {
     "cross_entropy_chunk_grad_": Case(_cross_entropy_chunk_grad),
     "cross_entropy_soft_chunk_stats_": Case(_cross_entropy_soft_chunk_stats),
     "cross_entropy_soft_chunk_grad_": Case(_cross_entropy_soft_chunk_grad),
+    "linear_cross_entropy_stats": Case(_linear_cross_entropy_stats, dtypes=(f32, f16, bf16), tier="gemm"),
+    "linear_cross_entropy_grads": Case(_linear_cross_entropy_grads, dtypes=(f32, f16, bf16),
+                                       tier="linear_cross_entropy"),
     "reduce": Case(_reduce, tier="reduction"),
     "dense_bottleneck_forward": Case(_dense_forward, tier="gemm"),
     "dense_bottleneck_backward": Case(_dense_backward, tier="gemm"),

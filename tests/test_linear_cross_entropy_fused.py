@@ -10,10 +10,13 @@ targets, deterministic algorithms)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from effilayers._core import registry
 from effilayers.functional import linear_cross_entropy
 from effilayers.ops.linear_cross_entropy import triton as kernels
 
@@ -24,7 +27,7 @@ REDUCTIONS = ["mean", "sum", "none"]
 SMALL_TILE = (16, 16, 16, 4)  # tl.dot's smallest operand: many tiles at test sizes
 
 
-@pytest.fixture(params=backend_params("cross_entropy", backends=["triton"]))
+@pytest.fixture(params=backend_params("linear_cross_entropy_stats", backends=["triton"]))
 def fused_device(request, monkeypatch):
     """The fused path on one device (the Triton interpreter, or CUDA), with
     16-wide tiles and at most 4 programs per statistics pass, so small
@@ -35,21 +38,23 @@ def fused_device(request, monkeypatch):
         monkeypatch.setitem(table, torch.float32, SMALL_TILE)
         monkeypatch.setitem(table, torch.float64, SMALL_TILE)
     monkeypatch.setattr(kernels, "TARGET_PROGRAMS", 4)
-    yield from forced_backend(request, "cross_entropy")
+    yield from forced_backend(request, "linear_cross_entropy_stats")
 
 
 @pytest.fixture
-def kernel_calls(monkeypatch):
-    """How many times each fused kernel's launcher ran."""
+def kernel_calls(fused_device, monkeypatch):
+    """How many times each fused pass ran: the registry's chosen kernels,
+    counted."""
     calls = {"stats": 0, "grads": 0}
-    for name, key in (("class_index_stats", "stats"), ("class_index_grads", "grads")):
-        original = getattr(kernels, name)
+    for name, key in (("linear_cross_entropy_stats", "stats"), ("linear_cross_entropy_grads", "grads")):
+        chosen = registry.choice(name, fused_device.type)
 
-        def counted(*args, _original=original, _key=key, **kwargs):
+        def counted(*args, _kernel=chosen.kernel, _key=key, **kwargs):
             calls[_key] += 1
-            return _original(*args, **kwargs)
+            return _kernel(*args, **kwargs)
 
-        monkeypatch.setattr(kernels, name, counted)
+        monkeypatch.setitem(registry._state.choices, (name, fused_device.type),
+                            dataclasses.replace(chosen, kernel=counted))
     return calls
 
 

@@ -14,6 +14,7 @@ from ..._core.layout import refuse_forward_ad
 # Importing the family registers the "cross_entropy" row kernels this op runs on each chunk.
 from ..cross_entropy import op as _cross_entropy_op  # noqa: F401
 from .contract import INPUT_DTYPES, OP, check_arguments, check_target_range
+from .reference import class_index_grads_reference, class_index_stats_reference
 from .vocab_chunks import (accumulate_product, probability_terms, vocab_chunk_bytes, vocab_chunked_rows,
                            whole_probability_rows)
 from .vocab_parallel import is_sharded, runs_vocab_parallel, vocab_parallel_linear_cross_entropy
@@ -66,18 +67,28 @@ def chunk_shape(tokens: int, classes: int, itemsize: int, vocab_itemsize: int, i
 # ---------------------------------------------------------------------------
 
 
-def _fused_kernels(device: torch.device):
-    """The fused Triton kernels' module where they run: where the
-    cross_entropy family runs Triton (CUDA, or CPU tensors under
-    TRITON_INTERPRET=1 when forced), unless torch is asked for deterministic
-    algorithms (their atomic float adds sum in a varying order); else None,
-    and the chunked path runs."""
-    if registry.choice("cross_entropy", device.type).backend != "triton" \
-            or torch.are_deterministic_algorithms_enabled():
-        return None
-    from . import triton as fused  # imports triton: only where it runs
+# The fused path's two passes (triton.py). Their references exist for the
+# self-test; the op runs them only where Triton does, and the chunked path
+# elsewhere.
+for _name, _reference in (("linear_cross_entropy_stats", class_index_stats_reference),
+                          ("linear_cross_entropy_grads", class_index_grads_reference)):
+    registry.register(registry.OpKernels(
+        name=_name, reference=_reference,
+        triton=f"effilayers.ops.linear_cross_entropy.triton:class_index_{_name.rsplit('_', 1)[1]}"))
 
-    return fused
+
+def _fused_kernels(device: torch.device):
+    """(statistics pass, gradient pass) of the fused path where its Triton
+    kernels run (CUDA, or CPU tensors under TRITON_INTERPRET=1 when forced),
+    unless torch is asked for deterministic algorithms (their atomic float
+    adds sum in a varying order); else None, and the chunked path runs."""
+    if torch.are_deterministic_algorithms_enabled():
+        return None
+    stats, grads = (registry.choice(name, device.type) for name in
+                    ("linear_cross_entropy_stats", "linear_cross_entropy_grads"))
+    if stats.backend != "triton" or grads.backend != "triton":
+        return None
+    return stats.kernel, grads.kernel
 
 
 def _chunks(input, weight, target, bias, class_weight, ignore_index, label_smoothing, chunk_size, compute_dtype,

@@ -54,3 +54,44 @@ def linear_cross_entropy_reference(
     if reduction == "sum":
         return rows.sum()
     return rows.sum() / divisor.sum()
+
+
+# The fused path's two passes, whole: the oracle of their Triton kernels
+# (ops/linear_cross_entropy/triton.py has the contracts) in the self-test.
+
+
+def _logits_in_accumulation(x, w, b, acc):
+    """F.linear's logits (rounded to the compute dtype as it returns them), widened."""
+    return F.linear(x, w, b).to(acc)
+
+
+def class_index_stats_reference(x, w, b, target, class_weight, smoothing):
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    z = _logits_in_accumulation(x, w, b, acc)
+    running_max = z.max(1).values
+    sum_exp = torch.exp(z - running_max[:, None]).sum(1)
+    hit = torch.arange(z.shape[1], device=z.device)[None, :] == target[:, None]
+    target_logit = torch.where(hit, z, 0.0).sum(1)
+    smooth = torch.zeros_like(running_max)
+    if smoothing:
+        smooth = (z * (1.0 if class_weight is None else class_weight.to(acc))[None]).sum(1)
+    return torch.stack((running_max, sum_exp, target_logit, smooth))
+
+
+def class_index_grads_reference(x, w, b, target, class_term, row_terms, ignore_index, grad_input, grad_weight,
+                                grad_bias):
+    acc = row_terms.dtype
+    z = _logits_in_accumulation(x, w, b, acc)
+    lse, coef, target_coef, scale = row_terms
+    g = coef[:, None] * torch.exp(z - lse[:, None])
+    if class_term is not None:
+        g = g - class_term.to(acc)[None]
+    hit = torch.arange(z.shape[1], device=z.device)[None, :] == target[:, None]
+    g = torch.where(hit, g - target_coef[:, None], g)
+    g = torch.where((target != ignore_index)[:, None], g * scale[:, None], 0.0).to(x.dtype).to(acc)
+    if grad_input is not None:
+        grad_input += g @ w.to(acc)
+    if grad_weight is not None:
+        grad_weight += g.t() @ x.to(acc)
+    if grad_bias is not None:
+        grad_bias += g.sum(0)

@@ -122,7 +122,7 @@ def _stats_kernel(
         rescale = tl.where(running_max == neg_inf, 0.0, tl.exp(running_max - shift)).to(ACC)
         sum_exp = sum_exp * rescale + tl.sum(tl.exp(z - shift[:, None]), axis=1)
         running_max = new_max
-        hit = cols[None, :] == target[:, None]
+        hit = (cols[None, :] == target[:, None]) & col_mask[None, :]  # a target past `end` is not the -inf fill
         target_logit += tl.sum(tl.where(hit, z, 0.0), axis=1)
         if SMOOTHING:
             if HAS_WEIGHT:

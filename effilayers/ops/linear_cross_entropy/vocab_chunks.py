@@ -104,10 +104,10 @@ class _Gradients:
         if self.needs[0]:
             self.grad_input.copy_(self.gi)
 
-    def add_fused(self, fused, b, target, class_term, row_terms, ignore_index):
+    def add_fused(self, grads_kernel, b, target, class_term, row_terms, ignore_index):
         """Every class at once through the fused gradient kernel, which adds
         into the float32 sums itself."""
-        fused.class_index_grads(self.x, self.w, b, target, class_term, row_terms.contiguous(), ignore_index,
+        grads_kernel(self.x, self.w, b, target, class_term, row_terms.contiguous(), ignore_index,
                                 self.gi if self.needs[0] else None, self.grad_weight if self.needs[1] else None,
                                 self.grad_bias if self.needs[2] else None)
 
@@ -147,8 +147,8 @@ def vocab_chunked_rows(x, w, b, target, class_weight, ignore_index, eps, grad_sc
     None). ``acc``: the accumulation dtype (``accumulation_dtype`` of the
     compute dtype); ``class_weight``: None or in it; ``target``: int64 class
     indices, contiguous, or probabilities. ``fused``: None, or the fused
-    Triton kernels' module (``triton.py``) for class indices: the two walks
-    then run as its two kernels, which form the logits tile by tile
+    path's (statistics, gradient) kernels (``triton.py``) for class indices:
+    the two walks then run as those two, which form the logits tile by tile
     themselves (``step`` is unused)."""
     scale = grad_scale if row_scale is None else grad_scale * row_scale
     scale = scale.expand(x.shape[0])
@@ -173,7 +173,7 @@ def _class_index_rows(x, w, b, target, class_weight, ignore_index, eps, scale, s
     safe = safe.clamp(0, classes - 1)
     smoothing = eps > 0
     if fused is not None:
-        stats = fused.class_index_stats(x, w, b, target, class_weight if smoothing else None, smoothing)
+        stats = fused[0](x, w, b, target, class_weight if smoothing else None, smoothing)
     else:
         stats = new_stats(rows_n, acc, device)
         buffer = torch.empty(rows_n * min(step, classes), dtype=x.dtype, device=device)
@@ -191,7 +191,7 @@ def _class_index_rows(x, w, b, target, class_weight, ignore_index, eps, scale, s
     row_terms = torch.stack((lse, coef, (1.0 - eps) * w_t, torch.where(out_of_range, math.nan, scale)))
     class_term = smoothing_term(class_weight, eps, classes, acc, device) if smoothing else None
     if fused is not None:
-        grads.add_fused(fused, b, target, class_term, row_terms, ignore_index)
+        grads.add_fused(fused[1], b, target, class_term, row_terms, ignore_index)
         return rows
     grad_kernel = registry.dispatch("cross_entropy_chunk_grad_", x)
     grads.walk(b, step, buffer, lambda z, start, stop: grad_kernel(
