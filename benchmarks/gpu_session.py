@@ -103,7 +103,7 @@ def plan(device: str, date: str, results: str) -> list[Step]:
         Step("cross_entropy", 40, (bench("cross_entropy", "benchmarks/bench_cross_entropy.py", "cuda"),),
              family="cross_entropy"),
         Step("reductions", 40, (bench("reductions", "benchmarks/bench_reductions.py", "cuda"),), family="reductions"),
-        Step("linear_cross_entropy", 40,
+        Step("linear_cross_entropy", 90,
              (bench("linear_cross_entropy", "benchmarks/bench_linear_cross_entropy.py", "cuda"),),
              family="linear_cross_entropy"),
         # torch.compile under the budget compiles the model once: most of a
