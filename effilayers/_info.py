@@ -91,9 +91,8 @@ def info(file: Optional[Any] = None) -> dict[str, Any]:
 
 def _demo() -> None:
     from . import memory
-    from .ops import batch_stats
-
     from .models import resnet50
+    from .ops import batch_stats
 
     torch.manual_seed(0)
     x = torch.randn(2, 3, 128, 128)

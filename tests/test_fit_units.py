@@ -12,12 +12,12 @@ import io
 
 import pytest
 import torch
+import transformers  # in the test extra; not importorskip: CI must run these
 from torch import nn
 
 import effilayers
 from effilayers import memory, models
 
-import transformers  # in the test extra; not importorskip: CI must run these
 fit_module = importlib.import_module("effilayers.fit")
 
 

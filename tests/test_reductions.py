@@ -21,8 +21,16 @@ from effilayers import backends, memory
 from effilayers.ops.reductions import _reduce_op, as_three
 
 from .accuracy import assert_close, tolerance
-from .conftest import (backend_names, backend_params, fake_cuda_autocast, far_apart_rows, forced_backend,
-                       peak_rss_growth, required_backend)
+from .conftest import (
+    backend_names,
+    backend_params,
+    fake_cuda_autocast,
+    far_apart_rows,
+    forced_backend,
+    peak_rss_growth,
+    required_backend,
+)
+
 
 @pytest.fixture(params=backend_params("reduce"))
 def backend(request):

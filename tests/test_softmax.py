@@ -11,10 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from effilayers.functional import log_softmax, scaled_masked_softmax, softmax
 from effilayers._core.layout import three_groups
-from effilayers.ops.softmax import op as softmax_op
-from effilayers.ops.softmax import reference as softmax_reference
+from effilayers.functional import log_softmax, scaled_masked_softmax, softmax
+from effilayers.ops.softmax import op as softmax_op, reference as softmax_reference
 
 from .accuracy import assert_close
 from .softmax_cases import assert_matches, check_grad, dtypes_for, expected, softmax_backend_fixture, varied

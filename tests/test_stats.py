@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import effilayers
 from effilayers.ops import batch_stats, batch_stats_reference, combine_batch_stats

@@ -117,6 +117,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ..models import resnet
 from ..nn import ABN, InPlaceABN, MaxPool2d
 from ..nn.fused import PLAIN_TYPE_ATTR, FusedActivation
+from . import timm_blocks
 from .patterns import (
     Activation,
     BatchNormAct,
@@ -142,7 +143,6 @@ from .patterns import (
     swap_pool,
     unfuse_norm,
 )
-from . import timm_blocks
 from .report import ConversionReport, FusedPair, LeftAlone, RestoredPair, RevertReport
 
 __all__ = [
