@@ -18,6 +18,6 @@ from .ops import batch_stats, combine_batch_stats
 
 __version__ = "0.1.0.dev0"
 
-__all__ = ["backends", "functional", "memory", "nn", "ops", "optim", "models", "info", "use_backend", "convert", "revert",
-           "batch_stats", "combine_batch_stats", "__version__", "checkpoint",
+__all__ = ["backends", "functional", "memory", "nn", "ops", "optim", "models", "info", "use_backend", "convert",
+           "revert", "batch_stats", "combine_batch_stats", "__version__", "checkpoint",
            "find_max_batch", "MaxBatch", "fit", "FitReport"]

@@ -9,5 +9,5 @@ from .ops.reductions import mean, norm, std, sum, var
 from .ops.softmax import log_softmax, scaled_masked_softmax, softmax
 from .ops.stats import batch_stats, combine_batch_stats
 
-__all__ = ["abn", "inplace_abn", "batch_stats", "combine_batch_stats", "softmax", "log_softmax", "scaled_masked_softmax",
-           "cross_entropy", "linear_cross_entropy", "sum", "mean", "var", "std", "norm"]
+__all__ = ["abn", "inplace_abn", "batch_stats", "combine_batch_stats", "softmax", "log_softmax",
+           "scaled_masked_softmax", "cross_entropy", "linear_cross_entropy", "sum", "mean", "var", "std", "norm"]

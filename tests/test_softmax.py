@@ -290,7 +290,8 @@ def test_mask_read_through_strides(backend):
     mask = (torch.rand(6, 6, generator=torch.Generator().manual_seed(1)) > 0.4).to(device)
     mask.fill_diagonal_(True)
     for m in (mask.t(), mask[None, None].expand(2, 4, 6, 6), mask.t().float().to(torch.float16)[None]):
-        ref = softmax_reference.scaled_masked_softmax_forward_reference(x.double().cpu(), m.contiguous().cpu(), 1.5, False)
+        ref = softmax_reference.scaled_masked_softmax_forward_reference(x.double().cpu(), m.contiguous().cpu(), 1.5,
+                                                                        False)
         assert_matches(scaled_masked_softmax(x, m, 1.5), ref, torch.float16, False)
 
 

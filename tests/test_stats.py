@@ -58,7 +58,8 @@ def test_matches_float64_reference(stats_device, shape, dtype, correction):
 
 
 @pytest.mark.parametrize("layout", ["channels_last", "strided"])
-@pytest.mark.parametrize("shape", [(2, 3), (3, 4, 5), (2, 3, 5, 7), (4, 33, 9, 9), (2, 3, 3, 4, 5), (2, 5, 70, 70), (8, 48, 30, 30)],
+@pytest.mark.parametrize("shape", [(2, 3), (3, 4, 5), (2, 3, 5, 7), (4, 33, 9, 9), (2, 3, 3, 4, 5), (2, 5, 70, 70),
+                                   (8, 48, 30, 30)],
                          ids=lambda s: "x".join(map(str, s)) if isinstance(s, tuple) else s)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_layouts_match_contiguous(stats_device, shape, layout, dtype):

@@ -346,7 +346,8 @@ class _Converter:
         self.timm_form(fused)
         self.record(join_path(prefix, "bn1"), join_path(prefix, act_name), "resnet_stem", details)
         pool = model._modules["maxpool"]
-        if isinstance(fused, InPlaceABN) and type(pool) is nn.MaxPool2d and not pool.return_indices and not has_hooks(pool):
+        if (isinstance(fused, InPlaceABN) and type(pool) is nn.MaxPool2d and not pool.return_indices
+                and not has_hooks(pool)):
             # The stem output is kept by the fused norm already; a pool that
             # recomputes its argmax keeps nothing more (no int64 indices).
             model._modules["maxpool"] = swap_pool(pool, MaxPool2d)

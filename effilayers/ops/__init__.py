@@ -9,4 +9,5 @@ from .adam import adam_step_, adam_step_reference
 from .cross_entropy import cross_entropy_rows_reference
 from .stats import batch_stats, batch_stats_reference, combine_batch_stats
 
-__all__ = ["adam_step_", "adam_step_reference", "cross_entropy_rows_reference", "batch_stats", "batch_stats_reference", "combine_batch_stats"]
+__all__ = ["adam_step_", "adam_step_reference", "cross_entropy_rows_reference", "batch_stats", "batch_stats_reference",
+           "combine_batch_stats"]
