@@ -55,7 +55,8 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--batch", type=int, default=8192, help="tokens per step")
     parser.add_argument("--steps", type=int, default=5, help="timed steps (the median is reported)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (optimizer states, allocator, cuBLAS)")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="untimed steps first (optimizer states, allocator, cuBLAS)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16", help="compute dtype")
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--json", metavar="FILE", help="write the results here")

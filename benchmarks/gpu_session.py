@@ -123,7 +123,8 @@ def plan(device: str, date: str, results: str) -> list[Step]:
         # The launch-configuration sweep (benchmarks/tune.py): its own
         # budget is under the step's, so it ends and writes its winners
         # before the step's cut; allocate() runs it after the stale families.
-        Step("tune", 120, (f"python3 benchmarks/tune.py sweep --budget 100 --out {results}/tuned-{device}-{date}.json",)),
+        Step("tune", 120,
+             (f"python3 benchmarks/tune.py sweep --budget 100 --out {results}/tuned-{device}-{date}.json",)),
         Step("offload", 15,
              (f"python3 benchmarks/bench_fsdp_offload.py --layers 4 --batch 4096 --steps 3 --warmup 1 "
               f"--json {results}/fsdp_offload-{device}-{date}.json",),

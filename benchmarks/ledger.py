@@ -51,22 +51,50 @@ class Family:
     cases: int = 0
 
 
-# One line per family. fit's results carry the model and budget before the
+# One entry per family: name, kernel pathspecs, result prefixes, target, then
+# the keywords. fit's results carry the model and budget before the
 # device (budget-resnet50-0.35-<device>-<date>.json): one family per model,
 # each with its own target and GPU session step. max_batch's prefix is exactly `bench` so that
 # bench-densenet121-... and bench-densenet264-... runs (no max-batch search) do not count.
 FAMILIES: tuple[Family, ...] = (
-    Family("softmax", ("effilayers/ops/softmax", "csrc/cpu/softmax.cpp"), ("softmax",), ">= 1.0x torch eager 1K-256K columns; >= 90% of copy bandwidth", met=lambda f: _all(f, 'time_ratio', 1.0) and _all(f, 'pct_of_copy', 90, above=True), cases=33),
-    Family("cross_entropy", ("effilayers/ops/cross_entropy", "csrc/cpu/cross_entropy.cpp"), ("cross_entropy",), "fwd+bwd <= 1.0x torch eager", met=lambda f: _all(f, 'time_ratio', 1.0), cases=3),
-    Family("reductions", ("effilayers/ops/reductions", "csrc/cpu/reductions.cpp"), ("reductions",), ">= 90% of copy bandwidth", met=lambda f: _all(f, 'pct_of_copy', 90, above=True), cases=27),
-    Family("linear_cross_entropy", ("effilayers/ops/linear_cross_entropy",), ("linear_cross_entropy",), "fwd+bwd <= 1.0x torch.compile of the unfused pair; peak <= 1.1x the gradients' bytes", baseline="torch-compile", met=lambda f: _all(f, 'time_ratio', 1.0) and _all(f, 'peak_ratio_vs_lower_bound', 1.1), cases=2),
-    Family("abn", ("effilayers/ops/abn", "effilayers/ops/stats", "effilayers/ops/_batchnorm.py", "effilayers/ops/_activation.py", "csrc/cuda/abn*", "csrc/cuda/stats*", "csrc/cpu/abn*", "csrc/cpu/stats.cpp", "csrc/common"), ("abn",), "InPlaceABN fwd+bwd <= 0.9x cuDNN BN + LeakyReLU", ours="effilayers-inplace", met=lambda f: _all(f, 'time_ratio', 0.9), cases=4),
-    Family("densenet", ("effilayers/ops/densenet", "csrc/cpu/densenet.cpp", "effilayers/models/densenet.py"), ("densenet",), "step <= 1.05x naive at <= 0.33x activation bytes", baseline="torch-naive", met=lambda f: _all(f, 'time_ratio', 1.05) and _all(f, 'activation_bytes_ratio', 0.33), cases=2),
-    Family("adam", ("effilayers/ops/adam", "effilayers/optim", "csrc/cpu/adam.cpp"), ("optim",), ">= 90% of 28 B/param floor, <= 1.0x torch fused", baseline="torch-fused", met=lambda f: _all(f, 'time_ratio', 1.0), cases=2),
-    Family("max_batch", ("effilayers/max_batch.py", "effilayers/bench", "effilayers/nn", "effilayers/models"), ("bench",), "largest batch >= 1.6x plain (ResNet-50 InPlaceABN), >= 3x (DenseNet-121)"),
-    Family("fit_resnet50", ("effilayers/fit.py", "effilayers/checkpoint.py"), ("budget-resnet50-0.35",), "ResNet-50 within a 0.35 budget on CUDA peak bytes at <= 1.15x plain's step"),
-    Family("fit_densenet121", ("effilayers/fit.py", "effilayers/checkpoint.py"), ("budget-densenet121-0.25",), "DenseNet-121 within a 0.25 budget on CUDA peak bytes at <= 1.3x plain's step"),
-    Family("offload", ("effilayers/optim/offload.py", "effilayers/optim/sharded.py"), ("fsdp_offload",), "<= 0.35x GPU memory at <= 1.5x step time", met=lambda f: _offload_met(f, 'chunked_adamw', peak=0.35, time=1.5)),
+    Family("softmax", ("effilayers/ops/softmax", "csrc/cpu/softmax.cpp"), ("softmax",),
+           ">= 1.0x torch eager 1K-256K columns; >= 90% of copy bandwidth",
+           met=lambda f: _all(f, 'time_ratio', 1.0) and _all(f, 'pct_of_copy', 90, above=True), cases=33),
+    Family("cross_entropy", ("effilayers/ops/cross_entropy", "csrc/cpu/cross_entropy.cpp"), ("cross_entropy",),
+           "fwd+bwd <= 1.0x torch eager",
+           met=lambda f: _all(f, 'time_ratio', 1.0), cases=3),
+    Family("reductions", ("effilayers/ops/reductions", "csrc/cpu/reductions.cpp"), ("reductions",),
+           ">= 90% of copy bandwidth",
+           met=lambda f: _all(f, 'pct_of_copy', 90, above=True), cases=27),
+    Family("linear_cross_entropy", ("effilayers/ops/linear_cross_entropy",), ("linear_cross_entropy",),
+           "fwd+bwd <= 1.0x torch.compile of the unfused pair; peak <= 1.1x the gradients' bytes",
+           baseline="torch-compile",
+           met=lambda f: _all(f, 'time_ratio', 1.0) and _all(f, 'peak_ratio_vs_lower_bound', 1.1), cases=2),
+    Family("abn", ("effilayers/ops/abn", "effilayers/ops/stats", "effilayers/ops/_batchnorm.py",
+                   "effilayers/ops/_activation.py", "csrc/cuda/abn*", "csrc/cuda/stats*", "csrc/cpu/abn*",
+                   "csrc/cpu/stats.cpp", "csrc/common"), ("abn",),
+           "InPlaceABN fwd+bwd <= 0.9x cuDNN BN + LeakyReLU",
+           ours="effilayers-inplace",
+           met=lambda f: _all(f, 'time_ratio', 0.9), cases=4),
+    Family("densenet", ("effilayers/ops/densenet", "csrc/cpu/densenet.cpp", "effilayers/models/densenet.py"),
+           ("densenet",),
+           "step <= 1.05x naive at <= 0.33x activation bytes",
+           baseline="torch-naive",
+           met=lambda f: _all(f, 'time_ratio', 1.05) and _all(f, 'activation_bytes_ratio', 0.33), cases=2),
+    Family("adam", ("effilayers/ops/adam", "effilayers/optim", "csrc/cpu/adam.cpp"), ("optim",),
+           ">= 90% of 28 B/param floor, <= 1.0x torch fused",
+           baseline="torch-fused",
+           met=lambda f: _all(f, 'time_ratio', 1.0), cases=2),
+    Family("max_batch", ("effilayers/max_batch.py", "effilayers/bench", "effilayers/nn", "effilayers/models"),
+           ("bench",),
+           "largest batch >= 1.6x plain (ResNet-50 InPlaceABN), >= 3x (DenseNet-121)"),
+    Family("fit_resnet50", ("effilayers/fit.py", "effilayers/checkpoint.py"), ("budget-resnet50-0.35",),
+           "ResNet-50 within a 0.35 budget on CUDA peak bytes at <= 1.15x plain's step"),
+    Family("fit_densenet121", ("effilayers/fit.py", "effilayers/checkpoint.py"), ("budget-densenet121-0.25",),
+           "DenseNet-121 within a 0.25 budget on CUDA peak bytes at <= 1.3x plain's step"),
+    Family("offload", ("effilayers/optim/offload.py", "effilayers/optim/sharded.py"), ("fsdp_offload",),
+           "<= 0.35x GPU memory at <= 1.5x step time",
+           met=lambda f: _offload_met(f, 'chunked_adamw', peak=0.35, time=1.5)),
     Family("pooling", ("effilayers/nn/pooling.py",), ("pooling",), "no target"),
 )
 
@@ -422,8 +450,8 @@ def render(root: Path) -> str:
         "# GPU evidence",
         "",
         f"Generated by `{COMMAND}` from `{RESULTS.as_posix()}/` and the git history; do not edit by hand "
-        f"(`{COMMAND} --check` fails when this file is out of date). For each kernel family: the last commit that changed "
-        "its kernels, its newest GPU result in this folder, that result's headline figures and the target "
+        f"(`{COMMAND} --check` fails when this file is out of date). For each kernel family: the last commit that "
+        "changed its kernels, its newest GPU result in this folder, that result's headline figures and the target "
         "they answer to. A result is fresh when it is dated on or after the kernel change's day and, if "
         "committed, was committed with that change in its history (or, when its JSON records "
         "`machine_info.effilayers.commit`, when that commit contains the change); no result is stale. "

@@ -188,7 +188,8 @@ def check_tiny(key: Key, checked: set) -> list[dict]:
     arch = tuning.arch(torch.device("cpu"))
     fresh = []
     for config in key.candidates:
-        blocks = (key.family, tiny.key, tuple(sorted((k, v) for k, v in config.items() if k.isupper() or k == "splits")))
+        blocks = (key.family, tiny.key,
+                  tuple(sorted((k, v) for k, v in config.items() if k.isupper() or k == "splits")))
         if blocks not in checked:
             checked.add(blocks)
             fresh.append(config)

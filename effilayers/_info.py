@@ -91,9 +91,8 @@ def info(file: Optional[Any] = None) -> dict[str, Any]:
 
 def _demo() -> None:
     from . import memory
-    from .ops import batch_stats
-
     from .models import resnet50
+    from .ops import batch_stats
 
     torch.manual_seed(0)
     x = torch.randn(2, 3, 128, 128)
@@ -103,7 +102,8 @@ def _demo() -> None:
     for norm_act, what in (("plain", "BatchNorm2d + ReLU (torchvision)"), ("abn", "ABN: fused, exact ReLU"),
                            ("inplace", "InPlaceABN: in place, leaky_relu(0.01)")):
         measured[norm_act] = memory.activation_bytes(resnet50(norm_act=norm_act), x)
-        print(f"  {norm_act:<8} {measured[norm_act] / 2**20:8.1f} MiB  {measured[norm_act] / measured['plain']:.2f}x  {what}")
+        print(f"  {norm_act:<8} {measured[norm_act] / 2**20:8.1f} MiB  "
+              f"{measured[norm_act] / measured['plain']:.2f}x  {what}")
 
     big = (torch.randn(4, 3, 64, 64) * 16 + 10000).half()
     mean, var, count = batch_stats(big)
@@ -117,7 +117,8 @@ def _demo() -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     # The docstring's first paragraph: its first line alone stops mid-sentence.
-    parser = argparse.ArgumentParser(prog="python -m effilayers.info", description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser = argparse.ArgumentParser(prog="python -m effilayers.info",
+                                     description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--demo", action="store_true", help="also run a small memory and accuracy demo")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--selftest", action="store_true",

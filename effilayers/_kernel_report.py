@@ -535,13 +535,14 @@ def summary(rows: list[dict[str, Any]]) -> str:
     kernels = {(r["family"], r["kernel"]) for r in rows}
     failing = [r for r in rows if r["problems"]]
     most = max(compiled, key=lambda r: r["registers"], default=None)
+    most_where = f" ({most['family']}:{most['kernel']} {most['target']} {most['config']})" if most else ""
     pending = sum(1 for r in compiled if "pending:" in r.get("narrow_reason", ""))
     return (f"{len(rows)} rows, {len(kernels)} kernels, {len(rows) - len(compiled)} compile failures, "
             f"{pending} rows narrower than the layout allows (pending), "
             f"{sum(1 for r in compiled if r['spill_stores'] or r['spill_loads'])} with spills, "
             f"{sum(1 for r in compiled if r['registers'] >= REGISTER_CAP)} at the {REGISTER_CAP}-register cap, "
             f"max registers {most['registers'] if most else '-'}"
-            f"{' (' + most['family'] + ':' + most['kernel'] + ' ' + most['target'] + ' ' + most['config'] + ')' if most else ''}; "
+            f"{most_where}; "
             f"{len(failing)} rows failing")
 
 

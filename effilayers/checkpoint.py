@@ -325,8 +325,9 @@ def checkpoint_sequential(functions: Union[nn.Sequential, Sequence[Callable]], s
     if unexpected:
         raise ValueError(f"checkpoint_sequential: unexpected keyword arguments: {', '.join(unexpected)} "
                          f"(accepted: use_reentrant, {', '.join(_SEQUENTIAL_KEYWORDS)})")
-    settings = dict(context_fn=torch_checkpoint.noop_context_fn, determinism_check=torch_checkpoint._DEFAULT_DETERMINISM_MODE,
-                    debug=False, early_stop=True, preserve_rng_state=True)
+    settings = dict(context_fn=torch_checkpoint.noop_context_fn,
+                    determinism_check=torch_checkpoint._DEFAULT_DETERMINISM_MODE, debug=False, early_stop=True,
+                    preserve_rng_state=True)
     settings.update(kwargs)
 
     def run_segment(segment: list[Callable]) -> Callable:

@@ -359,7 +359,10 @@ def activation_bytes(fn: Callable, *args: Any, exclude: Excludable = None, **kwa
     """
     if not callable(fn):
         raise TypeError(f"activation_bytes: fn must be callable, got {type(fn).__name__}")
-    excluded: list = [] if exclude is None else ([exclude] if isinstance(exclude, (nn.Module, torch.Tensor)) else list(exclude))
+    if exclude is None:
+        excluded: list = []
+    else:
+        excluded = [exclude] if isinstance(exclude, (nn.Module, torch.Tensor)) else list(exclude)
     if isinstance(fn, nn.Module):
         excluded.append(fn)
     with torch.enable_grad(), ActivationMeter(excluded) as meter:

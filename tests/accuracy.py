@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from effilayers._selftest import TIERS as PACKAGE_TIERS
-from effilayers._selftest import TOLERANCES as PACKAGE_TOLERANCES
+from effilayers._selftest import TIERS as PACKAGE_TIERS, TOLERANCES as PACKAGE_TOLERANCES
 
 f64, f32, f16, bf16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
 

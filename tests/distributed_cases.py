@@ -78,7 +78,9 @@ def shard(model, mixed=False):
     from torch import nn
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if mixed else {}
+    kwargs = {}
+    if mixed:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, **kwargs)

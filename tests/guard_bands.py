@@ -444,8 +444,9 @@ def package_kernels() -> list[str]:
     """Every Triton kernel the package launches (``module.function``): the
     ``@triton.jit`` functions of ``effilayers/ops/*/triton.py`` that no
     other code calls as a function (those are device helpers)."""
-    import effilayers.ops
     from triton.runtime.jit import KernelInterface
+
+    import effilayers.ops
 
     kernels = []
     for info in pkgutil.iter_modules(effilayers.ops.__path__):

@@ -4,16 +4,15 @@ expectation and the comparisons."""
 
 from __future__ import annotations
 
-import pytest
 import math
 
+import pytest
 import torch
 
 from effilayers.ops.softmax import reference as softmax_reference
 
 from .accuracy import assert_close, tolerance
 from .conftest import activate_backend, backend_params, poison_cpp_allocations
-
 
 # The Triton interpreter gets small shapes and lowered block limits so the
 # multi-block paths run.

@@ -431,7 +431,8 @@ def test_compiled_schemas_match_the_custom_ops():
             getattr(torch.ops.effilayers_cpu, name).default._schema
         assert [(a.name, str(a.type)) for a in ours.arguments] == [(a.name, str(a.type)) for a in compiled.arguments], \
             (str(ours), str(compiled))
-        assert [str(r.type) for r in ours.returns] == [str(r.type) for r in compiled.returns], (str(ours), str(compiled))
+        assert [str(r.type) for r in ours.returns] == [str(r.type) for r in compiled.returns], \
+            (str(ours), str(compiled))
         compared.append(name)
     assert {"abn_forward", "batch_stats", "dense_bottleneck_forward", "dense_bottleneck_backward",
             "softmax_forward"} <= set(compared), compared

@@ -169,7 +169,7 @@ def test_compile_adds_compiled_rows_beside_the_eager_ones(tmp_path, capsys, monk
     compiled_plain, converted = results["as given (compiled)"], results["effilayers convert(inplace) (compiled)"]
     ratio = converted["activation_bytes"] / compiled_plain["activation_bytes"]
     assert f"activation bytes {ratio:.2f}x" in " ".join(converted["notes"])
-    assert f"note: tests.test_bench:tiny_convertible_model / effilayers convert(inplace) (compiled): " in out
+    assert "note: tests.test_bench:tiny_convertible_model / effilayers convert(inplace) (compiled): " in out
     torch._dynamo.reset()
 
 

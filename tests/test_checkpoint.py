@@ -15,8 +15,13 @@ from torch import nn
 
 import effilayers
 from effilayers import memory
-from effilayers.checkpoint import (checkpoint, checkpoint_sequential, lean_segment_ok, recompute_in_backward,
-                                   sqrt_segments)
+from effilayers.checkpoint import (
+    checkpoint,
+    checkpoint_sequential,
+    lean_segment_ok,
+    recompute_in_backward,
+    sqrt_segments,
+)
 from effilayers.models.densenet import DenseLayer
 
 DTYPE = torch.float64

@@ -11,7 +11,6 @@ import pickle
 import pytest
 import torch
 from torch import nn
-
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from effilayers import convert, revert

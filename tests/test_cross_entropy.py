@@ -11,15 +11,22 @@ import torch
 import torch.nn.functional as F
 
 import effilayers
-from effilayers.functional import cross_entropy
 from effilayers._core.layout import three_view
+from effilayers.functional import cross_entropy
 from effilayers.ops.cross_entropy import REFERENCE_CHUNK_ELEMENTS
 
 from .accuracy import assert_close
 from .conftest import required_backend
-from .cross_entropy_cases import (OP, assert_matches_torch, backend_of, make_logits, make_target, make_weight, ours,
-                                  torch_expected)
-
+from .cross_entropy_cases import (
+    OP,
+    assert_matches_torch,
+    backend_of,
+    make_logits,
+    make_target,
+    make_weight,
+    ours,
+    torch_expected,
+)
 
 # --------------------------------------------------------------------------
 # Values against torch

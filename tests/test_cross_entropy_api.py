@@ -20,8 +20,6 @@ from .accuracy import assert_close
 from .conftest import REQUIRE_COMPILED, poison_cpp_allocations
 from .cross_entropy_cases import OP, Head, backend_of, make_logits, make_target, make_weight, ours, torch_expected
 
-
-
 # --------------------------------------------------------------------------
 # Kernels: every output written, bad targets
 # --------------------------------------------------------------------------

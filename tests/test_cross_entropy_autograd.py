@@ -19,7 +19,6 @@ from .accuracy import assert_close
 from .conftest import fake_cuda_autocast, far_apart_rows, peak_rss_growth
 from .cross_entropy_cases import OP, Head, make_logits, make_target, make_weight, ours, torch_expected
 
-
 # --------------------------------------------------------------------------
 # Autograd
 # --------------------------------------------------------------------------

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from effilayers import memory, models
 from effilayers.models.densenet import DenseNet
 
-
 # No TF32 here unless a test asks (conftest.full_float32 says why).
 pytestmark = pytest.mark.usefixtures("full_float32")
 

@@ -12,7 +12,6 @@ import pytest
 import torch
 from torch import nn
 
-
 from .densenet_cases import assert_models_agree, efficient_and_naive, run_forward_backward
 
 # No TF32 here unless a test asks (conftest.full_float32 says why).

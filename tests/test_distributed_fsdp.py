@@ -55,13 +55,15 @@ def _trajectory_worker(rank, world, workdir):
     results = {}
     with gloo(rank, world, workdir):
         for name, config in CONFIGS.items():
-            ours, theirs = shard(small_model(), config.get("mixed", False)), shard(small_model(), config.get("mixed", False))
+            mixed = config.get("mixed", False)
+            ours, theirs = shard(small_model(), mixed), shard(small_model(), mixed)
             optimizer = ChunkedAdamW(ours.parameters(), lr=1e-2, chunk_size=200)
             reference = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
             train(ours, optimizer, rank, STEPS, clip=config.get("clip"))
             train(theirs, reference, rank, STEPS, clip=config.get("clip"))
             results[name] = {"ours": full(ours), "theirs": full(theirs),
-                             "layout": layout(optimizer.state_dict()), "reference_layout": layout(reference.state_dict()),
+                             "layout": layout(optimizer.state_dict()),
+                             "reference_layout": layout(reference.state_dict()),
                              "local_sizes": [p.to_local().numel() for p in ours.parameters()],
                              "chunks": optimizer.chunk_layout()}
     save(workdir, rank, results)

@@ -12,12 +12,12 @@ import io
 
 import pytest
 import torch
+import transformers  # in the test extra; not importorskip: CI must run these
 from torch import nn
 
 import effilayers
 from effilayers import memory, models
 
-import transformers  # in the test extra; not importorskip: CI must run these
 fit_module = importlib.import_module("effilayers.fit")
 
 
@@ -100,7 +100,9 @@ class _Net(nn.Module):
 
 
 def test_units_are_found_whatever_container_holds_them():
-    units = lambda model: [(part.path, part.unit) for part in fit_module._checkpoint_parts(model)]
+    def units(model):
+        return [(part.path, part.unit) for part in fit_module._checkpoint_parts(model)]
+
     assert units(_gpt2()) == [(f"transformer.h.{i}", True) for i in range(4)]
     assert units(_llama()) == [(f"model.layers.{i}", True) for i in range(4)]
     assert units(_encoder()) == [(f"layers.{i}", True) for i in range(4)]

@@ -98,7 +98,8 @@ def test_committed_ledger_is_up_to_date():
     text = (ROOT / ledger.LEDGER).read_text(encoding="utf-8")
     assert "do not edit by hand" in text and "`python3 benchmarks/ledger.py`" in text
     table = [line for line in text.splitlines() if line.startswith("| ")]
-    assert table[0].startswith("| family | kernels last changed | newest GPU result | headline | target | verdict | status")
+    assert table[0].startswith(
+        "| family | kernels last changed | newest GPU result | headline | target | verdict | status")
     assert [line.split(" | ")[0][2:] for line in table[2:]] == NAMES
 
 

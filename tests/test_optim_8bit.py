@@ -19,15 +19,25 @@ import torch
 
 import effilayers
 from effilayers._core.layout import memory_flat
-from effilayers.ops.adam import (QUANT_BLOCK, AdamHyperParams, adam_step_8bit_, adam_step_8bit_reference,
-                                 dequantize_exp_avg, dequantize_exp_avg_sq, gather_padded, padded_numel,
-                                 quantize_exp_avg, quantize_exp_avg_sq)
+from effilayers.ops.adam import (
+    QUANT_BLOCK,
+    AdamHyperParams,
+    adam_step_8bit_,
+    adam_step_8bit_reference,
+    dequantize_exp_avg,
+    dequantize_exp_avg_sq,
+    gather_padded,
+    padded_numel,
+    quantize_exp_avg,
+    quantize_exp_avg_sq,
+)
 from effilayers.optim import ChunkedAdam, ChunkedAdamW
 
 from .accuracy import TRAJECTORY_BOUNDS, assert_close
 from .conftest import backend_params, forced_backend, required_backend
 from .helpers import NewStorages
 from .optim_cases import make_net
+
 
 @pytest.fixture(params=backend_params("adam_step_8bit"))
 def adam8_device(request):

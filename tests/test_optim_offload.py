@@ -13,7 +13,6 @@ from effilayers.optim import ChunkedAdamW
 from .accuracy import tolerance
 from .optim_cases import assert_same_params, make_net, train_steps
 
-
 # -- offload ------------------------------------------------------------------
 
 @pytest.mark.parametrize("staged", [False, True], ids=["cpu-params", "staging-pipeline"])

@@ -17,7 +17,6 @@ from .conftest import activate_backend
 from .distributed_cases import gloo, run_ranks, save
 from .optim_cases import assert_same_params, make_net, train_steps
 
-
 # -- state dicts ----------------------------------------------------------------
 
 def test_state_dict_has_torch_layout_and_loads_into_torch_and_back():

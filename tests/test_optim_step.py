@@ -16,7 +16,6 @@ from effilayers.optim import ChunkedAdam, ChunkedAdamW
 from .accuracy import TRAJECTORY_BOUNDS, assert_close, tolerance
 from .optim_cases import assert_same_params, make_net, train_steps, trajectory_tolerance
 
-
 TRAJECTORY_CASES = {
     "adamw": (torch.optim.AdamW, ChunkedAdamW, dict(lr=1e-2), {}),
     "adam-l2": (torch.optim.Adam, ChunkedAdam, dict(lr=1e-2, weight_decay=0.05), {}),

@@ -14,10 +14,10 @@ import ast
 import re
 import shlex
 import sys
-import tomllib
 from typing import NamedTuple
 
 import pytest
+import tomllib
 
 from .readme_blocks import CHECKED_ELSEWHERE, README, Block, blocks
 

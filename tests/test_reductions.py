@@ -21,8 +21,16 @@ from effilayers import backends, memory
 from effilayers.ops.reductions import _reduce_op, as_three
 
 from .accuracy import assert_close, tolerance
-from .conftest import (backend_names, backend_params, fake_cuda_autocast, far_apart_rows, forced_backend,
-                       peak_rss_growth, required_backend)
+from .conftest import (
+    backend_names,
+    backend_params,
+    fake_cuda_autocast,
+    far_apart_rows,
+    forced_backend,
+    peak_rss_growth,
+    required_backend,
+)
+
 
 @pytest.fixture(params=backend_params("reduce"))
 def backend(request):
@@ -273,7 +281,8 @@ OVERFLOW_TABLE = [
                  torch.linalg.vector_norm, EF.norm, _norm64, "inf"),
     OverflowCase("fp16 naive x.pow(2).sum().sqrt() of randn(1000) * 300", lambda: _seeded(1000, 300, torch.float16),
                  lambda x: x.pow(2).sum().sqrt(), EF.norm, _norm64, "inf"),
-    OverflowCase("fp16 naive x.sum() / n of 100000 x 60000", lambda: torch.full((100000,), 60000.0, dtype=torch.float16),
+    OverflowCase("fp16 naive x.sum() / n of 100000 x 60000",
+                 lambda: torch.full((100000,), 60000.0, dtype=torch.float16),
                  lambda x: x.sum() / x.numel(), EF.mean, lambda x: x.double().mean(), "inf"),
     OverflowCase("fp16 naive one-pass var E[x^2] - E[x]^2 in float32 of 1e4 + 16 randn(10000)",
                  lambda: _seeded(10000, 16, torch.float16, offset=1e4),

@@ -11,10 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from effilayers.functional import log_softmax, scaled_masked_softmax, softmax
 from effilayers._core.layout import three_groups
-from effilayers.ops.softmax import op as softmax_op
-from effilayers.ops.softmax import reference as softmax_reference
+from effilayers.functional import log_softmax, scaled_masked_softmax, softmax
+from effilayers.ops.softmax import op as softmax_op, reference as softmax_reference
 
 from .accuracy import assert_close
 from .softmax_cases import assert_matches, check_grad, dtypes_for, expected, softmax_backend_fixture, varied
@@ -291,7 +290,8 @@ def test_mask_read_through_strides(backend):
     mask = (torch.rand(6, 6, generator=torch.Generator().manual_seed(1)) > 0.4).to(device)
     mask.fill_diagonal_(True)
     for m in (mask.t(), mask[None, None].expand(2, 4, 6, 6), mask.t().float().to(torch.float16)[None]):
-        ref = softmax_reference.scaled_masked_softmax_forward_reference(x.double().cpu(), m.contiguous().cpu(), 1.5, False)
+        ref = softmax_reference.scaled_masked_softmax_forward_reference(x.double().cpu(), m.contiguous().cpu(), 1.5,
+                                                                        False)
         assert_matches(scaled_masked_softmax(x, m, 1.5), ref, torch.float16, False)
 
 

@@ -16,8 +16,15 @@ from effilayers.functional import log_softmax, scaled_masked_softmax, softmax
 from effilayers.ops.softmax import op as softmax_op
 
 from .conftest import REQUIRE_COMPILED, activate_backend, fake_cuda_autocast
-from .softmax_cases import (assert_grad_matches, assert_matches, check_grad, expected, grad_formula,
-                            softmax_backend_fixture, varied)
+from .softmax_cases import (
+    assert_grad_matches,
+    assert_matches,
+    check_grad,
+    expected,
+    grad_formula,
+    softmax_backend_fixture,
+    varied,
+)
 
 backend = softmax_backend_fixture()
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import effilayers
 from effilayers.ops import batch_stats, batch_stats_reference, combine_batch_stats
@@ -59,7 +58,8 @@ def test_matches_float64_reference(stats_device, shape, dtype, correction):
 
 
 @pytest.mark.parametrize("layout", ["channels_last", "strided"])
-@pytest.mark.parametrize("shape", [(2, 3), (3, 4, 5), (2, 3, 5, 7), (4, 33, 9, 9), (2, 3, 3, 4, 5), (2, 5, 70, 70), (8, 48, 30, 30)],
+@pytest.mark.parametrize("shape", [(2, 3), (3, 4, 5), (2, 3, 5, 7), (4, 33, 9, 9), (2, 3, 3, 4, 5), (2, 5, 70, 70),
+                                   (8, 48, 30, 30)],
                          ids=lambda s: "x".join(map(str, s)) if isinstance(s, tuple) else s)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_layouts_match_contiguous(stats_device, shape, layout, dtype):

@@ -33,8 +33,8 @@ from typing import Optional, Sequence
 import torch
 from torch.autograd import forward_ad
 
-__all__ = ["ThreeGroups", "merge_dims", "three_groups", "three_view", "normalize_dims", "autocast_to_float32", "refuse_forward_ad",
-           "is_dense", "same_layout", "memory_flat"]
+__all__ = ["ThreeGroups", "merge_dims", "three_groups", "three_view", "normalize_dims", "autocast_to_float32",
+           "refuse_forward_ad", "is_dense", "same_layout", "memory_flat"]
 
 
 @dataclass(frozen=True)

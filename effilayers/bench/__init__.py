@@ -8,18 +8,39 @@ loss check), ``variants`` (what is measured per model). This package
 re-exports their public names; patch a name in the module that uses it.
 """
 
-from .cli import main
-from .measure import LOSS_NOISE_FACTOR, LOSS_TOLERANCE_FLOOR, SEED, SPREAD_WARNING, Result, Setup, time_call
 # --max-batch is effilayers.find_max_batch; its helpers stay reachable here.
 from ..max_batch import find_max_batch, is_out_of_memory, max_tries
-from .report import (agreement, conclusion, format_losses, format_table, loss_warnings, measured_cells, plot, precision_name,
-                     timing_warning)
-from .variants import (AS_GIVEN, LEAKY, PLAIN, BenchError, CheckpointedDenseLayer, Variant, builtin_models,
-                       checkpointed_densenet, peer_inplace_abn_resnet, torchvision_densenet, variants_for)
+from .cli import main
+from .measure import LOSS_NOISE_FACTOR, LOSS_TOLERANCE_FLOOR, SEED, SPREAD_WARNING, Result, Setup, time_call
+from .report import (
+    agreement,
+    conclusion,
+    format_losses,
+    format_table,
+    loss_warnings,
+    measured_cells,
+    plot,
+    precision_name,
+    timing_warning,
+)
+from .variants import (
+    AS_GIVEN,
+    LEAKY,
+    PLAIN,
+    BenchError,
+    CheckpointedDenseLayer,
+    Variant,
+    builtin_models,
+    checkpointed_densenet,
+    peer_inplace_abn_resnet,
+    torchvision_densenet,
+    variants_for,
+)
 
 __all__ = ["find_max_batch", "is_out_of_memory", "builtin_models", "plot", "main",
            "max_tries", "time_call", "Setup", "Result", "SEED", "LOSS_NOISE_FACTOR", "LOSS_TOLERANCE_FLOOR",
-           "measured_cells", "agreement", "format_table", "conclusion", "format_losses", "loss_warnings", "precision_name",
+           "measured_cells", "agreement", "format_table", "conclusion", "format_losses", "loss_warnings",
+           "precision_name",
            "BenchError", "Variant", "PLAIN", "AS_GIVEN", "LEAKY", "variants_for", "peer_inplace_abn_resnet",
            "CheckpointedDenseLayer", "checkpointed_densenet", "torchvision_densenet",
            "SPREAD_WARNING", "timing_warning"]

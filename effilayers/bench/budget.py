@@ -37,8 +37,15 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint, checkpoint_se
 
 from .. import memory
 from ..checkpoint import sqrt_segments
-from ..fit import (CheckpointedSequential, _run_in_order, _sequential_parts, _set_segments, checkpoint_runs_to, fit,
-                   parse_budget)
+from ..fit import (
+    CheckpointedSequential,
+    _run_in_order,
+    _sequential_parts,
+    _set_segments,
+    checkpoint_runs_to,
+    fit,
+    parse_budget,
+)
 from .variants import BenchError, Variant
 
 __all__ = ["budget_argument", "budget_label", "budget_variants", "TorchCheckpointedSequential", "TorchCheckpointedRuns",

@@ -25,8 +25,16 @@ import torch
 from ..max_batch import DEFAULT_LIMIT
 from .budget import budget_argument, budget_variants
 from .measure import CLOCKS, LOSS_NOISE_FACTOR, SEED, Result, Setup, count_ticks, run_model
-from .report import (conclusion, format_losses, format_table, load_pyplot, loss_warnings, plot, timing_warning,
-                     write_json)
+from .report import (
+    conclusion,
+    format_losses,
+    format_table,
+    load_pyplot,
+    loss_warnings,
+    plot,
+    timing_warning,
+    write_json,
+)
 from .variants import BenchError, builtin_models, compiled_twin, variants_for
 
 __all__ = ["main"]

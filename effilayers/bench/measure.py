@@ -32,8 +32,8 @@ from .._core.dtypes import accumulation_dtype
 from ..max_batch import find_max_batch, is_out_of_memory, max_tries, release_memory, too_small_for_batch_norm
 from .variants import BenchError, Variant
 
-__all__ = ["Setup", "Result", "time_call", "SEED", "LOSS_NOISE_FACTOR", "LOSS_TOLERANCE_FLOOR", "count_ticks", "run_model",
-           "SPREAD_WARNING", "CLOCKS"]
+__all__ = ["Setup", "Result", "time_call", "SEED", "LOSS_NOISE_FACTOR", "LOSS_TOLERANCE_FLOOR", "count_ticks",
+           "run_model", "SPREAD_WARNING", "CLOCKS"]
 
 SEED = 0
 # --train: a variant's loss at step t may differ from its float64 reference by

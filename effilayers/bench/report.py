@@ -172,8 +172,8 @@ def loss_warnings(results: list[Result], dtype: torch.dtype = torch.float32) -> 
                          f"step {step + 1}, relative error {r.loss_rel_errors[step]:.2e} > "
                          f"{r.loss_tolerances[step]:.2e}")
         if r.losses_agree is None and r.loss_noise_floor is not None and r.loss_noise_floor > ILL_CONDITIONED:
-            lines.append(f"{r.model}: plain PyTorch's own {precision} losses are up to {r.loss_noise_floor:.1e} (relative) "
-                         f"from float64 here, so the check only holds the variants to "
+            lines.append(f"{r.model}: plain PyTorch's own {precision} losses are up to {r.loss_noise_floor:.1e} "
+                         f"(relative) from float64 here, so the check only holds the variants to "
                          f"{r.loss_tolerance:.1e}; BatchNorm over few values per channel (small --batch/--size) "
                          f"and deep networks at initialisation are ill-conditioned in {precision}. "
                          f"{_sharper_check(dtype)}")
@@ -183,7 +183,7 @@ def loss_warnings(results: list[Result], dtype: torch.dtype = torch.float32) -> 
 def _sharper_check(dtype: torch.dtype) -> str:
     advice = "For a sharper check, raise --batch and --size (more values per BatchNorm channel)"
     if dtype != torch.float32:
-        advice += f", or check the same variants with --dtype float32, whose rounding noise is far smaller"
+        advice += ", or check the same variants with --dtype float32, whose rounding noise is far smaller"
     return advice
 
 

@@ -117,6 +117,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ..models import resnet
 from ..nn import ABN, InPlaceABN, MaxPool2d
 from ..nn.fused import PLAIN_TYPE_ATTR, FusedActivation
+from . import timm_blocks
 from .patterns import (
     Activation,
     BatchNormAct,
@@ -142,7 +143,6 @@ from .patterns import (
     swap_pool,
     unfuse_norm,
 )
-from . import timm_blocks
 from .report import ConversionReport, FusedPair, LeftAlone, RestoredPair, RevertReport
 
 __all__ = [
@@ -346,7 +346,8 @@ class _Converter:
         self.timm_form(fused)
         self.record(join_path(prefix, "bn1"), join_path(prefix, act_name), "resnet_stem", details)
         pool = model._modules["maxpool"]
-        if isinstance(fused, InPlaceABN) and type(pool) is nn.MaxPool2d and not pool.return_indices and not has_hooks(pool):
+        if (isinstance(fused, InPlaceABN) and type(pool) is nn.MaxPool2d and not pool.return_indices
+                and not has_hooks(pool)):
             # The stem output is kept by the fused norm already; a pool that
             # recomputes its argmax keeps nothing more (no int64 indices).
             model._modules["maxpool"] = swap_pool(pool, MaxPool2d)

@@ -20,5 +20,22 @@ from .resnet import (
     wide_resnet50_2,
 )
 
-# Exactly the names imported above.
-__all__ = sorted(name for name in globals() if not name.startswith("_"))
+# Exactly the names imported above, sorted as strings.
+__all__ = [
+    "DenseNet",
+    "ResNet",
+    "densenet",
+    "densenet121",
+    "densenet161",
+    "densenet169",
+    "densenet201",
+    "densenet264",
+    "resnet",
+    "resnet101",
+    "resnet152",
+    "resnet18",
+    "resnet34",
+    "resnet50",
+    "resnext50_32x4d",
+    "wide_resnet50_2",
+]

@@ -80,8 +80,16 @@ from torch import nn
 from ..nn import ABN
 from ..ops.densenet import layout_of, norm_relu_conv
 from ..ops.stats import batch_stats
-from ._common import (activated_norm, activation_slot, check_bool, check_norm_act, drop_weight_arguments,
-                      fix_arguments, imagenet_stem, positive_int)
+from ._common import (
+    activated_norm,
+    activation_slot,
+    check_bool,
+    check_norm_act,
+    drop_weight_arguments,
+    fix_arguments,
+    imagenet_stem,
+    positive_int,
+)
 
 __all__ = [
     "DenseNet",

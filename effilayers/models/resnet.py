@@ -63,8 +63,14 @@ import torch
 from torch import nn
 
 from ..nn import ABN, fused_norm
-from ._common import activated_norm, check_norm_act, drop_weight_arguments, fix_arguments, imagenet_stem
-from ._common import INPLACE_SLOPE as INPLACE_SLOPE  # noqa: F401 -- effilayers.bench reads it here
+from ._common import (
+    INPLACE_SLOPE as INPLACE_SLOPE,  # re-exported: effilayers.bench reads it here
+    activated_norm,
+    check_norm_act,
+    drop_weight_arguments,
+    fix_arguments,
+    imagenet_stem,
+)
 
 __all__ = [
     "NORM_ACTS",

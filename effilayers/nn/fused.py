@@ -38,8 +38,16 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..ops.abn.contract import (DEFAULT_WEIGHT_EPS, check_activation, check_eps, check_flag, check_in_place,
-                                check_input, check_momentum, check_weight_eps)
+from ..ops.abn.contract import (
+    DEFAULT_WEIGHT_EPS,
+    check_activation,
+    check_eps,
+    check_flag,
+    check_in_place,
+    check_input,
+    check_momentum,
+    check_weight_eps,
+)
 from ..ops.abn.op import activated_batch_norm
 
 __all__ = ["ABN", "InPlaceABN", "InPlaceABNSync", "FusedActivation", "fused_norm", "PLAIN_TYPE_ATTR", "BASE_TYPE_ATTR",

@@ -19,7 +19,8 @@ from .._core import registry
 from .._core.dtypes import accumulation_dtype, as_dtype
 from .stats import combine_batch_stats, values_per_channel
 
-__all__ = ["distributed", "channel_stats", "batch_statistics", "normalizing_statistics", "update_running_stats", "backward_passes"]
+__all__ = ["distributed", "channel_stats", "batch_statistics", "normalizing_statistics", "update_running_stats",
+           "backward_passes"]
 
 
 def distributed(group) -> bool:

@@ -62,10 +62,18 @@ from typing import Any, Callable, Optional
 import torch
 
 from .._core.layout import memory_flat, same_layout
-from ..ops.adam import (QUANT_BLOCK, AdamHyperParams, dequantize_exp_avg, dequantize_exp_avg_sq, gather_padded,
-                        padded_numel, quantize_exp_avg, quantize_exp_avg_sq)
+from ..ops.adam import (
+    QUANT_BLOCK,
+    AdamHyperParams,
+    dequantize_exp_avg,
+    dequantize_exp_avg_sq,
+    gather_padded,
+    padded_numel,
+    quantize_exp_avg,
+    quantize_exp_avg_sq,
+)
 from .functional import fused_update
-from .sharded import is_sharded, local, local_grad, shard_like, local_value
+from .sharded import is_sharded, local, local_grad, local_value, shard_like
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "EIGHT_BIT", "refuse_sparse"]
 

@@ -34,8 +34,14 @@ from ..._core import registry
 from ..._core.dtypes import accumulation_dtype, as_dtype
 from .. import _batchnorm
 from . import reference
-from .contract import (DEFAULT_WEIGHT_EPS, check_activation, check_arguments, check_in_place, check_input,
-                       check_weight_eps)
+from .contract import (
+    DEFAULT_WEIGHT_EPS,
+    check_activation,
+    check_arguments,
+    check_in_place,
+    check_input,
+    check_weight_eps,
+)
 
 __all__ = ["abn", "inplace_abn", "activated_batch_norm"]
 

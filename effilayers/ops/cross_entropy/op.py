@@ -13,9 +13,13 @@ from ..._core import registry
 from ..._core.dtypes import accumulation_dtype
 from ..._core.layout import autocast_to_float32, is_dense, refuse_forward_ad, three_groups, three_view
 from .contract import check_arguments, check_target_range
-from .reference import (cross_entropy_chunk_grad_reference, cross_entropy_chunk_stats_reference,
-                        cross_entropy_rows_reference, cross_entropy_soft_chunk_grad_reference,
-                        cross_entropy_soft_chunk_stats_reference)
+from .reference import (
+    cross_entropy_chunk_grad_reference,
+    cross_entropy_chunk_stats_reference,
+    cross_entropy_rows_reference,
+    cross_entropy_soft_chunk_grad_reference,
+    cross_entropy_soft_chunk_stats_reference,
+)
 
 registry.register(registry.OpKernels(name="cross_entropy", reference=cross_entropy_rows_reference,
                                      cpp="cross_entropy_rows",

@@ -143,8 +143,8 @@ class _Bottleneck(torch.autograd.Function):
         in_dtype = features[0].dtype
         vectors = reference.affine_vectors(weight, bias, mean)
         grad_input, grad_bias, grad_weight, grad_conv = registry.dispatch("dense_bottleneck_backward", grad_out)(
-            grad_out, features, mean, invstd, *vectors, as_dtype(conv_weight, in_dtype), ctx.use_batch_stats, need_input,
-            need_conv, ctx.padding)
+            grad_out, features, mean, invstd, *vectors, as_dtype(conv_weight, in_dtype), ctx.use_batch_stats,
+            need_input, need_conv, ctx.padding)
         grad_conv = as_dtype(grad_conv, conv_weight.dtype) if need_conv else None
         if need_features:
             # The method itself: torch.split's Python wrapper costs more than the split on a small layer.

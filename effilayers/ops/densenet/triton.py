@@ -256,8 +256,8 @@ def _grad_weight(table, tiles, mean, scale, bias, grad_out, partial_grad_weight,
         y = tl.where(mask_m[:, None], _activated(x, channel, mask_k, mean, scale, bias), 0.0)
         n = offs_m // HW
         hw = offs_m % HW
-        g = tl.load(grad_out + (n * go_stride_n + hw * go_stride_hw)[None, :] + offs_o[:, None].to(tl.int64) * go_stride_c,
-                    mask=mask_o[:, None] & mask_m[None, :], other=0.0)
+        g = tl.load(grad_out + (n * go_stride_n + hw * go_stride_hw)[None, :]
+                    + offs_o[:, None].to(tl.int64) * go_stride_c, mask=mask_o[:, None] & mask_m[None, :], other=0.0)
         if ALLOW_TF32:
             acc += tl.dot(g, y.to(dtype_ptr.dtype.element_ty))
         else:

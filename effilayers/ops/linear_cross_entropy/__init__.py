@@ -140,5 +140,5 @@ when they require grad).
 from .op import CHUNK_LOGITS_BYTES, MIN_CHUNK_TOKENS, chunk_shape, chunk_tokens, linear_cross_entropy
 from .reference import linear_cross_entropy_reference
 
-__all__ = ["linear_cross_entropy", "linear_cross_entropy_reference", "chunk_tokens", "chunk_shape", "CHUNK_LOGITS_BYTES",
-           "MIN_CHUNK_TOKENS"]
+__all__ = ["linear_cross_entropy", "linear_cross_entropy_reference", "chunk_tokens", "chunk_shape",
+           "CHUNK_LOGITS_BYTES", "MIN_CHUNK_TOKENS"]

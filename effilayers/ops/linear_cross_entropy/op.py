@@ -11,12 +11,18 @@ import torch
 from ..._core import registry
 from ..._core.dtypes import accumulation_dtype
 from ..._core.layout import refuse_forward_ad
+
 # Importing the family registers the "cross_entropy" row kernels this op runs on each chunk.
 from ..cross_entropy import op as _cross_entropy_op  # noqa: F401
 from .contract import INPUT_DTYPES, OP, check_arguments, check_target_range
 from .reference import class_index_grads_reference, class_index_stats_reference
-from .vocab_chunks import (accumulate_product, probability_terms, vocab_chunk_bytes, vocab_chunked_rows,
-                           whole_probability_rows)
+from .vocab_chunks import (
+    accumulate_product,
+    probability_terms,
+    vocab_chunk_bytes,
+    vocab_chunked_rows,
+    whole_probability_rows,
+)
 from .vocab_parallel import is_sharded, runs_vocab_parallel, vocab_parallel_linear_cross_entropy
 
 # A chunk of logits takes at most this many bytes, or the input's own size

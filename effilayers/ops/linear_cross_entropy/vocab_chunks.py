@@ -42,6 +42,7 @@ import torch
 
 from ..._core import registry
 
+
 def vocab_chunk_bytes(compute_dtype: torch.dtype, acc: torch.dtype, wide_copy: bool) -> int:
     """Bytes per logit of a vocabulary chunk: the compute-dtype logits, plus
     the float32 copy (``wide_copy``) that CPU matmuls read for fp16/bf16

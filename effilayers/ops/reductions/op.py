@@ -11,8 +11,17 @@ import torch
 from ..._core import registry
 from ..._core.dtypes import accumulation_dtype
 from ..._core.layout import autocast_to_float32, refuse_forward_ad
-from .contract import (check, check_kind, integer_input, norm_dims, norm_order, output_shape, reduced_dims,
-                       run_three, variance_arguments)
+from .contract import (
+    check,
+    check_kind,
+    integer_input,
+    norm_dims,
+    norm_order,
+    output_shape,
+    reduced_dims,
+    run_three,
+    variance_arguments,
+)
 from .reference import reduce_three_reference
 
 # Every backend's kernel has the signature of reduce_three_reference:

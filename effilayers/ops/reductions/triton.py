@@ -64,17 +64,17 @@ def _pow2(d):
 
 
 @triton.jit
-def _reduce_kernel(x_ptr, a_ptr, b_ptr, e_ptr, R, I, stride_o, stride_r, stride_i, rows_per_split, splits,
+def _reduce_kernel(x_ptr, a_ptr, b_ptr, e_ptr, reduced, inner, stride_o, stride_r, stride_i, rows_per_split, splits,
                    PARTIAL: tl.constexpr, SCALED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr):
     ACC = a_ptr.dtype.element_ty  # the partials are in the accumulation dtype
     pid = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1).to(tl.int64)
-    i_blocks = tl.cdiv(I, BLOCK_I)
+    i_blocks = tl.cdiv(inner, BLOCK_I)
     o = pid // i_blocks
     cols = (pid % i_blocks) * BLOCK_I + tl.arange(0, BLOCK_I).to(tl.int64)
-    col_mask = cols < I
+    col_mask = cols < inner
     r_begin = split * rows_per_split
-    r_end = tl.minimum(r_begin + rows_per_split, R)
+    r_end = tl.minimum(r_begin + rows_per_split, reduced)
     base = x_ptr + o * stride_o + cols[None, :] * stride_i
 
     acc = tl.zeros([BLOCK_I], dtype=ACC)  # sum, sum of squares or mean
@@ -128,7 +128,7 @@ def _reduce_kernel(x_ptr, a_ptr, b_ptr, e_ptr, R, I, stride_o, stride_r, stride_
             acc = acc + delta * (n / safe_total)
             m2 = m2 + tile_m2 + delta * delta * (count * n / safe_total)
             count = total
-    out_index = (o * I + cols) * splits + split
+    out_index = (o * inner + cols) * splits + split
     tl.store(a_ptr + out_index, acc, mask=col_mask)
     if PARTIAL == 2:
         tl.store(b_ptr + out_index, m2, mask=col_mask)
@@ -289,8 +289,8 @@ def kernel_specialisations():
             outer, inner, (stride_o, stride_r, stride_i) = _tile_view(outer, reduced, inner, strides)
             block_r, block_i, splits, rows_per_split, _ = _config(outer, reduced, inner)
             for kind, partial in (("sum", 0), ("norm", 1), ("var", 2)):
-                arguments = dict(x_ptr=dtype, a_ptr=acc, b_ptr=acc, e_ptr=torch.int32 if scaled else acc, R=reduced,
-                                 I=inner, stride_o=stride_o, stride_r=stride_r, stride_i=stride_i,
+                arguments = dict(x_ptr=dtype, a_ptr=acc, b_ptr=acc, e_ptr=torch.int32 if scaled else acc,
+                                 reduced=reduced, inner=inner, stride_o=stride_o, stride_r=stride_r, stride_i=stride_i,
                                  rows_per_split=rows_per_split, splits=splits)
                 yield KernelSpec(_reduce_kernel, arguments, dict(PARTIAL=partial, SCALED=scaled, BLOCK_R=block_r,
                                                                  BLOCK_I=block_i), NUM_WARPS,

@@ -66,8 +66,7 @@ Autocast
 
 from .contract import SUPPORTED_DTYPES
 from .op import log_softmax, scaled_masked_softmax, softmax
-from .reference import (scaled_masked_softmax_forward_reference, softmax_backward_reference,
-                        softmax_forward_reference)
+from .reference import scaled_masked_softmax_forward_reference, softmax_backward_reference, softmax_forward_reference
 
 __all__ = ["softmax", "log_softmax", "scaled_masked_softmax", "softmax_forward_reference", "softmax_backward_reference",
            "scaled_masked_softmax_forward_reference", "SUPPORTED_DTYPES"]

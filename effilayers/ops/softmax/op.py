@@ -11,8 +11,7 @@ from ..._core import registry
 from ..._core.dtypes import accumulation_dtype
 from ..._core.layout import refuse_forward_ad
 from .contract import check_dim, check_dtype, check_masked_arguments, floating_input, output_like, wrap_dim
-from .reference import (scaled_masked_softmax_forward_reference, softmax_backward_reference,
-                        softmax_forward_reference)
+from .reference import scaled_masked_softmax_forward_reference, softmax_backward_reference, softmax_forward_reference
 
 registry.register(registry.OpKernels(name="softmax_forward", reference=softmax_forward_reference,
                                      cpp="softmax_forward", triton="effilayers.ops.softmax.triton:softmax_forward"))
