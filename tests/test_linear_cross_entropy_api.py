@@ -152,13 +152,13 @@ def test_opcheck():
     for reduction in ("mean", "sum", "none"):
         torch.library.opcheck(_linear_cross_entropy_forward,
                               (x, w, target, b, None, token_weight, -100, 0.1, reduction, 3, True, True, True,
-                               torch.float32, torch.float32))
+                               torch.float32, 0.0, torch.float32))
     torch.library.opcheck(_linear_cross_entropy_forward,
                           (x.bfloat16(), w.bfloat16(), target, None, None, None, -100, 0.0, "mean", None, True,
-                           False, False, torch.bfloat16, torch.bfloat16))
+                           False, False, torch.bfloat16, 0.0, torch.bfloat16))
     torch.library.opcheck(_linear_cross_entropy_backward,
                           (torch.ones(7), x, w, target, b, None, token_weight, -100, 0.0, 2, True, True, True,
-                           torch.float32))
+                           torch.float32, 0.0))
 
 
 @pytest.mark.slow

@@ -218,3 +218,44 @@ def test_split_merge_equals_one_split(fused_device, monkeypatch):
     torch.testing.assert_close(many, one, rtol=1e-12, atol=1e-12)
     logits = torch.nn.functional.linear(x, w, b)
     torch.testing.assert_close(one[0] + one[1].log(), torch.logsumexp(logits, 1), rtol=1e-12, atol=1e-12)
+
+
+def test_filter_eps_skips_tiles_of_small_gradients(fused_device):
+    # Peaked logits: W = 10 I and x near the one-hot of its target give the
+    # target a logit of 10 and the others about 0 (softmax ~5e-5), so the
+    # tiles of classes 16-63, which hold no target, have gradients near 0.
+    tokens, classes = 32, 64
+    generator = torch.Generator().manual_seed(3)
+    target = torch.randint(0, 16, (tokens,), generator=generator)
+    x = torch.nn.functional.one_hot(target, classes).double() + 0.05 * torch.randn(tokens, classes, generator=generator,
+                                                                                  dtype=torch.float64)
+    w = 10 * torch.eye(classes, dtype=torch.float64) + 0.01 * torch.randn(classes, classes, generator=generator,
+                                                                         dtype=torch.float64)
+    x, w, target = x.to(fused_device), w.to(fused_device), target.to(fused_device)
+    b = torch.zeros(classes, dtype=torch.float64, device=fused_device)
+    exact_loss, (exact_input, exact_weight, exact_bias) = fused(x, w, b, target)
+    loss, (grad_input, grad_weight, grad_bias) = fused(x, w, b, target, filter_eps=1e-3)
+    assert torch.equal(loss, exact_loss)  # the forward pass is never filtered
+    skipped = (grad_weight[16:] == 0).all(dim=1)
+    assert skipped.any() and (exact_weight[16:][skipped] != 0).all()  # tiles were skipped ...
+    # ... and each skipped logit's gradient was under 1e-3 / tokens (the mean's scale).
+    for got, want, other in ((grad_input, exact_input, w), (grad_weight, exact_weight, x)):
+        bound = 1e-3 / tokens * other.abs().sum(0).max()
+        assert (got - want).abs().max() <= bound
+    assert (grad_bias - exact_bias).abs().max() <= 1e-3
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.0, True, "0.1"])
+def test_filter_eps_must_be_a_fraction(value):
+    x, w, b, target = make_problem((4,), 3, 5, torch.float64)
+    with pytest.raises(ValueError, match="filter_eps must be a float in"):
+        linear_cross_entropy(x, w, target, b, filter_eps=value)
+
+
+def test_filter_eps_is_refused_where_the_chunked_path_runs(fused_device):
+    x, w, b, target = make_problem((4,), 3, 5, torch.float64, fused_device)
+    with pytest.raises(ValueError, match="filter_eps=0.01 applies to the fused Triton path"):
+        linear_cross_entropy(x, w, target, b, filter_eps=0.01, chunk_size=2)
+    probabilities = torch.softmax(make_positive((4, 5), fused_device), -1)
+    with pytest.raises(ValueError, match="applies to the fused Triton path"):
+        linear_cross_entropy(x, w, probabilities, b, filter_eps=0.01)

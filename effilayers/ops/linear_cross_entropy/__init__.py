@@ -2,7 +2,7 @@
 
 ``linear_cross_entropy(input, weight, target, bias=None, *, ignore_index=-100,
 label_smoothing=0.0, reduction="mean", class_weight=None, token_weight=None,
-chunk_size=None)`` computes ``F.cross_entropy(F.linear(input, weight, bias),
+chunk_size=None, filter_eps=0.0)`` computes ``F.cross_entropy(F.linear(input, weight, bias),
 target, weight=class_weight, ignore_index=..., label_smoothing=...,
 reduction=...)``, with optional per-token weights, over chunks of tokens
 (and of the classes, for vocabularies too wide for a useful token chunk).
@@ -37,7 +37,10 @@ The fused path: no logits in memory at all
     chunked path runs instead for probability targets, an explicit
     ``chunk_size`` (which is how a benchmark compares the two), and under
     ``torch.use_deterministic_algorithms(True)`` (atomic float adds sum in a
-    varying order).
+    varying order). ``filter_eps`` (opt-in, default 0) lets the gradient
+    pass skip tiles whose every gradient is below it, Cut Cross-Entropy's
+    filtering: cheaper and inexact, so never the default; a call that runs
+    the chunked path refuses it.
 
 Chunk sizes, from the shapes (``op.chunk_shape``)
     A chunk of logits may take ``max(CHUNK_LOGITS_BYTES = 16 MiB, the

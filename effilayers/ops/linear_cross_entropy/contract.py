@@ -13,7 +13,7 @@ OP = "linear_cross_entropy"
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def check_options(op: str, reduction, label_smoothing, ignore_index, chunk_size) -> None:
+def check_options(op: str, reduction, label_smoothing, ignore_index, chunk_size, filter_eps=0.0) -> None:
     if reduction not in REDUCTIONS:
         raise ValueError(f"{op}: reduction must be one of 'mean', 'sum', 'none', got {reduction!r}")
     if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) \
@@ -24,6 +24,8 @@ def check_options(op: str, reduction, label_smoothing, ignore_index, chunk_size)
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
                                    or chunk_size < 1):
         raise ValueError(f"{op}: chunk_size must be a positive int (tokens per chunk) or None, got {chunk_size!r}")
+    if isinstance(filter_eps, bool) or not isinstance(filter_eps, (int, float)) or not 0.0 <= filter_eps < 1.0:
+        raise ValueError(f"{op}: filter_eps must be a float in [0, 1) (0: exact gradients), got {filter_eps!r}")
 
 
 def _tensor(name: str, value) -> None:
@@ -47,14 +49,14 @@ def _constant_weights(name: str, value: torch.Tensor, shape: tuple, device: torc
 
 
 def check_arguments(input, weight, target, bias, ignore_index, label_smoothing, reduction, class_weight,
-                    token_weight, chunk_size, autocasting: bool) -> None:
+                    token_weight, chunk_size, autocasting: bool, filter_eps=0.0) -> None:
     """``autocasting``: torch.autocast is on for the input's device, so input,
     weight and bias may differ in dtype (they are cast as ``F.linear`` casts
     them)."""
     _tensor("input", input)
     _tensor("weight", weight)
     _tensor("target", target)
-    check_options(OP, reduction, label_smoothing, ignore_index, chunk_size)
+    check_options(OP, reduction, label_smoothing, ignore_index, chunk_size, filter_eps)
     if input.dtype not in INPUT_DTYPES:
         raise TypeError(f"{OP}: input must be float16, bfloat16, float32 or float64, got {input.dtype}")
     if input.dim() == 0:

@@ -3,6 +3,7 @@ the public function (see the package docstring for numerics and contracts)."""
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -98,7 +99,7 @@ def _fused_kernels(device: torch.device):
 
 
 def _chunks(input, weight, target, bias, class_weight, ignore_index, label_smoothing, chunk_size, compute_dtype,
-            grad_scale, row_scale, needs, keep_rows):
+            grad_scale, row_scale, needs, keep_rows, filter_eps=0.0):
     """Walk the tokens in chunks: logits = x W^T + b, one row-kernel call
     (loss and, when a gradient is wanted, d loss / d logits written over the
     logits), then the chunk's share of each gradient. ``row_scale``: None or
@@ -131,7 +132,13 @@ def _chunks(input, weight, target, bias, class_weight, ignore_index, label_smoot
     grad_bias = torch.zeros((classes,), dtype=acc, device=device) if needs[2] else None
     write_grad = any(needs)
     fused = None if soft or chunk_size is not None else _fused_kernels(device)
+    if filter_eps and fused is None:
+        raise ValueError(
+            f"effilayers {OP}: filter_eps={filter_eps} applies to the fused Triton path (CUDA, class-index targets, "
+            "no chunk_size, deterministic algorithms off); this call runs the chunked path, whose gradients are "
+            "exact: pass filter_eps=0")
     if fused is not None:
+        fused = (fused[0], functools.partial(fused[1], filter_eps=filter_eps))
         # No logits in memory at all: every token and class at once.
         rows = vocab_chunked_rows(
             input.to(compute_dtype).contiguous(), w.contiguous(), b, target, kernel_weight, ignore_index,
@@ -222,11 +229,12 @@ def _nothing(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 _ARGUMENTS = ("Tensor input, Tensor weight, Tensor target, Tensor? bias, Tensor? class_weight, Tensor? token_weight, "
               "SymInt ignore_index, float label_smoothing")
-_WANTS = "int? chunk_size, bool grad_input, bool grad_weight, bool grad_bias, ScalarType compute_dtype"
+_WANTS = ("int? chunk_size, bool grad_input, bool grad_weight, bool grad_bias, ScalarType compute_dtype, "
+          "float filter_eps")
 
 
 def _forward(input, weight, target, bias, class_weight, token_weight, ignore_index, label_smoothing, reduction,
-             chunk_size, grad_input, grad_weight, grad_bias, compute_dtype, loss_dtype):
+             chunk_size, grad_input, grad_weight, grad_bias, compute_dtype, filter_eps, loss_dtype):
     """(loss, grad_input, grad_weight, grad_bias): the loss in ``loss_dtype``;
     the gradients of the reduced loss, grad_input in the input's dtype,
     grad_weight / grad_bias in the accumulation dtype (cast once, in
@@ -244,7 +252,8 @@ def _forward(input, weight, target, bias, class_weight, token_weight, ignore_ind
             grad_scale = torch.ones(1, dtype=acc, device=input.device)
         row_scale = None if token_weight is None else token_weight.to(acc)
         rows, gi, gw, gb = _chunks(input, weight, target, bias, class_weight, ignore_index, label_smoothing,
-                                   chunk_size, compute_dtype, grad_scale, row_scale, needs, keep_rows=True)
+                                   chunk_size, compute_dtype, grad_scale, row_scale, needs, keep_rows=True,
+                                   filter_eps=filter_eps)
         if row_scale is not None:
             rows = rows * row_scale
         if reduction == "none":
@@ -260,7 +269,7 @@ def _forward(input, weight, target, bias, class_weight, token_weight, ignore_ind
 
 
 def _backward_unreduced(grad_output, input, weight, target, bias, class_weight, token_weight, ignore_index,
-                        label_smoothing, chunk_size, grad_input, grad_weight, grad_bias, compute_dtype):
+                        label_smoothing, chunk_size, grad_input, grad_weight, grad_bias, compute_dtype, filter_eps):
     """Gradients of sum_i grad_output_i * loss_i, recomputing each chunk's
     logits; grad_weight / grad_bias cast to the parameters' dtypes."""
     acc = accumulation_dtype(compute_dtype)
@@ -271,7 +280,8 @@ def _backward_unreduced(grad_output, input, weight, target, bias, class_weight, 
             row_scale = row_scale * token_weight.to(acc)
         grad_scale = torch.ones(1, dtype=acc, device=input.device)
         _, gi, gw, gb = _chunks(input, weight, target, bias, class_weight, ignore_index, label_smoothing,
-                                chunk_size, compute_dtype, grad_scale, row_scale, needs, keep_rows=False)
+                                chunk_size, compute_dtype, grad_scale, row_scale, needs, keep_rows=False,
+                                filter_eps=filter_eps)
     return (gi if gi is not None else _nothing(input, input.dtype),
             gw.to(weight.dtype) if gw is not None else _nothing(input, weight.dtype),
             gb.to(bias.dtype) if gb is not None else _nothing(input, input.dtype))
@@ -289,7 +299,7 @@ _linear_cross_entropy_backward = torch.library.custom_op(
 
 @_linear_cross_entropy_forward.register_fake
 def _(input, weight, target, bias, class_weight, token_weight, ignore_index, label_smoothing, reduction, chunk_size,
-      grad_input, grad_weight, grad_bias, compute_dtype, loss_dtype):
+      grad_input, grad_weight, grad_bias, compute_dtype, filter_eps, loss_dtype):
     acc = accumulation_dtype(compute_dtype)
     loss = input.new_empty((input.shape[0],) if reduction == "none" else (), dtype=loss_dtype)
     gi = input.new_empty(input.shape) if grad_input else _nothing(input, input.dtype)
@@ -300,7 +310,7 @@ def _(input, weight, target, bias, class_weight, token_weight, ignore_index, lab
 
 @_linear_cross_entropy_backward.register_fake
 def _(grad_output, input, weight, target, bias, class_weight, token_weight, ignore_index, label_smoothing,
-      chunk_size, grad_input, grad_weight, grad_bias, compute_dtype):
+      chunk_size, grad_input, grad_weight, grad_bias, compute_dtype, filter_eps):
     gi = input.new_empty(input.shape) if grad_input else _nothing(input, input.dtype)
     gw = weight.new_empty(weight.shape) if grad_weight else _nothing(input, weight.dtype)
     gb = bias.new_empty(bias.shape) if grad_bias and bias is not None else _nothing(input, input.dtype)
@@ -310,7 +320,8 @@ def _(grad_output, input, weight, target, bias, class_weight, token_weight, igno
 class _LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, weight, bias, target, class_weight, token_weight, settings):
-        ignore_index, label_smoothing, reduction, chunk_size, grad_mode, compute_dtype, loss_dtype = settings
+        ignore_index, label_smoothing, reduction, chunk_size, grad_mode, compute_dtype, loss_dtype, filter_eps = \
+            settings
         # needs_input_grad says True under no_grad too: grad_mode (read before apply) keeps
         # no_grad / inference_mode calls from computing gradients nobody will use.
         needs = tuple(bool(ctx.needs_input_grad[i] and grad_mode) for i in range(3))
@@ -321,7 +332,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         forward = _forward if registry.runs_eagerly(input) else _linear_cross_entropy_forward
         loss, gi, gw, gb = forward(input, weight, target, bias, class_weight, token_weight, ignore_index,
                                    label_smoothing, reduction, chunk_size, fused and needs[0], fused and needs[1],
-                                   fused and needs[2], compute_dtype, loss_dtype)
+                                   fused and needs[2], compute_dtype, filter_eps, loss_dtype)
         if fused:
             ctx.save_for_backward(gi, gw, gb)
         elif any(needs):
@@ -339,13 +350,13 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
                 "a graph), so backward(create_graph=True) through it is refused; use torch.nn.functional.linear + "
                 "cross_entropy for higher-order gradients"
             )
-        ignore_index, label_smoothing, reduction, chunk_size, _, compute_dtype, _ = ctx.settings
+        ignore_index, label_smoothing, reduction, chunk_size, _, compute_dtype, _, filter_eps = ctx.settings
         needs = ctx.needs
         if reduction == "none":
             input, weight, target, bias, class_weight, token_weight = ctx.saved_tensors
             backward = _backward_unreduced if registry.runs_eagerly(grad_output) else _linear_cross_entropy_backward
             gi, gw, gb = backward(grad_output, input, weight, target, bias, class_weight, token_weight, ignore_index,
-                                  label_smoothing, chunk_size, *needs, compute_dtype)
+                                  label_smoothing, chunk_size, *needs, compute_dtype, filter_eps)
         else:
             gi, gw, gb = ctx.saved_tensors
             # retain_graph=True (gradcheck, a second backward) and torch.compile
@@ -384,6 +395,7 @@ def linear_cross_entropy(
     class_weight: Optional[torch.Tensor] = None,
     token_weight: Optional[torch.Tensor] = None,
     chunk_size: Optional[int] = None,
+    filter_eps: float = 0.0,
 ) -> torch.Tensor:
     """``F.cross_entropy(F.linear(input, weight, bias), target, ...)`` without
     ever holding the whole logits: the tokens (and, for wide vocabularies,
@@ -405,10 +417,16 @@ def linear_cross_entropy(
     with an online float32 log-sum-exp across the vocabulary chunks. See the
     package docstring for how chunk sizes are chosen, the mean's definition
     with token weights, numerics, autocast and memory.
+
+    ``filter_eps`` (default 0: exact gradients): on the fused path only, the
+    gradient pass skips a tile of tokens x classes whose every
+    ``|d loss / d logit|`` (before the reduction's scale) is below it, as Cut
+    Cross-Entropy's filtering does: cheaper, and inexact by up to that much
+    per skipped logit. A call that runs the chunked path refuses it.
     """
     autocasting = _autocasting(input)
     check_arguments(input, weight, target, bias, ignore_index, label_smoothing, reduction, class_weight,
-                    token_weight, chunk_size, autocasting)
+                    token_weight, chunk_size, autocasting, filter_eps)
     refuse_forward_ad(OP, input, weight, bias)
     classes, hidden = weight.shape
     check_target_range(target, ignore_index, classes)
@@ -424,6 +442,9 @@ def linear_cross_entropy(
     rows_target = target.reshape(-1, classes) if target.is_floating_point() else target.reshape(-1)
     if is_sharded(weight) or is_sharded(bias):
         if runs_vocab_parallel(weight, bias, target, reduction, autocasting):
+            if filter_eps:
+                raise ValueError(f"effilayers {OP}: filter_eps applies to the fused Triton path, not to the "
+                                 "vocabulary-parallel one (a sharded weight): pass filter_eps=0")
             return vocab_parallel_linear_cross_entropy(
                 input.reshape(-1, hidden), weight, rows_target, bias, ignore_index, label_smoothing, reduction,
                 class_weight, None if token_weight is None else token_weight.reshape(-1), chunk_size, chunk_tokens)
@@ -432,7 +453,7 @@ def linear_cross_entropy(
         weight = weight.full_tensor() if is_sharded(weight) else weight
         bias = bias.full_tensor() if is_sharded(bias) else bias
     settings = (int(ignore_index), float(label_smoothing), reduction, chunk_size, torch.is_grad_enabled(),
-                compute_dtype, loss_dtype)
+                compute_dtype, loss_dtype, float(filter_eps))
     loss = _LinearCrossEntropyFunction.apply(
         input.reshape(-1, hidden), weight, bias, rows_target, class_weight,
         None if token_weight is None else token_weight.reshape(-1), settings,

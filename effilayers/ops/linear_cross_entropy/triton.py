@@ -140,13 +140,12 @@ def _stats_kernel(
 @triton.jit
 def _grad_kernel(
     x_ptr, w_ptr, b_ptr, target_ptr, class_term_ptr, row_terms_ptr, grad_x_ptr, grad_w_ptr, grad_b_ptr,
-    tokens, classes, hidden, x_stride, w_stride, terms_stride, ignore_index,
+    tokens, classes, hidden, x_stride, w_stride, terms_stride, ignore_index, filter_eps,
     HAS_BIAS: tl.constexpr, HAS_CLASS_TERM: tl.constexpr, GRAD_X: tl.constexpr, GRAD_W: tl.constexpr,
-    GRAD_B: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr,
+    GRAD_B: tl.constexpr, FILTER: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     ACC = row_terms_ptr.dtype.element_ty
-    DTYPE = x_ptr.dtype.element_ty
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < tokens
@@ -163,8 +162,33 @@ def _grad_kernel(
     if HAS_CLASS_TERM:
         g -= tl.load(class_term_ptr + cols, mask=col_mask, other=0.0).to(ACC)[None, :]
     g = tl.where(cols[None, :] == target[:, None], g - target_coef[:, None], g)
+    live = valid[:, None] & col_mask[None, :]
+    if FILTER:
+        # filter_eps (opt-in): a tile whose every gradient, before the
+        # reduction's scale, is under it adds nothing (an out-of-range
+        # target's NaN, which comes with the scale, is lost with it).
+        largest = tl.max(tl.max(tl.where(live, tl.abs(g), 0.0), axis=1), axis=0)
+        if largest >= filter_eps:
+            _add_tile_gradient(x_ptr, w_ptr, g, live, scale, rows, cols, row_mask, col_mask, hidden, x_stride,
+                               w_stride, grad_x_ptr, grad_w_ptr, grad_b_ptr, GRAD_X, GRAD_W, GRAD_B, PRECISION,
+                               WIDEN, ACC, BLOCK_K)
+    else:
+        _add_tile_gradient(x_ptr, w_ptr, g, live, scale, rows, cols, row_mask, col_mask, hidden, x_stride,
+                           w_stride, grad_x_ptr, grad_w_ptr, grad_b_ptr, GRAD_X, GRAD_W, GRAD_B, PRECISION, WIDEN,
+                           ACC, BLOCK_K)
+
+
+@triton.jit
+def _add_tile_gradient(x_ptr, w_ptr, g, live, scale, rows, cols, row_mask, col_mask, hidden, x_stride, w_stride,
+                       grad_x_ptr, grad_w_ptr, grad_b_ptr, GRAD_X: tl.constexpr, GRAD_W: tl.constexpr,
+                       GRAD_B: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr, ACC: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    """Adds the tile's share of each gradient: ``g`` (the logits' gradient
+    before the scale) scaled per row, rounded to the compute dtype, then
+    ``g W`` into grad_x and ``g^T x`` into grad_w over the hidden size."""
+    DTYPE = x_ptr.dtype.element_ty
     # A select: an ignored row gives 0 even where its scale is NaN or its exp overflowed.
-    g = tl.where(valid[:, None] & col_mask[None, :], g * scale[:, None], 0.0)
+    g = tl.where(live, g * scale[:, None], 0.0)
     # The logits' gradient in the compute dtype, as the chunked path stores it
     # (and as the tensor cores read it).
     g_low = g.to(DTYPE)
@@ -250,13 +274,13 @@ def class_index_stats(x, w, b, target, class_weight, smoothing: bool) -> torch.T
 
 
 def class_index_grads(x, w, b, target, class_term, row_terms, ignore_index: int, grad_input, grad_weight,
-                      grad_bias) -> None:
+                      grad_bias, filter_eps: float = 0.0) -> None:
     """Adds the gradient of the loss rows into ``grad_input`` (tokens, hidden),
     ``grad_weight`` (classes, hidden) and ``grad_bias`` (classes,), each in the
     accumulation dtype, contiguous, or None when not wanted. ``row_terms``:
     (4, tokens) log-sum-exp, softmax coefficient, target coefficient and
     scale, as ``cross_entropy_chunk_grad_`` reads them; ``class_term``:
-    (classes,) or None."""
+    (classes,) or None; ``filter_eps``: see ``linear_cross_entropy``."""
     tokens, hidden = x.shape
     classes = w.shape[0]
     if tokens == 0 or all(g is None for g in (grad_input, grad_weight, grad_bias)):
@@ -267,9 +291,9 @@ def class_index_grads(x, w, b, target, class_term, row_terms, ignore_index: int,
         x, w, b if b is not None else x, target, class_term if class_term is not None else anything, row_terms,
         grad_input if grad_input is not None else anything, grad_weight if grad_weight is not None else anything,
         grad_bias if grad_bias is not None else anything,
-        tokens, classes, hidden, x.stride(0), w.stride(0), row_terms.stride(0), ignore_index,
-        HAS_CLASS_TERM=class_term is not None, GRAD_X=grad_input is not None, GRAD_W=grad_weight is not None,
-        GRAD_B=grad_bias is not None, **options)
+        tokens, classes, hidden, x.stride(0), w.stride(0), row_terms.stride(0), ignore_index, filter_eps,
+        FILTER=filter_eps > 0, HAS_CLASS_TERM=class_term is not None, GRAD_X=grad_input is not None,
+        GRAD_W=grad_weight is not None, GRAD_B=grad_bias is not None, **options)
 
 
 def interpreting() -> bool:
@@ -326,7 +350,8 @@ def kernel_specialisations():
                     else:
                         yield KernelSpec(_grad_kernel,
                                          dict(common, class_term_ptr=acc, row_terms_ptr=acc, grad_x_ptr=acc,
-                                              grad_w_ptr=acc, grad_b_ptr=acc, terms_stride=tokens, ignore_index=-100),
-                                         dict(flags, HAS_BIAS=has_bias, HAS_CLASS_TERM=False, GRAD_X=True,
+                                              grad_w_ptr=acc, grad_b_ptr=acc, terms_stride=tokens, ignore_index=-100,
+                                              filter_eps=0.0),
+                                         dict(flags, HAS_BIAS=has_bias, HAS_CLASS_TERM=False, FILTER=False, GRAD_X=True,
                                               GRAD_W=True, GRAD_B=has_bias), warps, config, 3 * moved,
                                          3 * roofline, _own(narrow, _grad_kernel))
