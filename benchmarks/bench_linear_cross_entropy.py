@@ -342,7 +342,8 @@ def _with_ratios(rows: list) -> list:
     return rows
 
 
-def measure_table(shape=TABLE_SHAPE, steps: int = TABLE_STEPS, threads: int = TABLE_THREADS, command: str = "") -> dict:
+def measure_table(shape=TABLE_SHAPE, steps: int = TABLE_STEPS, threads: int = TABLE_THREADS, command: str = "",
+                  dtypes=TABLE_DTYPES) -> dict:
     """Every table row, each in its own process, one at a time."""
     import datetime
     import os
@@ -350,7 +351,7 @@ def measure_table(shape=TABLE_SHAPE, steps: int = TABLE_STEPS, threads: int = TA
     tokens, hidden, classes = shape
     load_before = os.getloadavg()
     rows = []
-    for dtype_name in TABLE_DTYPES:
+    for dtype_name in dtypes:
         for variant in TABLE_LABELS:
             row = dict(variant=variant, dtype=dtype_name, logits_fp32_bytes=tokens * classes * 4)
             if variant.startswith("torch-linear_cross_entropy") and not hasattr(F, "linear_cross_entropy"):
@@ -362,7 +363,7 @@ def measure_table(shape=TABLE_SHAPE, steps: int = TABLE_STEPS, threads: int = TA
     return dict(device="cpu", torch=torch.__version__, threads=threads, machine=_machine(),
                 date=datetime.date.today().isoformat(), command=command,
                 load_average_before=load_before, load_average_after=os.getloadavg(),
-                shape=dict(tokens=tokens, hidden=hidden, classes=classes), steps=steps,
+                shape=dict(tokens=tokens, hidden=hidden, classes=classes), steps=steps, dtypes=list(dtypes),
                 time="process CPU time (time.process_time) of the fastest step; wall time beside it",
                 peak="growth of the peak resident set over the steps (VmHWM), gradients included",
                 rows=_with_ratios(rows))
@@ -379,11 +380,11 @@ def render_table(report: dict, source: str) -> str:
     load = "/".join(f"{a:.1f}" for a in (report["load_average_before"][0], report["load_average_after"][0]))
     lines = [
         f"CPU, one forward + backward of the head and its loss, {shape['tokens']} tokens × hidden "
-        f"{shape['hidden']} × {shape['classes']} classes, gradients included: process CPU time of the fastest of {report['steps']} steps "
-        f"and the peak resident-set growth over them, one fresh process per row, each after a warm-up on small "
-        f"tensors. {machine['cpu']} ({machine['cpu_count']} cores, shared; load {load} before/after), "
-        f"{report['threads']} thread, torch {report['torch']}, {report['date']}; from `{source}`, made by "
-        f"`{report['command']}`.",
+        f"{shape['hidden']} × {shape['classes']} classes, gradients included: process CPU time of the fastest of "
+        f"{report['steps']} steps and the peak resident-set growth over them, one fresh process per row, each after "
+        f"a warm-up on small tensors. {machine['cpu']} ({machine['cpu_count']} cores, shared; load {load} "
+        f"before/after), {report['threads']} thread{'s' if report['threads'] != 1 else ''}, torch {report['torch']}, "
+        f"{report['date']}; from `{source}`, made by `{report['command']}`.",
         "",
         "| dtype | implementation | CPU s | × effilayers | × torch chunked | peak growth MiB | × torch chunked "
         "| × fp32 logits |",
@@ -420,12 +421,16 @@ def main(argv=None) -> None:
     import sys
     from pathlib import Path
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description="The README's CPU table: time and peak of a "
+                                     "linear_cross_entropy step beside torch's, one fresh process per row.")
     parser.add_argument("--table-from", metavar="JSON", help="regenerate the table from this results file, "
                         "measuring nothing")
     parser.add_argument("--json", metavar="PATH", help="where to write the results (default: "
                         "benchmarks/results/linear_cross_entropy-cpu-table-<date>.json)")
     parser.add_argument("--readme", metavar="PATH", help="also write the table between its markers in this file")
+    # bf16 steps at the table's shape take minutes each on one thread of a CPU without a fast bf16 GEMM
+    parser.add_argument("--dtypes", nargs="+", choices=TABLE_DTYPES, default=list(TABLE_DTYPES),
+                        help="the dtypes to measure (default: all)")
     args = parser.parse_args(argv)
     root = Path(__file__).resolve().parents[1]
     if args.table_from:
@@ -434,7 +439,7 @@ def main(argv=None) -> None:
     else:
         command = " ".join(["python -m benchmarks.bench_linear_cross_entropy", *(argv if argv is not None
                                                                                     else sys.argv[1:])])
-        report = measure_table(command=command)
+        report = measure_table(command=command, dtypes=args.dtypes)
         source = Path(args.json or root / "benchmarks" / "results" /
                       f"linear_cross_entropy-cpu-table-{datetime.date.today().isoformat()}.json")
         source.write_text(json.dumps(report, indent=1) + "\n")
