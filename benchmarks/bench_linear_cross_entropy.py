@@ -45,6 +45,7 @@ chunking) skip on torch 2.11, which has neither it nor
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 
@@ -181,18 +182,8 @@ def peak_and_time(fn, device, inputs, repeats):
 
 
 def fresh_process_peak(variant: str, dtype: torch.dtype, shape) -> int:
-    """CPU: measure_peak in a new Python process."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = ("import json, sys; from benchmarks.bench_linear_cross_entropy import measure_peak; "
-            "print(json.dumps(measure_peak(sys.argv[1], sys.argv[2], tuple(map(int, sys.argv[3:])))))")
-    done = subprocess.run([sys.executable, "-c", code, variant, str(dtype)[6:], *map(str, shape)], cwd=root,
-                          check=True, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": root})
-    return json.loads(done.stdout.strip().splitlines()[-1])["growth"]
+    """CPU: the peak growth of one step (measure_step) in a new Python process."""
+    return fresh_process(variant, dtype, shape)["growth"]
 
 
 @pytest.mark.parametrize("device, shape, dtype", list(cases()))
@@ -231,13 +222,24 @@ def test_forward_backward(benchmark, implementation, device, shape, dtype):
     benchmark.pedantic(run, warmup_rounds=1, rounds=3 if device == "cpu" else 20)
 
 
+
 # --------------------------------------------------------------------------
-# The README's memory table: one step per fresh process
+# The README's CPU table: time and peak of a step, one fresh process per row
 #
-#     python -m benchmarks.bench_linear_cross_entropy
+#     python -m benchmarks.bench_linear_cross_entropy --readme README.md
+#     python -m benchmarks.bench_linear_cross_entropy --table-from benchmarks/results/<file>.json --readme README.md
+#
+# The first measures and writes benchmarks/results/linear_cross_entropy-cpu-table-<date>.json, the second only
+# regenerates the markdown from such a file; tests/test_linear_cross_entropy_api.py checks that the README's table
+# is what the committed file generates.
 # --------------------------------------------------------------------------
 
-MEMORY_SHAPE = (4096, 128, 32768)
+TABLE_SHAPE = (4096, 256, 32768)  # issue 32's CPU comparison: 512 MiB of fp32 logits
+TABLE_STEPS = 3
+TABLE_THREADS = 1  # one thread: on a shared machine the process's CPU time then is the step's compute alone
+TABLE_START = "<!-- lce-cpu-table:start -->"
+TABLE_END = "<!-- lce-cpu-table:end -->"
+BASELINE = "torch-linear_cross_entropy-chunked"  # torch's own way to a step without the whole logits
 
 
 def _unfused_inplace(x, weight, bias, target):
@@ -246,45 +248,206 @@ def _unfused_inplace(x, weight, bias, target):
     return cross_entropy(F.linear(x, weight, bias), target, inplace_backward=True)
 
 
+# The variants test_forward_backward measures in fresh processes on CPU (the rest of its rows come from
+# implementation_fn); the table has torch's native ones too.
 MEMORY_VARIANTS = {"torch": unfused, "effilayers-cross_entropy-inplace": _unfused_inplace, "effilayers": fused}
-MEMORY_LABELS = {"torch": "F.linear + F.cross_entropy",
-                 "effilayers-cross_entropy-inplace": "F.linear + effilayers cross_entropy(inplace_backward=True)",
-                 "effilayers": "effilayers linear_cross_entropy"}
+TABLE_LABELS = {
+    "torch": "F.linear + F.cross_entropy",
+    "torch-linear_cross_entropy": "torch F.linear_cross_entropy",
+    BASELINE: "torch F.linear_cross_entropy, options=LinearCrossEntropyOptions() (chunked)",
+    "effilayers-cross_entropy-inplace": "F.linear + effilayers cross_entropy(inplace_backward=True)",
+    "effilayers": "effilayers linear_cross_entropy",
+}
+TABLE_DTYPES = ("float32", "bfloat16")
 
 
-def measure_peak(variant: str, dtype_name: str, shape=MEMORY_SHAPE) -> dict:
-    """In this process: one warm-up step on small tensors, then the growth of
-    the peak resident set over one forward + backward at ``shape``."""
-    fn = MEMORY_VARIANTS[variant]
+def _variant_fn(variant: str):
+    return MEMORY_VARIANTS[variant] if variant in MEMORY_VARIANTS else implementation_fn(variant, "cpu")
+
+
+def measure_step(variant: str, dtype_name: str, shape, steps: int = 1, threads: int | None = None) -> dict:
+    """In this process: one warm-up step on small tensors (loads the C++
+    library and torch's kernels without touching the big sizes), then
+    ``steps`` forward + backward steps at ``shape``: the growth of the peak
+    resident set over them (VmHWM, reset through /proc/self/clear_refs) and
+    the fastest step's process CPU time and wall time."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    fn = _variant_fn(variant)
     dtype = getattr(torch, dtype_name)
-    tokens, hidden, classes = shape
+    hidden = shape[1]
     step(fn, *make_inputs("cpu", (16, hidden, 100), dtype))
     inputs = make_inputs("cpu", shape, dtype)
     with open("/proc/self/clear_refs", "w") as clear:
         clear.write("5")
     before = _high_water_mark()
-    result = step(fn, *inputs)
-    growth = _high_water_mark() - before
-    del result
-    return dict(variant=variant, dtype=dtype_name, growth=growth,
-                logits_fp32=tokens * classes * 4, logits=tokens * classes * inputs[0].element_size())
+    cpu_seconds, wall_seconds = [], []
+    for _ in range(steps):
+        cpu_start, wall_start = time.process_time(), time.perf_counter()
+        result = step(fn, *inputs)
+        cpu_seconds.append(time.process_time() - cpu_start)
+        wall_seconds.append(time.perf_counter() - wall_start)
+        del result  # the next step starts from what the first one did
+    return dict(variant=variant, dtype=dtype_name, growth=_high_water_mark() - before,
+                cpu_s=min(cpu_seconds), wall_s=min(wall_seconds), cpu_s_all=cpu_seconds, wall_s_all=wall_seconds,
+                threads=torch.get_num_threads())
 
 
-def main() -> None:
+def fresh_process(variant: str, dtype: torch.dtype | str, shape, steps: int = 1, threads: int | None = None) -> dict:
+    """measure_step in a new Python process: in this one, memory the
+    allocator kept from earlier steps would hide the growth."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    dtype_name = dtype if isinstance(dtype, str) else str(dtype)[6:]
+    code = ("import json, sys; from benchmarks.bench_linear_cross_entropy import measure_step; "
+            "threads = int(sys.argv[4]) or None; "
+            "print(json.dumps(measure_step(sys.argv[1], sys.argv[2], tuple(map(int, sys.argv[5:])), "
+            "int(sys.argv[3]), threads)))")
+    arguments = [variant, dtype_name, str(steps), str(threads or 0), *map(str, shape)]
+    done = subprocess.run([sys.executable, "-c", code, *arguments], cwd=root, check=True, capture_output=True,
+                          text=True,
+                          env={**os.environ, "PYTHONPATH": root})
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _machine() -> dict:
+    import os
+    import platform
+
+    model = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            model = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return dict(platform=platform.platform(), cpu=model, cpu_count=os.cpu_count())
+
+
+def _with_ratios(rows: list) -> list:
+    """Each measured row's time and peak over the same dtype's effilayers
+    linear_cross_entropy row and torch's chunked row (None where that row is
+    absent)."""
+    by_key = {(row["dtype"], row["variant"]): row for row in rows if "cpu_s" in row}
+    for row in rows:
+        if "cpu_s" not in row:
+            continue
+        for name, reference in (("effilayers", "effilayers"), ("torch_chunked", BASELINE)):
+            other = by_key.get((row["dtype"], reference))
+            row[f"time_ratio_vs_{name}"] = None if other is None else row["cpu_s"] / other["cpu_s"]
+            row[f"peak_ratio_vs_{name}"] = None if other is None else row["growth"] / other["growth"]
+        row["peak_ratio_vs_fp32_logits"] = row["growth"] / row["logits_fp32_bytes"]
+    return rows
+
+
+def measure_table(shape=TABLE_SHAPE, steps: int = TABLE_STEPS, threads: int = TABLE_THREADS, command: str = "",
+                  dtypes=TABLE_DTYPES) -> dict:
+    """Every table row, each in its own process, one at a time."""
+    import datetime
+    import os
+
+    tokens, hidden, classes = shape
+    load_before = os.getloadavg()
     rows = []
-    for dtype in (torch.float32, torch.bfloat16):
-        for variant in MEMORY_VARIANTS:
-            growth = fresh_process_peak(variant, dtype, MEMORY_SHAPE)
-            rows.append((dtype, variant, growth))
-    tokens, hidden, classes = MEMORY_SHAPE
-    print(f"CPU peak RSS growth over forward + backward, {tokens} tokens x hidden {hidden} x {classes} classes, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}")
-    print("| dtype | implementation | peak growth MiB | x logits (own dtype) | x fp32 logits |")
-    print("| --- | --- | --- | --- | --- |")
-    for dtype, variant, growth in rows:
-        logits = tokens * classes
-        print(f"| {str(dtype)[6:]} | {MEMORY_LABELS[variant]} | {growth / 2**20:.1f} | "
-              f"{growth / (logits * dtype.itemsize):.3f} | {growth / (logits * 4):.3f} |")
+    for dtype_name in dtypes:
+        for variant in TABLE_LABELS:
+            row = dict(variant=variant, dtype=dtype_name, logits_fp32_bytes=tokens * classes * 4)
+            if variant.startswith("torch-linear_cross_entropy") and not hasattr(F, "linear_cross_entropy"):
+                row["absent"] = f"torch {torch.__version__} has no F.linear_cross_entropy"
+            else:
+                row.update(fresh_process(variant, dtype_name, shape, steps, threads))
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return dict(device="cpu", torch=torch.__version__, threads=threads, machine=_machine(),
+                date=datetime.date.today().isoformat(), command=command,
+                load_average_before=load_before, load_average_after=os.getloadavg(),
+                shape=dict(tokens=tokens, hidden=hidden, classes=classes), steps=steps, dtypes=list(dtypes),
+                time="process CPU time (time.process_time) of the fastest step; wall time beside it",
+                peak="growth of the peak resident set over the steps (VmHWM), gradients included",
+                rows=_with_ratios(rows))
+
+
+def _ratio(value) -> str:
+    return "–" if value is None else f"{value:.2f}×"
+
+
+def render_table(report: dict, source: str) -> str:
+    """The README's text between the markers: what the table shows, where
+    and how it was measured, then one row per variant."""
+    shape, machine = report["shape"], report["machine"]
+    load = "/".join(f"{a:.1f}" for a in (report["load_average_before"][0], report["load_average_after"][0]))
+    lines = [
+        f"CPU, one forward + backward of the head and its loss, {shape['tokens']} tokens × hidden "
+        f"{shape['hidden']} × {shape['classes']} classes, gradients included: process CPU time of the fastest of "
+        f"{report['steps']} steps and the peak resident-set growth over them, one fresh process per row, each after "
+        f"a warm-up on small tensors. {machine['cpu']} ({machine['cpu_count']} cores, shared; load {load} "
+        f"before/after), {report['threads']} thread{'s' if report['threads'] != 1 else ''}, torch {report['torch']}, "
+        f"{report['date']}; from `{source}`, made by `{report['command']}`.",
+        "",
+        "| dtype | implementation | CPU s | × effilayers | × torch chunked | peak growth MiB | × torch chunked "
+        "| × fp32 logits |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in report["rows"]:
+        label = TABLE_LABELS[row["variant"]]
+        if "absent" in row:
+            lines.append(f"| {row['dtype']} | {label} | absent: {row['absent']} | | | | | |")
+            continue
+        lines.append(f"| {row['dtype']} | {label} | {row['cpu_s']:.2f} | {_ratio(row['time_ratio_vs_effilayers'])} | "
+                     f"{_ratio(row['time_ratio_vs_torch_chunked'])} | {row['growth'] / 2**20:.1f} | "
+                     f"{_ratio(row['peak_ratio_vs_torch_chunked'])} | {row['peak_ratio_vs_fp32_logits']:.3f} |")
+    return "\n".join(lines)
+
+
+def readme_section(readme: str) -> str:
+    """The text between the table's markers (exactly one pair)."""
+    assert readme.count(TABLE_START) == 1 and readme.count(TABLE_END) == 1, "the README needs one pair of markers"
+    return readme.split(TABLE_START)[1].split(TABLE_END)[0]
+
+
+def write_readme(path, table: str) -> None:
+    from pathlib import Path
+
+    readme = Path(path).read_text()
+    old = readme_section(readme)
+    Path(path).write_text(readme.replace(TABLE_START + old + TABLE_END, f"{TABLE_START}\n{table}\n{TABLE_END}"))
+
+
+def main(argv=None) -> None:
+    import argparse
+    import datetime
+    import sys
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(description="The README's CPU table: time and peak of a "
+                                     "linear_cross_entropy step beside torch's, one fresh process per row.")
+    parser.add_argument("--table-from", metavar="JSON", help="regenerate the table from this results file, "
+                        "measuring nothing")
+    parser.add_argument("--json", metavar="PATH", help="where to write the results (default: "
+                        "benchmarks/results/linear_cross_entropy-cpu-table-<date>.json)")
+    parser.add_argument("--readme", metavar="PATH", help="also write the table between its markers in this file")
+    # bf16 steps at the table's shape take minutes each on one thread of a CPU without a fast bf16 GEMM
+    parser.add_argument("--dtypes", nargs="+", choices=TABLE_DTYPES, default=list(TABLE_DTYPES),
+                        help="the dtypes to measure (default: all)")
+    args = parser.parse_args(argv)
+    root = Path(__file__).resolve().parents[1]
+    if args.table_from:
+        source = Path(args.table_from)
+        report = json.loads(source.read_text())
+    else:
+        command = " ".join(["python -m benchmarks.bench_linear_cross_entropy", *(argv if argv is not None
+                                                                                    else sys.argv[1:])])
+        report = measure_table(command=command, dtypes=args.dtypes)
+        source = Path(args.json or root / "benchmarks" / "results" /
+                      f"linear_cross_entropy-cpu-table-{datetime.date.today().isoformat()}.json")
+        source.write_text(json.dumps(report, indent=1) + "\n")
+    shown = source.resolve().relative_to(root) if source.resolve().is_relative_to(root) else source
+    table = render_table(report, str(shown))
+    print(table)
+    if args.readme:
+        write_readme(args.readme, table)
 
 
 if __name__ == "__main__":

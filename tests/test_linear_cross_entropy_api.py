@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -317,6 +318,31 @@ def test_peak_memory_of_a_step_in_a_fresh_process(reduction):
     measured = json.loads(result.stdout.strip().splitlines()[-1])
     assert measured["known"] >= 60 << 20, measured
     assert measured["growth"] <= 0.2 * measured["logits"], measured
+
+
+def test_readme_cpu_table_is_generated_from_the_committed_results():
+    # Measures nothing: the README's CPU table is what
+    # `python -m benchmarks.bench_linear_cross_entropy --table-from <json>` makes of the results file it names,
+    # taken at issue 32's shape with one thread, and effilayers' rows keep issue 32's time target.
+    from benchmarks import bench_linear_cross_entropy as bench
+
+    section = bench.readme_section((ROOT / "README.md").read_text())
+    named = re.search(r"from `(benchmarks/results/linear_cross_entropy-cpu-table-[0-9-]+\.json)`", section)
+    assert named, "the README's CPU table names no results file"
+    report = json.loads((ROOT / named.group(1)).read_text())
+    assert section.strip() == bench.render_table(report, named.group(1)).strip()
+
+    tokens, hidden, classes = bench.TABLE_SHAPE
+    assert report["shape"] == dict(tokens=tokens, hidden=hidden, classes=classes) and report["threads"] == 1
+    assert "float32" in report["dtypes"]
+    rows = {(row["dtype"], row["variant"]): row for row in report["rows"]}
+    assert set(rows) == {(dtype, variant) for dtype in report["dtypes"] for variant in bench.TABLE_LABELS}
+    for dtype in report["dtypes"]:
+        ours, torch_chunked = rows[dtype, "effilayers"], rows[dtype, bench.BASELINE]
+        # at most 0.7x the time of torch's chunked F.linear_cross_entropy
+        assert ours["cpu_s"] <= 0.7 * torch_chunked["cpu_s"], (dtype, ours["cpu_s"], torch_chunked["cpu_s"])
+    # Issue 32's other target, a peak growth of at most 0.1x the fp32 logits, is not held here: the gradients
+    # alone are 0.07x at this shape and one 16 MiB chunk of logits 0.03x more (measured: 0.109x in float32).
 
 
 def test_readme_example_runs_and_matches_torch():
