@@ -248,9 +248,9 @@ def test_bf16_weight_grad_accumulates_in_float32_over_many_chunks():
 
 
 def test_default_chunk_bounds_the_logits_bytes():
-    # 4096 tokens x 32000 classes in float32: 16 MiB of logits -> 131 tokens.
-    assert chunk_tokens(4096, 32000, 4, 4096 * 128 * 4, None) == CHUNK_LOGITS_BYTES // (32000 * 4) == 131
-    # An input larger than 16 MiB sets the budget: 16384 x 4096 bf16 (128 MiB) at 128256 classes.
+    # 4096 tokens x 32000 classes in float32: 8 MiB of logits -> 65 tokens.
+    assert chunk_tokens(4096, 32000, 4, 4096 * 128 * 4, None) == CHUNK_LOGITS_BYTES // (32000 * 4) == 65
+    # An input larger than 8 MiB sets the budget: 16384 x 4096 bf16 (128 MiB) at 128256 classes.
     assert chunk_tokens(16384, 128256, 2, 16384 * 4096 * 2, None) == (16384 * 4096 * 2) // (128256 * 2)
     # At least one token, at most all; an explicit chunk_size wins.
     assert chunk_tokens(3, 262144 * 64, 4, 12, None) == 1

@@ -259,3 +259,22 @@ def test_filter_eps_is_refused_where_the_chunked_path_runs(fused_device):
     probabilities = torch.softmax(make_positive((4, 5), fused_device), -1)
     with pytest.raises(ValueError, match="applies to the fused Triton path"):
         linear_cross_entropy(x, w, probabilities, b, filter_eps=0.01)
+
+
+def test_strided_operands(fused_device):
+    # A bias every other element of a larger tensor, a transposed weight's
+    # transpose, rows of the input a gap apart (views of leaves, so the op
+    # sees the strides): the kernels are given unit strides.
+    x, w, b, target = make_problem((21,), 12, 40, torch.float64, fused_device, ignore_every=4)
+    big_b = torch.zeros(80, dtype=torch.float64, device=fused_device)
+    big_b[::2] = b
+    big_x = torch.zeros(21, 20, dtype=torch.float64, device=fused_device)
+    big_x[:, :12] = x
+    w_t = w.t().contiguous()
+    leaves = [t.requires_grad_() for t in (big_x, w_t, big_b)]
+    strided_x, strided_w, strided_b = big_x[:, :12], w_t.t(), big_b[::2]
+    assert strided_b.stride() == (2,) and strided_w.stride() == (1, 40) and strided_x.stride() == (20, 1)
+    loss = linear_cross_entropy(strided_x, strided_w, target, strided_b)
+    grads = torch.autograd.grad(loss, leaves)
+    actual = (loss.detach(), [grads[0][:, :12], grads[1].t(), grads[2][::2]])
+    assert_same(actual, unfused(x, w, b, target), torch.float64)

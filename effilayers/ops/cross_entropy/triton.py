@@ -457,9 +457,9 @@ def kernel_specialisations():
 
 
 # linear_cross_entropy's vocabulary chunks on a GPU: 32 tokens by the classes
-# whose bf16 logits fill its 16 MiB budget (rows, classes); any chunk of 4096
+# whose bf16 logits fill its 8 MiB budget (rows, classes); any chunk of 4096
 # classes or more takes the same block.
-CHUNK_SHAPE = (32, 262144)
+CHUNK_SHAPE = (32, 131072)
 
 
 def _chunk_specialisations():

@@ -43,7 +43,7 @@ The fused path: no logits in memory at all
     the chunked path refuses it.
 
 Chunk sizes, from the shapes (``op.chunk_shape``)
-    A chunk of logits may take ``max(CHUNK_LOGITS_BYTES = 16 MiB, the
+    A chunk of logits may take ``max(CHUNK_LOGITS_BYTES = 8 MiB, the
     input's bytes)``. By default a chunk is the most tokens whose whole
     vocabulary rows fit that (counting, for fp16/bf16 on CPU, the float32
     copy the weight gradient's GEMM reads); ``chunk_size`` sets the tokens

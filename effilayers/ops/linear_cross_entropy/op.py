@@ -29,8 +29,11 @@ from .vocab_parallel import is_sharded, runs_vocab_parallel, vocab_parallel_line
 # A chunk of logits takes at most this many bytes, or the input's own size
 # when that is larger: a large input (many tokens, a wide hidden size) gets
 # taller chunks and fewer trips through the loop, while a chunk stays no
-# larger than a tensor the caller already holds.
-CHUNK_LOGITS_BYTES = 16 << 20
+# larger than a tensor the caller already holds. 8 MiB, not 16: at issue
+# 32's CPU shape (4096 tokens x hidden 256 x 32768 classes, float32) the
+# gradients alone are 0.07x the logits, and a 16 MiB chunk left the peak
+# above the 0.1x target (benchmarks/results/linear_cross_entropy-cpu-table-*).
+CHUNK_LOGITS_BYTES = 8 << 20
 
 
 def chunk_tokens(tokens: int, classes: int, itemsize: int, input_bytes: int, chunk_size: Optional[int]) -> int:
@@ -140,8 +143,10 @@ def _chunks(input, weight, target, bias, class_weight, ignore_index, label_smoot
     if fused is not None:
         fused = (fused[0], functools.partial(fused[1], filter_eps=filter_eps))
         # No logits in memory at all: every token and class at once.
+        # The kernels read rows of x and W, and b, with unit stride.
         rows = vocab_chunked_rows(
-            input.to(compute_dtype).contiguous(), w.contiguous(), b, target, kernel_weight, ignore_index,
+            input.to(compute_dtype).contiguous(), w.contiguous(), None if b is None else b.contiguous(), target,
+            kernel_weight, ignore_index,
             label_smoothing, grad_scale, row_scale, needs, classes, acc, grad_input, grad_weight, grad_bias, fused)
         return (rows if keep_rows else None), grad_input, grad_weight, grad_bias
     if vocab_step < classes:
@@ -409,7 +414,7 @@ def linear_cross_entropy(
     ``weight``); ``token_weight``: ``input.shape[:-1]``, one weight per token.
 
     ``chunk_size`` (tokens per chunk): by default the most tokens whose logits
-    take at most ``max(16 MiB, the input's bytes)`` in the compute dtype
+    take at most ``max(8 MiB, the input's bytes)`` in the compute dtype
     (counting, for fp16/bf16 on CPU, the float32 copy the weight gradient's
     GEMM reads). Where that is fewer than 32 tokens (and fewer than all), or
     a given ``chunk_size``'s rows overflow that budget, the vocabulary is

@@ -163,16 +163,15 @@ def _grad_kernel(
         g -= tl.load(class_term_ptr + cols, mask=col_mask, other=0.0).to(ACC)[None, :]
     g = tl.where(cols[None, :] == target[:, None], g - target_coef[:, None], g)
     live = valid[:, None] & col_mask[None, :]
+    # A tile of ignored tokens only (padding, prompts) adds nothing: skip its products and atomics.
+    keep = tl.sum(valid.to(tl.int32), axis=0) > 0
     if FILTER:
-        # filter_eps (opt-in): a tile whose every gradient, before the
-        # reduction's scale, is under it adds nothing (an out-of-range
-        # target's NaN, which comes with the scale, is lost with it).
+        # filter_eps (opt-in): so does a tile whose every gradient, before
+        # the reduction's scale, is under it (a NaN gradient is kept; an
+        # out-of-range target's NaN, which comes with the scale, is not).
         largest = tl.max(tl.max(tl.where(live, tl.abs(g), 0.0), axis=1), axis=0)
-        if largest >= filter_eps:
-            _add_tile_gradient(x_ptr, w_ptr, g, live, scale, rows, cols, row_mask, col_mask, hidden, x_stride,
-                               w_stride, grad_x_ptr, grad_w_ptr, grad_b_ptr, GRAD_X, GRAD_W, GRAD_B, PRECISION,
-                               WIDEN, ACC, BLOCK_K)
-    else:
+        keep = keep & ((largest >= filter_eps) | (largest != largest))
+    if keep:
         _add_tile_gradient(x_ptr, w_ptr, g, live, scale, rows, cols, row_mask, col_mask, hidden, x_stride,
                            w_stride, grad_x_ptr, grad_w_ptr, grad_b_ptr, GRAD_X, GRAD_W, GRAD_B, PRECISION, WIDEN,
                            ACC, BLOCK_K)
@@ -185,7 +184,9 @@ def _add_tile_gradient(x_ptr, w_ptr, g, live, scale, rows, cols, row_mask, col_m
                        BLOCK_K: tl.constexpr):
     """Adds the tile's share of each gradient: ``g`` (the logits' gradient
     before the scale) scaled per row, rounded to the compute dtype, then
-    ``g W`` into grad_x and ``g^T x`` into grad_w over the hidden size."""
+    ``g W`` into grad_x and ``g^T x`` into grad_w over the hidden size.
+    The adds are relaxed: nothing in the kernel reads the sums, so they need
+    no ordering (``red`` instructions, not ``atom`` waiting on its result)."""
     DTYPE = x_ptr.dtype.element_ty
     # A select: an ignored row gives 0 even where its scale is NaN or its exp overflowed.
     g = tl.where(live, g * scale[:, None], 0.0)
@@ -193,7 +194,7 @@ def _add_tile_gradient(x_ptr, w_ptr, g, live, scale, rows, cols, row_mask, col_m
     # (and as the tensor cores read it).
     g_low = g.to(DTYPE)
     if GRAD_B:
-        tl.atomic_add(grad_b_ptr + cols, tl.sum(g_low.to(ACC), axis=0), mask=col_mask)
+        tl.atomic_add(grad_b_ptr + cols, tl.sum(g_low.to(ACC), axis=0), mask=col_mask, sem="relaxed")
     if WIDEN:
         g_low = g_low.to(tl.float32)
     ks = tl.arange(0, BLOCK_K)
@@ -207,7 +208,7 @@ def _add_tile_gradient(x_ptr, w_ptr, g, live, scale, rows, cols, row_mask, col_m
                 w_tile = w_tile.to(tl.float32)
             part = tl.dot(g_low, w_tile, input_precision=PRECISION, out_dtype=ACC)
             tl.atomic_add(grad_x_ptr + rows.to(tl.int64)[:, None] * hidden + k[None, :], part,
-                          mask=row_mask[:, None] & k_mask[None, :])
+                          mask=row_mask[:, None] & k_mask[None, :], sem="relaxed")
         if GRAD_W:
             x_tile = tl.load(x_ptr + rows.to(tl.int64)[:, None] * x_stride + k[None, :],
                              mask=row_mask[:, None] & k_mask[None, :], other=0.0)
@@ -215,7 +216,7 @@ def _add_tile_gradient(x_ptr, w_ptr, g, live, scale, rows, cols, row_mask, col_m
                 x_tile = x_tile.to(tl.float32)
             part = tl.dot(tl.trans(g_low), x_tile, input_precision=PRECISION, out_dtype=ACC)
             tl.atomic_add(grad_w_ptr + cols.to(tl.int64)[:, None] * hidden + k[None, :], part,
-                          mask=col_mask[:, None] & k_mask[None, :])
+                          mask=col_mask[:, None] & k_mask[None, :], sem="relaxed")
 
 
 def _precision(dtype: torch.dtype) -> str:
