@@ -46,12 +46,12 @@ def vocab_device(request):
 
 def test_default_shapes_split_only_wide_vocabularies():
     fp32 = _vocab_bytes(torch.float32)  # the logits alone
-    # 4096 tokens x 32K classes in float32: 128-token chunks of whole rows.
-    assert op.chunk_shape(4096, 32768, 4, fp32, 4096 * 128 * 4, None) == (128, 32768)
-    # 262144 classes: 16 tokens would fit; 32 tokens by half the vocabulary instead.
-    assert op.chunk_shape(4096, 262144, 4, fp32, 4096 * 128 * 4, None) == (32, 131072)
+    # 4096 tokens x 32K classes in float32: 64-token chunks of whole rows (8 MiB).
+    assert op.chunk_shape(4096, 32768, 4, fp32, 4096 * 128 * 4, None) == (64, 32768)
+    # 262144 classes: 8 tokens would fit; 32 tokens by a quarter of the vocabulary instead.
+    assert op.chunk_shape(4096, 262144, 4, fp32, 4096 * 128 * 4, None) == (32, 65536)
     # Few tokens: whole rows while they fit.
-    assert op.chunk_shape(5, 262144, 8, 8, 5 * 4 * 8, None) == (5, 262144)
+    assert op.chunk_shape(3, 262144, 8, 8, 3 * 4 * 8, None) == (3, 262144)
     # An explicit chunk_size keeps its tokens; the vocabulary is split when they overflow.
     assert op.chunk_shape(4096, 262144, 4, fp32, 0, 64) == (64, op.CHUNK_LOGITS_BYTES // (64 * fp32))
     assert op.chunk_shape(4096, 1000, 4, fp32, 0, 64) == (64, 1000)
