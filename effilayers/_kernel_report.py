@@ -61,7 +61,7 @@ REGISTER_CAP = 255  # per thread on sm_80 and sm_90: one more live value and ptx
 
 class Access(NamedTuple):
     opcode: str  # "ld.global.v4.b32", ...
-    op: str  # "ld" or "st"
+    op: str  # "ld", "st" or "red" (an atomic add or reduction)
     bits: int
     per_thread: bool  # the address depends on the thread index
     params: frozenset  # kernel parameters the address derives from
@@ -148,10 +148,11 @@ def global_accesses(body: str) -> list[Access]:
         if opcode.startswith("cp.async") and ".global" in opcode and not opcode.startswith("cp.async.bulk"):
             address, size = operands[1], operands[2]
             accesses.append(Access(opcode, "ld", 8 * int(size, 0), *_address_facts(sources([address]))))
-        elif opcode.startswith(("ld.global", "st.global")):
+        elif opcode.startswith(("ld.global", "st.global", "red.global", "atom.global")):
             address = next(operand for operand in operands if operand.startswith("["))
             bits = int(_WIDTH.search(opcode).group(1)) * int((_VECTOR.search(opcode) or [None, 1])[1])
-            accesses.append(Access(opcode, opcode[:2], bits, *_address_facts(sources([address]))))
+            op = opcode[:2] if opcode[:2] in ("ld", "st") else "red"
+            accesses.append(Access(opcode, op, bits, *_address_facts(sources([address]))))
     return accesses
 
 
@@ -164,7 +165,9 @@ def _widths(accesses: list[Access], op: str) -> dict[int, int]:
 
 
 def _narrow(accesses: list[Access], exempt: set) -> list[Access]:
-    return [a for a in accesses if a.per_thread and a.bits < WIDE and not (a.params & exempt)]
+    # Loads and stores: an atomic reduction's width is the hardware's (a v4 f32 red at most), not the layout's.
+    return [a for a in accesses if a.op in ("ld", "st") and a.per_thread and a.bits < WIDE
+            and not (a.params & exempt)]
 
 
 # -- Triton ---------------------------------------------------------------------------------
@@ -254,6 +257,7 @@ def spec_row(family: str, spec: KernelSpec, capability: int) -> dict[str, Any]:
     accesses = global_accesses(compiled["ptx"])
     parameters = compiled["parameters"]
     row["loads"], row["stores"] = _widths(accesses, "ld"), _widths(accesses, "st")
+    row["reductions"] = _widths(accesses, "red")  # atomic adds into global memory
     narrow = [] if "*" in spec.narrow else \
         _narrow(accesses, {parameters.index(name) for name in spec.narrow if name in parameters})
     # named by the pointer arguments their addresses derive from

@@ -72,7 +72,8 @@ def test_representative_triton_rows_compile_without_spills(representative):
     for row in rows:
         assert "error" not in row, row
         assert row["registers"] > 0 and row["problems"] == [], row
-        assert row["loads"] and row["stores"], row  # the PTX was read
+        # the PTX was read (a kernel may write only through atomic adds)
+        assert row["loads"] and (row["stores"] or row["reductions"]), row
 
 
 def test_width_check_fails_on_a_narrow_toy_kernel(representative):
