@@ -26,6 +26,11 @@ def make_problem(batch_shape, hidden, classes, dtype, device="cpu", seed=0, bias
     return cast(x), cast(w), cast(b), target.to(device)
 
 
+def grad_output_for(loss_shape, reduction, device, dtype=torch.float64):
+    """A varied, mixed-sign grad_output for reduction="none" (None for the reduced losses)."""
+    return make_positive(loss_shape, device, seed=9, dtype=dtype) - 0.6 if reduction == "none" else None
+
+
 def make_positive(shape, device="cpu", seed=5, dtype=torch.float64):
     generator = torch.Generator().manual_seed(seed)
     return (torch.rand(shape, generator=generator, dtype=torch.float64) + 0.25).to(dtype=dtype, device=device)

@@ -17,13 +17,9 @@ from effilayers.functional import linear_cross_entropy
 from effilayers.ops.linear_cross_entropy import CHUNK_LOGITS_BYTES, chunk_tokens
 
 from .accuracy import assert_close
-from .linear_cross_entropy_cases import assert_same, fused, make_positive, make_problem, unfused
+from .linear_cross_entropy_cases import assert_same, fused, grad_output_for, make_positive, make_problem, unfused
 
 REDUCTIONS = ["mean", "sum", "none"]
-
-
-def _grad_output(loss_shape, reduction, device, dtype=torch.float64):
-    return make_positive(loss_shape, device, seed=9, dtype=dtype) - 0.6 if reduction == "none" else None
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
@@ -33,7 +29,7 @@ def test_matches_torch_float64(ce_device, ce_small_triton_block, reduction, labe
     # Leading batch dims (3, 7): 21 tokens in chunks of 4 (the last one short), 13 classes.
     x, w, b, target = make_problem((3, 7), 6, 13, torch.float64, ce_device, ignore_every=4)
     class_weight = make_positive(13, ce_device) if class_weighted else None
-    grad_output = _grad_output((3, 7), reduction, ce_device)
+    grad_output = grad_output_for((3, 7), reduction, ce_device)
     options = dict(ignore_index=-100, label_smoothing=label_smoothing, reduction=reduction)
     expected = unfused(x, w, b, target, grad_output, class_weight=class_weight, **options)
     actual = fused(x, w, b, target, grad_output, class_weight=class_weight, chunk_size=4, **options)
@@ -44,7 +40,7 @@ def test_matches_torch_float64(ce_device, ce_small_triton_block, reduction, labe
 def test_without_bias_and_custom_ignore_index(ce_device, reduction):
     x, w, _, target = make_problem((11,), 5, 9, torch.float64, ce_device, bias=False, ignore_every=3,
                                    ignore_index=2)
-    grad_output = _grad_output((11,), reduction, ce_device)
+    grad_output = grad_output_for((11,), reduction, ce_device)
     expected = unfused(x, w, None, target, grad_output, ignore_index=2, reduction=reduction)
     actual = fused(x, w, None, target, grad_output, ignore_index=2, reduction=reduction, chunk_size=3)
     assert_same(actual, expected, torch.float64)
@@ -57,7 +53,7 @@ def test_probability_targets_float64(reduction, label_smoothing, class_weighted)
     x, w, b, _ = make_problem((2, 5), 6, 11, torch.float64)
     target = torch.softmax(make_positive((2, 5, 11), seed=3) * 4, dim=-1)
     class_weight = make_positive(11) if class_weighted else None
-    grad_output = _grad_output((2, 5), reduction, "cpu")
+    grad_output = grad_output_for((2, 5), reduction, "cpu")
     options = dict(label_smoothing=label_smoothing, reduction=reduction)
     expected = unfused(x, w, b, target, grad_output, class_weight=class_weight, **options)
     actual = fused(x, w, b, target, grad_output, class_weight=class_weight, chunk_size=3, **options)
@@ -91,7 +87,7 @@ def test_token_weight_matches_explicit_formula(ce_device, ce_small_triton_block,
     x, w, b, target = make_problem((4, 5), 7, 12, torch.float64, ce_device, ignore_every=3)
     class_weight = make_positive(12, ce_device, seed=6)
     token_weight = make_positive((4, 5), ce_device, seed=7)
-    grad_output = _grad_output((4, 5), reduction, ce_device)
+    grad_output = grad_output_for((4, 5), reduction, ce_device)
     xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
     expected = _explicit_formula(xs, ws, bs, target, class_weight, token_weight, -100, 0.1, reduction)
     expected_grads = torch.autograd.grad(expected, (xs, ws, bs),
@@ -134,7 +130,7 @@ def test_vocabulary_sizes(ce_cpu_device, classes):
     x, w, b, target = make_problem((5,), 4, classes, torch.float64, ce_cpu_device, seed=classes,
                                    ignore_every=4)
     for reduction in ("mean", "none"):
-        grad_output = _grad_output((5,), reduction, ce_cpu_device)
+        grad_output = grad_output_for((5,), reduction, ce_cpu_device)
         options = dict(label_smoothing=0.1, reduction=reduction)
         expected = unfused(x, w, b, target, grad_output, **options)
         assert_same(fused(x, w, b, target, grad_output, chunk_size=2, **options), expected, torch.float64)
@@ -202,7 +198,7 @@ def test_low_precision_within_stated_bound(ce_device, dtype, reduction):
             "cross_entropy", "cpu").backend == "triton":
         pytest.skip("the Triton interpreter has no bfloat16 arithmetic (covered by triton-cuda)")
     x, w, b, target = make_problem((37,), 24, 300, dtype, ce_device, ignore_every=5)
-    grad_output = _grad_output((37,), reduction, ce_device, dtype)
+    grad_output = grad_output_for((37,), reduction, ce_device, dtype)
     options = dict(label_smoothing=0.05, reduction=reduction)
     probs = torch.softmax(make_positive((37, 300), ce_device, seed=2) * 6, dim=-1).to(dtype)
     for t in (target, probs):  # class indices, then probabilities (their own kernels)

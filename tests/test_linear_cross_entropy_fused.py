@@ -21,7 +21,7 @@ from effilayers.functional import linear_cross_entropy
 from effilayers.ops.linear_cross_entropy import triton as kernels
 
 from .conftest import backend_params, forced_backend
-from .linear_cross_entropy_cases import assert_same, fused, make_positive, make_problem, unfused
+from .linear_cross_entropy_cases import assert_same, fused, grad_output_for, make_positive, make_problem, unfused
 
 REDUCTIONS = ["mean", "sum", "none"]
 SMALL_TILE = (16, 16, 16, 4)  # tl.dot's smallest operand: many tiles at test sizes
@@ -58,10 +58,6 @@ def kernel_calls(fused_device, monkeypatch):
     return calls
 
 
-def _grad_output(shape, reduction, device, dtype=torch.float64):
-    return make_positive(shape, device, seed=9, dtype=dtype) - 0.6 if reduction == "none" else None
-
-
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.15])
 @pytest.mark.parametrize("class_weighted", [False, True], ids=["unweighted", "class_weighted"])
@@ -69,7 +65,7 @@ def test_matches_torch_float64(fused_device, kernel_calls, reduction, label_smoo
     # 37 tokens (3 tiles, the last short), 45 classes (3 class tiles over 3 splits), hidden 20 (2 K steps).
     x, w, b, target = make_problem((37,), 20, 45, torch.float64, fused_device, ignore_every=4)
     class_weight = make_positive(45, fused_device) if class_weighted else None
-    grad_output = _grad_output((37,), reduction, fused_device)
+    grad_output = grad_output_for((37,), reduction, fused_device)
     options = dict(label_smoothing=label_smoothing, reduction=reduction)
     expected = unfused(x, w, b, target, grad_output, class_weight=class_weight, **options)
     actual = fused(x, w, b, target, grad_output, class_weight=class_weight, **options)
@@ -132,7 +128,7 @@ def test_gradcheck(fused_device, reduction):
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_low_precision_within_stated_bound(fused_device, kernel_calls, dtype, reduction):
     x, w, b, target = make_problem((37,), 24, 300, dtype, fused_device, ignore_every=5)
-    grad_output = _grad_output((37,), reduction, fused_device, dtype)
+    grad_output = grad_output_for((37,), reduction, fused_device, dtype)
     options = dict(label_smoothing=0.05, reduction=reduction)
     loss, grads = actual = fused(x, w, b, target, grad_output, **options)
     assert loss.dtype == dtype and all(g.dtype == dtype for g in grads)
