@@ -124,7 +124,7 @@ def test_results_and_in_place_updates_come_back():
 def test_package_kernels_are_found():
     kernels = guard_bands.package_kernels()
     families = {name.split(".")[2] for name in kernels}
-    assert families == {"adam", "cross_entropy", "densenet", "reductions", "softmax"}
+    assert families == {"adam", "cross_entropy", "densenet", "linear_cross_entropy", "reductions", "softmax"}
     assert "effilayers.ops.adam.triton._adam_8bit_kernel" in kernels
     assert "effilayers.ops.softmax.triton._tile_backward" in kernels
     assert not any(name.endswith(("_locate", "_tile_indices", "_activated")) for name in kernels)  # helpers

@@ -10,15 +10,12 @@ targets, deterministic algorithms)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from effilayers._core import registry
 from effilayers.functional import linear_cross_entropy
-from effilayers.ops.linear_cross_entropy import triton as kernels
+from effilayers.ops.linear_cross_entropy import op as lce_op, triton as kernels
 
 from .conftest import backend_params, forced_backend
 from .linear_cross_entropy_cases import assert_same, fused, grad_output_for, make_positive, make_problem, unfused
@@ -42,19 +39,27 @@ def fused_device(request, monkeypatch):
 
 
 @pytest.fixture
-def kernel_calls(fused_device, monkeypatch):
-    """How many times each fused pass ran: the registry's chosen kernels,
-    counted."""
+def kernel_calls(monkeypatch):
+    """How many times each fused pass ran: the kernels the op finds, counted.
+    (Wrapping what the op looks up, not the registry's cached choices, which
+    outlive the test's forced backend.)"""
     calls = {"stats": 0, "grads": 0}
-    for name, key in (("linear_cross_entropy_stats", "stats"), ("linear_cross_entropy_grads", "grads")):
-        chosen = registry.choice(name, fused_device.type)
+    find = lce_op._fused_kernels
 
-        def counted(*args, _kernel=chosen.kernel, _key=key, **kwargs):
-            calls[_key] += 1
-            return _kernel(*args, **kwargs)
+    def counted(device):
+        found = find(device)
+        if found is None:
+            return None
 
-        monkeypatch.setitem(registry._state.choices, (name, fused_device.type),
-                            dataclasses.replace(chosen, kernel=counted))
+        def count(key, kernel):
+            def run(*args, **kwargs):
+                calls[key] += 1
+                return kernel(*args, **kwargs)
+            return run
+
+        return count("stats", found[0]), count("grads", found[1])
+
+    monkeypatch.setattr(lce_op, "_fused_kernels", counted)
     return calls
 
 
