@@ -5,10 +5,36 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from effilayers.functional import linear_cross_entropy
 
 from .accuracy import assert_close
+
+
+class LargestTemporary(TorchDispatchMode):
+    """The bytes of the largest tensor any op allocates while active, leaving
+    out tensors of the ``left_out`` shapes (e.g. weight-shaped gradient
+    accumulators, which grow with the vocabulary whatever the chunks), and
+    everything while ``paused`` is set (under the interpreter, the tests'
+    guard bands copy a Triton launch's arguments with torch ops)."""
+
+    def __init__(self, left_out=()):
+        super().__init__()
+        self.left_out, self.largest, self.paused = set(left_out), 0, False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.paused:
+            return out
+        # A view (a slice of the caller's targets) or an out= result allocates nothing.
+        inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(a, torch.Tensor)}
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if (isinstance(t, torch.Tensor) and tuple(t.shape) not in self.left_out
+                    and t.untyped_storage().data_ptr() not in inputs):
+                self.largest = max(self.largest, t.numel() * t.element_size())
+        return out
 
 
 def make_problem(batch_shape, hidden, classes, dtype, device="cpu", seed=0, bias=True, ignore_every=0,

@@ -10,7 +10,6 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import effilayers
 from effilayers.functional import linear_cross_entropy
@@ -18,7 +17,7 @@ from effilayers.ops.linear_cross_entropy import op
 from effilayers.ops.linear_cross_entropy.reference import linear_cross_entropy_reference
 
 from .conftest import backend_params, forced_backend, poison_cpp_allocations
-from .linear_cross_entropy_cases import assert_same, fused, make_positive, make_problem, unfused
+from .linear_cross_entropy_cases import LargestTemporary, assert_same, fused, make_positive, make_problem, unfused
 
 f64 = torch.float64
 
@@ -263,27 +262,6 @@ def test_all_ignored_mean_is_nan_with_vocabulary_chunks(monkeypatch):
     assert_same(fused(x, w, b, target), unfused(x, w, b, target), torch.float64)
 
 
-class _LargestTemporary(TorchDispatchMode):
-    """The bytes of the largest tensor any op allocates, leaving out the
-    weight-shaped gradient accumulators (which grow with the vocabulary
-    whatever the chunks)."""
-
-    def __init__(self, weight_shapes):
-        super().__init__()
-        self.weight_shapes, self.largest = weight_shapes, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        # A view (a slice of the caller's targets) or an out= result allocates nothing.
-        inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
-                  if isinstance(a, torch.Tensor)}
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if (isinstance(t, torch.Tensor) and tuple(t.shape) not in self.weight_shapes
-                    and t.untyped_storage().data_ptr() not in inputs):
-                self.largest = max(self.largest, t.numel() * t.element_size())
-        return out
-
-
 def test_temporaries_do_not_grow_with_the_vocabulary(monkeypatch):
     # 32 tokens, float32, a 64 KiB budget: the tokens by 512 classes at a
     # time (the logits are all a chunk holds); the largest temporary is the
@@ -302,7 +280,7 @@ def test_temporaries_do_not_grow_with_the_vocabulary(monkeypatch):
                     target = target.t().contiguous().t()
             assert op.chunk_shape(32, classes, 4, _vocab_bytes(torch.float32), x.numel() * 4, None) == (32, 512)
             scale = torch.ones(1)
-            meter = _LargestTemporary({(classes, 8), (classes,)})
+            meter = LargestTemporary({(classes, 8), (classes,)})
             with meter:
                 op._chunks(x, w, target, b, None, -100, 0.1, None, torch.float32, scale, None, (True, True, True),
                            keep_rows=True)
