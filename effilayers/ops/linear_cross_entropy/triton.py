@@ -32,8 +32,6 @@ round trips through memory.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -295,10 +293,6 @@ def class_index_grads(x, w, b, target, class_term, row_terms, ignore_index: int,
         tokens, classes, hidden, x.stride(0), w.stride(0), row_terms.stride(0), ignore_index, filter_eps,
         FILTER=filter_eps > 0, HAS_CLASS_TERM=class_term is not None, GRAD_X=grad_input is not None,
         GRAD_W=grad_weight is not None, GRAD_B=grad_bias is not None, **options)
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # -- what the launchers compile, for `python -m effilayers.info --kernels` ----------------
