@@ -64,7 +64,8 @@ def build(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, st
     report = effilayers.convert(model)
     model.to(device)
     if args.mode == "ddp":
-        wrapped = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        device_ids = [device.index] if device.type == "cuda" else None
+        wrapped = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     else:
         from torch.distributed.fsdp import fully_shard
 
