@@ -171,3 +171,21 @@ def test_kernels_see_the_layout_their_case_built(without_cuda, monkeypatch):
     rows = _selftest.selftest(["cross_entropy_soft_chunk_stats_"])
     assert any(row.backend == "cpp" and row.status == "pass" for row in rows)
     assert seen and all(stride == (13, 1) for stride in seen), seen
+
+
+def test_cases_and_tiers_are_found_in_each_familys_folder(monkeypatch):
+    """No central list: every family's ``ops/<family>/selftest.py`` is
+    found, and one family declaring another's op or tier again is an error."""
+    import types
+
+    from effilayers._core import families
+
+    modules = families.family_modules("selftest")
+    assert [m.__name__.split(".")[2] for m in modules] == families.family_names()
+    assert set(_selftest.CASES) == {op for m in modules for op in m.CASES}
+    assert set(_selftest.TIERS) == {"default"} | {tier for m in modules for tier in getattr(m, "TIERS", {})}
+
+    again = types.SimpleNamespace(__name__="effilayers.ops.copy.selftest", CASES={"reduce": _selftest.CASES["reduce"]})
+    monkeypatch.setattr(_selftest, "family_modules", lambda role: [*modules, again])
+    with pytest.raises(RuntimeError, match=r"effilayers.ops.copy.selftest.CASES declares \['reduce'\] again"):
+        _selftest._family_declarations()
