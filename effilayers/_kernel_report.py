@@ -48,11 +48,13 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple, Optional
 
+from ._core.families import OPS, family_names
 from ._core.kernel_spec import KernelSpec, specialise
 
 TARGETS = (90, 80)
-# the modules whose kernel_specialisations() cover the package's Triton kernels
-TRITON_FAMILIES = ("softmax", "cross_entropy", "linear_cross_entropy", "reductions", "adam", "densenet")
+# The families with Triton kernels, found on disk: each one's triton.py
+# declares kernel_specialisations(), which must cover its launched kernels.
+TRITON_FAMILIES = tuple(family for family in family_names() if (OPS / family / "triton.py").is_file())
 WIDE = 128
 REGISTER_CAP = 255  # per thread on sm_80 and sm_90: one more live value and ptxas spills
 
