@@ -151,3 +151,91 @@ def test_compile_under_budget_sets_the_budget_only_while_the_model_runs():
     torch.testing.assert_close(model(x), expected)
     assert seen == [0.25] and 0.25 != before
     assert functorch_config.activation_memory_budget == before
+
+
+class TinyLanguageModel(nn.Module):
+    """Token ids -> next-token logits, its blocks in an nn.ModuleList looped
+    over in forward, as most transformers keep them."""
+
+    def __init__(self, vocabulary: int = 40, width: int = 16, layers: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocabulary, width)
+        self.blocks = nn.ModuleList(nn.TransformerEncoderLayer(width, 2, 4 * width, dropout=0.1, batch_first=True)
+                                    for _ in range(layers))
+        self.head = nn.Linear(width, vocabulary)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def tiny_language_model() -> nn.Module:
+    """Imported by the bench (--tokens)."""
+    return TinyLanguageModel()
+
+
+def test_a_language_model_gets_fit_and_every_block_checkpointed(tmp_path, monkeypatch):
+    """--tokens: token ids in, next-token cross-entropy; the blocks of a
+    ModuleList are what fit checkpoints and what the every-block row wraps."""
+    import functools
+
+    import torch._dynamo
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager_decomp_partition"))
+    report = run_bench(tmp_path, "--model", "tests.test_bench_budget:tiny_language_model", "--tokens", "12",
+                       "--steps", "1", "--budget", "0.6")
+    assert report["settings"]["tokens"] == 12
+    results = by_variant(report)
+    check_ratios_against_plain(results, "as given")
+    plain, fitted, every = results["as given"], results["fit(0.6)"], results[budget.EVERY_BLOCK]
+    assert fitted["activation_bytes"] <= 0.6 * plain["activation_bytes"]
+    assert every["activation_bytes"] < plain["activation_bytes"]
+    assert "blocks.0, blocks.1, blocks.2" in " ".join(every["notes"])
+    torch._dynamo.reset()
+
+
+def test_checkpoint_every_block_keeps_keys_outputs_and_gradients():
+    torch.manual_seed(0)
+    plain = TinyLanguageModel().double()
+    wrapped, blocks = budget.checkpoint_every_block(TinyLanguageModel().double())
+    wrapped.load_state_dict(plain.state_dict())
+    assert blocks == ["blocks.0", "blocks.1", "blocks.2"]
+    assert list(wrapped.state_dict()) == list(plain.state_dict())
+    ids = torch.randint(0, 40, (2, 7))
+    outputs = []
+    for model in (plain, wrapped):
+        torch.manual_seed(1)  # dropout on: the checkpoint replays the same masks in recomputation
+        loss = model(ids).square().mean()
+        loss.backward()
+        outputs.append((loss.detach(), [p.grad for p in model.parameters()]))
+    torch.testing.assert_close(outputs[0][0], outputs[1][0])
+    for a, b in zip(outputs[0][1], outputs[1][1]):
+        torch.testing.assert_close(a, b)
+    assert memory.activation_bytes(wrapped, ids) < memory.activation_bytes(plain, ids)
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--tokens", "8"), "--tokens needs --model module:callable"),
+    (("--tokens", "8", "--model", "resnet50"), "resnet50 take images"),
+    (("--tokens", "8", "--model", "m:f", "--size", "64"), "--size and --channels-last are for images"),
+    (("--tokens", "0", "--model", "tests.test_bench_budget:tiny_language_model"), "--tokens must be >= 1"),
+])
+def test_tokens_refuses_what_it_cannot_run(args, message, capsys):
+    assert bench.main([*args, "--device", "cpu"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_an_image_bench_of_a_language_model_says_to_give_tokens(capsys):
+    assert bench.main(["--model", "tests.test_bench_budget:tiny_language_model", "--device", "cpu", "--steps",
+                       "1"]) == 2
+    assert "needs --tokens T" in capsys.readouterr().err
+
+
+def test_a_hugging_face_language_model_runs_with_tokens(tmp_path):
+    pytest.importorskip("transformers")
+    report = run_bench(tmp_path, "--model", "benchmarks.transformer_models:gpt2_tiny", "--tokens", "8", "--steps",
+                       "1")
+    (result,) = report["results"]
+    assert result["variant"] == "as given" and result["activation_bytes"] > 0

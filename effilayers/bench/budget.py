@@ -17,6 +17,11 @@ fraction of the plain model's activation bytes or bytes (``2GiB``, issue 33).
   bytes than ``fit``'s (:func:`effilayers.fit.checkpoint_runs_to`), so its
   time is the price of the same bytes with torch's checkpoint alone; where
   no run gets there, its note says what it reached;
+* torch's ``torch.utils.checkpoint.checkpoint`` (``use_reentrant=False``)
+  around every block, what users write by hand: each unit ``fit`` can
+  checkpoint (the members of a ``ModuleList``/``ModuleDict``, the repeated
+  block classes: a transformer's layers) and each child of the sequential
+  parts it can segment (a ResNet stage's blocks);
 * ``torch.compile`` of the plain model compiled under
   ``torch._functorch.config.activation_memory_budget``, the budget as a
   fraction of the plain model's activation bytes.
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -39,6 +45,7 @@ from .. import memory
 from ..checkpoint import sqrt_segments
 from ..fit import (
     CheckpointedSequential,
+    _checkpoint_parts,
     _run_in_order,
     _sequential_parts,
     _set_segments,
@@ -49,11 +56,13 @@ from ..fit import (
 from .variants import BenchError, Variant
 
 __all__ = ["budget_argument", "budget_label", "budget_variants", "TorchCheckpointedSequential", "TorchCheckpointedRuns",
-           "compile_under_budget", "FIT", "CHECKPOINT_SEQUENTIAL", "TORCH_CHECKPOINT", "COMPILE_BUDGET"]
+           "compile_under_budget", "checkpoint_every_block", "FIT", "CHECKPOINT_SEQUENTIAL", "TORCH_CHECKPOINT",
+           "EVERY_BLOCK", "COMPILE_BUDGET"]
 
 FIT = "fit({})"
 CHECKPOINT_SEQUENTIAL = "checkpoint_sequential ({})"
 TORCH_CHECKPOINT = "torch checkpoint (to fit's bytes)"
+EVERY_BLOCK = "torch checkpoint (every block)"
 COMPILE_BUDGET = "torch.compile budget {:.3g}"
 
 
@@ -155,6 +164,27 @@ def _checkpoint_with_torch(model: nn.Module, segments: dict[str, int]) -> nn.Mod
     return model
 
 
+def _checkpointed_forward(forward: Callable, *args: Any, **kwargs: Any) -> Any:
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    return torch_checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def checkpoint_every_block(model: nn.Module) -> tuple[nn.Module, list[str]]:
+    """``model`` (in place) with every block under torch's checkpoint, by a
+    forward set on the instance (state-dict keys stay): the units fit can
+    checkpoint and the children of the sequential parts it can segment.
+    Returns the model and the blocks' paths."""
+    blocks = []
+    for part in _checkpoint_parts(model):
+        names = [part.path] if part.unit else [f"{part.path}.{name}" if part.path else name
+                                               for name in part.module._modules]
+        blocks += zip(names, part.members)
+    for _, block in blocks:
+        block.forward = functools.partial(_checkpointed_forward, block.forward)
+    return model, [name for name, _ in blocks]
+
+
 def compile_under_budget(model: nn.Module, fraction: float,
                          compiler: Optional[Callable[[Callable], Callable]] = None) -> nn.Module:
     """``model`` (in place) whose forward is ``torch.compile`` of its own,
@@ -249,6 +279,14 @@ def budget_variants(variants: list[Variant], budget: Union[float, int], example:
                      "with two or more children")
     if fitted is not None:
         rows.append(torch_row)
+    _, blocks = checkpoint_every_block(plain.build())
+    if blocks:
+        shown = ", ".join(blocks[:4]) + (f", ... ({len(blocks)} in all)" if len(blocks) > 4 else "")
+        rows.append(Variant(model_name, EVERY_BLOCK, lambda: checkpoint_every_block(plain.build())[0],
+                            note=f"torch.utils.checkpoint.checkpoint, use_reentrant=False, around every block of "
+                                 f"the plain model: {shown}"))
+    else:
+        lines.append(f"{model_name} / {EVERY_BLOCK}: dropped, fit finds no block in the model")
     rows.append(Variant(model_name, COMPILE_BUDGET.format(fraction),
                         lambda: compile_under_budget(plain.build(), fraction), compiled=True,
                         note=f"plain model under torch.compile, torch._functorch.config.activation_memory_budget "

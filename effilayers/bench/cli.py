@@ -72,10 +72,16 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--model", action="append", metavar="NAME",
                         help=f"{names}, or module:callable returning an nn.Module that maps (N, 3, H, W) images "
-                             "to logits; repeatable (default: resnet50 and densenet121)")
+                             "to logits (with --tokens, (N, T) token ids to (N, T, vocabulary) logits); repeatable "
+                             "(default: resnet50 and densenet121)")
     parser.add_argument("--batch", type=int, help="batch size (default: 32 on CUDA, 2 on CPU)")
     parser.add_argument("--size", type=int,
                         help="image height and width, >= 32 (default: 224 on CUDA, 64 on CPU)")
+    parser.add_argument("--tokens", type=int, metavar="T",
+                        help="the models are language models: each sample is T random token ids, the output's "
+                             "logits (a tensor, or an output object's .logits, as Hugging Face models return) "
+                             "have one row of vocabulary per token, and the loss is next-token cross-entropy; "
+                             "needs --model module:callable")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                         help="float32, or autocast to bfloat16/float16 (float16 needs CUDA)")
     parser.add_argument("--channels-last", action="store_true", help="channels_last model and images")
@@ -155,6 +161,13 @@ def _setup(args: argparse.Namespace) -> Setup:
     if args.clock != "wall" and on_cuda:
         raise BenchError(f"--clock {args.clock} times the host; CUDA steps are timed with CUDA events "
                          "(use --device cpu to time on the CPU)")
+    if args.tokens is not None:
+        if args.size is not None or args.channels_last:
+            raise BenchError("--tokens: the samples are token ids; --size and --channels-last are for images")
+        builtin = [name for name in (args.model or []) if name in builtin_models()]
+        if not args.model or builtin:
+            raise BenchError(f"--tokens needs --model module:callable building a language model; "
+                             f"{', '.join(builtin) or 'the default models'} take images")
     dtype = DTYPES[args.dtype]
     if dtype == torch.float16 and not on_cuda:
         raise BenchError("--dtype float16 needs CUDA; on CPU use float32 or bfloat16")
@@ -164,8 +177,10 @@ def _setup(args: argparse.Namespace) -> Setup:
                   dtype=dtype, channels_last=args.channels_last,
                   steps=args.steps if args.steps is not None else (10 if on_cuda else 3), train_steps=args.train,
                   compile=args.compile, clock=args.clock,
-                  threads=args.threads if args.threads is not None else torch.get_num_threads())
-    for name, value, minimum in (("--batch", setup.batch, 1), ("--size", setup.size, 32), ("--steps", setup.steps, 1),
+                  threads=args.threads if args.threads is not None else torch.get_num_threads(),
+                  tokens=args.tokens)
+    for name, value, minimum in (("--batch", setup.batch, 1), ("--tokens", args.tokens, 1), ("--size", setup.size, 32),
+                                 ("--steps", setup.steps, 1),
                                  ("--threads", args.threads, 1),
                                  ("--train", setup.train_steps, 0), ("--max-batch-limit", args.max_batch_limit, 1)):
         if value is not None and value < minimum:
@@ -242,7 +257,7 @@ def _run_with(args: argparse.Namespace, argv: list[str], setup: Setup) -> int:
             skipped += dropped
         variants_per_model.append(variants)
 
-    print(f"effilayers bench: {setup.device.type}, batch {setup.batch}, {setup.size}x{setup.size}, "
+    print(f"effilayers bench: {setup.device.type}, batch {setup.batch}, {setup.sample}, "
           f"{args.dtype}{', channels_last' if setup.channels_last else ''}"
           f"{', eager and torch.compile' if setup.compile else ''}, "
           f"1 warm-up + {setup.steps} timed steps per variant"
@@ -263,7 +278,8 @@ def _run_with(args: argparse.Namespace, argv: list[str], setup: Setup) -> int:
 
     results = [result for model_results in results_per_model for result in model_results]
     on_cuda = setup.device.type == "cuda"
-    print(format_table(results, "wall" if on_cuda else setup.clock, cuda=on_cuda))
+    print(format_table(results, "wall" if on_cuda else setup.clock, cuda=on_cuda,
+                       rate="sequences/s" if setup.tokens else "images/s"))
     for model_results in results_per_model:
         print(conclusion(model_results))
     _print_notes(results, setup, args.dtype, args.verbose)

@@ -69,6 +69,15 @@ class Setup:
     clock: str = "wall"
     # Intra-op threads the timed steps run on (torch.get_num_threads()).
     threads: int = field(default_factory=torch.get_num_threads)
+    # --tokens T: the model is a language model taking (N, T) token ids, and
+    # the step's loss is next-token cross-entropy; None: (N, 3, size, size)
+    # images and one label each.
+    tokens: Optional[int] = None
+
+    @property
+    def sample(self) -> str:
+        """What one of the batch's N is, for the report's settings line."""
+        return f"{self.tokens} tokens" if self.tokens else f"{self.size}x{self.size}"
 
     def autocast(self) -> ContextManager:
         if self.dtype not in (torch.bfloat16, torch.float16):
@@ -80,9 +89,14 @@ class Setup:
             torch.cuda.synchronize(self.device)
 
     def data(self, batch: int, num_classes: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One batch: (images, labels), or with --tokens (token ids, the ids
+        that follow each), ``num_classes`` being the vocabulary."""
         # Generated on CPU from a fixed seed so every variant sees the same
         # numbers whatever the device's random number generator does.
         generator = torch.Generator().manual_seed(seed)
+        if self.tokens:
+            ids = torch.randint(0, num_classes, (batch, self.tokens + 1), generator=generator).to(self.device)
+            return ids[:, :-1], ids[:, 1:]
         images = torch.randn(batch, 3, self.size, self.size, generator=generator)
         labels = torch.randint(0, num_classes, (batch,), generator=generator)
         images = images.to(self.device, accumulation_dtype(self.dtype))
@@ -91,12 +105,27 @@ class Setup:
         return images, labels.to(self.device)
 
 
+def _logits(output: Any) -> Any:
+    """The logits of a model's output: the tensor itself, or the ``logits``
+    of an output object (Hugging Face's ``ModelOutput``), or the first item
+    of a tuple."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if getattr(output, "logits", None) is not None:
+        return output.logits
+    if isinstance(output, (tuple, list)) and output:
+        return output[0]
+    return output
+
+
 def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, setup: Setup,
                 images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     with setup.autocast():
-        logits = model(images)
+        logits = _logits(model(images))
         # float32 at least (autocast may give bf16 logits); float64 stays.
-        loss = F.cross_entropy(logits.to(accumulation_dtype(logits.dtype)), labels)
+        logits = logits.to(accumulation_dtype(logits.dtype))
+        # With --tokens, every position predicts the token after it.
+        loss = F.cross_entropy(logits.flatten(0, -2), labels.flatten())
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -124,25 +153,36 @@ def _prepare(model: nn.Module, setup: Setup) -> nn.Module:
 
 
 def _num_classes(model: nn.Module, setup: Setup) -> int:
+    """The classes of the model's logits (with --tokens, its vocabulary),
+    from one probe."""
     # Eval mode and no grad: the probe must not move BatchNorm running stats.
     # Two images (never more than --batch): a norm without running statistics
     # normalises with the batch's in eval too, and one image can leave it one
     # value per channel.
     was_training = model.training
     model.eval()
-    shape = (min(setup.batch, 2), 3, setup.size, setup.size)
+    rows = min(setup.batch, 2)
+    if setup.tokens:
+        probe, what, expected = torch.zeros(rows, setup.tokens, dtype=torch.long), "token batch", 3
+        expectation = "logits of shape (N, tokens, vocabulary), or an output whose .logits are"
+    else:
+        probe, what, expected = torch.zeros(rows, 3, setup.size, setup.size), "image batch", 2
+        expectation = "logits of shape (N, classes) (a language model taking token ids needs --tokens T)"
     try:
         with torch.no_grad():
-            logits = model(torch.zeros(shape))
+            logits = _logits(model(probe))
     except Exception as error:  # the user's model may raise anything on a wrong input shape
         advice = "; use a larger --batch or --size" if too_small_for_batch_norm(error) else ""
-        raise BenchError(f"the model failed on a {shape} image batch: {type(error).__name__}: {error}"
+        if not setup.tokens and "indices" in str(error):  # an embedding given float images
+            advice = "; a language model taking token ids needs --tokens T"
+        raise BenchError(f"the model failed on a {tuple(probe.shape)} {what}: {type(error).__name__}: {error}"
                          f"{advice}") from error
     model.train(was_training)
-    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+    if not isinstance(logits, torch.Tensor) or logits.dim() != expected or (
+            setup.tokens and logits.shape[1] != setup.tokens):
         raise BenchError(f"the model returned {getattr(logits, 'shape', type(logits).__name__)}; "
-                         "expected logits of shape (N, classes)")
-    return logits.shape[1]
+                         f"expected {expectation}")
+    return logits.shape[-1]
 
 
 def time_call(call: Callable[[], Any], device: torch.device, clock: str = "wall") -> float:
@@ -194,7 +234,7 @@ def _fits(call: Callable[[], Any], setup: Setup) -> bool:
     except ValueError as error:
         if not too_small_for_batch_norm(error):
             raise
-        raise BenchError(f"batch {setup.batch} at {setup.size}x{setup.size} leaves BatchNorm one value per channel "
+        raise BenchError(f"batch {setup.batch} at {setup.sample} leaves BatchNorm one value per channel "
                          f"in training ({error}); use a larger --batch or --size") from None
     except RuntimeError as error:
         if not is_out_of_memory(error):

@@ -61,17 +61,19 @@ def _spread_cell(r: Result) -> str:
     return f"{r.step_time_min_s * 1e3:.1f}-{r.step_time_max_s * 1e3:.1f}"
 
 
-def format_table(results: list[Result], clock: str = "wall", cuda: bool = True) -> str:
+def format_table(results: list[Result], clock: str = "wall", cuda: bool = True, rate: str = "images/s") -> str:
     """One row per variant; each measurement with its ratio to plain PyTorch
     in one cell, so the header stands over both; text columns start, number
     columns end, at the same place in every row. ``clock``: what timed the
     steps (measure.CLOCKS); the step columns say so when it is CPU time.
     ``cuda``: whether the variants ran on CUDA; elsewhere there is no CUDA
-    peak to show, and a column of "n/a" would only push the rest aside."""
+    peak to show, and a column of "n/a" would only push the rest aside.
+    ``rate``: the header of the batch-per-second column (``sequences/s`` for
+    a language model)."""
     show_max_batch = any(r.max_batch is not None for r in results)
     show_losses = any(r.losses is not None for r in results)
     step = "step ms" if clock == "wall" else f"{clock} step ms"
-    header = ["model", "variant", "activation MiB", "CUDA peak MiB", step, "min-max ms", "images/s"]
+    header = ["model", "variant", "activation MiB", "CUDA peak MiB", step, "min-max ms", rate]
     if not cuda:
         header.remove("CUDA peak MiB")
     if show_max_batch:
@@ -223,7 +225,7 @@ def plot(results: list[Result], path: str, pyplot: Any, setup: Optional[Setup] =
     if setup is None:
         settings = ", ".join(trained_models or dict.fromkeys(r.model for r in results))
     else:
-        settings = (f"{setup.device.type}, batch {setup.batch}, {setup.size}x{setup.size}, "
+        settings = (f"{setup.device.type}, batch {setup.batch}, {setup.sample}, "
                     f"{precision_name(setup.dtype)}, {setup.steps} timed steps"
                     + (f", --train {setup.train_steps}" if setup.train_steps else ""))
     figure.suptitle(f"effilayers bench: {settings} (bar labels: ratio to plain PyTorch)")
@@ -299,7 +301,8 @@ def write_json(path: str, argv: list[str], setup: Setup, dtype_name: str, max_ba
     report = {
         "command": shlex.join([sys.executable, "-m", "effilayers.bench", *argv]),
         "argv": list(argv),
-        "settings": {"device": setup.device.type, "batch": setup.batch, "size": setup.size, "dtype": dtype_name,
+        "settings": {"device": setup.device.type, "batch": setup.batch, "size": setup.size, "tokens": setup.tokens,
+                     "dtype": dtype_name,
                      "channels_last": setup.channels_last, "compile": setup.compile, "steps": setup.steps,
                      "train": setup.train_steps, "max_batch_limit": max_batch_limit,
                      "loss_noise_factor": LOSS_NOISE_FACTOR,
