@@ -166,6 +166,7 @@ def test_timm_densenet_recomputes_with_its_norms_and_state_unchanged(mode):
     norms = [path for path, module in original.named_modules() if isinstance(module, BatchNormAct2d)]
     assert report.fused_paths == ["features.norm0", "features.norm5"] and not report.left_alone, str(report)
     assert [entry.norm for entry in report.recomputed] == norms[1:-1]
+    assert f"recomputed in backward ({len(norms) - 2}):" in str(report)
     assert all(type(model.get_submodule(path)) is BatchNormAct2d for path in norms[1:-1])
     assert sum(isinstance(module, _BatchNorm) for module in model.modules()) == len(norms)
     after = snapshot(model)
