@@ -15,7 +15,8 @@ measured, see below) and stops at the first that meets the budget:
 2. ``densenet_memory_efficient``: effilayers DenseNet layers and transitions
    built with ``memory_efficient=False`` switch it on (the concatenation,
    norm and ReLU are recomputed in backward: elementwise work, no
-   convolution).
+   convolution); timm's DenseNet gets the same forwards as ``convert``
+   gives it (``effilayers.convert.timm_densenet``), its function unchanged.
 3. ``checkpoint``: units, found in any model whatever container holds
    them, outermost first: the children of every outermost plain
    ``nn.Sequential`` with two or more children (a ResNet's ``layer1``..
@@ -112,7 +113,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from . import memory
 from .checkpoint import _tensors_in, checkpoint, lean_segment_ok, recompute_in_backward, sqrt_segments
-from .convert import FIT_UNDO_ATTR as UNDO_ATTR, convert, revert
+from .convert import FIT_UNDO_ATTR as UNDO_ATTR, convert, revert, timm_densenet
 from .models import densenet
 
 __all__ = ["fit", "FitReport", "FitStep", "parse_budget", "CheckpointedSequential", "checkpoint_runs_to",
@@ -717,10 +718,13 @@ class _RestoreSegments:
 @dataclass
 class _MemoryEfficientOff:
     modules: list
+    timm_modules: list = field(default_factory=list)  # swapped to effilayers' forwards: timm's class back
 
     def __call__(self) -> None:
         for module in self.modules:
             module.memory_efficient = False
+        for module in self.timm_modules:
+            timm_densenet.restore(module)
 
 
 def _set_segments(part: nn.Sequential, segments: list[tuple[int, int]],
@@ -739,7 +743,10 @@ def _memory_efficient_densenet(model: nn.Module) -> tuple[list[str], Callable[[]
                 and not module.memory_efficient]
     for _, module in switched:
         module.memory_efficient = True
-    return [name for name, _ in switched], _MemoryEfficientOff([module for _, module in switched])
+    # timm's DenseNet: the same forwards, by class swaps (what convert does to it)
+    swapped = timm_densenet.memory_efficient_densenet(model)
+    return [name for name, _ in switched + swapped], _MemoryEfficientOff(
+        [module for _, module in switched], [module for _, module in swapped])
 
 
 def fit(model: nn.Module, example_input: Union[torch.Tensor, tuple, dict], budget: Union[int, str, float], *,

@@ -13,8 +13,9 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from effilayers import convert, revert
+from effilayers import convert, fit, revert
 from effilayers.convert import FusedActivation
+from effilayers.memory import activation_bytes
 from effilayers.nn import ABN, InPlaceABN, InPlaceABNSync
 
 from .equivalence import assert_close_scaled, assert_same_results, forward_backward, inputs
@@ -24,6 +25,11 @@ try:
     import timm
     import timm.utils
     from timm.layers import BatchNormAct2d, FrozenBatchNormAct2d, freeze_batch_norm_2d
+    from timm.models.densenet import (
+        DenseBlock as TimmDenseBlock,
+        DenseLayer as TimmDenseLayer,
+        DenseTransition as TimmDenseTransition,
+    )
     from timm.models.resnet import BasicBlock as TimmBasicBlock
     from torchvision.ops.misc import FrozenBatchNorm2d
 except (ImportError, RuntimeError) as error:  # a torchvision built for another torch raises RuntimeError
@@ -45,6 +51,8 @@ SMALL = {
     "seresnet18": dict(layers=(1, 1, 1, 1), channels=(8, 16, 16, 32)),
     "resnext50_32x4d": dict(layers=(1, 1, 1, 1), channels=(4, 8, 8, 8), cardinality=4, base_width=16),
     "densenet121": dict(growth_rate=8, block_config=(2, 2, 2, 2)),
+    # LeakyReLU everywhere: in place keeps the function, so the SE tail is compared with timm's own
+    "seresnet50": dict(layers=(1, 1, 1, 1), channels=(4, 8, 8, 8), act_layer=nn.LeakyReLU),
 }
 
 
@@ -104,13 +112,19 @@ def test_timm_resnets_in_place_match_their_reverted_form(name):
 
 
 def test_batchnorm_act2d_in_place_where_its_input_is_fresh():
+    """A dense layer that keeps timm's forward (its norm1 applies a
+    LeakyReLU, which the recomputing DenseNet path does not implement) has
+    its norms fused one by one: norm2 in place over conv1's fresh output,
+    norm1 (reading the concatenated maps) not."""
     original = timm_model("densenet121")
+    original.features.denseblock1.denselayer1.norm1.act = nn.LeakyReLU(0.1)
     model = copy.deepcopy(original)
     report = convert(model, mode="inplace")
     assert not report.left_alone, str(report)
     layer = model.features.denseblock1.denselayer1
-    # norm2 reads conv1's fresh output: in place; norm1 reads the concatenated features: not
-    # (their classes are the timm form of InPlaceABN / ABN, see the freeze tests below)
+    assert type(layer) is TimmDenseLayer and "features.denseblock1.denselayer1" not in report.memory_efficient
+    # its block hands shared statistics to its layers: not with this one in timm's forward
+    assert type(model.features.denseblock1) is TimmDenseBlock
     assert isinstance(layer.norm2, InPlaceABN) and isinstance(layer.norm1, ABN)
     assert not isinstance(layer.norm1, InPlaceABN)
     assert isinstance(model.features.norm0, InPlaceABN)  # after conv0 in the features Sequential
@@ -129,6 +143,205 @@ def test_batchnorm_act2d_in_place_where_its_input_is_fresh():
     revert(model)
     assert classes(model) == before_classes
     assert all(snapshot(model)[key] is value for key, value in before_state.items())
+
+
+# ---- timm's DenseNet: effilayers' memory-efficient path -----------------------------------
+
+
+@pytest.mark.parametrize("mode", ["abn", "inplace"])
+def test_timm_densenet_recomputes_with_its_norms_and_state_unchanged(mode):
+    original = timm_model("densenet121")
+    model = copy.deepcopy(original)
+    before_classes, before_state = classes(model), snapshot(model)
+    report = convert(model, mode=mode)
+    # timm's own classes still, with effilayers' forward
+    swapped = {"features.denseblock1": TimmDenseBlock, "features.denseblock1.denselayer2": TimmDenseLayer,
+               "features.transition3": TimmDenseTransition}
+    for path, timm_class in swapped.items():
+        module = model.get_submodule(path)
+        assert isinstance(module, timm_class) and type(module) is not timm_class and path in report.memory_efficient
+    assert len(report.memory_efficient) == 4 + 8 + 3
+    # every layer's and transition's norm is recomputed, the same module at the same path;
+    # only the stem's and the final norm are fused
+    norms = [path for path, module in original.named_modules() if isinstance(module, BatchNormAct2d)]
+    assert report.fused_paths == ["features.norm0", "features.norm5"] and not report.left_alone, str(report)
+    assert [entry.norm for entry in report.recomputed] == norms[1:-1]
+    assert f"recomputed in backward ({len(norms) - 2}):" in str(report)
+    assert all(type(model.get_submodule(path)) is BatchNormAct2d for path in norms[1:-1])
+    assert sum(isinstance(module, _BatchNorm) for module in model.modules()) == len(norms)
+    after = snapshot(model)
+    assert list(after) == list(before_state) and all(after[key] is before_state[key] for key in after)
+    assert report.function_changed == (mode == "inplace")  # norm0 only: ReLU -> leaky_relu in place
+
+    x = inputs((4, 3, 32, 32))
+    # the model runs with the pickled classes too; in place, norm0 computes leaky_relu:
+    # compared with the reverted copy
+    reference = pickle.loads(pickle.dumps(model))
+    assert classes(reference) == classes(model)
+    restored = revert(reference)
+    assert set(restored.restored_classes) == set(report.memory_efficient)
+    if mode == "abn":
+        assert classes(reference) == before_classes
+    for training in (True, False):
+        assert_same_results(forward_backward(model, x, training), forward_backward(reference, x, training))
+
+    revert(model)
+    assert {path: kind for path, kind in classes(model).items() if not path.endswith(".act")} == {
+        path: kind for path, kind in before_classes.items() if not path.endswith(".act")}
+    after = snapshot(model)
+    assert list(after) == list(before_state) and all(after[key] is before_state[key] for key in after)
+
+
+def test_timm_densenet_step_with_a_hooked_norm_calls_its_modules(fresh_warnings):
+    """A norm hooked before convert keeps its layer (and block) in timm's
+    forward; one hooked afterwards makes its step call the modules, the hook
+    runs, and the results stay timm's."""
+    original = timm_model("densenet121")
+    seen = []
+    original.features.denseblock2.denselayer1.norm1.register_forward_hook(lambda *args: seen.append(1))
+    model = copy.deepcopy(original)
+    report = convert(model, mode="abn")
+    assert type(model.features.denseblock2.denselayer1) is TimmDenseLayer
+    assert type(model.features.denseblock2) is TimmDenseBlock
+    assert "has hooks" in report.reason("features.denseblock2.denselayer1.norm1")
+    assert type(model.features.denseblock2.denselayer2) is not TimmDenseLayer  # the other layer recomputes
+    model.features.denseblock3.denselayer1.norm1.act.register_forward_hook(lambda *args: seen.append(2))
+    x = inputs((4, 3, 32, 32))
+    with pytest.warns(UserWarning, match="hooks"):
+        result = forward_backward(model, x)
+    assert seen == [1, 2]
+    assert_same_results(result, forward_backward(original, x))
+
+
+def test_timm_densenet121_keeps_at_most_035x_the_activation_bytes():
+    """The issue's figure: timm's densenet121, random weights, 2x3x64x64,
+    activation bytes (effilayers.memory) after convert in either mode."""
+    torch.manual_seed(0)
+    model = timm.create_model("densenet121", pretrained=False, num_classes=10)
+    x = torch.randn(2, 3, 64, 64)
+    plain = activation_bytes(model, x)
+    for mode in ("abn", "inplace"):
+        convert(model, mode=mode)
+        ratio = activation_bytes(model, x) / plain
+        assert ratio <= 0.35, f"{mode}: {ratio:.3f}x"
+        revert(model)
+
+
+def test_fit_gives_timm_densenet_the_recomputing_path_exactly():
+    """fit with exact=True takes no in-place step (it would change norm0's
+    ReLU) but the DenseNet one: convert's class swaps, the function kept."""
+    original = timm_model("densenet121")
+    model = copy.deepcopy(original)
+    before_classes = classes(model)
+    x = inputs((4, 3, 32, 32))
+    converted = copy.deepcopy(original)
+    swapped = convert(converted, mode="abn").memory_efficient
+    report = fit(model, x, 0.6)
+    assert [step.kind for step in report.steps] == ["densenet_memory_efficient"], str(report)
+    changed = {path: kind for path, kind in classes(model).items() if before_classes[path] is not kind}
+    assert changed == {path: type(converted.get_submodule(path)) for path in swapped}
+    assert_same_results(forward_backward(model, x), forward_backward(original, x))
+    revert(model)
+    assert classes(model) == before_classes
+
+
+# ---- timm's SE blocks: the last norm in place, identity ---------------------------------------
+
+
+def test_timm_se_tail_norm_in_place_keeps_the_function_and_the_batchnorm_idioms():
+    original = timm_model("seresnet50")
+    model = copy.deepcopy(original)
+    norms = sum(isinstance(module, _BatchNorm) for module in original.modules())
+    before_classes, before_state = classes(model), snapshot(model)
+    report = convert(model, mode="inplace")
+    assert not report.function_changed and report.left_alone_paths == [
+        f"layer{stage}.0.downsample.1" for stage in range(1, 5)], str(report)
+    tails = [pair for pair in report.fused if pair.pattern == "timm_se_tail"]
+    assert [pair.norm for pair in tails] == [f"layer{stage}.0.bn3" for stage in range(1, 5)]
+    for stage in range(1, 5):
+        bn3 = model.get_submodule(f"layer{stage}.0.bn3")
+        assert isinstance(bn3, InPlaceABN) and bn3.activation == "identity"
+        assert isinstance(bn3, BatchNormAct2d) and type(bn3.act) is nn.Identity  # what timm's freeze copies
+    # the freeze idiom finds every norm, converted or not
+    assert sum(isinstance(module, _BatchNorm) for module in model.modules()) == norms
+    x = inputs((4, 3, 32, 32))
+    assert_same_results(forward_backward(model, x), forward_backward(original, x))
+    assert_same_results(forward_backward(model, x, training=False), forward_backward(original, x, training=False))
+
+    # norm_eval: every _BatchNorm in eval while the rest trains
+    results = []
+    for net in (model, original):
+        net.train()
+        for module in net.modules():
+            if isinstance(module, _BatchNorm):
+                module.eval()
+        before = {name: buffer.clone() for name, buffer in net.named_buffers()}
+        out = net(x.clone())
+        out.square().sum().backward()
+        assert all(torch.equal(buffer, before[name]) for name, buffer in net.named_buffers())
+        results.append(out.detach())
+    assert_close_scaled(results[0], results[1], "norm_eval output")
+    # and the requires_grad idiom freezes their weights and biases
+    frozen = [p for m in model.modules() if isinstance(m, _BatchNorm) for p in m.parameters(recurse=False)]
+    for parameter in frozen:
+        parameter.requires_grad_(False)
+    model.zero_grad(set_to_none=True)
+    model(x.clone()).square().sum().backward()
+    assert all(parameter.grad is None for parameter in frozen) and model.fc.weight.grad is not None
+    for parameter in frozen:
+        parameter.requires_grad_(True)
+
+    revert(model)
+    assert classes(model) == before_classes
+    after = snapshot(model)
+    assert list(after) == list(before_state) and all(after[key] is before_state[key] for key in after)
+
+
+class _ScaleInPlace(nn.Module):
+    """Not one of timm's SE modules: it writes into its input."""
+
+    def forward(self, x):
+        return x.mul_(2.0)
+
+
+def _hook_keeping_output(kept):
+    def hook(module, args, output):
+        kept.append((output, output.detach().clone()))
+    return hook
+
+
+@pytest.mark.parametrize("case", ["hooked_conv", "unknown_se", "abn"])
+def test_timm_se_tail_norm_left_alone_where_its_input_or_output_may_be_used(case):
+    original = timm_model("seresnet50")
+    kept = []
+    if case == "hooked_conv":  # the hook keeps conv3's output, the norm's input
+        original.layer2[0].conv3.register_forward_hook(_hook_keeping_output(kept))
+    if case == "unknown_se":
+        original.layer2[0].se = _ScaleInPlace()
+    model = copy.deepcopy(original)
+    report = convert(model, mode="abn" if case == "abn" else "inplace")
+    expected = {"hooked_conv": "conv3 has hooks", "unknown_se": "not one of timm's squeeze-excitation",
+                "abn": "mode='abn' leaves it a BatchNorm"}[case]
+    assert expected in report.reason("layer2.0.bn3"), str(report)
+    assert type(model.layer2[0].bn3) is nn.BatchNorm2d
+    if case != "abn":
+        assert isinstance(model.layer3[0].bn3, InPlaceABN)
+    x = inputs((4, 3, 32, 32))
+    assert_same_results(forward_backward(model, x), forward_backward(original, x))
+    if case == "hooked_conv":
+        # what the hook kept is still conv3's output: the norm did not write over it
+        assert kept and all(torch.equal(output, copy) for output, copy in kept)
+
+
+def test_timm_seresnet50_se_tails_in_place_keep_at_most_07x_the_activation_bytes():
+    torch.manual_seed(0)
+    model = timm.create_model("seresnet50", pretrained=False, num_classes=10)
+    x = torch.randn(2, 3, 64, 64)
+    plain = activation_bytes(model, x)
+    report = convert(model, mode="inplace")
+    assert len([pair for pair in report.fused if pair.pattern == "timm_se_tail"]) == 16
+    ratio = activation_bytes(model, x) / plain
+    assert ratio <= 0.7, f"{ratio:.3f}x"
 
 
 # ---- timm's freeze helpers on converted models --------------------------------------------

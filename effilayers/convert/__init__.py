@@ -44,12 +44,30 @@ What is recognised (anything else is left alone and reported, with why):
   instance of timm's class; it pickles and deep-copies) that ``revert``
   turns back. timm is never imported: classes are recognised by module path
   and children.
+  With squeeze-excitation (seresnet*), SE reads the last norm's output
+  before the sum, so the sum and activation stay in timm's forward; but
+  SE's multiply keeps that output for backward anyway, so in place the norm
+  becomes an identity ``InPlaceABN`` written over its convolution's output
+  (keeping only its output, not BatchNorm's input as well). Only for timm's
+  own SE modules, which return a new tensor and write nothing into their
+  input, after a convolution without hooks; ``mode="abn"`` leaves it plain.
+* **timm's DenseNet** (``timm.models.densenet``): in both modes, each dense
+  layer, transition and block gets the forward of effilayers'
+  memory-efficient DenseNet (:mod:`effilayers.models.densenet`: the
+  concatenation, norm and ReLU recomputed in backward, each block's maps in
+  one buffer, their batch statistics computed once) by a class swap
+  (``timm_densenet``: a run-time subclass of timm's class, which ``revert``
+  turns back). Its norms stay timm's ``BatchNormAct2d`` modules, untouched,
+  and are listed in the report's ``recomputed``; the function is exactly
+  timm's. Only the stem's and the final norm are fused.
 * **timm's BatchNormAct2d** (a ``BatchNorm2d`` subclass that applies its own
   ``drop`` (Identity) and ``act``): replaced by a fused module with its
   activation, in place where its input is known to be a fresh convolution
   output (after a convolution in a Sequential, DenseLayer's ``norm2``,
   ConvNormAct's ``bn``), else an ``ABN`` (DenseLayer's ``norm1`` reads the
-  concatenated features). ``revert`` gives timm's class back.
+  concatenated features): the norms of a DenseNet's layers that keep timm's
+  forward (a hooked or non-ReLU ``norm1``, say). ``revert`` gives timm's
+  class back.
 * **timm's freeze helpers**: in a model built from timm's classes, each
   norm fused where a ``BatchNorm2d`` / ``SyncBatchNorm`` / ``BatchNormAct2d``
   was is also an instance of timm's ``BatchNormAct2d``
@@ -117,7 +135,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ..models import resnet
 from ..nn import ABN, InPlaceABN, MaxPool2d
 from ..nn.fused import PLAIN_TYPE_ATTR, FusedActivation
-from . import timm_blocks
+from . import timm_blocks, timm_densenet
 from .patterns import (
     Activation,
     BatchNormAct,
@@ -143,7 +161,7 @@ from .patterns import (
     swap_pool,
     unfuse_norm,
 )
-from .report import ConversionReport, FusedPair, LeftAlone, RestoredPair, RevertReport
+from .report import ConversionReport, FusedPair, LeftAlone, RecomputedNorm, RestoredPair, RevertReport
 
 __all__ = [
     "MODES",
@@ -152,6 +170,7 @@ __all__ = [
     "ConversionReport",
     "RevertReport",
     "FusedPair",
+    "RecomputedNorm",
     "RestoredPair",
     "LeftAlone",
     "FusedActivation",
@@ -250,6 +269,8 @@ class _Converter:
         report = self.report
         report.fused = in_module_order(root, report.fused, lambda pair: pair.norm)
         report.left_alone = in_module_order(root, report.left_alone, lambda entry: entry.path)
+        report.recomputed = in_module_order(root, report.recomputed, lambda entry: entry.norm)
+        report.memory_efficient = in_module_order(root, report.memory_efficient, lambda path: path)
         return report
 
     def visit(self, parent: nn.Module, prefix: str) -> None:
@@ -257,7 +278,10 @@ class _Converter:
             return
         self.visited.add(id(parent))
         reasons: dict[str, str] = {}
-        if is_plain_sequential(parent):
+        recomputed: set[str] = set()
+        if timm_densenet.kind_of(parent) in ("layer", "transition"):
+            recomputed = self.dense_module(parent, prefix)
+        elif is_plain_sequential(parent):
             reasons = self.sequential(parent, prefix)
         elif is_resnet(parent):
             reasons = self.resnet_stem(parent, prefix)
@@ -267,7 +291,7 @@ class _Converter:
             reasons = self.timm_block(parent, prefix)
         previous = None
         for name, child in list(parent._modules.items()):
-            if child is None:
+            if child is None or name in recomputed:
                 continue
             before, previous = previous, child
             path = join_path(prefix, name)
@@ -287,6 +311,31 @@ class _Converter:
                 self.leave(child, path, f"{type(child).__name__} overrides BatchNorm's forward, so what it computes "
                                         "is not known to be BatchNorm")
             self.visit(child, path)
+        if timm_densenet.kind_of(parent) == "block" and timm_densenet.why_not(parent) is None:
+            # after its layers: the block's forward hands them the shared
+            # statistics, which only the swapped layers take
+            if timm_densenet.plain_class(parent) is None:
+                timm_densenet.swap(parent)
+            self.report.memory_efficient.append(prefix)
+
+    def dense_module(self, module: nn.Module, prefix: str) -> set[str]:
+        """A timm DenseNet layer or transition gets effilayers' recomputing
+        forward where its first step can take it (timm_densenet); returns the
+        names of the norms it now recomputes, which stay as they are. Exact,
+        so in both modes: in place, ``norm2`` would keep the same bytes."""
+        if timm_densenet.why_not(module) is not None:
+            return set()  # its norms are fused one by one
+        if timm_densenet.plain_class(module) is None:
+            timm_densenet.swap(module)
+        self.report.memory_efficient.append(prefix)
+        names = set()
+        for norm_name, conv_name in timm_densenet.recomputed_norms(module):
+            norm, conv = module._modules[norm_name], module._modules[conv_name]
+            self.report.recomputed.append(RecomputedNorm(
+                join_path(prefix, norm_name), join_path(prefix, conv_name),
+                f"{type(norm).__name__}({type(norm.act).__name__}) -> {type(conv).__name__}"))
+            names.add(norm_name)
+        return names
 
     def record(self, norm_path, activation_path, pattern, details) -> None:
         self.report.fused.append(FusedPair(norm_path, activation_path, pattern, **details))
@@ -479,9 +528,14 @@ class _Converter:
             if reason:
                 reasons[norm_name] = reason
         conv_name, norm_name, act_name = timm_blocks.tail(kind)
+        if getattr(block, "se", None) is not None:
+            reason = self.se_tail(block, prefix, conv_name, norm_name)
+            if reason:
+                reasons[norm_name] = reason
+            return reasons
         reason = next((f"its output goes through {child} ({type(getattr(block, child)).__name__}) before the "
                        "shortcut sum, so the sum and activation cannot be fused into it"
-                       for child in ("se", "drop_path") if getattr(block, child, None) is not None), None)
+                       for child in ("drop_path",) if getattr(block, child, None) is not None), None)
         reason = reason or self.block_pair(block, prefix, conv_name, norm_name, act_name, None, True)
         if reason:
             reasons[norm_name] = reason
@@ -492,6 +546,39 @@ class _Converter:
             self.shortcut_norm(shortcut, join_path(prefix, "downsample"),
                                in_place=isinstance(block._modules[norm_name], InPlaceABN))
         return reasons
+
+    def se_tail(self, block: nn.Module, prefix: str, conv_name: str, norm_name: str) -> Optional[str]:
+        """The last norm of a timm block with squeeze-excitation; returns why
+        it was left alone, or None. SE reads the norm's output before the
+        shortcut sum, so the sum and activation stay in timm's forward; but
+        SE's multiply keeps that output for backward anyway, so in place an
+        identity InPlaceABN written over the convolution's output (keeping
+        only its output) drops the input BatchNorm keeps."""
+        se, norm = block.se, block._modules[norm_name]
+        unfused = (f"its output goes through se ({type(se).__name__}) before the shortcut sum, so the sum and "
+                   "activation cannot be fused into it")
+        if self.mode != "inplace":
+            return (f"{unfused}; mode='abn' leaves it a BatchNorm: only an in-place identity norm (keeping its "
+                    "output, which SE keeps too, instead of its input) would save memory here")
+        if not timm_blocks.is_plain_se(se):
+            return (f"{unfused}, and {type(se).__name__} is not one of timm's squeeze-excitation modules (whose "
+                    "output is a new tensor), so the norm's output might be changed in place before backward")
+        if not fresh_output(block._modules[conv_name]):
+            return f"{unfused}, and {conv_name} has hooks that may keep its output, which an in-place norm overwrites"
+        blocker = replace_blocker(norm, self.slots, "the norm")
+        if blocker:
+            return blocker
+        try:
+            fused = fuse_norm(norm, Activation("identity", 0.0), in_place=True)
+        except (ValueError, TypeError) as error:
+            return f"cannot be represented as an ABN: {error}"
+        block._modules[norm_name] = fused
+        self.timm_form(fused)
+        self.record(join_path(prefix, norm_name), None, "timm_se_tail", {
+            "module": type(fused).__name__, "before": f"{type(norm).__name__} -> {type(se).__name__}",
+            "after": "InPlaceABN(identity)", "residual": False, "function_changed": False,
+            "note": clamp_note(fused)})
+        return None
 
     def block_pair(self, block, prefix, conv_name, norm_name, act_name, between, residual) -> Optional[str]:
         """Fuses ``block.<norm_name>`` with ``block.<act_name>``; returns why not, or None."""
@@ -597,6 +684,7 @@ class _Reverter:
         report = self.report
         report.restored = in_module_order(self.root, report.restored, lambda pair: pair.norm)
         report.left_alone = in_module_order(self.root, report.left_alone, lambda entry: entry.path)
+        report.restored_classes = in_module_order(self.root, report.restored_classes, lambda path: path)
         return report
 
     def blocked(self, module: nn.Module, path: str) -> bool:
@@ -628,6 +716,8 @@ class _Reverter:
             self.visit(child, path)
         if timm_blocks.plain_class(parent) is not None:
             self.timm_block(parent, prefix)
+        if timm_densenet.restore(parent):
+            self.report.restored_classes.append(prefix)
         for name, module in parent._modules.items():
             norm = parent._modules.get(getattr(module, "fused_into", None))
             if isinstance(module, FusedActivation) and norm is not None and not isinstance(norm, ABN):

@@ -14,13 +14,25 @@ class FusedPair:
 
     norm: str  # path of the norm, now the fused module
     activation: Optional[str]  # path of the activation made a pass-through (None: it was inside the norm module)
-    pattern: str  # "sequential", "resnet_block", "resnet_stem", "resnet_shortcut" or "norm_act"
+    pattern: str  # "sequential", "resnet_block", "resnet_stem", "resnet_shortcut", "timm_block", "timm_se_tail"
+    # or "norm_act"
     module: str  # "ABN", "InPlaceABN" or "InPlaceABNSync"
     before: str  # the original function, e.g. "BatchNorm2d -> relu"
     after: str  # the fused function, e.g. "InPlaceABN(leaky_relu(0.01), + residual)"
     residual: bool  # the shortcut sum of a ResNet block is inside the fused call
     function_changed: bool  # the activation differs from the original (relu -> leaky_relu)
     note: str = ""
+
+
+@dataclass(frozen=True)
+class RecomputedNorm:
+    """A norm :func:`convert` left as it was and made its owner recompute in
+    backward, with its activation and the convolution after it (timm's
+    DenseNet given effilayers' memory-efficient path)."""
+
+    norm: str  # path of the norm, unchanged
+    conv: str  # path of the convolution recomputed with it
+    before: str  # e.g. "BatchNormAct2d(ReLU) -> Conv2d"
 
 
 @dataclass(frozen=True)
@@ -67,11 +79,14 @@ class _Report:
 
 @dataclass
 class ConversionReport(_Report):
-    """What :func:`convert` did: ``fused`` pairs, ``left_alone`` norms (with
-    the reason), ``replaced_blocks`` (paths of ResNet blocks swapped for
-    effilayers blocks) and ``replaced_pools`` (stem max pools swapped for
-    :class:`effilayers.nn.MaxPool2d`; a pool is not a block, so it is listed
-    apart)."""
+    """What :func:`convert` did: ``fused`` pairs, ``recomputed`` norms (left
+    as they were, recomputed with their convolution in backward),
+    ``left_alone`` norms (with the reason), ``replaced_blocks`` (paths of
+    ResNet blocks swapped for effilayers blocks), ``replaced_pools`` (stem
+    max pools swapped for :class:`effilayers.nn.MaxPool2d`; a pool is not a
+    block, so it is listed apart) and ``memory_efficient`` (paths of timm
+    DenseNet layers, blocks and transitions given effilayers' recomputing
+    forward)."""
 
     mode: str
     activation_param: float
@@ -79,6 +94,8 @@ class ConversionReport(_Report):
     left_alone: list[LeftAlone] = field(default_factory=list)
     replaced_blocks: list[str] = field(default_factory=list)
     replaced_pools: list[str] = field(default_factory=list)
+    recomputed: list[RecomputedNorm] = field(default_factory=list)
+    memory_efficient: list[str] = field(default_factory=list)
 
     @property
     def fused_paths(self) -> list[str]:
@@ -100,8 +117,11 @@ class ConversionReport(_Report):
              + (" (function changed)" if pair.function_changed else "") + (f" -- {pair.note}" if pair.note else "")
              for pair in self.fused],
             note=" -- activations changed, see function_changed" if self.function_changed else "",
-            more=[(title, paths) for title, paths in (("ResNet blocks replaced", self.replaced_blocks),
-                                                      ("max pools replaced", self.replaced_pools)) if paths])
+            more=[(title, paths) for title, paths in (
+                ("recomputed in backward", [f"{entry.norm}: {entry.before}" for entry in self.recomputed]),
+                ("DenseNet modules made memory-efficient", self.memory_efficient),
+                ("ResNet blocks replaced", self.replaced_blocks),
+                ("max pools replaced", self.replaced_pools)) if paths])
 
 
 @dataclass
@@ -111,6 +131,8 @@ class RevertReport(_Report):
     restored: list[RestoredPair] = field(default_factory=list)
     left_alone: list[LeftAlone] = field(default_factory=list)
     fit_steps_undone: int = 0  # steps of effilayers.fit (checkpointed parts, DenseNet switches) undone first
+    # timm DenseNet modules given their own class (and forward) back
+    restored_classes: list[str] = field(default_factory=list)
 
     @property
     def restored_paths(self) -> list[str]:
@@ -120,4 +142,5 @@ class RevertReport(_Report):
         return self._summary(
             "effilayers.revert", "restored",
             [f"{pair.norm}: {pair.module}" + (f" (activation at {pair.activation})" if pair.activation else "")
-             + (f" -- {pair.note}" if pair.note else "") for pair in self.restored])
+             + (f" -- {pair.note}" if pair.note else "") for pair in self.restored],
+            more=[("timm classes given back", self.restored_classes)] if self.restored_classes else ())

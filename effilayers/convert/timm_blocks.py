@@ -33,7 +33,7 @@ from torch import nn
 
 from ..nn import ABN
 from ..nn.fused import BASE_TYPE_ATTR, WITH_BASE_ATTR, FusedActivation
-from .patterns import Activation, activation_module, activation_of_fused
+from .patterns import Activation, activation_module, activation_of_fused, has_hooks
 
 _TIMM_RESNET = "timm.models.resnet"
 # (norm, activation, the module that runs between them in timm's forward)
@@ -50,6 +50,9 @@ _BLOCK_CHILDREN = {
 _OPTIONAL_CHILDREN = {"se", "downsample", "drop_path"}
 _STEM_CHILDREN = {"conv1", "bn1", "act1", "maxpool", "layer1", "layer2", "layer3", "layer4"}
 _DENSE_LAYER = ("timm.models.densenet", "DenseLayer")
+# timm's squeeze-excitation modules: ``x * gate(pooled x)``, a new tensor,
+# nothing written into x (their children see only the pooled values)
+_SE_MODULES = {("timm.layers.squeeze_excite", "SEModule"), ("timm.layers.squeeze_excite", "EffectiveSEModule")}
 _CONV_NORM_ACT = ("timm.layers.conv_bn_act", "ConvNormAct")
 
 
@@ -73,6 +76,13 @@ def block_kind(module: nn.Module) -> Optional[str]:
 def is_resnet(module: nn.Module) -> bool:
     """timm's ResNet, whose forward runs conv1, bn1, act1, maxpool, layer1-4."""
     return _timm_class(module, _TIMM_RESNET, "ResNet") and _STEM_CHILDREN <= set(module._modules)
+
+
+def is_plain_se(module: nn.Module) -> bool:
+    """One of timm's squeeze-excitation modules, without hooks: it reads its
+    input and returns a new tensor."""
+    kind = type(module)
+    return (kind.__module__, kind.__name__) in _SE_MODULES and not has_hooks(module)
 
 
 def inner_pairs(kind: str):

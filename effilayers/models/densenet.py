@@ -71,7 +71,7 @@ import re
 import warnings
 import weakref
 from collections import OrderedDict
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -178,15 +178,17 @@ def _plain_conv(conv: nn.Module) -> bool:
 _module_globals = torch.nn.modules.module
 
 
-def _hooked(norm: nn.Module, relu: nn.Module, conv: nn.Module) -> bool:
+def _hooked(norm: nn.Module, relu: Optional[nn.Module], conv: nn.Module) -> bool:
     """Whether calling these modules would run hooks, their own or global
-    ones (``register_module_forward_hook``, ...). Dict-emptiness tests only:
-    this runs for every layer of every forward."""
-    return bool(_module_globals._global_forward_pre_hooks or _module_globals._global_forward_hooks
-                or _module_globals._global_backward_pre_hooks or _module_globals._global_backward_hooks
-                or norm._forward_pre_hooks or norm._forward_hooks or norm._backward_pre_hooks or norm._backward_hooks
-                or relu._forward_pre_hooks or relu._forward_hooks or relu._backward_pre_hooks or relu._backward_hooks
-                or conv._forward_pre_hooks or conv._forward_hooks or conv._backward_pre_hooks or conv._backward_hooks)
+    ones (``register_module_forward_hook``, ...), or those of the modules a
+    norm runs itself (a norm-act layer's ``act``; ``relu`` is None then).
+    Dict-emptiness tests only: this runs for every layer of every forward."""
+    if (_module_globals._global_forward_pre_hooks or _module_globals._global_forward_hooks
+            or _module_globals._global_backward_pre_hooks or _module_globals._global_backward_hooks):
+        return True
+    modules = (norm, conv, *norm._modules.values()) if relu is None else (norm, relu, conv)
+    return any(module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks
+               or module._backward_hooks for module in modules if module is not None)
 
 
 # Why memory_efficient=True fell back to the module path somewhere: each
@@ -236,11 +238,14 @@ def _tracer() -> Optional[str]:
     return None
 
 
-def _recomputes(norm: nn.Module, relu: nn.Module, conv: nn.Module) -> bool:
+def _recomputes(norm: nn.Module, relu: Optional[nn.Module], conv: nn.Module,
+                plain_pair: Callable[[nn.Module, Optional[nn.Module]], bool] = _plain_norm_relu) -> bool:
     """Whether a memory-efficient ``conv(relu(norm(x)))`` runs through the
     recomputing Function; if not, the caller calls the modules (the naive
-    path, for this one step), which computes the same function."""
-    if not _plain_norm_relu(norm, relu):
+    path, for this one step), which computes the same function.
+    ``plain_pair`` is the owner's test that ``norm`` then ``relu`` (None: the
+    norm's own activation) is exactly BatchNorm + ReLU."""
+    if not plain_pair(norm, relu):
         # effilayers' own norms (norm_act="inplace", convert) save memory
         # their own way; a BatchNorm that is not BatchNorm2d + ReLU does not.
         if isinstance(norm, nn.modules.batchnorm._BatchNorm) and not isinstance(norm, ABN):
@@ -283,27 +288,45 @@ class DenseLayer(nn.Module):
         self.drop_rate = float(drop_rate)
         self.memory_efficient = memory_efficient
 
-    def _bottleneck_naive(self, features: list[torch.Tensor]) -> torch.Tensor:
-        return self.conv1(self.relu1(self.norm1(torch.cat(features, 1))))
+    # The test that a norm and its activation are exactly what the
+    # recomputing Function implements; owners whose norms apply their own
+    # activation (timm's DenseLayer, effilayers.convert) pass another.
+    _plain_pair = staticmethod(_plain_norm_relu)
 
     def forward(self, features: torch.Tensor | Sequence[torch.Tensor],
                 batch_statistics: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
         """``features``: the maps of the block so far. ``batch_statistics``:
         their per-channel (mean, biased variance), when the block has them
         (memory-efficient mode uses them instead of recomputing)."""
-        features = [features] if isinstance(features, torch.Tensor) else list(features)
-        if self.memory_efficient and _recomputes(self.norm1, self.relu1, self.conv1):
-            out = _norm_relu_conv(features, self.norm1, self.conv1, batch_statistics)
-        else:
-            out = self._bottleneck_naive(features)
-        if self.memory_efficient and _recomputes(self.norm2, self.relu2, self.conv2):
-            out = _norm_relu_conv([out], self.norm2, self.conv2)
-        else:
-            # InPlaceABN writes over conv1's output, the one copy kept.
-            out = self.conv2(self.relu2(self.norm2(out)))
-        if self.drop_rate > 0:
-            out = F.dropout(out, p=self.drop_rate, training=self.training)
-        return out
+        return dense_layer_forward(self, features, batch_statistics)
+
+
+def _then(relu: Optional[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    # None: the norm applied its own activation
+    return x if relu is None else relu(x)
+
+
+def dense_layer_forward(layer: nn.Module, features: torch.Tensor | Sequence[torch.Tensor],
+                        batch_statistics: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+    """A dense layer's forward, for :class:`DenseLayer` and for any module
+    with its attributes: ``norm1``, ``relu1``, ``conv1``, ``norm2``,
+    ``relu2``, ``conv2`` (a ``relu`` None where the norm applies its own
+    activation), ``drop_rate``, ``memory_efficient`` and ``_plain_pair``
+    (effilayers.convert gives timm's DenseLayer this forward)."""
+    features = [features] if isinstance(features, torch.Tensor) else list(features)
+    memory_efficient = layer.memory_efficient
+    if memory_efficient and _recomputes(layer.norm1, layer.relu1, layer.conv1, layer._plain_pair):
+        out = _norm_relu_conv(features, layer.norm1, layer.conv1, batch_statistics)
+    else:
+        out = layer.conv1(_then(layer.relu1, layer.norm1(torch.cat(features, 1))))
+    if memory_efficient and _recomputes(layer.norm2, layer.relu2, layer.conv2, layer._plain_pair):
+        out = _norm_relu_conv([out], layer.norm2, layer.conv2)
+    else:
+        # InPlaceABN writes over conv1's output, the one copy kept.
+        out = layer.conv2(_then(layer.relu2, layer.norm2(out)))
+    if layer.drop_rate > 0:
+        out = F.dropout(out, p=layer.drop_rate, training=layer.training)
+    return out
 
 
 class _OutputWatch:
@@ -410,45 +433,52 @@ class DenseBlock(nn.ModuleDict):
                                                     drop_rate, memory_efficient, norm_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        layers = list(self.values())
-        buffer = None
-        # Under a tracer the layers call their modules: no buffer, no shared
-        # statistics (checked before anything that would branch on x).
-        traced = _tracer() is not None
-        # Zero-copy concatenation: the maps live in one buffer from the start,
-        # so the output is not a second copy of all of them. Not under
-        # torch.compile, which cannot trace the storage aliasing (Tensor.set_)
-        # and plans what its graph keeps itself.
-        if not traced and layers and all(layer.memory_efficient for layer in layers) \
-                and not torch.compiler.is_compiling() and x.dim() == 4:
-            channels = x.shape[1] + sum(layer.conv2.out_channels for layer in layers)
-            buffer = _BlockBuffer(x, channels)
-            x = _IntoBuffer.apply(x, buffer, 0)
-        features = [x]
-        # A channel's batch statistics are the same in every layer that
-        # normalises it: compute them once per map, when it appears.
-        share = not traced and any(layer.memory_efficient and _plain_norm_relu(layer.norm1, layer.relu1)
-                    and _uses_batch_statistics(layer.norm1) for layer in layers)
-        means: list[torch.Tensor] = []
-        variances: list[torch.Tensor] = []
-        for layer in layers:
-            statistics = None
-            if share:
-                with torch.no_grad():
-                    for new in features[len(means):]:
-                        mean, var, _ = batch_stats(new)
-                        means.append(mean)
-                        variances.append(var)
-                statistics = (torch.cat(means), torch.cat(variances))
-            new_map = layer(features, statistics)
-            if buffer is not None:
-                new_map = _IntoBuffer.apply(new_map, buffer, sum(f.shape[1] for f in features))
-            features.append(new_map)
-        if buffer is None:
-            return torch.cat(features, 1)
-        output = _BufferOutput.apply(buffer, *features)
-        buffer.watch(output)
-        return output
+        return dense_block_forward(self, x)
+
+
+def dense_block_forward(block: nn.ModuleDict, x: torch.Tensor) -> torch.Tensor:
+    """A dense block's forward over the layers ``block`` holds, in order,
+    each with :func:`dense_layer_forward`'s attributes and arguments (timm's
+    DenseBlock gets it from effilayers.convert)."""
+    layers = list(block.values())
+    buffer = None
+    # Under a tracer the layers call their modules: no buffer, no shared
+    # statistics (checked before anything that would branch on x).
+    traced = _tracer() is not None
+    # Zero-copy concatenation: the maps live in one buffer from the start,
+    # so the output is not a second copy of all of them. Not under
+    # torch.compile, which cannot trace the storage aliasing (Tensor.set_)
+    # and plans what its graph keeps itself.
+    if not traced and layers and all(layer.memory_efficient for layer in layers) \
+            and not torch.compiler.is_compiling() and x.dim() == 4:
+        channels = x.shape[1] + sum(layer.conv2.out_channels for layer in layers)
+        buffer = _BlockBuffer(x, channels)
+        x = _IntoBuffer.apply(x, buffer, 0)
+    features = [x]
+    # A channel's batch statistics are the same in every layer that
+    # normalises it: compute them once per map, when it appears.
+    share = not traced and any(layer.memory_efficient and layer._plain_pair(layer.norm1, layer.relu1)
+                               and _uses_batch_statistics(layer.norm1) for layer in layers)
+    means: list[torch.Tensor] = []
+    variances: list[torch.Tensor] = []
+    for layer in layers:
+        statistics = None
+        if share:
+            with torch.no_grad():
+                for new in features[len(means):]:
+                    mean, var, _ = batch_stats(new)
+                    means.append(mean)
+                    variances.append(var)
+            statistics = (torch.cat(means), torch.cat(variances))
+        new_map = layer(features, statistics)
+        if buffer is not None:
+            new_map = _IntoBuffer.apply(new_map, buffer, sum(f.shape[1] for f in features))
+        features.append(new_map)
+    if buffer is None:
+        return torch.cat(features, 1)
+    output = _BufferOutput.apply(buffer, *features)
+    buffer.watch(output)
+    return output
 
 
 class Transition(nn.Sequential):
@@ -467,10 +497,22 @@ class Transition(nn.Sequential):
         self.pool = nn.AvgPool2d(kernel_size=2, stride=2)
         self.memory_efficient = memory_efficient
 
+    _plain_pair = staticmethod(_plain_norm_relu)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not (self.memory_efficient and _recomputes(self.norm, self.relu, self.conv)):
-            return super().forward(x)
-        return self.pool(_norm_relu_conv([x], self.norm, self.conv))
+        return transition_forward(self, x)
+
+
+def transition_forward(transition: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+    """A transition's forward, for :class:`Transition` and for any
+    Sequential of ``norm``, [``relu``,] ``conv``, ``pool`` with
+    ``memory_efficient`` and ``_plain_pair`` (``relu`` None where the norm
+    applies its own activation: timm's DenseTransition, given this forward
+    by effilayers.convert)."""
+    if not (transition.memory_efficient and _recomputes(transition.norm, transition.relu, transition.conv,
+                                                        transition._plain_pair)):
+        return nn.Sequential.forward(transition, x)
+    return transition.pool(_norm_relu_conv([x], transition.norm, transition.conv))
 
 
 class DenseNet(nn.Module):
