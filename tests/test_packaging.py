@@ -31,6 +31,8 @@ def test_declared_dependencies_and_extras():
     assert any(req.startswith("triton") and "Linux" in req for req in extras["triton"])
     assert {"pytest", "pytest-benchmark", "hypothesis"} <= set(extras["test"])
     assert {"tqdm", "matplotlib"} <= set(extras["bench"])
+    # the docs site's builder, its theme and the API reference's plugin (CI builds it with --strict)
+    assert {"mkdocs", "mkdocs-material", "mkdocstrings"} <= {req.split("[")[0].split(">")[0] for req in extras["docs"]}
 
 
 @pytest.mark.slow
