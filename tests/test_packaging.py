@@ -64,3 +64,13 @@ def test_packages_and_tuned_tables_are_found_not_listed():
     assert set(setuptools["packages"]) == {"find"}  # no list of names
     assert setuptools["packages"]["find"]["include"] == ["effilayers", "effilayers.*"]
     assert setuptools["package-data"]["*"] == ["tuned_*.json"]
+
+
+def test_no_build_artifact_is_committed():
+    # A wheel once landed at the repository root by accident (issue 30): packages and
+    # compiled objects are built, never committed.
+    done = subprocess.run(["git", "-C", str(ROOT), "ls-files"], capture_output=True, text=True)
+    assert done.returncode == 0, f"the check needs this checkout's git index: {done.stderr.strip()}"
+    artifacts = [name for name in done.stdout.splitlines()
+                 if name.endswith((".whl", ".egg", ".tar.gz", ".zip", ".so", ".o", ".pyc"))]
+    assert not artifacts, artifacts
