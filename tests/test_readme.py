@@ -35,8 +35,27 @@ def _check_quick_example(out: str) -> None:
     assert int(pairs) == 20 and float(after) < float(before) and float(ratio) <= 0.6, out
 
 
+def _last_line(out: str) -> str:
+    return out.strip().splitlines()[-1]
+
+
+def _check_densenet_ratio(out: str) -> None:
+    """The DenseNet example's comment: 0.31 of the naive model's activation bytes at 2x3x32x32."""
+    assert round(float(_last_line(out)), 2) == 0.31, out
+
+
+def _check_inplace_resnet_ratio(out: str) -> None:
+    """The ResNet example of the ABN guide: ResNet-18 in place keeps 0.52 of plain's bytes at 2x3x64x64."""
+    assert round(float(_last_line(out)), 2) == 0.52, out
+
+
+def _check_budget_met(out: str) -> None:
+    assert _last_line(out) == "True", out
+
+
 # what a block prints, checked where the block says so: a marker in its code -> the check
-_OUTPUT_CHECKS = {"pairs fused; activations": _check_quick_example}
+_OUTPUT_CHECKS = {"pairs fused; activations": _check_quick_example, "# 0.31 here": _check_densenet_ratio,
+                  "# 0.52 (ResNet-50": _check_inplace_resnet_ratio, "<= report.budget_bytes)": _check_budget_met}
 
 
 def run_here(page: str) -> list[Block]:
@@ -60,6 +79,9 @@ def test_every_block_runs_in_exactly_one_test():
         path, name = test.split("::")
         source = (ROOT / path).read_text()
         assert f"\ndef {name}(" in source and "claimed_block(" in source, test
+    # every output check still finds its block
+    for marker in _OUTPUT_CHECKS:
+        assert any(marker in block.code for block in everything), marker
     # and the README's first block is the quick example, whose output is checked here
     assert "pairs fused; activations" in blocks("README.md")[0].code
 
