@@ -224,20 +224,22 @@ def test_forward_backward(benchmark, implementation, device, shape, dtype):
 
 
 # --------------------------------------------------------------------------
-# The README's CPU table: time and peak of a step, one fresh process per row
+# The docs' CPU table (docs/benchmarks/results.md): time and peak of a step, one fresh process per row
 #
-#     python -m benchmarks.bench_linear_cross_entropy --readme README.md
-#     python -m benchmarks.bench_linear_cross_entropy --table-from benchmarks/results/<file>.json --readme README.md
+#     python -m benchmarks.bench_linear_cross_entropy --page docs/benchmarks/results.md
+#     python -m benchmarks.bench_linear_cross_entropy --table-from benchmarks/results/<file>.json \
+#         --page docs/benchmarks/results.md
 #
 # The first measures and writes benchmarks/results/linear_cross_entropy-cpu-table-<date>.json, the second only
-# regenerates the markdown from such a file; tests/test_linear_cross_entropy_api.py checks that the README's table
-# is what the committed file generates.
+# regenerates the markdown from such a file; tests/test_linear_cross_entropy_api.py checks that the page's table
+# is what the committed file generates. (--readme is the option's earlier name, kept for the recorded commands.)
 # --------------------------------------------------------------------------
 
 TABLE_SHAPE = (4096, 256, 32768)  # issue 32's CPU comparison: 512 MiB of fp32 logits
 TABLE_STEPS = 3
 TABLE_THREADS = 1  # one thread: on a shared machine the process's CPU time then is the step's compute alone
 TABLE_START = "<!-- lce-cpu-table:start -->"
+TABLE_PAGE = "docs/benchmarks/results.md"
 TABLE_END = "<!-- lce-cpu-table:end -->"
 BASELINE = "torch-linear_cross_entropy-chunked"  # torch's own way to a step without the whole logits
 
@@ -374,7 +376,7 @@ def _ratio(value) -> str:
 
 
 def render_table(report: dict, source: str) -> str:
-    """The README's text between the markers: what the table shows, where
+    """The page's text between the markers: what the table shows, where
     and how it was measured, then one row per variant."""
     shape, machine = report["shape"], report["machine"]
     load = "/".join(f"{a:.1f}" for a in (report["load_average_before"][0], report["load_average_after"][0]))
@@ -401,18 +403,18 @@ def render_table(report: dict, source: str) -> str:
     return "\n".join(lines)
 
 
-def readme_section(readme: str) -> str:
+def page_section(page: str) -> str:
     """The text between the table's markers (exactly one pair)."""
-    assert readme.count(TABLE_START) == 1 and readme.count(TABLE_END) == 1, "the README needs one pair of markers"
-    return readme.split(TABLE_START)[1].split(TABLE_END)[0]
+    assert page.count(TABLE_START) == 1 and page.count(TABLE_END) == 1, "the page needs one pair of markers"
+    return page.split(TABLE_START)[1].split(TABLE_END)[0]
 
 
-def write_readme(path, table: str) -> None:
+def write_page(path, table: str) -> None:
     from pathlib import Path
 
-    readme = Path(path).read_text()
-    old = readme_section(readme)
-    Path(path).write_text(readme.replace(TABLE_START + old + TABLE_END, f"{TABLE_START}\n{table}\n{TABLE_END}"))
+    page = Path(path).read_text()
+    old = page_section(page)
+    Path(path).write_text(page.replace(TABLE_START + old + TABLE_END, f"{TABLE_START}\n{table}\n{TABLE_END}"))
 
 
 def main(argv=None) -> None:
@@ -421,13 +423,14 @@ def main(argv=None) -> None:
     import sys
     from pathlib import Path
 
-    parser = argparse.ArgumentParser(description="The README's CPU table: time and peak of a "
+    parser = argparse.ArgumentParser(description="The docs' CPU table: time and peak of a "
                                      "linear_cross_entropy step beside torch's, one fresh process per row.")
     parser.add_argument("--table-from", metavar="JSON", help="regenerate the table from this results file, "
                         "measuring nothing")
     parser.add_argument("--json", metavar="PATH", help="where to write the results (default: "
                         "benchmarks/results/linear_cross_entropy-cpu-table-<date>.json)")
-    parser.add_argument("--readme", metavar="PATH", help="also write the table between its markers in this file")
+    parser.add_argument("--page", "--readme", dest="page", metavar="PATH",
+                        help=f"also write the table between its markers in this file ({TABLE_PAGE})")
     # bf16 steps at the table's shape take minutes each on one thread of a CPU without a fast bf16 GEMM
     parser.add_argument("--dtypes", nargs="+", choices=TABLE_DTYPES, default=list(TABLE_DTYPES),
                         help="the dtypes to measure (default: all)")
@@ -446,8 +449,8 @@ def main(argv=None) -> None:
     shown = source.resolve().relative_to(root) if source.resolve().is_relative_to(root) else source
     table = render_table(report, str(shown))
     print(table)
-    if args.readme:
-        write_readme(args.readme, table)
+    if args.page:
+        write_page(args.page, table)
 
 
 if __name__ == "__main__":

@@ -1,20 +1,22 @@
-"""The README's headline table, generated from committed ``effilayers-bench``
-results (never typed by hand).
+"""The headline tables of the README and of the docs' benchmark pages,
+generated from committed ``effilayers-bench`` results (never typed by hand).
 
     python -m effilayers.bench --json benchmarks/results/bench-<device>-<date>.json
-    python benchmarks/headline.py benchmarks/results/bench-<device>-<date>.json [more.json ...] --readme README.md
+    python benchmarks/headline.py benchmarks/results/bench-<device>-<date>.json [more.json ...] \
+        --page README.md --page docs/benchmarks/index.md
 
 Prints one markdown table per results file (device, settings and the exact
-command above it); with ``--readme`` the text between
-``<!-- headline:start -->`` and ``<!-- headline:end -->`` in that file is
-replaced by them. tests/test_bench_cli.py checks that the README's table is what
-this script makes of the files it names.
+command above it); with ``--page`` the text between
+``<!-- headline:start -->`` and ``<!-- headline:end -->`` in each such file is
+replaced by them. tests/test_bench_cli.py checks that each page's table
+(``PAGES``) is what this script makes of the files it names.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Optional
@@ -23,6 +25,9 @@ from effilayers.bench import agreement, measured_cells
 
 START = "<!-- headline:start -->"
 END = "<!-- headline:end -->"
+# the files that hold a headline section: the README's is the bench's own
+# results, docs/benchmarks/fit.md's the `--budget` runs
+PAGES = ("README.md", "docs/benchmarks/index.md", "docs/benchmarks/fit.md")
 
 
 def _with_ratio(text: str, ratio: Optional[float]) -> str:
@@ -89,10 +94,21 @@ def render(paths: list[str]) -> str:
     return "\n\n".join(blocks)
 
 
-def replace_in(readme: str, rendered: str) -> str:
-    if readme.count(START) != 1 or readme.count(END) != 1 or readme.index(START) > readme.index(END):
-        raise ValueError(f"the README must contain one {START} ... {END} section")
-    head, rest = readme.split(START)
+def section(page: str) -> str:
+    """The text between the markers of a page."""
+    if page.count(START) != 1 or page.count(END) != 1 or page.index(START) > page.index(END):
+        raise ValueError(f"the page must contain one {START} ... {END} section")
+    return page.split(START)[1].split(END)[0]
+
+
+def sources(page: str) -> list[str]:
+    """The results files a page's headline section names, in order."""
+    return re.findall(r"^`(benchmarks/results/[^`]+\.json)`:", section(page), flags=re.MULTILINE)
+
+
+def replace_in(page: str, rendered: str) -> str:
+    section(page)
+    head, rest = page.split(START)
     _, tail = rest.split(END)
     return f"{head}{START}\n{rendered}\n{END}{tail}"
 
@@ -100,14 +116,15 @@ def replace_in(readme: str, rendered: str) -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+", help="JSON files written by effilayers-bench --json")
-    parser.add_argument("--readme", help="replace the headline section of this file")
+    parser.add_argument("--page", "--readme", dest="page", action="append", default=[],
+                        help=f"replace the headline section of this file (repeatable; these have one: {PAGES})")
     args = parser.parse_args(argv)
     rendered = render(args.results)
-    if args.readme:
-        path = Path(args.readme)
+    for page in args.page:
+        path = Path(page)
         path.write_text(replace_in(path.read_text(), rendered))
         print(f"updated {path}")
-    else:
+    if not args.page:
         print(rendered)
     return 0
 

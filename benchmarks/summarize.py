@@ -6,6 +6,16 @@ against a device-to-device copy of the same bytes), so the ratios to torch
 and torch.compile and the fraction of the bandwidth ceiling sit side by side.
 
     python benchmarks/summarize.py benchmarks/results/abn-cpu-2026-11-22.json --baseline torch
+    python benchmarks/summarize.py --page docs/benchmarks/results.md
+
+With ``--page``, every section of that file written as
+
+    <!-- summarize benchmarks/results/<file>.json --baseline <name> -->
+    ...
+    <!-- summarize:end -->
+
+is replaced by the table of the file and baseline its opening marker names;
+tests/test_summarize.py checks that the committed page is what this makes.
 """
 
 from __future__ import annotations
@@ -14,6 +24,7 @@ import argparse
 import json
 import re
 from collections import defaultdict
+from pathlib import Path
 
 try:
     from benchmarks.ledger import implementation_labels
@@ -68,12 +79,36 @@ def summarize(path: str, baseline: str) -> str:
     return "\n".join(lines)
 
 
+PAGE = "docs/benchmarks/results.md"
+_SECTION = re.compile(r"^<!-- summarize (\S+\.json) --baseline (\S+) -->\n(.*?)^<!-- summarize:end -->$",
+                      re.S | re.M)
+
+
+def page_sections(page: str) -> list[tuple[str, str, str]]:
+    """(results file, baseline, text between the markers) of each section of a page."""
+    return [(match[1], match[2], match[3]) for match in _SECTION.finditer(page)]
+
+
+def render_page(page: str, root: Path = Path(".")) -> str:
+    """The page with every section's table regenerated from the file it names."""
+    return _SECTION.sub(lambda match: (f"<!-- summarize {match[1]} --baseline {match[2]} -->\n"
+                                       f"{summarize(str(root / match[1]), match[2])}\n<!-- summarize:end -->"), page)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("result", help="a pytest-benchmark JSON file")
+    parser.add_argument("result", nargs="?", help="a pytest-benchmark JSON file")
     parser.add_argument("--baseline", default="torch", help="implementation the ratios are taken against")
+    parser.add_argument("--page", help=f"regenerate every summarize section of this file ({PAGE})")
     args = parser.parse_args()
-    print(summarize(args.result, args.baseline))
+    if args.page:
+        path = Path(args.page)
+        path.write_text(render_page(path.read_text()))
+        print(f"updated {path}")
+    elif args.result:
+        print(summarize(args.result, args.baseline))
+    else:
+        parser.error("give a results file, or --page")
 
 
 if __name__ == "__main__":

@@ -109,10 +109,10 @@ SCALED = {"densenet_gemm": (f16, bf16), "densenet_gemm_tf32": (f32,), "float64_m
 # with fp32 states, 100 steps of lr 1e-2 on tests/optim_cases.py's net:
 # the largest |param - torch| and the relative L2 error per tensor.
 #   bf16 states (8 bits of mantissa): measured 1.7e-3 on parameters up to
-#   0.52, 0.6 %; the bounds are ~3x that (documented in README).
+#   0.52, 0.6 %; the bounds are ~3x that (documented in docs/guide/optim.md).
 #   8-bit states, measured on the reference and C++ paths (adamw / amsgrad):
-#   6.4e-3 / 8.8e-3, <= 3.0 % / 2.8 %; the bounds are ~2.3x that (README
-#   "Chunked Adam / AdamW" quotes the measurement).
+#   6.4e-3 / 8.8e-3, <= 3.0 % / 2.8 %; the bounds are ~2.3x that
+#   (docs/guide/optim.md, "8-bit states", quotes the measurement).
 TRAJECTORY_BOUNDS = {bf16: dict(atol=5e-3, rel_l2=0.02), "8bit": dict(atol=2e-2, rel_l2=0.07)}
 
 

@@ -1,6 +1,6 @@
 """The bench's timing, plot and command line: CUDA events or the clock, the
-plot's panels, argument and model errors (exit 2), output paths, the README
-headline."""
+plot's panels, argument and model errors (exit 2), output paths, the
+headline tables of the README and the docs."""
 
 from __future__ import annotations
 
@@ -355,22 +355,23 @@ def test_both_kinds_of_error_share_one_prefix(capsys):
     assert capsys.readouterr().err.startswith("effilayers-bench: error: --batch")
 
 
-def test_readme_headline_is_generated_from_the_committed_results(monkeypatch):
-    """The README's headline table is exactly what benchmarks/headline.py makes
-    of the results files it names: nobody edits the numbers by hand."""
+@pytest.mark.parametrize("page", ["README.md", "docs/benchmarks/index.md", "docs/benchmarks/fit.md"])
+def test_headline_tables_are_generated_from_the_committed_results(page, monkeypatch):
+    """The headline tables of the README and of the docs' benchmark pages are
+    exactly what benchmarks/headline.py makes of the results files each names:
+    nobody edits the numbers by hand."""
     from pathlib import Path
 
     from benchmarks import headline
 
     root = Path(__file__).resolve().parent.parent
-    readme = (root / "README.md").read_text()
-    assert readme.count(headline.START) == 1 and readme.count(headline.END) == 1
-    section = readme.split(headline.START)[1].split(headline.END)[0]
-    sources = re.findall(r"^`(benchmarks/results/[^`]+\.json)`:", section, flags=re.MULTILINE)
-    assert sources, "the headline section names no results file"
+    assert page in headline.PAGES
+    text = (root / page).read_text()
+    sources = headline.sources(text)
+    assert sources, f"the headline section of {page} names no results file"
     monkeypatch.chdir(root)
     for source in sources:
         report = json.loads(Path(source).read_text())
         assert {"command", "settings", "environment", "results"} <= set(report)
-    assert section.strip() == headline.render(sources).strip()
+    assert headline.section(text).strip() == headline.render(sources).strip()
 

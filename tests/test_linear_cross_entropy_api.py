@@ -320,15 +320,15 @@ def test_peak_memory_of_a_step_in_a_fresh_process(reduction):
     assert measured["growth"] <= 0.2 * measured["logits"], measured
 
 
-def test_readme_cpu_table_is_generated_from_the_committed_results():
-    # Measures nothing: the README's CPU table is what
+def test_docs_cpu_table_is_generated_from_the_committed_results():
+    # Measures nothing: the docs' CPU table is what
     # `python -m benchmarks.bench_linear_cross_entropy --table-from <json>` makes of the results file it names,
     # taken at issue 32's shape with one thread, and effilayers' rows keep issue 32's time target.
     from benchmarks import bench_linear_cross_entropy as bench
 
-    section = bench.readme_section((ROOT / "README.md").read_text())
+    section = bench.page_section((ROOT / bench.TABLE_PAGE).read_text())
     named = re.search(r"from `(benchmarks/results/linear_cross_entropy-cpu-table-[0-9-]+\.json)`", section)
-    assert named, "the README's CPU table names no results file"
+    assert named, "the docs' CPU table names no results file"
     report = json.loads((ROOT / named.group(1)).read_text())
     assert section.strip() == bench.render_table(report, named.group(1)).strip()
 
@@ -345,11 +345,11 @@ def test_readme_cpu_table_is_generated_from_the_committed_results():
         assert ours["growth"] <= 0.1 * ours["logits_fp32_bytes"], (dtype, ours["growth"])
 
 
-def test_readme_example_runs_and_matches_torch():
-    code = claimed_block("#### Linear + cross-entropy without the logits", 0,
-                         "tests/test_linear_cross_entropy_api.py::test_readme_example_runs_and_matches_torch")
+def test_docs_example_runs_and_matches_torch():
+    code = claimed_block("docs/guide/linear-cross-entropy.md", "# Linear + cross-entropy without the logits", 0,
+                         "tests/test_linear_cross_entropy_api.py::test_docs_example_runs_and_matches_torch")
     namespace: dict = {}
-    exec(compile(code, "README.md (linear + cross-entropy)", "exec"), namespace)
+    exec(compile(code, "docs/guide/linear-cross-entropy.md", "exec"), namespace)
     h, labels, lm_head = namespace["h"], namespace["labels"], namespace["lm_head"]
     expected = F.cross_entropy(lm_head(h).flatten(0, 1), labels.flatten())
     assert_close(namespace["loss"].detach(), expected.detach(), torch.float32)

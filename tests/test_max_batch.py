@@ -1,5 +1,5 @@
 """effilayers.find_max_batch as a library call: what it releases between
-tries, what it reports, its arguments, and the README examples of it and of
+tries, what it reports, its arguments, and the docs examples of it and of
 effilayers.checkpoint. The search itself (against simulated memory limits)
 and the bench's use of it are in tests/test_bench_max_batch.py."""
 
@@ -106,18 +106,20 @@ def test_peak_bytes_of_the_batch_found_on_cuda():
     assert 40 * mib <= found.peak_bytes - torch.cuda.memory_allocated() < 48 * mib
 
 
-def test_readme_examples_run(capsys):
-    """The README's section on checkpointing, find_max_batch and fit: each
-    example runs and prints what its comments say."""
-    section = "### Checkpointing with BatchNorm, and the largest batch that fits"
-    assert len(section_blocks(section)) == 3
-    blocks = [claimed_block(section, index, "tests/test_max_batch.py::test_readme_examples_run") for index in range(3)]
-    exec(compile(blocks[0], "README checkpoint example", "exec"), {})
+def test_docs_examples_run(capsys):
+    """The guide page on checkpointing, find_max_batch and fit: each example
+    runs and prints what its comments say."""
+    page, test = "docs/guide/checkpoint-fit.md", "tests/test_max_batch.py::test_docs_examples_run"
+    sections = ("## Checkpointing with BatchNorm", "## The largest batch that fits",
+                "## A model within an activation budget")
+    assert [len(section_blocks(page, section)) for section in sections] == [1, 1, 1]
+    blocks = [claimed_block(page, section, 0, test) for section in sections]
+    exec(compile(blocks[0], "docs checkpoint example", "exec"), {})
     counter, ratio = capsys.readouterr().out.split()
     assert counter == "1" and float(ratio) <= 0.3
-    exec(compile(blocks[1], "README find_max_batch example", "exec"), {})
+    exec(compile(blocks[1], "docs find_max_batch example", "exec"), {})
     batch, peak, tries = capsys.readouterr().out.split()
     if not torch.cuda.is_available():
         assert (batch, peak, tries) == ("256", "None", "6")
-    exec(compile(blocks[2], "README fit example", "exec"), {})
+    exec(compile(blocks[2], "docs fit example", "exec"), {})
     assert capsys.readouterr().out.splitlines()[-1] == "True"  # the budget is met

@@ -31,6 +31,8 @@ def test_declared_dependencies_and_extras():
     assert any(req.startswith("triton") and "Linux" in req for req in extras["triton"])
     assert {"pytest", "pytest-benchmark", "hypothesis"} <= set(extras["test"])
     assert {"tqdm", "matplotlib"} <= set(extras["bench"])
+    # the docs site's builder, its theme and the API reference's plugin (CI builds it with --strict)
+    assert {"mkdocs", "mkdocs-material", "mkdocstrings"} <= {req.split("[")[0].split(">")[0] for req in extras["docs"]}
 
 
 @pytest.mark.slow
@@ -62,3 +64,13 @@ def test_packages_and_tuned_tables_are_found_not_listed():
     assert set(setuptools["packages"]) == {"find"}  # no list of names
     assert setuptools["packages"]["find"]["include"] == ["effilayers", "effilayers.*"]
     assert setuptools["package-data"]["*"] == ["tuned_*.json"]
+
+
+def test_no_build_artifact_is_committed():
+    # A wheel once landed at the repository root by accident (issue 30): packages and
+    # compiled objects are built, never committed.
+    done = subprocess.run(["git", "-C", str(ROOT), "ls-files"], capture_output=True, text=True)
+    assert done.returncode == 0, f"the check needs this checkout's git index: {done.stderr.strip()}"
+    artifacts = [name for name in done.stdout.splitlines()
+                 if name.endswith((".whl", ".egg", ".tar.gz", ".zip", ".so", ".o", ".pyc"))]
+    assert not artifacts, artifacts

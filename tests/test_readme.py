@@ -1,6 +1,7 @@
 """Every ```python block of the README runs as written, each in a fresh
-namespace, so an example that names something it never defines, or an API
-that changed under it, fails here. A block that imports torchvision runs
+namespace (tests/test_docs.py does the same for the docs pages), so an
+example that names something it never defines, or an API that changed under
+it, fails here. A block that imports torchvision runs
 where torchvision imports (CI's torch 2.11 environment has it). Blocks whose
 output a section's own test checks run there instead (readme_blocks).
 
@@ -19,7 +20,7 @@ from typing import NamedTuple
 import pytest
 import tomllib
 
-from .readme_blocks import CHECKED_ELSEWHERE, README, Block, blocks
+from .readme_blocks import CHECKED_ELSEWHERE, README, ROOT, Block, blocks, pages
 
 _OPTIONAL = ("torchvision", "timm")
 _QUICK = re.compile(r"^(\d+) pairs fused; activations ([\d.]+) -> ([\d.]+) MiB \(([\d.]+)x\)$")
@@ -34,39 +35,76 @@ def _check_quick_example(out: str) -> None:
     assert int(pairs) == 20 and float(after) < float(before) and float(ratio) <= 0.6, out
 
 
+def _last_line(out: str) -> str:
+    return out.strip().splitlines()[-1]
+
+
+def _check_densenet_ratio(out: str) -> None:
+    """The DenseNet example's comment: 0.31 of the naive model's activation bytes at 2x3x32x32."""
+    assert round(float(_last_line(out)), 2) == 0.31, out
+
+
+def _check_inplace_resnet_ratio(out: str) -> None:
+    """The ResNet example of the ABN guide: ResNet-18 in place keeps 0.52 of plain's bytes at 2x3x64x64."""
+    assert round(float(_last_line(out)), 2) == 0.52, out
+
+
+def _check_budget_met(out: str) -> None:
+    assert _last_line(out) == "True", out
+
+
 # what a block prints, checked where the block says so: a marker in its code -> the check
-_OUTPUT_CHECKS = {"pairs fused; activations": _check_quick_example}
-HERE = [block for block in blocks() if (block.section, block.index) not in CHECKED_ELSEWHERE]
+_OUTPUT_CHECKS = {"pairs fused; activations": _check_quick_example, "# 0.31 here": _check_densenet_ratio,
+                  "# 0.52 (ResNet-50": _check_inplace_resnet_ratio, "<= report.budget_bytes)": _check_budget_met}
+
+
+def run_here(page: str) -> list[Block]:
+    """The blocks of ``page`` that no section's own test claims."""
+    return [block for block in blocks(page) if (block.page, block.section, block.index) not in CHECKED_ELSEWHERE]
+
+
+HERE = run_here("README.md")
 
 
 def test_every_block_runs_in_exactly_one_test():
-    everything = blocks()
-    assert len(everything) == README.read_text().count("```python") and len(everything) >= 10
+    everything = blocks(None)
+    assert len(everything) == sum((ROOT / page).read_text().count("```python") for page in pages())
+    assert len(blocks("README.md")) >= 7 and len(everything) >= 20
     # every block named as run elsewhere still exists where it was
-    assert set(CHECKED_ELSEWHERE) <= {(block.section, block.index) for block in everything}
-    assert len(HERE) + len(CHECKED_ELSEWHERE) == len(everything)
+    assert set(CHECKED_ELSEWHERE) <= {(block.page, block.section, block.index) for block in everything}
+    assert sum(len(run_here(page)) for page in pages()) + len(CHECKED_ELSEWHERE) == len(everything)
     # each test named there exists and takes its blocks through claimed_block,
     # which refuses a block not listed under that test's name
     for test in set(CHECKED_ELSEWHERE.values()):
         path, name = test.split("::")
-        source = (README.parent / path).read_text()
+        source = (ROOT / path).read_text()
         assert f"\ndef {name}(" in source and "claimed_block(" in source, test
-    # and the first block is the quick example, whose output is checked here
-    assert "pairs fused; activations" in everything[0].code
+    # every output check still finds its block
+    for marker in _OUTPUT_CHECKS:
+        assert any(marker in block.code for block in everything), marker
+    # and the README's first block is the quick example, whose output is checked here
+    assert "pairs fused; activations" in blocks("README.md")[0].code
 
 
-@pytest.mark.parametrize("code", [pytest.param(block.code, id=f"line-{block.line}") for block in HERE])
-def test_readme_python_block_runs(code, capsys):
+def run_block(block: Block, capsys) -> None:
+    """Runs ``block`` in a fresh namespace (skipped where an optional module
+    it imports does not import) and checks what it prints where it says so."""
+    code = block.code
     for module in _OPTIONAL:
         if re.search(rf"^(import|from) {module}\b", code, re.M):
             try:
                 __import__(module)
             except Exception as error:  # a torchvision built for another torch raises RuntimeError
                 pytest.skip(f"this block needs {module}, which does not import here: {error}")
-    exec(compile(code, str(README), "exec"), {"__name__": "readme_example"})
+    exec(compile(code, str(ROOT / block.page), "exec"), {"__name__": "readme_example"})
     for marker, check in _OUTPUT_CHECKS.items():
         if marker in code:
             check(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("block", [pytest.param(block, id=f"line-{block.line}") for block in HERE])
+def test_readme_python_block_runs(block, capsys):
+    run_block(block, capsys)
 
 
 # ---- what the install commands above a block installed -------------------------------------
@@ -138,19 +176,22 @@ def imported_distributions(block: Block) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
             modules.add(node.module.split(".")[0])
     modules -= set(sys.stdlib_module_names)
-    assert modules <= set(DISTRIBUTION), f"README line {block.line}: map {sorted(modules - set(DISTRIBUTION))}"
+    assert modules <= set(DISTRIBUTION), f"{block.id}: map {sorted(modules - set(DISTRIBUTION))}"
     return {DISTRIBUTION[module] for module in modules}
+
+
+def check_imports(block: Block, routes: list[list[Pip]]) -> None:
+    needed = imported_distributions(block)
+    assert routes, f"{block.id}: no install command above this block"
+    for route in routes:
+        missing = needed - set().union(*(command.installs for command in route))
+        assert not missing, (f"{block.id} imports {sorted(missing)}, which {route[0].command!r} and "
+                             "the commands after it do not install")
 
 
 @pytest.mark.parametrize("block", [pytest.param(block, id=f"line-{block.line}") for block in blocks()])
 def test_each_block_imports_only_what_the_install_commands_above_it_installed(block):
-    needed = imported_distributions(block)
-    routes = install_routes(block.line)
-    assert routes, f"README line {block.line}: no install command above this block"
-    for route in routes:
-        missing = needed - set().union(*(command.installs for command in route))
-        assert not missing, (f"README line {block.line} imports {sorted(missing)}, which {route[0].command!r} and "
-                             "the commands after it do not install")
+    check_imports(block, install_routes(block.line))
 
 
 def test_torchvision_comes_from_torchs_index_and_timm_after_it():

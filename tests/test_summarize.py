@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 
-from benchmarks.summarize import summarize
+from benchmarks.summarize import PAGE, page_sections, render_page, summarize
+
+from .readme_blocks import ROOT
 
 
 def _row(implementation: str, case: str, group: str, median: float, **extra_info) -> dict:
@@ -40,3 +42,24 @@ def test_pct_of_copy_is_a_column_per_implementation_that_records_it(tmp_path):
 def test_no_copy_column_when_no_row_records_one(tmp_path):
     header, _, row = _table(tmp_path, [_row("torch", "cpu", "g", 1e-3), _row("effilayers", "cpu", "g", 2e-3)])
     assert header == ["case", "torch", "effilayers"] and row == ["g", "1.00 ms", "2.00 ms (2.00×)"]
+
+
+def test_docs_tables_are_generated_from_the_committed_results():
+    # The docs' per-family tables are what summarize makes of the files their markers name.
+    text = (ROOT / PAGE).read_text()
+    sections = page_sections(text)
+    assert len(sections) >= 10
+    for source, _, _ in sections:
+        assert (ROOT / source).is_file() and source.startswith("benchmarks/results/"), source
+    assert render_page(text, ROOT) == text
+
+
+def test_page_sections_are_replaced_in_place(tmp_path):
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps({"machine_info": {"effilayers": {"device": "cpu"}},
+                                "benchmarks": [_row("torch", "cpu", "g", 1e-3), _row("effilayers", "cpu", "g", 2e-3)]}))
+    page = f"intro\n<!-- summarize {path.name} --baseline torch -->\nstale\n<!-- summarize:end -->\nafter\n"
+    rendered = render_page(page, tmp_path)
+    assert rendered.startswith("intro\n<!-- summarize ") and rendered.endswith("<!-- summarize:end -->\nafter\n")
+    assert "stale" not in rendered and "| g | 1.00 ms | 2.00 ms (2.00×) |" in rendered
+    assert page_sections(rendered)[0][:2] == (path.name, "torch")

@@ -251,8 +251,9 @@ class ResNet(nn.Module):
         zero_init_residual: start the last norm of every block at weight 0,
             so each block begins as its shortcut (1e-3 instead of 0 with
             ``norm_act="inplace"``, see the module docstring).
-        groups, width_per_group: ResNeXt cardinality and Wide ResNet width
-            of the bottleneck 3x3 convolutions.
+        groups: ResNeXt cardinality of the bottleneck 3x3 convolutions.
+        width_per_group: Wide ResNet width of the bottleneck 3x3
+            convolutions (per group).
         replace_stride_with_dilation: three bools, for stages 2-4: keep the
             resolution and dilate instead of striding (dense prediction).
         norm_act: ``"plain"``, ``"abn"`` or ``"inplace"`` (module docstring).
