@@ -155,8 +155,13 @@ def has_history(root: Path) -> bool:
     return _git_out(root, "rev-parse", "--is-shallow-repository") == "false"
 
 
+# A family's self-test inputs (ops/<family>/selftest.py) sit beside its
+# kernels but change nothing a GPU result measured.
+NOT_KERNELS = (":(exclude,glob)effilayers/ops/*/selftest.py",)
+
+
 def last_change(root: Path, pathspecs: tuple[str, ...]) -> Optional[Commit]:
-    line = _git_out(root, "log", "-1", "--format=%H %cs", "--", *pathspecs)
+    line = _git_out(root, "log", "-1", "--format=%H %cs", "--", *pathspecs, *NOT_KERNELS)
     if not line:
         return None
     full, date = line.split()
