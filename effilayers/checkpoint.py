@@ -704,18 +704,24 @@ class offload_saved_tensors:
         self.used = False
         self.previous: Callable[[], Any] = lambda: None
         self.index = 0
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self.hooks: Any = None
 
     def __enter__(self) -> "offload_saved_tensors":
         previous = _LAST_GROUP[0]()
         if previous is not None and not previous.fetched:
             self.previous, self.index = weakref.ref(previous), previous.index + 1
         _LAST_GROUP[0] = weakref.ref(self)
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self.hooks.__enter__()
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
         self.hooks.__exit__(*exc_info)
+        # The hooks hold this group through their bound methods: dropped, the
+        # group lives exactly as long as the graph keeps its tensors, so a
+        # forward without backward frees its host copies at once and is
+        # never fetched by the next forward's groups.
+        self.hooks = None
         if self.log is not None:
             self.log.append(("offload", self.index, len(self.held),
                              sum(held.host.numel() * held.host.element_size() for held in self.held)))

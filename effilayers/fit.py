@@ -651,11 +651,12 @@ class _Profile:
         return largest
 
 
-def _profile(model: nn.Module, call: _Call, parts: list[_Part]) -> _Profile:
+def _profile(model: nn.Module, call: _Call, parts: list[_Part], flops: bool = True) -> _Profile:
     """One forward with the meter: per child of each part, the storages it
-    saved on; one with the FLOP counter. Two forwards: FlopCounterMode
-    installs global module hooks, and a hooked DenseNet layer calls its
-    modules instead of recomputing, which would change what is saved."""
+    saved on; one with the FLOP counter (``flops``; without it the FLOPs
+    read 0). Two forwards: FlopCounterMode installs global module hooks,
+    and a hooked DenseNet layer calls its modules instead of recomputing,
+    which would change what is saved."""
     children = [[_Child() for _ in part.members] for part in parts]
 
     def forward_with(before: Callable, after: Callable, at_end: Callable = lambda: None) -> None:
@@ -705,6 +706,8 @@ def _profile(model: nn.Module, call: _Call, parts: list[_Part]) -> _Profile:
         by_children = sum(children[part][index].saves[key][1] for part, index in owners)
         storages[key] = _Storage(span, owners, outside=count > by_children, growth=growth,
                                  outside_growth=max(span - sum(growth.values()), 0))
+    if not flops:
+        return _Profile(children, storages, 0)
     counter = FlopCounterMode(display=False)
     # Its global hooks make memory-efficient DenseNet layers call their
     # modules (same FLOPs) and warn once per process: keep that warning for
@@ -1080,7 +1083,7 @@ def _selective_plan(model: nn.Module, call: _Call, parts: list[_Part], profile: 
         return {}
     undo = [_checkpoint_unit(parts[index].module, "selective") for index in units]
     try:
-        selective = _profile(model, call, parts)
+        selective = _profile(model, call, parts, flops=False)
         policies = {index: _LAST_POLICY[parts[index].module] for index in units}
     finally:
         for restore in reversed(undo):
