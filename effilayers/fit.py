@@ -1053,6 +1053,10 @@ def _checkpoint_chain(model, call, parts, report, undo, record, done, offload=Fa
             detail = f"{children} checkpointed; segments now {segments}"
         flops = sum(child.flops for child in profile.children[index][start:end])
         step("checkpoint", index, detail, flops / step_flops, last=number == len(moves))
+    if "selective" in modes.values():
+        report.notes.append("selective units allow one backward per forward (torch's selective checkpoint frees "
+                            "its cache in the first): a backward with retain_graph=True through them fails the "
+                            "second time")
     if report.steps and report.steps[-1].measured_bytes is None:
         # The chain ended on an unmeasured step: its bytes are the smallest reachable figure.
         last = dataclasses.replace(report.steps[-1], measured_bytes=_measure(model, call))
@@ -1066,7 +1070,7 @@ def _checkpoint_chain(model, call, parts, report, undo, record, done, offload=Fa
     for index in units:
         reason = why.get(index, "")
         if modes[index] == "keep":
-            reason = "kept: the budget was met before its step" + (f" ({reason})" if reason else "")
+            reason = "kept: the budget was met before its step" + (f"; {reason}" if reason else "")
         report.units.append(UnitChoice(parts[index].path, modes[index], reason))
     report.recompute_bytes = profile.largest_segment_bytes(state)
 
@@ -1083,8 +1087,11 @@ def _selective_plan(model: nn.Module, call: _Call, parts: list[_Part], profile: 
         return {}
     undo = [_checkpoint_unit(parts[index].module, "selective") for index in units]
     try:
+        for index in units:
+            _LAST_POLICY.pop(parts[index].module, None)
         selective = _profile(model, call, parts, flops=False)
-        policies = {index: _LAST_POLICY[parts[index].module] for index in units}
+        # A unit the forward never called (an unused ModuleDict member) has no policy: it saves nothing.
+        policies = {index: _LAST_POLICY.get(parts[index].module, KeepExpensive()) for index in units}
     finally:
         for restore in reversed(undo):
             restore()

@@ -138,6 +138,43 @@ def test_budgets_choose_selective_first_and_whole_only_where_selective_cannot_re
     assert not any(type(module).__name__.startswith("Checkpointed") for module in base.modules())
 
 
+class _WideBlock(nn.Module):
+    """Two cheap ops between two matmuls: selective keeps the matmul outputs, drops GELU's and the norm's."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.norm, self.down = nn.Linear(16, 48), nn.LayerNorm(48), nn.Linear(48, 16)
+
+    def forward(self, x):
+        return x + self.down(self.norm(nn.functional.gelu(self.up(x))))
+
+
+class _Blocks(nn.Module):
+    """Blocks in a ModuleDict, one of them never called."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleDict({name: _WideBlock() for name in ("a", "b", "unused")})
+
+    def forward(self, x):
+        return self.blocks["b"](self.blocks["a"](x))
+
+
+def test_selective_units_say_so_skip_an_unused_one_and_refuse_a_second_backward():
+    torch.manual_seed(0)
+    model = _Blocks().train()
+    x = torch.randn(6, 16)
+    report = effilayers.fit(model, x, 0.5)
+    assert [(unit.target, unit.mode) for unit in report.units] == [
+        ("blocks.a", "selective"), ("blocks.b", "selective"), ("blocks.unused", "keep")]
+    assert "saves nothing here" in report.units[2].why
+    assert any("retain_graph=True" in note for note in report.notes)
+    loss = model(x).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError):
+        loss.backward()
+
+
 def test_offload_moves_saved_tensors_to_host_and_fetches_one_block_ahead_on_the_stream_free_path():
     torch.manual_seed(0)
     plain = _encoder(layers=3).train()
