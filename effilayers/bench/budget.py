@@ -17,6 +17,11 @@ fraction of the plain model's activation bytes or bytes (``2GiB``, issue 33).
   bytes than ``fit``'s (:func:`effilayers.fit.checkpoint_runs_to`), so its
   time is the price of the same bytes with torch's checkpoint alone; where
   no run gets there, its note says what it reached;
+* checkpoint every block, what users write by hand: every child of the
+  model's outermost sequential parts through torch's
+  ``torch.utils.checkpoint.checkpoint`` (``use_reentrant=False``), one
+  segment each, and every other unit ``fit`` finds (a transformer's
+  blocks) checkpointed whole;
 * ``torch.compile`` of the plain model compiled under
   ``torch._functorch.config.activation_memory_budget``, the budget as a
   fraction of the plain model's activation bytes.
@@ -39,6 +44,8 @@ from .. import memory
 from ..checkpoint import sqrt_segments
 from ..fit import (
     CheckpointedSequential,
+    _checkpoint_parts,
+    _checkpoint_unit,
     _run_in_order,
     _sequential_parts,
     _set_segments,
@@ -49,12 +56,14 @@ from ..fit import (
 from .variants import BenchError, Variant
 
 __all__ = ["budget_argument", "budget_label", "budget_variants", "TorchCheckpointedSequential", "TorchCheckpointedRuns",
-           "compile_under_budget", "FIT", "CHECKPOINT_SEQUENTIAL", "TORCH_CHECKPOINT", "COMPILE_BUDGET"]
+           "compile_under_budget", "checkpoint_every_block", "FIT", "CHECKPOINT_SEQUENTIAL", "TORCH_CHECKPOINT",
+           "EVERY_BLOCK", "COMPILE_BUDGET"]
 
 FIT = "fit({})"
 CHECKPOINT_SEQUENTIAL = "checkpoint_sequential ({})"
 TORCH_CHECKPOINT = "torch checkpoint (to fit's bytes)"
 COMPILE_BUDGET = "torch.compile budget {:.3g}"
+EVERY_BLOCK = "checkpoint every block"
 
 
 def budget_argument(text: str) -> Union[float, int]:
@@ -142,6 +151,19 @@ def _torch_checkpoint_row(plain: Variant, fitted: nn.Module, fit_bytes: int, ima
                    note=f"torch.utils.checkpoint.checkpoint, use_reentrant=False, on the plain model: fit's runs "
                         f"{first or 'none'}, then more in fit's order; {runs}; {reach} (torch's BatchNorm running "
                         "statistics move twice per step)")
+
+
+def checkpoint_every_block(model: nn.Module) -> nn.Module:
+    """``model`` (in place) with every child of its outermost sequential
+    parts in a segment of its own through torch's checkpoint, and every
+    other unit ``fit`` finds checkpointed whole (``fit``'s unit class)."""
+    for part in _checkpoint_parts(model):
+        if part.unit:
+            _checkpoint_unit(part.module)
+        else:
+            _set_segments(part.module, [(index, index + 1) for index in range(len(part.module))],
+                          TorchCheckpointedRuns)
+    return model
 
 
 def _checkpoint_with_torch(model: nn.Module, segments: dict[str, int]) -> nn.Module:
@@ -249,6 +271,14 @@ def budget_variants(variants: list[Variant], budget: Union[float, int], example:
                      "with two or more children")
     if fitted is not None:
         rows.append(torch_row)
+    parts = _checkpoint_parts(plain.build())
+    if parts:
+        sequential = ", ".join(part.path or "the model" for part in parts if not part.unit)
+        units = sum(part.unit for part in parts)
+        done_by = ([f"torch.utils.checkpoint.checkpoint (use_reentrant=False) around each child of {sequential}"]
+                   if sequential else []) + ([f"{units} units checkpointed whole"] if units else [])
+        rows.append(Variant(model_name, EVERY_BLOCK, lambda: checkpoint_every_block(plain.build()),
+                            note="every block checkpointed, as by hand: " + "; ".join(done_by)))
     rows.append(Variant(model_name, COMPILE_BUDGET.format(fraction),
                         lambda: compile_under_budget(plain.build(), fraction), compiled=True,
                         note=f"plain model under torch.compile, torch._functorch.config.activation_memory_budget "
