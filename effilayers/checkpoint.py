@@ -559,24 +559,49 @@ def keep_expensive(context: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
     return torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _recomputed_flops(func: Any, args: tuple, kwargs: dict) -> int:
+    """FLOPs of an expensive op that is recomputed (it draws random
+    numbers): torch's FLOP formula where it has one, else, for attention
+    (torch has none for the CPU kernel), two matrix products over the
+    query, key and value: 4 * query elements * key length."""
+    from torch.utils.flop_counter import flop_registry
+
+    formula = flop_registry.get(func.overloadpacket)
+    if formula is not None:
+        try:
+            return int(formula(*args, **kwargs))
+        except Exception:  # a formula that needs the output's shape: fall through to the estimate
+            pass
+    query, key = (list(_tensors_in(args)) + [None, None])[:2]
+    if query is None or key is None or key.dim() < 2:
+        return 0
+    return 4 * query.numel() * key.shape[-2]
+
+
 class KeepExpensive:
     """:func:`keep_expensive` with a count of what it did in the forwards it
-    saw: ``kept_outputs``, and ``recomputed_elements``, the largest tensor
+    saw: ``kept_outputs``; ``recomputed_elements``, the largest tensor
     argument of each recomputed op that is not a view: the elementwise work
     the recomputation repeats, an estimate in the units of one FLOP per
-    element. (Compiled code takes :func:`keep_expensive` itself: the
-    compiler reads the policy as a constant.)"""
+    element; and ``recomputed_flops``, the FLOPs of the expensive ops it
+    recomputes all the same (attention that draws dropout). (Compiled code
+    takes :func:`keep_expensive` itself: the compiler reads the policy as a
+    constant.)"""
 
     def __init__(self) -> None:
         self.recomputed_elements = 0
+        self.recomputed_flops = 0
         self.kept_outputs = 0
 
     def __call__(self, context: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
         policy = keep_expensive(context, func, *args, **kwargs)
         if not context.is_recompute:
+            packet = getattr(func, "overloadpacket", None)
             if policy == torch_checkpoint.CheckpointPolicy.MUST_SAVE:
                 self.kept_outputs += 1
-            elif getattr(func, "overloadpacket", None) is not None and not func.is_view:
+            elif packet in EXPENSIVE_OPS:
+                self.recomputed_flops += _recomputed_flops(func, args, kwargs)
+            elif packet is not None and not func.is_view:
                 self.recomputed_elements += max((value.numel() for value in _tensors_in((args, kwargs))), default=0)
         return policy
 

@@ -69,9 +69,10 @@ measured, see below) and stops at the first that meets the budget:
    outputs torch's cache keeps (:func:`effilayers.memory.count_kept`). One
    profiled forward with every unit selective gives each unit's bytes saved
    and the elementwise work it repeats (:class:`effilayers.checkpoint.KeepExpensive`
-   counts it); the units go selective in the order of most bytes saved per
-   element op, skipping a unit where recomputing it whole costs fewer FLOPs
-   per byte saved, then the whole checkpoints follow, in the order above, a
+   counts it, one FLOP per element, plus the FLOPs of attention recomputed
+   for its dropout); the units go selective in the order of most bytes
+   saved per FLOP, skipping a unit where recomputing it whole costs fewer
+   FLOPs per byte saved, then the whole checkpoints follow, in the order above, a
    selective unit's taking it from selective to whole. So a unit ends as
    keep, selective or whole, and the report's ``units`` say which and why.
 4. ``offload`` (``fit(..., offload=True)``, CUDA models only, and first in
@@ -1012,14 +1013,15 @@ def _checkpoint_chain(model, call, parts, report, undo, record, done, offload=Fa
     selective = {} if done() else _selective_plan(model, call, parts, profile,
                                                   [index for index in units if modes[index] == "keep"], kept_by)
     moves = [move for move in _plan(profile) if modes.get(move[0], "keep") != "offload"]
-    for index, (gain, elements, kept_outputs) in selective.items():
+    for index, (gain, elements, flops, kept_outputs) in selective.items():
         full_cost = profile.children[index][0].cost
+        cost = elements + flops
         if gain <= 0:
             why[index] = "selective recomputation saves nothing here (what it would drop is kept anyway)"
             continue
-        if elements / gain > full_cost / max(kept_by[index], 1):
-            why[index] = (f"selective skipped: {elements / gain:.3g} element ops per byte saved, more than "
-                          f"recomputing it whole ({full_cost / max(kept_by[index], 1):.3g} FLOPs per byte)")
+        if cost / gain > full_cost / max(kept_by[index], 1):
+            why[index] = (f"selective skipped: {cost / gain:.3g} FLOPs per byte saved, more than recomputing it "
+                          f"whole ({full_cost / max(kept_by[index], 1):.3g} FLOPs per byte)")
             continue
         if done():
             break
@@ -1027,8 +1029,10 @@ def _checkpoint_chain(model, call, parts, report, undo, record, done, offload=Fa
         modes[index], moved[index] = "selective", gain
         why[index] = (f"keeps its {kept_outputs} matmul/attention outputs and recomputes the rest "
                       f"(norms, activations, dropout, elementwise): saves {gain} bytes for ~{elements} element "
-                      f"ops, {elements / max(profile.children[index][0].flops, 1):.1%} of its forward FLOPs")
-        step("selective", index, why[index], elements / step_flops, last=False)
+                      "ops" + (f" and {flops} FLOPs of attention that draws dropout (a kept output would skip its "
+                               "draw)" if flops else "")
+                      + f", {cost / max(profile.children[index][0].cost, 1):.1%} of recomputing it whole")
+        step("selective", index, why[index], cost / step_flops, last=False)
     for number, (index, start, end) in enumerate(moves, 1):
         if done():
             break
@@ -1076,10 +1080,11 @@ def _checkpoint_chain(model, call, parts, report, undo, record, done, offload=Fa
 
 
 def _selective_plan(model: nn.Module, call: _Call, parts: list[_Part], profile: _Profile, units: list[int],
-                    kept_by: dict[int, int]) -> dict[int, tuple[int, int, int]]:
+                    kept_by: dict[int, int]) -> dict[int, tuple[int, int, int, int]]:
     """Per unit in ``units``, in the order the chain makes them selective
-    (most bytes saved per element op first, then module order): (bytes
-    saved, element ops recomputed, outputs kept), from one profiled forward
+    (most bytes saved per FLOP recomputed first, then module order): (bytes
+    saved, element ops recomputed, FLOPs of expensive ops recomputed, outputs
+    kept), from one profiled forward
     with every one of them selective: what each saved there (its input and
     the outputs its checkpoint cached, both counted by the meter) against
     what it saved plain."""
@@ -1098,8 +1103,10 @@ def _selective_plan(model: nn.Module, call: _Call, parts: list[_Part], profile: 
     found = {}
     for index in units:
         kept = sum(span for span, _ in selective.children[index][0].saves.values())
-        found[index] = (kept_by[index] - kept, policies[index].recomputed_elements, policies[index].kept_outputs)
-    order = sorted(found, key=lambda index: (-found[index][0] / max(found[index][1], 1), index))
+        policy = policies[index]
+        found[index] = (kept_by[index] - kept, policy.recomputed_elements, policy.recomputed_flops,
+                        policy.kept_outputs)
+    order = sorted(found, key=lambda index: (-found[index][0] / max(found[index][1] + found[index][2], 1), index))
     return {index: found[index] for index in order}
 
 

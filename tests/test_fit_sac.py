@@ -96,6 +96,14 @@ def test_the_policy_recomputes_attention_that_draws_dropout_and_keeps_it_without
     for op in (torch.ops.aten.native_dropout.default, torch.ops.aten.gelu.default,
                torch.ops.aten.native_layer_norm.default):
         assert keep_expensive(context, op, q) == policy.PREFER_RECOMPUTE
+    # the counting policy charges attention recomputed for its dropout its two matrix products
+    counting = KeepExpensive()
+    counting(context, attention, q, q, q, 0.1)
+    counting(context, attention, q, q, q, 0.0)
+    counting(context, torch.ops.aten.gelu.default, q)
+    counting(context, torch.ops.aten.view.default, q, [-1])
+    assert (counting.recomputed_flops, counting.recomputed_elements, counting.kept_outputs) == (
+        4 * q.numel() * 4, q.numel(), 1)
 
 
 def test_budgets_choose_selective_first_and_whole_only_where_selective_cannot_reach():
