@@ -71,6 +71,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import weakref
 from typing import Any, Callable, ContextManager, Iterable, Optional, Sequence, Union
 
 import torch
@@ -78,7 +79,10 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import checkpoint as torch_checkpoint
 
-__all__ = ["checkpoint", "checkpoint_sequential", "sqrt_segments", "recompute_in_backward", "lean_segment_ok"]
+from . import memory
+
+__all__ = ["checkpoint", "checkpoint_sequential", "sqrt_segments", "recompute_in_backward", "lean_segment_ok",
+           "selective_contexts", "keep_expensive", "KeepExpensive", "EXPENSIVE_OPS", "offload_saved_tensors"]
 
 _RUNNING_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 # The keywords checkpoint_sequential passes on to checkpoint (torch's own
@@ -508,3 +512,302 @@ def lean_segment_ok(modules: Sequence[nn.Module], input: Any) -> bool:
         with reads:
             output = _run_modules(modules, probe)
     return type(output) is torch.Tensor and not reads.found
+
+
+# ---- selective recomputation: keep the expensive outputs, recompute the cheap ones ----------------
+
+def _aten_packets(*names: str) -> frozenset:
+    # Ops some torch builds lack (cuDNN attention) are left out, not an error.
+    return frozenset(getattr(torch.ops.aten, name) for name in names if hasattr(torch.ops.aten, name))
+
+
+# Matrix products, convolutions and attention: what costs FLOPs to recompute.
+# Their outputs are kept; everything else (norms, activations, dropout,
+# elementwise arithmetic, views) is recomputed from them in backward.
+EXPENSIVE_OPS = _aten_packets(
+    "mm", "addmm", "bmm", "baddbmm", "convolution", "_convolution", "cudnn_convolution", "mkldnn_convolution",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_flash_attention_forward", "_efficient_attention_forward", "_scaled_mm")
+
+
+def _draws_random(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether ``func`` consumes random numbers on this call. Attention ops
+    are tagged as seeded whatever their dropout; one with ``dropout_p == 0``
+    draws nothing."""
+    if torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
+        return False
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.name == "dropout_p":
+            value = args[index] if index < len(args) else kwargs.get("dropout_p", 0.0)
+            return bool(value)
+    return True
+
+
+def keep_expensive(context: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+    """The selective-checkpoint policy of :func:`selective_contexts`: keep
+    the outputs of :data:`EXPENSIVE_OPS`, recompute the rest.
+
+    An expensive op that draws random numbers (attention with dropout) is
+    recomputed too: torch's checkpoint replays the forward's random state
+    before the recomputation, and the draws line up only when every op that
+    drew in the forward draws again, in the same order; a kept op would skip
+    its draw and shift every later dropout mask."""
+    packet = getattr(func, "overloadpacket", None)
+    if packet in EXPENSIVE_OPS and not _draws_random(func, args, kwargs):
+        return torch_checkpoint.CheckpointPolicy.MUST_SAVE
+    return torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _recomputed_flops(func: Any, args: tuple, kwargs: dict) -> int:
+    """FLOPs of an expensive op that is recomputed (it draws random
+    numbers): torch's FLOP formula where it has one, else, for attention
+    (torch has none for the CPU kernel), two matrix products over the
+    query, key and value: 4 * query elements * key length."""
+    from torch.utils.flop_counter import flop_registry
+
+    formula = flop_registry.get(func.overloadpacket)
+    if formula is not None:
+        try:
+            return int(formula(*args, **kwargs))
+        except Exception:  # a formula that needs the output's shape: fall through to the estimate
+            pass
+    query, key = (list(_tensors_in(args)) + [None, None])[:2]
+    if query is None or key is None or key.dim() < 2:
+        return 0
+    return 4 * query.numel() * key.shape[-2]
+
+
+class KeepExpensive:
+    """:func:`keep_expensive` with a count of what it did in the forwards it
+    saw: ``kept_outputs``; ``recomputed_elements``, the largest tensor
+    argument of each recomputed op that is not a view: the elementwise work
+    the recomputation repeats, an estimate in the units of one FLOP per
+    element; and ``recomputed_flops``, the FLOPs of the expensive ops it
+    recomputes all the same (attention that draws dropout). (Compiled code
+    takes :func:`keep_expensive` itself: the compiler reads the policy as a
+    constant.)"""
+
+    def __init__(self) -> None:
+        self.recomputed_elements = 0
+        self.recomputed_flops = 0
+        self.kept_outputs = 0
+
+    def __call__(self, context: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+        policy = keep_expensive(context, func, *args, **kwargs)
+        if not context.is_recompute:
+            packet = getattr(func, "overloadpacket", None)
+            if policy == torch_checkpoint.CheckpointPolicy.MUST_SAVE:
+                self.kept_outputs += 1
+            elif packet in EXPENSIVE_OPS:
+                self.recomputed_flops += _recomputed_flops(func, args, kwargs)
+            elif packet is not None and not func.is_view:
+                self.recomputed_elements += max((value.numel() for value in _tensors_in((args, kwargs))), default=0)
+        return policy
+
+
+def _cached_tensors(storage: Any) -> Iterable[tuple[torch.Tensor, Any]]:
+    """(tensor, holder) of each output a selective checkpoint cached: the
+    holders (torch's version wrappers) live exactly as long as the cache
+    keeps the tensor. The storage maps each op to a list (torch 2.11) or a
+    dict (later) of entries, each an output tree of wrappers."""
+    for entries in storage.values():
+        for entry in entries.values() if isinstance(entries, dict) else entries:
+            for holder in torch.utils._pytree.tree_leaves(entry):
+                if isinstance(getattr(holder, "val", None), torch.Tensor):
+                    yield holder.val, holder
+
+
+class _CountCached:
+    """A selective checkpoint's forward context that reports what its cache
+    keeps to the active activation meter (:func:`effilayers.memory.count_kept`):
+    the cache is torch's own storage, which ``saved_tensors_hooks`` never sees."""
+
+    def __init__(self, mode: Any) -> None:
+        self.mode = mode
+
+    def __enter__(self) -> None:
+        self.mode.__enter__()
+
+    def __exit__(self, *exc_info: Any) -> Any:
+        result = self.mode.__exit__(*exc_info)
+        for tensor, holder in _cached_tensors(self.mode.storage):
+            memory.count_kept(tensor, holder)
+        return result
+
+
+def selective_contexts(policy: Optional[Callable] = None) -> tuple[ContextManager, ContextManager]:
+    """A ``context_fn`` for :func:`checkpoint`: torch's selective activation
+    checkpointing (``create_selective_checkpoint_contexts``) with ``policy``
+    (default :class:`KeepExpensive`), its cached outputs counted by the
+    activation meter in eager mode::
+
+        checkpoint(block, x, context_fn=selective_contexts)
+    """
+    forward_context, recompute_context = torch_checkpoint.create_selective_checkpoint_contexts(
+        KeepExpensive() if policy is None else policy)
+    if torch.compiler.is_compiling():
+        return forward_context, recompute_context
+    return _CountCached(forward_context), recompute_context
+
+
+# ---- activation offload: saved tensors to host memory and back ahead of backward ---------------
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device) -> Any:
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
+
+class _Kept:
+    """A saved tensor an offload leaves where it is (a parameter, a small tensor)."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+class _Offloaded:
+    """A saved tensor's host copy, and its way back."""
+
+    __slots__ = ("host", "device", "copied", "back", "arrived", "__weakref__")
+
+    def __init__(self, host: torch.Tensor, device: torch.device, copied: Any) -> None:
+        self.host, self.device, self.copied = host, device, copied
+        self.back: Optional[torch.Tensor] = None
+        self.arrived: Any = None
+
+
+# The last group entered on this process: the group entered next links to it
+# (weakly), to fetch it while its own backward runs.
+_LAST_GROUP: list = [lambda: None]
+
+
+class offload_saved_tensors:
+    """Move the tensors autograd saves inside the block to host memory, and
+    bring them back ahead of their backward::
+
+        for block in blocks:
+            with offload_saved_tensors():
+                x = block(x)
+
+    Each block's ``with`` is one group. On CUDA a saved tensor of at least
+    ``min_bytes`` (parameters excepted) is copied into pinned host memory on
+    a side stream, after the work that made it (the stream waits for the
+    compute stream), and the device tensor is released to the allocator once
+    that copy is done (``record_stream``), so the copy overlaps the compute
+    that follows. In backward the first use of a group's tensor starts the
+    copies back of the whole group (if not started) and of the group entered
+    before it, on the side stream: the earlier block's tensors travel while
+    this block's backward computes. The compute stream waits for a tensor's
+    own copy only when it needs it.
+
+    On CPU the path is the same without streams: a host copy (a clone) of
+    each offloaded tensor is what backward reads. It exists to test the
+    logic (which tensors go, when each group comes back, the gradients),
+    not to save memory. ``log``, when given, receives ``("offload", index,
+    tensors, bytes)`` as a group closes, and ``("fetch", index)`` /
+    ``("use", index)`` as backward starts a group's copies back and first
+    reads one of its tensors; ``index`` counts the linked groups from 0.
+
+    What is kept and what is copied is reported to the activation meter
+    (:func:`effilayers.memory.count_kept`): host copies as
+    ``offloaded_bytes``, the rest as ``bytes``.
+    """
+
+    def __init__(self, min_bytes: int = 1 << 10, log: Optional[list] = None) -> None:
+        if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+            raise ValueError(f"offload_saved_tensors: min_bytes must be an int >= 0, got {min_bytes!r}")
+        self.min_bytes = min_bytes
+        self.log = log
+        self.held: list[_Offloaded] = []
+        self.fetched = False
+        self.used = False
+        self.previous: Callable[[], Any] = lambda: None
+        self.index = 0
+        self.hooks: Any = None
+
+    def __enter__(self) -> "offload_saved_tensors":
+        previous = _LAST_GROUP[0]()
+        if previous is not None and not previous.fetched:
+            self.previous, self.index = weakref.ref(previous), previous.index + 1
+        _LAST_GROUP[0] = weakref.ref(self)
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.hooks.__exit__(*exc_info)
+        # The hooks hold this group through their bound methods: dropped, the
+        # group lives exactly as long as the graph keeps its tensors, so a
+        # forward without backward frees its host copies at once and is
+        # never fetched by the next forward's groups.
+        self.hooks = None
+        if self.log is not None:
+            self.log.append(("offload", self.index, len(self.held),
+                             sum(held.host.numel() * held.host.element_size() for held in self.held)))
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        parameter = isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter)
+        if parameter or tensor.numel() * tensor.element_size() < self.min_bytes or tensor.device.type not in ("cuda",
+                                                                                                           "cpu"):
+            kept = _Kept(tensor)
+            memory.count_kept(tensor, kept)
+            return kept
+        if tensor.device.type == "cuda":
+            stream = _side_stream(tensor.device)
+            stream.wait_stream(torch.cuda.current_stream(tensor.device))
+            with torch.cuda.stream(stream):
+                host = torch.empty(tensor.size(), dtype=tensor.dtype, pin_memory=True)
+                host.copy_(tensor, non_blocking=True)
+                copied = stream.record_event()
+            # The allocator may hand the device memory out again only after the copy.
+            tensor.record_stream(stream)
+        else:
+            host, copied = tensor.detach().clone(), None
+        held = _Offloaded(host, tensor.device, copied)
+        self.held.append(held)
+        memory.count_kept(host, held, offloaded=True)
+        return self, held
+
+    def fetch(self) -> None:
+        """Start the copies back of this group's tensors (once)."""
+        if self.fetched:
+            return
+        self.fetched = True
+        if self.log is not None:
+            self.log.append(("fetch", self.index))
+        for held in self.held:
+            if held.device.type != "cuda":
+                continue
+            stream = _side_stream(held.device)
+            with torch.cuda.stream(stream):
+                held.back = held.host.to(held.device, non_blocking=True)
+                held.arrived = stream.record_event()
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, _Kept):
+            return packed.tensor
+        group, held = packed
+        if not group.used:
+            group.used = True
+            group.fetch()
+            previous = group.previous()
+            if previous is not None:
+                previous.fetch()
+            if group.log is not None:
+                group.log.append(("use", group.index))
+        if held.device.type != "cuda":
+            return held.host
+        if held.back is None:  # a backward that reads it again (retain_graph)
+            group.fetched = False
+            group.fetch()
+        compute = torch.cuda.current_stream(held.device)
+        compute.wait_event(held.arrived)
+        tensor = held.back
+        tensor.record_stream(compute)
+        return tensor

@@ -57,9 +57,35 @@ measured, see below) and stops at the first that meets the budget:
    checkpointed units are recomputed in backward, so fit stops at the
    first run that brings the bytes within the budget instead of
    recomputing whole parts.
-4. ``save_on_cpu`` is not offered: on a CPU model it saves nothing (the
-   tensors are already in host memory), and the CUDA form is not written
-   yet; the report notes it.
+
+   Before any whole checkpoint, a unit may run **selective** (one step per
+   unit): torch's selective activation checkpointing
+   (``create_selective_checkpoint_contexts``, non-reentrant) with
+   :func:`effilayers.checkpoint.keep_expensive` as its policy: the outputs
+   of matrix products, convolutions and attention are kept, the norms,
+   activations, dropout masks and elementwise ops recomputed from them in
+   backward. Attention that draws dropout is recomputed too, so that every
+   op that drew random numbers in the forward draws them again, in order,
+   from the replayed random state: dropout is exact. The meter counts the
+   outputs torch's cache keeps (:func:`effilayers.memory.count_kept`). One
+   profiled forward with every unit selective gives each unit's bytes saved
+   and the elementwise work it repeats (:class:`effilayers.checkpoint.KeepExpensive`
+   counts it, one FLOP per element, plus the FLOPs of attention recomputed
+   for its dropout); the units go selective in the order of most bytes
+   saved per FLOP, skipping a unit where recomputing it whole costs fewer
+   FLOPs per byte saved, then the whole checkpoints follow, in the order above, a
+   selective unit's taking it from selective to whole. So a unit ends as
+   keep, selective or whole, and the report's ``units`` say which and why.
+4. ``offload`` (``fit(..., offload=True)``, CUDA models only, and first in
+   the chain when allowed): a unit's saved tensors go to pinned host memory
+   on a side stream and come back one unit ahead of backward
+   (:class:`effilayers.checkpoint.offload_saved_tensors`), for the units
+   whose copy their own forward compute hides (:func:`offload_hides`, from a
+   timed forward and a timed host copy); the last unit stays, as nothing
+   runs before its backward to hide the way back. Its host copies are not
+   activation bytes (the meter counts them as ``offloaded_bytes``). On a
+   CPU model it would save nothing (the tensors are host memory already);
+   the report notes it.
 
 Why measured, not only predicted: the predictions (from one profiled
 forward: which storages each unit saved tensors on, and its first
@@ -100,24 +126,37 @@ SiLU, which is not invertible).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import math
 import re
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
+from torch.utils import checkpoint as torch_checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 from . import memory
-from .checkpoint import _tensors_in, checkpoint, lean_segment_ok, recompute_in_backward, sqrt_segments
+from .checkpoint import (
+    KeepExpensive,
+    _tensors_in,
+    checkpoint,
+    keep_expensive,
+    lean_segment_ok,
+    offload_saved_tensors,
+    recompute_in_backward,
+    selective_contexts,
+    sqrt_segments,
+)
 from .convert import FIT_UNDO_ATTR as UNDO_ATTR, convert, revert, timm_densenet
 from .models import densenet
 
-__all__ = ["fit", "FitReport", "FitStep", "parse_budget", "CheckpointedSequential", "checkpoint_runs_to",
-           "unit_class"]
+__all__ = ["fit", "FitReport", "FitStep", "UnitChoice", "offload_hides", "parse_budget",
+           "CheckpointedSequential", "checkpoint_runs_to", "unit_class"]
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -163,17 +202,31 @@ class FitStep:
     ``extra_compute``: the forward FLOPs this step recomputes in backward, as a
     fraction of a training step's (forward + backward ~ 3x forward) FLOPs.
     FLOPs are what ``torch.utils.flop_counter`` counts: convolutions and
-    matrix products. Elementwise recomputation (norms, activations,
-    concatenations: the memory-efficient DenseNet step) counts as none, and
-    the checkpoint machinery's own host work is not in it either; both take
-    time all the same, most visibly on a CPU at small batches."""
+    matrix products. A selective step counts one per element of each op it
+    recomputes (norms, activations, dropout: an estimate; drawing a dropout
+    mask costs far more than one FLOP per element on a CPU) and the FLOPs of
+    attention recomputed for its dropout. Elsewhere elementwise
+    recomputation (norms, activations, concatenations: the memory-efficient
+    DenseNet step) counts as none, and the checkpoint machinery's own host
+    work is not in it either; both take time all the same, most visibly on a
+    CPU at small batches."""
 
-    kind: str  # "inplace_abn", "densenet_memory_efficient" or "checkpoint"
+    kind: str  # "inplace_abn", "densenet_memory_efficient", "offload", "selective" or "checkpoint"
     target: str  # the module path ("" for the root), or "model" for whole-model steps
     detail: str
     predicted_bytes: int
     measured_bytes: Optional[int]
     extra_compute: float = 0.0
+
+
+@dataclass(frozen=True)
+class UnitChoice:
+    """How one unit (a module checkpointed whole: a transformer block, a
+    ModuleList member) runs after :func:`fit`, and why."""
+
+    target: str  # its module path
+    mode: str  # "keep", "selective", "full" (recomputed whole) or "offload"
+    why: str
 
 
 @dataclass
@@ -188,6 +241,7 @@ class FitReport:
     recompute_bytes: int  # predicted activations of the largest checkpointed segment, live in its backward
     steps: list[FitStep] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    units: list[UnitChoice] = field(default_factory=list)  # every unit found, in module order
 
     def __str__(self) -> str:
         lines = [f"effilayers.fit: {self.before_bytes} -> {self.measured_bytes} activation bytes "
@@ -198,6 +252,7 @@ class FitReport:
                   + ("not measured" if step.measured_bytes is None else f"{step.measured_bytes} bytes")
                   + f" (predicted {step.predicted_bytes}, extra compute {step.extra_compute:.3f})"
                   for step in self.steps]
+        lines += [f"  unit {unit.target}: {unit.mode}: {unit.why}" for unit in self.units]
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 
@@ -261,6 +316,12 @@ _PLAIN_CLASS_ATTR = "_fit_plain_class"
 # fully_shard makes FSDP<class> of it): revert cannot take the class back
 # without dropping that one, so the unit runs its plain forward instead.
 _UNIT_OFF_ATTR = "_fit_unit_off"
+# How a unit runs: "full" (checkpointed whole; the default), "selective"
+# (torch's selective checkpoint: matmul and attention outputs kept, the rest
+# recomputed) or "offload" (saved tensors to host memory and back).
+_MODE_ATTR = "_fit_mode"
+# The selective policy of each unit's last forward: what it kept and recomputed, for the plan.
+_LAST_POLICY: "weakref.WeakKeyDictionary[nn.Module, KeepExpensive]" = weakref.WeakKeyDictionary()
 _PLAIN_VALUES = (torch.Tensor, nn.Module, bool, int, float, complex, str, bytes, torch.dtype, torch.device)
 
 
@@ -296,12 +357,23 @@ def _frozen_copy(value: Any) -> Any:
 def _checkpointed_call(unit: nn.Module, forward: Callable, args: tuple, kwargs: dict) -> Any:
     if not torch.is_grad_enabled() or unit.__dict__.get(_UNIT_OFF_ATTR):
         return forward(*args, **kwargs)
+    mode = unit.__dict__.get(_MODE_ATTR, "full")
+    if mode == "offload":
+        # Nothing is recomputed, so a KV cache is written once as it is.
+        with offload_saved_tensors():
+            return forward(*args, **kwargs)
+    context_fn = torch_checkpoint.noop_context_fn
+    if mode == "selective" and torch.compiler.is_compiling():
+        context_fn = functools.partial(torch_checkpoint.create_selective_checkpoint_contexts, keep_expensive)
+    elif mode == "selective":
+        policy = _LAST_POLICY[unit] = KeepExpensive()
+        context_fn = functools.partial(selective_contexts, policy)
     # The keywords travel in closures, not through checkpoint's own keywords
     # (a unit's debug= or context_fn= would be taken for them).
     frozen = {key: _frozen_copy(value) for key, value in (*enumerate(args), *kwargs.items()) if _holds_state(value)}
     if not frozen:
         # No side effect in the checkpointed function: torch.compile traces it whole.
-        return checkpoint(lambda *args: forward(*args, **kwargs), *args)
+        return checkpoint(lambda *args: forward(*args, **kwargs), *args, context_fn=context_fn)
     calls = [0]
 
     def run(*args: Any) -> Any:
@@ -313,7 +385,7 @@ def _checkpointed_call(unit: nn.Module, forward: Callable, args: tuple, kwargs: 
         return forward(*(_frozen_copy(frozen[i]) if i in frozen else value for i, value in enumerate(args)),
                        **{key: _frozen_copy(frozen[key]) if key in frozen else value for key, value in kwargs.items()})
 
-    return checkpoint(run, *args)
+    return checkpoint(run, *args, context_fn=context_fn)
 
 
 def _new_unit(plain: type) -> nn.Module:
@@ -346,8 +418,13 @@ def unit_class(plain: type) -> type:
 @dataclass
 class _RestoreUnit:
     unit: nn.Module
+    previous_mode: Optional[str] = None  # the mode before this step; None: the unit was plain
 
     def __call__(self) -> None:
+        if self.previous_mode is not None:
+            self.unit.__dict__[_MODE_ATTR] = self.previous_mode
+            return
+        self.unit.__dict__.pop(_MODE_ATTR, None)
         plain = type(self.unit).__dict__.get(_PLAIN_CLASS_ATTR)
         if plain is None:
             self.unit.__dict__[_UNIT_OFF_ATTR] = True
@@ -355,10 +432,13 @@ class _RestoreUnit:
             self.unit.__class__ = plain
 
 
-def _checkpoint_unit(unit: nn.Module) -> Callable[[], None]:
-    unit.__class__ = unit_class(type(unit))
+def _checkpoint_unit(unit: nn.Module, mode: str = "full") -> Callable[[], None]:
+    """Make ``unit`` run in ``mode`` (see ``_MODE_ATTR``); returns what puts it back."""
+    previous = unit.__dict__.get(_MODE_ATTR, "full") if _PLAIN_CLASS_ATTR in type(unit).__dict__ else None
+    unit.__class__ = unit_class(getattr(type(unit), _PLAIN_CLASS_ATTR, type(unit)))
     unit.__dict__.pop(_UNIT_OFF_ATTR, None)
-    return _RestoreUnit(unit)
+    unit.__dict__[_MODE_ATTR] = mode
+    return _RestoreUnit(unit, previous)
 
 
 @dataclass(frozen=True)
@@ -577,11 +657,12 @@ class _Profile:
         return largest
 
 
-def _profile(model: nn.Module, call: _Call, parts: list[_Part]) -> _Profile:
+def _profile(model: nn.Module, call: _Call, parts: list[_Part], flops: bool = True) -> _Profile:
     """One forward with the meter: per child of each part, the storages it
-    saved on; one with the FLOP counter. Two forwards: FlopCounterMode
-    installs global module hooks, and a hooked DenseNet layer calls its
-    modules instead of recomputing, which would change what is saved."""
+    saved on; one with the FLOP counter (``flops``; without it the FLOPs
+    read 0). Two forwards: FlopCounterMode installs global module hooks,
+    and a hooked DenseNet layer calls its modules instead of recomputing,
+    which would change what is saved."""
     children = [[_Child() for _ in part.members] for part in parts]
 
     def forward_with(before: Callable, after: Callable, at_end: Callable = lambda: None) -> None:
@@ -631,6 +712,8 @@ def _profile(model: nn.Module, call: _Call, parts: list[_Part]) -> _Profile:
         by_children = sum(children[part][index].saves[key][1] for part, index in owners)
         storages[key] = _Storage(span, owners, outside=count > by_children, growth=growth,
                                  outside_growth=max(span - sum(growth.values()), 0))
+    if not flops:
+        return _Profile(children, storages, 0)
     counter = FlopCounterMode(display=False)
     # Its global hooks make memory-efficient DenseNet layers call their
     # modules (same FLOPs) and warn once per process: keep that warning for
@@ -750,7 +833,7 @@ def _memory_efficient_densenet(model: nn.Module) -> tuple[list[str], Callable[[]
 
 
 def fit(model: nn.Module, example_input: Union[torch.Tensor, tuple, dict], budget: Union[int, str, float], *,
-        exact: bool = True, dry_run: bool = False) -> FitReport:
+        exact: bool = True, dry_run: bool = False, offload: bool = False) -> FitReport:
     """Make ``model`` keep at most ``budget`` activation bytes for backward, in place.
 
     Args:
@@ -767,6 +850,11 @@ def fit(model: nn.Module, example_input: Union[torch.Tensor, tuple, dict], budge
         dry_run: plan and measure on a deep copy of the model (a second copy
             of its parameters in memory) and return the report, leaving
             ``model`` as it is.
+        offload: on a CUDA model, let the plan move the saved tensors of
+            units whose compute hides the copy to pinned host memory
+            (:func:`effilayers.checkpoint.offload_saved_tensors`; host bytes,
+            which the budget does not count). Ignored on CPU, where it
+            would save nothing.
 
     Returns a :class:`FitReport`; where the model kept no more than the
     budget already it changes nothing and its note says so. Raises
@@ -778,21 +866,21 @@ def fit(model: nn.Module, example_input: Union[torch.Tensor, tuple, dict], budge
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fit: model must be a torch.nn.Module, got {type(model).__name__}")
-    for name, flag in (("exact", exact), ("dry_run", dry_run)):
+    for name, flag in (("exact", exact), ("dry_run", dry_run), ("offload", offload)):
         if not isinstance(flag, bool):
             raise TypeError(f"fit: {name} must be a bool, got {type(flag).__name__}")
     if UNDO_ATTR in model.__dict__:
         raise ValueError("fit: model was already fitted; call effilayers.revert(model) first")
     call = _as_call(example_input)
     if dry_run:
-        return fit(copy.deepcopy(model), example_input, budget, exact=exact)
+        return fit(copy.deepcopy(model), example_input, budget, exact=exact, offload=offload)
     before = _measure(model, call)
     budget_bytes = parse_budget(budget, before)
     undo: list[Callable[[], None]] = []
     model.__dict__[UNDO_ATTR] = undo
     report = FitReport(budget_bytes, before, before, before, 0.0, 0)
     try:
-        _walk_chain(model, call, budget_bytes, exact, report, undo)
+        _walk_chain(model, call, budget_bytes, exact, report, undo, offload)
     except BaseException:
         _revert_fit(model, report)
         raise
@@ -828,7 +916,7 @@ def _left_alone_note(left_alone: list) -> str:
 
 
 def _walk_chain(model: nn.Module, call: _Call, budget_bytes: int, exact: bool, report: FitReport,
-                undo: list) -> None:
+                undo: list, offload: bool = False) -> None:
     """Apply the chain's steps until one measures within the budget (see the module docstring)."""
     def done() -> bool:
         return report.measured_bytes <= budget_bytes
@@ -844,9 +932,11 @@ def _walk_chain(model: nn.Module, call: _Call, budget_bytes: int, exact: bool, r
         report.notes.append(f"nothing to do: the model keeps {report.before_bytes} activation bytes, within the "
                             f"budget of {budget_bytes}; it is unchanged")
         return
-    report.notes.append("save_on_cpu not offered: on CPU it saves nothing (the tensors are host memory already)"
-                        if all(value.device.type == "cpu" for value in call.tensors)
-                        else "save_on_cpu not offered: not implemented yet for CUDA models")
+    if not _offload_available(call):
+        report.notes.append("offload not offered: on CPU it saves nothing (the tensors are host memory already)")
+    elif not offload:
+        report.notes.append("offload not allowed: pass offload=True to let the plan move the saved tensors of units "
+                            "whose compute hides the copy to pinned host memory")
     trial = copy.deepcopy(model)
     trial.__dict__.pop(UNDO_ATTR, None)
     trial_report = convert(trial, "inplace")
@@ -884,48 +974,215 @@ def _walk_chain(model: nn.Module, call: _Call, budget_bytes: int, exact: bool, r
                             "member of an nn.ModuleList or nn.ModuleDict, no block class with two or more "
                             "instances)")
     else:
-        _checkpoint_chain(model, call, parts, report, undo, record, done)
+        _checkpoint_chain(model, call, parts, report, undo, record, done, offload)
 
 
-def _checkpoint_chain(model, call, parts, report, undo, record, done) -> None:
-    """Checkpoint runs of children in the plan's order (``_plan``) until the
-    measured bytes are within the budget. A step is measured unless the
-    profile's lower bound on its bytes (``_Profile.lower_bound``) is above
-    the budget already: such a step cannot be the first within the budget,
-    so the walk stops where measuring every step would stop. The last step
-    is always measured: its bytes are the smallest reachable figure."""
+def _checkpoint_chain(model, call, parts, report, undo, record, done, offload=False) -> None:
+    """The chain's unit and checkpoint steps, in order, until the measured
+    bytes are within the budget: with ``offload``, units whose saved tensors
+    the compute hides on their way to host memory (``_offload_plan``); then
+    units made selective (``_selective_plan``); then whole checkpoints of
+    units and runs of children in the plan's order (``_plan``), a selective
+    unit's taking it from selective to whole. A step is measured unless the
+    profile's lower bound on its bytes (``_Profile.lower_bound``, counting
+    offloaded and selective units as checkpointed: they keep no more than a
+    checkpointed unit keeps at least) is above the budget already: such a
+    step cannot be the first within the budget, so the walk stops where
+    measuring every step would stop. The last step is always measured: its
+    bytes are the smallest reachable figure."""
     profile = _profile(model, call, parts)
-    moves = _plan(profile)
-    if not moves:
-        paths = [part.path or "(root)" for part in parts]
-        report.notes.append(f"checkpoint: no run of the units found ({', '.join(paths[:4])}"
-                            f"{f' and {len(paths) - 4} more' if len(paths) > 4 else ''}) saves bytes: what they "
-                            "save is kept all the same, as a checkpoint's input or by the code around them")
-        return
+    units = [index for index, part in enumerate(parts) if part.unit]
+    kept_by = {index: sum(span for span, _ in profile.children[index][0].saves.values()) for index in units}
     step_flops = 3 * max(profile.total_flops, 1)
     state = tuple(frozenset() for _ in parts)
     # The prediction counts what the parts' children and their inputs keep;
     # the measurement also counts what no prediction moves.
     offset = report.measured_bytes - profile.kept_bytes(state)
+    modes = {index: "keep" for index in units}
+    why: dict[int, str] = {}
+    # Bytes that offloaded and selective units no longer keep, beside the profile's prediction.
+    moved: dict[int, int] = {}
+
+    def bound_state() -> tuple[frozenset, ...]:
+        return tuple(indices | (frozenset({0}) if modes.get(index, "keep") != "keep" else frozenset())
+                     for index, indices in enumerate(state))
+
+    def step(kind: str, index: int, detail: str, extra: float, last: bool) -> None:
+        measured = None
+        if last or profile.lower_bound(bound_state()) <= report.budget_bytes:
+            measured = _measure(model, call)
+        predicted = offset + profile.kept_bytes(state) - sum(moved.values())
+        record(FitStep(kind, parts[index].path, detail, predicted, measured, extra))
+
+    if offload and units:
+        for index, reason in _offload_plan(model, call, parts, profile, units, kept_by):
+            if done():
+                break
+            undo.append(_checkpoint_unit(parts[index].module, "offload"))
+            modes[index], why[index], moved[index] = "offload", reason, kept_by[index]
+            step("offload", index, reason, 0.0, last=False)
+    selective = {} if done() else _selective_plan(model, call, parts, profile,
+                                                  [index for index in units if modes[index] == "keep"], kept_by)
+    moves = [move for move in _plan(profile) if modes.get(move[0], "keep") != "offload"]
+    for index, (gain, elements, flops, kept_outputs) in selective.items():
+        full_cost = profile.children[index][0].cost
+        cost = elements + flops
+        if gain <= 0:
+            why[index] = "selective recomputation saves nothing here (what it would drop is kept anyway)"
+            continue
+        if cost / gain > full_cost / max(kept_by[index], 1):
+            why[index] = (f"selective skipped: {cost / gain:.3g} FLOPs per byte saved, more than recomputing it "
+                          f"whole ({full_cost / max(kept_by[index], 1):.3g} FLOPs per byte)")
+            continue
+        if done():
+            break
+        undo.append(_checkpoint_unit(parts[index].module, "selective"))
+        modes[index], moved[index] = "selective", gain
+        why[index] = (f"keeps its {kept_outputs} matmul/attention outputs and recomputes the rest "
+                      f"(norms, activations, dropout, elementwise): saves {gain} bytes for ~{elements} element "
+                      "ops" + (f" and {flops} FLOPs of attention that draws dropout (a kept output would skip its "
+                               "draw)" if flops else "")
+                      + f", {cost / max(profile.children[index][0].cost, 1):.1%} of recomputing it whole")
+        step("selective", index, why[index], cost / step_flops, last=False)
     for number, (index, start, end) in enumerate(moves, 1):
         if done():
             break
         part = parts[index]
         state = _with_run(state, index, start, end)
         segments = profile.segments(index, state[index])
-        undo.append(_checkpoint_unit(part.module) if part.unit else _set_segments(part.module, segments))
-        measured = None
-        if number == len(moves) or profile.lower_bound(state) <= report.budget_bytes:
-            measured = _measure(model, call)
         if part.unit:
+            if modes[index] == "selective":
+                why[index] = (f"selective left {kept_by[index] - moved[index]} of its {kept_by[index]} bytes; "
+                              f"recomputing it whole keeps only its input, for {profile.children[index][0].flops} "
+                              "FLOPs")
+            else:
+                why[index] = (f"recomputed whole for {profile.children[index][0].flops} FLOPs, keeping only its "
+                              "input" + (f" ({why[index]})" if index in why else ""))
+            modes[index] = "full"
+            moved.pop(index, None)
+            undo.append(_checkpoint_unit(part.module, "full"))
             detail = f"{getattr(type(part.module), _PLAIN_CLASS_ATTR).__name__} checkpointed whole"
         else:
+            undo.append(_set_segments(part.module, segments))
             children = part.name(start) if end - start == 1 else f"{part.name(start)}..{part.name(end - 1)}"
             detail = f"{children} checkpointed; segments now {segments}"
         flops = sum(child.flops for child in profile.children[index][start:end])
-        record(FitStep("checkpoint", part.path, detail, offset + profile.kept_bytes(state), measured,
-                       flops / step_flops))
+        step("checkpoint", index, detail, flops / step_flops, last=number == len(moves))
+    if "selective" in modes.values():
+        report.notes.append("selective units allow one backward per forward (torch's selective checkpoint frees "
+                            "its cache in the first): a backward with retain_graph=True through them fails the "
+                            "second time")
+    if report.steps and report.steps[-1].measured_bytes is None:
+        # The chain ended on an unmeasured step: its bytes are the smallest reachable figure.
+        last = dataclasses.replace(report.steps[-1], measured_bytes=_measure(model, call))
+        report.steps[-1] = last
+        report.measured_bytes = last.measured_bytes
+    if not report.steps:
+        paths = [part.path or "(root)" for part in parts]
+        report.notes.append(f"checkpoint: no run of the units found ({', '.join(paths[:4])}"
+                            f"{f' and {len(paths) - 4} more' if len(paths) > 4 else ''}) saves bytes: what they "
+                            "save is kept all the same, as a checkpoint's input or by the code around them")
+    for index in units:
+        reason = why.get(index, "")
+        if modes[index] == "keep":
+            reason = "kept: the budget was met before its step" + (f"; {reason}" if reason else "")
+        report.units.append(UnitChoice(parts[index].path, modes[index], reason))
     report.recompute_bytes = profile.largest_segment_bytes(state)
+
+
+def _selective_plan(model: nn.Module, call: _Call, parts: list[_Part], profile: _Profile, units: list[int],
+                    kept_by: dict[int, int]) -> dict[int, tuple[int, int, int, int]]:
+    """Per unit in ``units``, in the order the chain makes them selective
+    (most bytes saved per FLOP recomputed first, then module order): (bytes
+    saved, element ops recomputed, FLOPs of expensive ops recomputed, outputs
+    kept), from one profiled forward
+    with every one of them selective: what each saved there (its input and
+    the outputs its checkpoint cached, both counted by the meter) against
+    what it saved plain."""
+    if not units:
+        return {}
+    undo = [_checkpoint_unit(parts[index].module, "selective") for index in units]
+    try:
+        for index in units:
+            _LAST_POLICY.pop(parts[index].module, None)
+        selective = _profile(model, call, parts, flops=False)
+        # A unit the forward never called (an unused ModuleDict member) has no policy: it saves nothing.
+        policies = {index: _LAST_POLICY.get(parts[index].module, KeepExpensive()) for index in units}
+    finally:
+        for restore in reversed(undo):
+            restore()
+    found = {}
+    for index in units:
+        kept = sum(span for span, _ in selective.children[index][0].saves.values())
+        policy = policies[index]
+        found[index] = (kept_by[index] - kept, policy.recomputed_elements, policy.recomputed_flops,
+                        policy.kept_outputs)
+    order = sorted(found, key=lambda index: (-found[index][0] / max(found[index][1] + found[index][2], 1), index))
+    return {index: found[index] for index in order}
+
+
+_HOST_BANDWIDTH: dict = {}
+
+
+def _offload_available(call: _Call) -> bool:
+    return any(value.device.type == "cuda" for value in call.tensors)
+
+
+def _device_rates(model: nn.Module, call: _Call, total_flops: int) -> tuple[float, float]:
+    """(FLOPs per second of the model's forward, host copy bytes per second),
+    measured on its CUDA device: a timed forward (after a warm one), and a
+    pinned copy of 64 MiB from the device, once per device and process."""
+    import time
+
+    device = next(value.device for value in call.tensors if value.device.type == "cuda")
+    if device not in _HOST_BANDWIDTH:
+        source = torch.empty(64 << 20, dtype=torch.uint8, device=device)
+        host = torch.empty(source.shape, dtype=torch.uint8, pin_memory=True)
+        host.copy_(source, non_blocking=True)
+        torch.cuda.synchronize(device)
+        began = time.perf_counter()
+        for _ in range(3):
+            host.copy_(source, non_blocking=True)
+        torch.cuda.synchronize(device)
+        _HOST_BANDWIDTH[device] = 3 * source.numel() / (time.perf_counter() - began)
+    seconds = []
+    for _ in range(2):
+        with _Restored(model, call), torch.enable_grad():
+            torch.cuda.synchronize(device)
+            began = time.perf_counter()
+            output = model(*call.args, **call.kwargs)
+            torch.cuda.synchronize(device)
+            seconds.append(time.perf_counter() - began)
+            del output
+    return max(total_flops, 1) / seconds[-1], _HOST_BANDWIDTH[device]
+
+
+def offload_hides(saved_bytes: int, flops: int, flops_per_second: float, bytes_per_second: float) -> bool:
+    """Whether a unit's ``saved_bytes`` reach host memory in no more time
+    than its own ``flops`` take to compute: the copy of a unit's tensors runs
+    beside the compute of the units after it, and the way back beside the
+    backward of the unit after it, which costs about twice the forward."""
+    return saved_bytes / bytes_per_second <= flops / flops_per_second
+
+
+def _offload_plan(model: nn.Module, call: _Call, parts: list[_Part], profile: _Profile, units: list[int],
+                  kept_by: dict[int, int]) -> list[tuple[int, str]]:
+    """The units to offload, most bytes first (then module order), with why:
+    those whose transfer their compute hides (:func:`offload_hides`), on a
+    CUDA model. The last unit in module order stays: its backward comes
+    first, with nothing before it to hide its tensors' way back."""
+    if not _offload_available(call):
+        return []
+    flops_per_second, bytes_per_second = _device_rates(model, call, profile.total_flops)
+    chosen = []
+    for index in units[:-1]:
+        saved, flops = kept_by[index], profile.children[index][0].flops
+        if saved > 0 and offload_hides(saved, flops, flops_per_second, bytes_per_second):
+            chosen.append((index, f"its {saved} saved bytes cross to host in "
+                                  f"{saved / bytes_per_second * 1e3:.3g} ms at the measured "
+                                  f"{bytes_per_second / 1e9:.3g} GB/s, within its {flops / flops_per_second * 1e3:.3g}"
+                                  " ms of forward compute"))
+    return sorted(chosen, key=lambda item: (-kept_by[item[0]], item[0]))
 
 
 def checkpoint_runs_to(model: nn.Module, example_input: Union[torch.Tensor, tuple], target_bytes: int,

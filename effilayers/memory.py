@@ -14,6 +14,11 @@ Activation bytes
     ``ActivationMeter.storage_bytes``. Exact and device-independent: it works
     on CPU, so tests can hold memory claims.
 
+    Tensors kept for backward outside ``saved_tensors_hooks`` (the outputs a
+    selective checkpoint caches, what an activation offload keeps) count
+    too where their keeper reports them with :func:`count_kept`; host copies
+    an offload made count as ``offloaded_bytes``, apart from ``bytes``.
+
     The meter follows the saved tensors while they live. ``bytes`` is what
     is saved *now*; ``peak_bytes`` the most that was saved at any moment
     since the block began (updated as tensors are saved and as autograd
@@ -65,6 +70,7 @@ __all__ = [
     "track_activations",
     "activation_bytes",
     "storage_key",
+    "count_kept",
     "CudaPeakMeter",
     "track_cuda_peak",
     "cuda_peak_bytes",
@@ -162,7 +168,8 @@ class SavedStorage:
 class _StorageRecord:
     """The live saved tensors on one storage: their spans and its counted bytes."""
 
-    __slots__ = ("key", "storage_bytes", "device", "dtype", "shape", "spans", "saved_by", "span_bytes", "counted")
+    __slots__ = ("key", "storage_bytes", "device", "dtype", "shape", "spans", "saved_by", "span_bytes", "counted",
+                 "offloaded")
 
     def __init__(self, key: tuple[str, int], storage_bytes: int, tensor: torch.Tensor) -> None:
         self.key = key
@@ -176,6 +183,9 @@ class _StorageRecord:
         # False once the storage turns out to be a parameter's: its later
         # releases then change nothing.
         self.counted = True
+        # A host copy an offload made of a saved tensor: host bytes, not the
+        # device bytes ``bytes`` counts.
+        self.offloaded = False
 
 
 class _Saved:
@@ -229,6 +239,8 @@ class ActivationMeter:
         self._released: collections.deque = collections.deque()
         self._current = 0
         self._peak = 0
+        self._current_offloaded = 0
+        self._peak_offloaded = 0
         self._hooks: Optional[torch.autograd.graph.saved_tensors_hooks] = None
 
     def _pack(self, tensor: torch.Tensor) -> "_Saved":
@@ -238,10 +250,15 @@ class ActivationMeter:
         # the graph would never be freed. The weak reference then lives
         # exactly as long as autograd keeps the saved tensor.
         saved = _Saved(tensor.detach(), tensor._version)
+        self._track(tensor, saved, offloaded=False)
+        return saved
+
+    def _track(self, tensor: torch.Tensor, holder: Any, offloaded: bool) -> None:
+        """Count ``tensor`` while ``holder`` lives (see :func:`count_kept`)."""
         self._apply_releases()
         storage = tensor.untyped_storage()
         if storage.nbytes() == 0:
-            return saved
+            return
         key = (str(tensor.device), storage.data_ptr())
         if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter):
             self._parameter_storages.add(key)
@@ -249,31 +266,38 @@ class ActivationMeter:
             if record is not None:
                 # Saved before the parameter itself (a detached alias of it):
                 # counted no longer, though a peak already reached keeps it.
-                self._current -= record.span_bytes
+                self._add(record, -record.span_bytes)
                 record.counted = False
-            return saved
+            return
         if key in self._excluded or key in self._parameter_storages:
-            return saved
+            return
         candidates = self._copy_candidates.get((tuple(tensor.shape), tensor.dtype, tensor.device))
         if candidates and any(torch.equal(tensor, candidate) for candidate in candidates):
             self._excluded.add(key)
-            return saved
+            return
         record = self._records.get(key)
         if record is None:
             record = self._records[key] = _StorageRecord(key, storage.nbytes(), tensor)
-        release = _Release(saved, self._released.append)
+            record.offloaded = offloaded
+        release = _Release(holder, self._released.append)
         release.record = record
         release.span = _byte_span(tensor)
         self._releases.add(release)
         record.saved_by += 1
         record.spans[release.span] += 1
         self._recount(record)
-        self._peak = max(self._peak, self._current)
-        return saved
+
+    def _add(self, record: _StorageRecord, change: int) -> None:
+        if record.offloaded:
+            self._current_offloaded += change
+            self._peak_offloaded = max(self._peak_offloaded, self._current_offloaded)
+        else:
+            self._current += change
+            self._peak = max(self._peak, self._current)
 
     def _recount(self, record: _StorageRecord) -> None:
         span_bytes = _union_length(record.spans)
-        self._current += span_bytes - record.span_bytes
+        self._add(record, span_bytes - record.span_bytes)
         record.span_bytes = span_bytes
 
     def _apply_releases(self) -> None:
@@ -310,18 +334,21 @@ class ActivationMeter:
         self._copy_candidates = _copy_candidates(excluded)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
+        _ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
         assert self._hooks is not None
+        _ACTIVE.remove(self)
         self._hooks.__exit__(*exc_info)
         self._hooks = None
 
     def storages(self) -> list[SavedStorage]:
-        """The distinct storages saved tensors still keep, largest span first."""
+        """The distinct storages saved tensors still keep, largest span first
+        (offloaded host copies not included)."""
         self._apply_releases()
         found = [SavedStorage(r.span_bytes, r.storage_bytes, r.device, r.dtype, r.shape, r.saved_by, r.key)
-                 for r in self._records.values()]
+                 for r in self._records.values() if not r.offloaded]
         return sorted(found, key=lambda s: (-s.span_bytes, -s.storage_bytes))
 
     @property
@@ -337,12 +364,43 @@ class ActivationMeter:
         return self._peak
 
     @property
+    def offloaded_bytes(self) -> int:
+        """Host bytes now held for backward by an activation offload (copies of
+        saved tensors reported with ``count_kept(..., offloaded=True)``); not in ``bytes``."""
+        self._apply_releases()
+        return self._current_offloaded
+
+    @property
+    def peak_offloaded_bytes(self) -> int:
+        """The most ``offloaded_bytes`` at any moment since the block began."""
+        self._apply_releases()
+        return self._peak_offloaded
+
+    @property
     def storage_bytes(self) -> int:
         """The whole storages the saved tensors keep allocated now (>= ``bytes``)."""
         return sum(s.storage_bytes for s in self.storages())
 
     def largest(self, n: int = 10) -> list[SavedStorage]:
         return self.storages()[:n]
+
+
+# The meters entered on this thread, innermost last: count_kept reports to the innermost.
+_ACTIVE: list[ActivationMeter] = []
+
+
+def count_kept(tensor: torch.Tensor, holder: Any, *, offloaded: bool = False) -> None:
+    """Count ``tensor`` in the innermost active meter, as a saved tensor, for
+    as long as ``holder`` (any object a weak reference can point to) lives.
+
+    For tensors kept for backward where ``saved_tensors_hooks`` does not see
+    them: the outputs a selective checkpoint caches in its own storage, the
+    tensors an activation offload keeps or copies to host inside its own
+    hooks (``offloaded=True``: host copies, counted in ``offloaded_bytes``,
+    not in ``bytes``). No meter active: nothing happens.
+    """
+    if _ACTIVE:
+        _ACTIVE[-1]._track(tensor, holder, offloaded)
 
 
 def track_activations(exclude: Excludable = None) -> ActivationMeter:

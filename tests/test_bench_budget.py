@@ -41,9 +41,10 @@ def test_budget_rows_sit_beside_plain_with_bytes_and_ratios(tmp_path, monkeypatc
     torch_checkpoint = results["checkpoint_sequential (fit's parts)"]
     compiled = results["torch.compile budget 0.5"]
     torch_runs = results["torch checkpoint (to fit's bytes)"]
+    every_block = results[budget.EVERY_BLOCK]
     plain = results["as given"]
     check_ratios_against_plain(results, "as given")
-    for row in (fitted, torch_checkpoint, compiled, torch_runs):
+    for row in (fitted, torch_checkpoint, compiled, torch_runs, every_block):
         assert row["activation_bytes"] > 0 and row["step_time_s"] > 0 and row["ratios"]["step_time"] > 0
     assert fitted["activation_bytes"] <= 0.5 * plain["activation_bytes"]
     # fit checkpointed children of the model (its only nn.Sequential): torch's
@@ -54,6 +55,11 @@ def test_budget_rows_sit_beside_plain_with_bytes_and_ratios(tmp_path, monkeypatc
     # until the plain model keeps no more than fit's: the like-for-like peer
     assert torch_runs["activation_bytes"] <= fitted["activation_bytes"]
     assert "reaches" in " ".join(torch_runs["notes"])
+    # every child its own checkpoint, each keeping its input: here the children are single layers, so
+    # a norm keeps the convolution's output and the activation the norm's, which plain autograd never
+    # saves both of; more than the plain model keeps, and more than fit's plan
+    assert "around every block of the plain model: 0, 1, 2, 3, ... (13 in all)" in " ".join(every_block["notes"])
+    assert every_block["activation_bytes"] > plain["activation_bytes"] > fitted["activation_bytes"]
     # counted on the compiled module after it compiled: the partitioner's
     # choice under the budget, never more than eager keeps
     assert compiled["activation_bytes"] <= plain["activation_bytes"]
@@ -127,6 +133,7 @@ def test_help_documents_budget(capsys):
         bench.main(["--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "--budget BUDGET" in out and "activation_memory_budget" in out and "checkpoint_sequential" in out
+    assert "torch checkpoint (every block)" in out
     assert "2GiB" in out and "0.35" in out
 
 
