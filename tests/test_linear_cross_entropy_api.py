@@ -153,13 +153,15 @@ def test_opcheck():
     for reduction in ("mean", "sum", "none"):
         torch.library.opcheck(_linear_cross_entropy_forward,
                               (x, w, target, b, None, token_weight, -100, 0.1, reduction, 3, True, True, True,
-                               torch.float32, 0.0, torch.float32))
+                               torch.float32, 0.0, torch.float32, False))
     torch.library.opcheck(_linear_cross_entropy_forward,
                           (x.bfloat16(), w.bfloat16(), target, None, None, None, -100, 0.0, "mean", None, True,
-                           False, False, torch.bfloat16, 0.0, torch.bfloat16))
-    torch.library.opcheck(_linear_cross_entropy_backward,
-                          (torch.ones(7), x, w, target, b, None, token_weight, -100, 0.0, 2, True, True, True,
-                           torch.float32, 0.0))
+                           False, False, torch.bfloat16, 0.0, torch.bfloat16, False))
+    no_terms = torch.empty(0)  # the chunked path's backward (CPU) recomputes the chunks
+    for reduction, grad_output in (("none", torch.ones(7)), ("mean", torch.tensor(2.0)), ("sum", torch.tensor(0.5))):
+        torch.library.opcheck(_linear_cross_entropy_backward,
+                              (grad_output, x, w, target, b, None, token_weight, no_terms, -100, 0.0, reduction, 2,
+                               True, True, True, torch.float32, 0.0, False))
 
 
 @pytest.mark.slow
