@@ -116,10 +116,17 @@ def _fused_kernels(device: torch.device):
     return stats.kernel, grads.kernel
 
 
+@torch.compiler.assume_constant_result
+def _fused_on(device_type: str) -> bool:
+    # A constant to torch.compile: resolving the registry (its lock) is not
+    # something dynamo traces, and the answer does not change within a graph.
+    return _fused_kernels(torch.device(device_type)) is not None
+
+
 def _runs_fused(input, target, chunk_size) -> bool:
     """Whether a call takes the fused path: class indices, no ``chunk_size``,
     and the fused kernels on the input's device."""
-    return not target.is_floating_point() and chunk_size is None and _fused_kernels(input.device) is not None
+    return not target.is_floating_point() and chunk_size is None and _fused_on(input.device.type)
 
 
 def _unit_stride(t):
