@@ -184,7 +184,8 @@ def _fused_gradients(input, weight, target, bias, class_weight, terms, ignore_in
     float32 (into grad_input itself when it is float32), and ``grad_bias
     [chunk] = sum G``. No atomics, no weight-sized float32 sum: the memory
     above the gradients is G, the float32 sum of grad_input for fp16/bf16
-    inputs, and per-token terms."""
+    inputs (a block of tokens at a time where the whole would pass
+    ``INPUT_SUM_SHARE`` of the gradients), and per-token terms."""
     tokens, hidden = input.shape
     classes = weight.shape[0]
     device = input.device
