@@ -483,7 +483,9 @@ def collect(jobs: int = 0, families: Optional[tuple[str, ...]] = None, cuda: boo
     (0: the CPU count, at most 8)."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("the kernel report compiles real GPU code: run it without TRITON_INTERPRET=1")
-    work = [(family, index, capability) for family, index in triton_jobs(families) for capability in TARGETS]
+    specs = {family: _family_specs(family) for family in (families or TRITON_FAMILIES)}
+    work = [(family, index, capability) for family, index in triton_jobs(families) for capability in TARGETS
+            if specs[family][index].targets is None or capability in specs[family][index].targets]
     workers = jobs or min(8, os.cpu_count() or 1)
     cuda_targets = TARGETS if cuda else ()
     if workers > 1:

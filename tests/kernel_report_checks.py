@@ -38,10 +38,11 @@ def main() -> None:
 
     rows, seen = [], set()
     for family, spec in _kernel_report.iter_specs():
-        if spec.name in seen:
+        if (spec.name, spec.targets) in seen:  # a kernel with a tile table per architecture: one spec of each
             continue
-        seen.add(spec.name)
-        rows.extend(_kernel_report.spec_row(family, spec, capability) for capability in _kernel_report.TARGETS)
+        seen.add((spec.name, spec.targets))
+        rows.extend(_kernel_report.spec_row(family, spec, capability) for capability in _kernel_report.TARGETS
+                    if spec.targets is None or capability in spec.targets)
     toys = [_kernel_report.spec_row("toy", toy_spec(stride), 90) for stride in (1, 3)]
     for row in rows + toys:
         row["problems"] = _kernel_report.problems(row)

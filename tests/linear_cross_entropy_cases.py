@@ -3,6 +3,8 @@ unfused torch computation in float64, ours, and their comparison."""
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -17,11 +19,29 @@ class LargestTemporary(TorchDispatchMode):
     out tensors of the ``left_out`` shapes (e.g. weight-shaped gradient
     accumulators, which grow with the vocabulary whatever the chunks), and
     everything while ``paused`` is set (under the interpreter, the tests'
-    guard bands copy a Triton launch's arguments with torch ops)."""
+    guard bands copy a Triton launch's arguments with torch ops). ``peak``:
+    the most bytes of the storages allocated while active that were alive at
+    once (each storage counted until it is freed), the CPU stand-in for
+    ``max_memory_allocated`` above what was held before."""
 
     def __init__(self, left_out=()):
         super().__init__()
         self.left_out, self.largest, self.paused = set(left_out), 0, False
+        self.live = self.peak = 0
+        self._counted = set()
+
+    def _count(self, storage):
+        key = storage.data_ptr()
+        if key in self._counted or storage.nbytes() == 0:
+            return
+        self._counted.add(key)
+        self.live += storage.nbytes()
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._release, key, storage.nbytes())
+
+    def _release(self, key, nbytes):
+        self._counted.discard(key)
+        self.live -= nbytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -31,9 +51,10 @@ class LargestTemporary(TorchDispatchMode):
         inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
                   if isinstance(a, torch.Tensor)}
         for t in out if isinstance(out, (tuple, list)) else (out,):
-            if (isinstance(t, torch.Tensor) and tuple(t.shape) not in self.left_out
-                    and t.untyped_storage().data_ptr() not in inputs):
-                self.largest = max(self.largest, t.numel() * t.element_size())
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                self._count(t.untyped_storage())
+                if tuple(t.shape) not in self.left_out:
+                    self.largest = max(self.largest, t.numel() * t.element_size())
         return out
 
 

@@ -38,6 +38,9 @@ class KernelSpec(NamedTuple):
     roofline_bytes: float
     narrow: dict = {}
     num_stages: Optional[int] = None  # None: Triton's default, as the launchers leave it
+    # The capabilities (90, 80) whose launchers pick this spec; None: every one.
+    # A tile table chosen per architecture compiles only for its own.
+    targets: Optional[tuple] = None
 
     @property
     def name(self) -> str:

@@ -26,21 +26,26 @@ The fused path: no logits in memory at all
     Where the cross_entropy family runs Triton (on CUDA; on CPU tensors
     under ``TRITON_INTERPRET=1`` when forced, as the tests do), class-index
     targets without an explicit ``chunk_size`` take two Triton kernels
-    (``triton.py``) instead of the chunks: a statistics pass that forms the
-    logits tile by tile on the tensor cores and folds each tile into every
-    token's running log-sum-exp, target logit and smoothing sum, and a
-    gradient pass that forms each tile again and adds its share into
-    grad_input, grad_weight and grad_bias (float32 sums, atomic adds). The
-    logits are rounded to the compute dtype where they are made, as
-    ``F.linear`` returns them, and the logits' gradient is rounded as the
-    chunked path stores it, so both paths compute the same function. The
-    chunked path runs instead for probability targets, an explicit
-    ``chunk_size`` (which is how a benchmark compares the two), and under
-    ``torch.use_deterministic_algorithms(True)`` (atomic float adds sum in a
-    varying order). ``filter_eps`` (opt-in, default 0) lets the gradient
-    pass skip tiles whose every gradient is below it, Cut Cross-Entropy's
-    filtering: cheaper and inexact, so never the default; a call that runs
-    the chunked path refuses it.
+    (``triton.py``) instead of the chunks. Forward: a statistics pass forms
+    the logits tile by tile on the tensor cores and folds each tile into
+    every token's running log-sum-exp, target logit and smoothing sum;
+    autograd keeps those per-token terms (3 floats a token) and references
+    to the inputs. Backward, for every reduction: the classes are walked in
+    chunks (``vocab_chunks.gradient_chunk``: a buffer G of tokens x chunk in
+    the compute dtype, at most ``max(8 MiB, a quarter of the input's
+    bytes)``); per chunk a kernel forms the logits again and writes their
+    gradient into G, then ``grad_weight[chunk] = G^T x`` goes straight into
+    the gradient (one GEMM, one rounding), ``grad_input += G W[chunk]``
+    sums in float32 and ``grad_bias[chunk] = sum G``. The logits are rounded
+    to the compute dtype where they are made, as ``F.linear`` returns them,
+    and their gradient once after every scale (grad_output's included), so
+    the fused path computes what torch's unfused pair does. No atomics: it
+    is deterministic. The chunked path runs instead for probability targets
+    and an explicit ``chunk_size`` (which is how a benchmark compares the
+    two). ``filter_eps`` (opt-in, default 0) zeroes the gradient of tiles
+    whose every gradient is below it, Cut Cross-Entropy's filtering: inexact,
+    so never the default; a call that runs the chunked path refuses it. (In
+    this design it saves no GEMM work: cuBLAS multiplies the zeros.)
 
 Chunk sizes, from the shapes (``op.chunk_shape``)
     A chunk of logits may take ``max(CHUNK_LOGITS_BYTES = 8 MiB, the
@@ -81,42 +86,51 @@ Mean with class and token weights
     formula.
 
 Memory: what is saved, and the peak
-    ``"mean"`` / ``"sum"``: the gradients are computed during the forward
-    pass (when anything requires grad), and autograd saves only them:
-    grad_input (tokens x hidden, the input's dtype), grad_weight and
-    grad_bias (float32 sums); backward multiplies them by ``grad_output`` in
-    place and casts grad_weight / grad_bias to the parameters' dtypes, once.
-    ``"none"``: the forward computes losses only and saves its inputs
-    (references to input, weight, bias, target and the weights, no copy);
-    backward recomputes each chunk's logits and scales row ``i`` of the
-    logits' gradient by ``grad_output_i * s_i``: one more pass of matmuls,
-    in exchange for exact gradients for any ``grad_output``. Either way
-    nothing saved or allocated grows with tokens x classes: the peak above
-    the inputs is one chunk of logits (one buffer, reused by every chunk;
-    plus a float32 copy of it for fp16/bf16 on CPU, which has no mixed-dtype
-    GEMM; with the vocabulary chunked, one vocabulary chunk of logits, its
-    float32 copy for fp16/bf16 on CPU) and the weight-sized accumulators
+    Chunked path, ``"mean"`` / ``"sum"`` in fp32 / bf16: the gradients are
+    computed during the forward pass (when anything requires grad), and
+    autograd saves only them: grad_input (tokens x hidden, the input's
+    dtype), grad_weight and grad_bias (float32 sums); backward multiplies
+    them by ``grad_output`` in place and casts grad_weight / grad_bias to
+    the parameters' dtypes, once. ``"none"``, and fp16 (whose gradient must
+    see grad_output, a loss scaler's factor, before it is rounded): the
+    forward computes losses only and saves its inputs (references to input,
+    weight, bias, target and the weights, no copy); backward recomputes each
+    chunk's logits and scales the logits' gradient by grad_output: one more
+    pass of matmuls. Either way nothing saved or allocated grows with tokens
+    x classes: the peak above the inputs is one chunk of logits (one buffer,
+    reused by every chunk; plus a float32 copy of it for fp16/bf16 on CPU,
+    which has no mixed-dtype GEMM; with the vocabulary chunked, one
+    vocabulary chunk of logits, its float32 copy for fp16/bf16 on CPU) and
+    the weight-sized accumulators
     (``tests/test_linear_cross_entropy_vocab_chunks.py`` checks the largest
     temporary stays the same as the vocabulary grows). Measured on CPU (4096 tokens,
     hidden 128, 32768 classes, float32: 512 MiB of logits), the process's
     peak resident set grows by about 35 MiB over forward + backward
     (``tests/test_linear_cross_entropy_api.py::test_peak_memory_of_a_step_in_a_fresh_process``
     holds it under 0.2x the logits).
+    Fused path: above the gradients themselves, which a step must hold, one
+    chunk's buffer G, grad_input's float32 sum for fp16/bf16 inputs (float32
+    inputs sum into grad_input) and per-token terms: no weight-sized
+    accumulator (``tests/test_linear_cross_entropy_fused.py::test_peak_within_a_tenth_above_the_gradients``
+    holds the peak within 1.1x the gradients' bytes, counted by allocation).
 
 Numerics
     The logits of a chunk are rounded to the compute dtype, as
     ``F.linear`` returns them; everything after (log-sum-exp, loss, the
-    weight and bias sums) accumulates in float32. Gradients pass one
-    rounding to fp16/bf16 more than torch's: the row kernel writes
-    d loss / d logits in the logits' dtype, and token weights, or
-    ``grad_output`` for ``"none"``, scale it there. grad_input is rounded to
-    the input's dtype per chunk (each of its rows is computed once).
+    weight and bias sums) accumulates in float32. The logits' gradient is
+    rounded to the compute dtype once, as torch's: on the fused path after
+    every scale; on the chunked path after grad_output (fp16, ``"none"``)
+    and the mean's scale, while the whole-rows chunks multiply token
+    weights, or ``grad_output`` for ``"none"``, after that rounding.
+    grad_input is rounded to the input's dtype per chunk (each of its rows
+    is computed once).
 
 Autocast
     Under ``torch.autocast`` (input of float16, bfloat16 or float32), as
     torch runs ``F.linear`` then ``F.cross_entropy``: the matmuls take the
     autocast dtype (input, weight and bias are cast to it chunk by chunk or
-    once), and the loss is float32. The gradients are returned in the
+    once; the fused path's kernels round each tile as they load it, so the
+    weight is never copied whole), and the loss is float32. The gradients are returned in the
     dtypes of input, weight and bias themselves (float32 master weights
     get a float32 grad_weight straight from the float32 accumulator, never
     rounded to the autocast dtype on the way).

@@ -3,7 +3,6 @@ the public function (see the package docstring for numerics and contracts)."""
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Optional
 
@@ -19,7 +18,10 @@ from .contract import INPUT_DTYPES, OP, check_arguments, check_target_range
 from .reference import class_index_grads_reference, class_index_stats_reference
 from .vocab_chunks import (
     accumulate_product,
+    class_index_row_terms,
+    gradient_chunk,
     probability_terms,
+    smoothing_term,
     vocab_chunk_bytes,
     vocab_chunked_rows,
     whole_probability_rows,
@@ -34,6 +36,16 @@ from .vocab_parallel import is_sharded, runs_vocab_parallel, vocab_parallel_line
 # gradients alone are 0.07x the logits, and a 16 MiB chunk left the peak
 # above the 0.1x target (benchmarks/results/linear_cross_entropy-cpu-table-*).
 CHUNK_LOGITS_BYTES = 8 << 20
+
+# The fused path's float32 sum of grad_input (fp16/bf16 inputs) takes at most
+# this share of the gradients' own bytes, the memory a step cannot avoid:
+# more tokens than that are summed a block at a time, each later block
+# forming its logits again. At Gemma-2's head (8192 x 2304 x 256000, bf16)
+# the whole sum is 6% of the gradients, one block; at Llama-3's (8192 x 4096
+# x 128256) it would be 12%, so two blocks. Together with the buffer of the
+# logits' gradient (vocab_chunks.gradient_chunk) this keeps the peak within
+# the issue's 1.1x of the gradients.
+INPUT_SUM_SHARE = 1 / 16
 
 
 def chunk_tokens(tokens: int, classes: int, itemsize: int, input_bytes: int, chunk_size: Optional[int]) -> int:
@@ -89,10 +101,13 @@ for _name, _reference in (("linear_cross_entropy_stats", class_index_stats_refer
 
 def _fused_kernels(device: torch.device):
     """(statistics pass, gradient pass) of the fused path where its Triton
-    kernels run (CUDA, or CPU tensors under TRITON_INTERPRET=1 when forced),
-    unless torch is asked for deterministic algorithms (their atomic float
-    adds sum in a varying order); else None, and the chunked path runs."""
-    if torch.are_deterministic_algorithms_enabled():
+    kernels run (CUDA, or CPU tensors under TRITON_INTERPRET=1 when forced);
+    else None, and the chunked path runs. Neither sums with atomics, so the
+    fused path is deterministic and runs under
+    ``torch.use_deterministic_algorithms(True)`` too. Fake CUDA tensors on a
+    machine without CUDA (a graph traced for a GPU elsewhere) take the
+    chunked path, which resolves its kernels where it runs."""
+    if device.type == "cuda" and not torch.cuda.is_available():
         return None
     stats, grads = (registry.choice(name, device.type) for name in
                     ("linear_cross_entropy_stats", "linear_cross_entropy_grads"))
@@ -101,8 +116,147 @@ def _fused_kernels(device: torch.device):
     return stats.kernel, grads.kernel
 
 
+@torch.compiler.assume_constant_result
+def _fused_on(device_type: str) -> bool:
+    # A constant to torch.compile: resolving the registry (its lock) is not
+    # something dynamo traces, and the answer does not change within a graph.
+    return _fused_kernels(torch.device(device_type)) is not None
+
+
+def _runs_fused(input, target, chunk_size) -> bool:
+    """Whether a call takes the fused path: class indices, no ``chunk_size``,
+    and the fused kernels on the input's device."""
+    return not target.is_floating_point() and chunk_size is None and _fused_on(input.device.type)
+
+
+def _unit_stride(t):
+    """``t`` with unit stride along its last dimension (the kernels' rows), a copy only where it has none."""
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
+def _fused_rows(input, weight, target, bias, class_weight, ignore_index, label_smoothing, compute_dtype):
+    """Loss rows (accumulation dtype) of the fused path's statistics pass, and
+    the (3, tokens) terms its gradient pass reads (log-sum-exp, softmax and
+    target coefficients: 12 bytes a token, kept whether or not a gradient
+    follows). x, W and b are read in their own dtypes: under autocast the
+    kernel rounds each tile to the compute dtype, so no cast copy is made."""
+    acc = accumulation_dtype(compute_dtype)
+    classes = weight.shape[0]
+    target = target.to(torch.int64).contiguous()
+    class_weight = None if class_weight is None else class_weight.to(acc).contiguous()
+    smoothing = label_smoothing > 0
+    stats = _fused_kernels(input.device)[0](
+        _unit_stride(input), _unit_stride(weight), None if bias is None else bias.contiguous(), target,
+        class_weight if smoothing else None, smoothing, dtype=compute_dtype)
+    rows, terms = class_index_row_terms(stats, target, class_weight, ignore_index, label_smoothing, classes)
+    return rows, terms
+
+
+def _add_product(out, a, b):
+    """``out += a @ b`` in ``out``'s dtype; on CPU (the interpreter's runs),
+    which has no mixed-dtype GEMM, through float32 copies of this chunk's
+    operands."""
+    if a.dtype != out.dtype and out.device.type != "cuda":
+        a, b = a.to(out.dtype), b.to(out.dtype)
+    accumulate_product(out, a, b)
+
+
+def _write_product(out, a, b):
+    """``out = a @ b``, rounded once to ``out``'s dtype."""
+    if a.dtype == out.dtype:
+        torch.mm(a, b, out=out)
+    elif out.device.type == "cuda":
+        torch.mm(a, b, out_dtype=out.dtype, out=out)  # float32 out of fp16/bf16 operands (torch >= 2.11)
+    else:
+        torch.mm(a.to(out.dtype), b.to(out.dtype), out=out)
+
+
+def _fused_gradients(input, weight, target, bias, class_weight, terms, ignore_index, label_smoothing, scale, needs,
+                     compute_dtype, filter_eps):
+    """(grad_input, grad_weight, grad_bias) in the dtypes of input, weight
+    and bias (None where not wanted) of the rows' loss scaled per row by
+    ``scale`` (tokens,), from the statistics pass's ``terms``. Classes are
+    walked in chunks (``vocab_chunks.gradient_chunk``): the gradient kernel
+    writes the chunk's d loss / d logits, every scale applied before its one
+    rounding to the compute dtype, into one reused buffer G; then
+    ``grad_weight[chunk] = G^T x`` is written straight into the gradient
+    (one GEMM, one rounding), ``grad_input += G W[chunk]`` accumulates in
+    float32 (into grad_input itself when it is float32), and ``grad_bias
+    [chunk] = sum G``. No atomics, no weight-sized float32 sum: the memory
+    above the gradients is G, the float32 sum of grad_input for fp16/bf16
+    inputs (a block of tokens at a time where the whole would pass
+    ``INPUT_SUM_SHARE`` of the gradients), and per-token terms."""
+    tokens, hidden = input.shape
+    classes = weight.shape[0]
+    device = input.device
+    acc = accumulation_dtype(compute_dtype)
+    target = target.to(torch.int64).contiguous()
+    x, w, b = _unit_stride(input), _unit_stride(weight), None if bias is None else bias.contiguous()
+    class_term = None
+    if label_smoothing > 0:
+        class_term = smoothing_term(None if class_weight is None else class_weight.to(acc), label_smoothing,
+                                    classes, acc, device).contiguous()
+    row_terms = torch.cat((terms, scale.reshape(1, tokens)))
+    width = gradient_chunk(tokens, classes, compute_dtype.itemsize, input.numel() * input.element_size())
+    buffer = torch.empty(tokens * min(width, classes), dtype=compute_dtype, device=device)
+    grad_input = grad_weight = grad_bias = x_low = None
+    new = torch.empty if tokens else torch.zeros  # no tokens: no chunk writes them
+    if needs[1]:
+        grad_weight = new(weight.shape, dtype=weight.dtype, device=device)
+        x_low = x if x.dtype == compute_dtype else x.to(compute_dtype)  # autocast: the GEMM's operand, once
+    if needs[2]:
+        grad_bias = new(classes, dtype=bias.dtype, device=device)
+    # grad_input's float32 sum, for fp16/bf16 inputs (a float32 input sums
+    # into grad_input itself): for a block of tokens at a time where all of
+    # them would take more than INPUT_SUM_SHARE of the gradients' bytes.
+    block = max(tokens, 1)
+    if needs[0]:
+        # Summed into where the input is float32; written block by block from the sum where not.
+        grad_input = (torch.zeros if input.dtype == acc else torch.empty)((tokens, hidden), dtype=input.dtype,
+                                                                          device=device)
+        if input.dtype != acc:
+            gradient_bytes = sum(t.numel() * t.element_size() for t, wanted in zip((input, weight, bias), needs)
+                                 if wanted)
+            blocks = math.ceil(tokens * hidden * acc.itemsize / max(1.0, INPUT_SUM_SHARE * gradient_bytes))
+            block = max(1, math.ceil(tokens / max(1, blocks)))
+    input_sum = None
+    if needs[0] and input.dtype != acc:
+        input_sum = torch.empty((block, hidden), dtype=acc, device=device)
+    kernel = _fused_kernels(device)[1]
+    # The first walk over the classes forms G for every token when grad_weight
+    # or grad_bias is wanted (their chunks are written once, whole) and sums
+    # the first block's grad_input; each later block walks the classes again
+    # for its own tokens (the price of a smaller sum: those logits formed
+    # once more).
+    for begin in range(0, tokens, block):
+        end = min(begin + block, tokens)
+        if begin > 0 and not needs[0]:
+            break
+        whole = begin == 0 and (needs[1] or needs[2] or block == tokens)
+        rows = slice(0, tokens) if whole else slice(begin, end)
+        summed = None
+        if needs[0]:
+            summed = grad_input[begin:end] if input_sum is None else input_sum[:end - begin].zero_()
+        for start in range(0, classes, width):
+            stop = min(start + width, classes)
+            g = buffer[:(rows.stop - rows.start) * (stop - start)].view(rows.stop - rows.start, stop - start)
+            kernel(x[rows], w, b, target[rows], class_term, row_terms[:, rows], ignore_index, start, g,
+                   filter_eps=filter_eps)
+            if needs[0]:
+                chunk = w[start:stop]
+                _add_product(summed, g[begin - rows.start:end - rows.start],
+                             chunk if chunk.dtype == compute_dtype else chunk.to(compute_dtype))
+            if whole and needs[1]:
+                _write_product(grad_weight[start:stop], g.t(), x_low)
+            if whole and needs[2]:
+                grad_bias[start:stop] = g.sum(0, dtype=acc)
+        if input_sum is not None:
+            grad_input[begin:end] = summed
+    return grad_input, grad_weight, grad_bias
+
+
 def _chunks(input, weight, target, bias, class_weight, ignore_index, label_smoothing, chunk_size, compute_dtype,
-            grad_scale, row_scale, needs, keep_rows, filter_eps=0.0):
+            grad_scale, row_scale, needs, keep_rows):
     """Walk the tokens in chunks: logits = x W^T + b, one row-kernel call
     (loss and, when a gradient is wanted, d loss / d logits written over the
     logits), then the chunk's share of each gradient. ``row_scale``: None or
@@ -134,21 +288,6 @@ def _chunks(input, weight, target, bias, class_weight, ignore_index, label_smoot
     grad_weight = torch.zeros((classes, hidden), dtype=acc, device=device) if needs[1] else None
     grad_bias = torch.zeros((classes,), dtype=acc, device=device) if needs[2] else None
     write_grad = any(needs)
-    fused = None if soft or chunk_size is not None else _fused_kernels(device)
-    if filter_eps and fused is None:
-        raise ValueError(
-            f"effilayers {OP}: filter_eps={filter_eps} applies to the fused Triton path (CUDA, class-index targets, "
-            "no chunk_size, deterministic algorithms off); this call runs the chunked path, whose gradients are "
-            "exact: pass filter_eps=0")
-    if fused is not None:
-        fused = (fused[0], functools.partial(fused[1], filter_eps=filter_eps))
-        # No logits in memory at all: every token and class at once.
-        # The kernels read rows of x and W, and b, with unit stride.
-        rows = vocab_chunked_rows(
-            input.to(compute_dtype).contiguous(), w.contiguous(), None if b is None else b.contiguous(), target,
-            kernel_weight, ignore_index,
-            label_smoothing, grad_scale, row_scale, needs, classes, acc, grad_input, grad_weight, grad_bias, fused)
-        return (rows if keep_rows else None), grad_input, grad_weight, grad_bias
     if vocab_step < classes:
         for start in range(0, tokens, step):
             stop = min(start + step, tokens)
@@ -228,8 +367,9 @@ def _nothing(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------
-# Custom ops: the forward pass (with the gradients, for mean and sum) and the
-# backward pass of reduction="none" (recomputing the chunks)
+# Custom ops: the forward pass (with the gradients, for the chunked path's
+# mean and sum) and the deferred backward pass (the fused path, every
+# reduction="none", and fp16 on the chunked path)
 # ---------------------------------------------------------------------------
 
 _ARGUMENTS = ("Tensor input, Tensor weight, Tensor target, Tensor? bias, Tensor? class_weight, Tensor? token_weight, "
@@ -239,11 +379,14 @@ _WANTS = ("int? chunk_size, bool grad_input, bool grad_weight, bool grad_bias, S
 
 
 def _forward(input, weight, target, bias, class_weight, token_weight, ignore_index, label_smoothing, reduction,
-             chunk_size, grad_input, grad_weight, grad_bias, compute_dtype, filter_eps, loss_dtype):
-    """(loss, grad_input, grad_weight, grad_bias): the loss in ``loss_dtype``;
-    the gradients of the reduced loss, grad_input in the input's dtype,
-    grad_weight / grad_bias in the accumulation dtype (cast once, in
-    backward, after scaling by grad_output); empty where not wanted."""
+             chunk_size, grad_input, grad_weight, grad_bias, compute_dtype, filter_eps, loss_dtype, fused):
+    """(loss, grad_input, grad_weight, grad_bias, terms): the loss in
+    ``loss_dtype``; on the chunked path, the gradients of the reduced loss
+    (those asked for), grad_input in the input's dtype, grad_weight /
+    grad_bias in the accumulation dtype (cast once, in backward, after
+    scaling by grad_output); on the fused path (``fused``, decided by the
+    caller, which never computes gradients here), the (3, tokens) terms its
+    gradient pass reads in backward; empty where not wanted."""
     acc = accumulation_dtype(compute_dtype)
     needs = (grad_input, grad_weight, grad_bias and bias is not None)
     # The body casts explicitly; autocast must not re-cast the float32 sums.
@@ -256,9 +399,14 @@ def _forward(input, weight, target, bias, class_weight, token_weight, ignore_ind
         else:
             grad_scale = torch.ones(1, dtype=acc, device=input.device)
         row_scale = None if token_weight is None else token_weight.to(acc)
-        rows, gi, gw, gb = _chunks(input, weight, target, bias, class_weight, ignore_index, label_smoothing,
-                                   chunk_size, compute_dtype, grad_scale, row_scale, needs, keep_rows=True,
-                                   filter_eps=filter_eps)
+        terms = _nothing(input, acc)
+        gi = gw = gb = None
+        if fused:
+            rows, terms = _fused_rows(input, weight, target, bias, class_weight, ignore_index, label_smoothing,
+                                      compute_dtype)
+        else:
+            rows, gi, gw, gb = _chunks(input, weight, target, bias, class_weight, ignore_index, label_smoothing,
+                                       chunk_size, compute_dtype, grad_scale, row_scale, needs, keep_rows=True)
         if row_scale is not None:
             rows = rows * row_scale
         if reduction == "none":
@@ -270,52 +418,76 @@ def _forward(input, weight, target, bias, class_weight, token_weight, ignore_ind
     return (loss.to(loss_dtype),
             gi if gi is not None else _nothing(input, input.dtype),
             gw if gw is not None else _nothing(input, acc),
-            gb if gb is not None else _nothing(input, acc))
+            gb if gb is not None else _nothing(input, acc),
+            terms)
 
 
-def _backward_unreduced(grad_output, input, weight, target, bias, class_weight, token_weight, ignore_index,
-                        label_smoothing, chunk_size, grad_input, grad_weight, grad_bias, compute_dtype, filter_eps):
-    """Gradients of sum_i grad_output_i * loss_i, recomputing each chunk's
-    logits; grad_weight / grad_bias cast to the parameters' dtypes."""
+def _backward_deferred(grad_output, input, weight, target, bias, class_weight, token_weight, terms, ignore_index,
+                       label_smoothing, reduction, chunk_size, grad_input, grad_weight, grad_bias, compute_dtype,
+                       filter_eps, fused):
+    """Gradients of the loss for ``grad_output``, computed here rather than in
+    forward: the fused path from its statistics pass's ``terms``, the
+    chunked path recomputing each chunk's logits. grad_output, the mean's
+    scale and the token weights are multiplied in float32 before the logits'
+    gradient is rounded to the compute dtype (a loss scaler's factor keeps
+    fp16's small gradients from underflowing, as in torch). grad_weight /
+    grad_bias in the parameters' dtypes."""
     acc = accumulation_dtype(compute_dtype)
     needs = (grad_input, grad_weight, grad_bias and bias is not None)
     with torch.autocast(input.device.type, enabled=False):
-        row_scale = grad_output.reshape(-1).to(acc)
-        if token_weight is not None:
-            row_scale = row_scale * token_weight.to(acc)
-        grad_scale = torch.ones(1, dtype=acc, device=input.device)
-        _, gi, gw, gb = _chunks(input, weight, target, bias, class_weight, ignore_index, label_smoothing,
-                                chunk_size, compute_dtype, grad_scale, row_scale, needs, keep_rows=False,
-                                filter_eps=filter_eps)
+        grad_output = grad_output.to(acc)
+        if reduction == "none":
+            grad_scale, row_scale = torch.ones(1, dtype=acc, device=input.device), grad_output.reshape(-1)
+            if token_weight is not None:
+                row_scale = row_scale * token_weight.to(acc)
+        else:
+            grad_scale = grad_output.reshape(1)
+            if reduction == "mean":
+                total = _mean_divisor(target, class_weight, token_weight, ignore_index, acc)
+                grad_scale = torch.where(total == 0, math.nan, grad_scale / total)
+            row_scale = None if token_weight is None else token_weight.to(acc)
+        if fused:
+            scale = grad_scale.expand(input.shape[0]) if row_scale is None else grad_scale * row_scale
+            gi, gw, gb = _fused_gradients(input, weight, target, bias, class_weight, terms, ignore_index,
+                                          label_smoothing, scale, needs, compute_dtype, filter_eps)
+        else:
+            _, gi, gw, gb = _chunks(input, weight, target, bias, class_weight, ignore_index, label_smoothing,
+                                    chunk_size, compute_dtype, grad_scale, row_scale, needs, keep_rows=False)
+            gw = None if gw is None else gw.to(weight.dtype)
+            gb = None if gb is None else gb.to(bias.dtype)
     return (gi if gi is not None else _nothing(input, input.dtype),
-            gw.to(weight.dtype) if gw is not None else _nothing(input, weight.dtype),
-            gb.to(bias.dtype) if gb is not None else _nothing(input, input.dtype))
+            gw if gw is not None else _nothing(input, weight.dtype),
+            gb if gb is not None else _nothing(input, input.dtype))
 
 
 _linear_cross_entropy_forward = torch.library.custom_op(
     "effilayers::linear_cross_entropy_forward", _forward, mutates_args=(),
-    schema=f"({_ARGUMENTS}, str reduction, {_WANTS}, ScalarType loss_dtype) -> (Tensor, Tensor, Tensor, Tensor)",
+    schema=f"({_ARGUMENTS}, str reduction, {_WANTS}, ScalarType loss_dtype, bool fused) "
+           "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
 )
 _linear_cross_entropy_backward = torch.library.custom_op(
-    "effilayers::linear_cross_entropy_backward", _backward_unreduced, mutates_args=(),
-    schema=f"(Tensor grad_output, {_ARGUMENTS}, {_WANTS}) -> (Tensor, Tensor, Tensor)",
+    "effilayers::linear_cross_entropy_backward", _backward_deferred, mutates_args=(),
+    schema=f"(Tensor grad_output, {_ARGUMENTS[:_ARGUMENTS.index(', SymInt')]}, Tensor terms, "
+           f"SymInt ignore_index, float label_smoothing, str reduction, {_WANTS}, bool fused) "
+           "-> (Tensor, Tensor, Tensor)",
 )
 
 
 @_linear_cross_entropy_forward.register_fake
 def _(input, weight, target, bias, class_weight, token_weight, ignore_index, label_smoothing, reduction, chunk_size,
-      grad_input, grad_weight, grad_bias, compute_dtype, filter_eps, loss_dtype):
+      grad_input, grad_weight, grad_bias, compute_dtype, filter_eps, loss_dtype, fused):
     acc = accumulation_dtype(compute_dtype)
     loss = input.new_empty((input.shape[0],) if reduction == "none" else (), dtype=loss_dtype)
     gi = input.new_empty(input.shape) if grad_input else _nothing(input, input.dtype)
     gw = input.new_empty(weight.shape, dtype=acc) if grad_weight else _nothing(input, acc)
     gb = input.new_empty((weight.shape[0],), dtype=acc) if grad_bias and bias is not None else _nothing(input, acc)
-    return loss, gi, gw, gb
+    terms = input.new_empty((3, input.shape[0]), dtype=acc) if fused else _nothing(input, acc)
+    return loss, gi, gw, gb, terms
 
 
 @_linear_cross_entropy_backward.register_fake
-def _(grad_output, input, weight, target, bias, class_weight, token_weight, ignore_index, label_smoothing,
-      chunk_size, grad_input, grad_weight, grad_bias, compute_dtype, filter_eps):
+def _(grad_output, input, weight, target, bias, class_weight, token_weight, terms, ignore_index, label_smoothing,
+      reduction, chunk_size, grad_input, grad_weight, grad_bias, compute_dtype, filter_eps, fused):
     gi = input.new_empty(input.shape) if grad_input else _nothing(input, input.dtype)
     gw = weight.new_empty(weight.shape) if grad_weight else _nothing(input, weight.dtype)
     gb = bias.new_empty(bias.shape) if grad_bias and bias is not None else _nothing(input, input.dtype)
@@ -333,18 +505,31 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         ctx.settings, ctx.needs = settings, needs
         ctx.weight_dtype = weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
-        fused = reduction != "none" and any(needs)
+        fused = _runs_fused(input, target, chunk_size)
+        if filter_eps and not fused:
+            raise ValueError(
+                f"effilayers {OP}: filter_eps={filter_eps} applies to the fused Triton path (CUDA, class-index "
+                "targets, no chunk_size); this call runs the chunked path, whose gradients are exact: pass "
+                "filter_eps=0")
+        # The gradients wait for backward (and its grad_output) on the fused
+        # path, for reduction="none" (grad_weight = sum_i g_i * dl_i^T x_i
+        # cannot be rebuilt from an unscaled sum) and for fp16, whose
+        # gradient must be scaled (by a GradScaler's factor, say) before it
+        # is rounded; the chunked path's fp32/bf16 mean and sum compute them
+        # here, with the logits at hand, and backward only scales them.
+        ctx.fused = fused
+        ctx.deferred = fused or reduction == "none" or compute_dtype == torch.float16
+        early = any(needs) and not ctx.deferred
         forward = _forward if registry.runs_eagerly(input) else _linear_cross_entropy_forward
-        loss, gi, gw, gb = forward(input, weight, target, bias, class_weight, token_weight, ignore_index,
-                                   label_smoothing, reduction, chunk_size, fused and needs[0], fused and needs[1],
-                                   fused and needs[2], compute_dtype, filter_eps, loss_dtype)
-        if fused:
+        loss, gi, gw, gb, terms = forward(
+            input, weight, target, bias, class_weight, token_weight, ignore_index, label_smoothing, reduction,
+            chunk_size, early and needs[0], early and needs[1], early and needs[2], compute_dtype, filter_eps,
+            loss_dtype, fused)
+        if early:
             ctx.save_for_backward(gi, gw, gb)
         elif any(needs):
-            # reduction="none": the per-token grad_output is known only in
-            # backward, and grad_weight = sum_i g_i * dl_i^T x_i cannot be
-            # rebuilt from an unscaled sum, so backward recomputes the chunks.
-            ctx.save_for_backward(input, weight, target, bias, class_weight, token_weight)
+            # References to the inputs (no copy), and the fused path's per-token terms.
+            ctx.save_for_backward(input, weight, target, bias, class_weight, token_weight, terms)
         return loss
 
     @staticmethod
@@ -357,11 +542,12 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
             )
         ignore_index, label_smoothing, reduction, chunk_size, _, compute_dtype, _, filter_eps = ctx.settings
         needs = ctx.needs
-        if reduction == "none":
-            input, weight, target, bias, class_weight, token_weight = ctx.saved_tensors
-            backward = _backward_unreduced if registry.runs_eagerly(grad_output) else _linear_cross_entropy_backward
-            gi, gw, gb = backward(grad_output, input, weight, target, bias, class_weight, token_weight, ignore_index,
-                                  label_smoothing, chunk_size, *needs, compute_dtype, filter_eps)
+        if ctx.deferred:
+            input, weight, target, bias, class_weight, token_weight, terms = ctx.saved_tensors
+            backward = _backward_deferred if registry.runs_eagerly(grad_output) else _linear_cross_entropy_backward
+            gi, gw, gb = backward(grad_output, input, weight, target, bias, class_weight, token_weight, terms,
+                                  ignore_index, label_smoothing, reduction, chunk_size, *needs, compute_dtype,
+                                  filter_eps, ctx.fused)
         else:
             gi, gw, gb = ctx.saved_tensors
             # retain_graph=True (gradcheck, a second backward) and torch.compile
@@ -424,10 +610,11 @@ def linear_cross_entropy(
     with token weights, numerics, autocast and memory.
 
     ``filter_eps`` (default 0: exact gradients): on the fused path only, the
-    gradient pass skips a tile of tokens x classes whose every
+    gradient pass zeroes a tile of tokens x classes whose every
     ``|d loss / d logit|`` (before the reduction's scale) is below it, as Cut
-    Cross-Entropy's filtering does: cheaper, and inexact by up to that much
-    per skipped logit. A call that runs the chunked path refuses it.
+    Cross-Entropy's filtering does: inexact by up to that much per zeroed
+    logit (and, with cuBLAS multiplying the chunk whole, no cheaper). A call
+    that runs the chunked path refuses it.
     """
     autocasting = _autocasting(input)
     check_arguments(input, weight, target, bias, ignore_index, label_smoothing, reduction, class_weight,

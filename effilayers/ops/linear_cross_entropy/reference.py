@@ -78,20 +78,14 @@ def class_index_stats_reference(x, w, b, target, class_weight, smoothing):
     return torch.stack((running_max, sum_exp, target_logit, smooth))
 
 
-def class_index_grads_reference(x, w, b, target, class_term, row_terms, ignore_index, grad_input, grad_weight,
-                                grad_bias):
+def class_index_grads_reference(x, w, b, target, class_term, row_terms, ignore_index, class_start, out):
     acc = row_terms.dtype
-    z = _logits_in_accumulation(x, w, b, acc)
+    stop = class_start + out.shape[1]
+    z = _logits_in_accumulation(x, w[class_start:stop], None if b is None else b[class_start:stop], acc)
     lse, coef, target_coef, scale = row_terms
     g = coef[:, None] * torch.exp(z - lse[:, None])
     if class_term is not None:
-        g = g - class_term.to(acc)[None]
-    hit = torch.arange(z.shape[1], device=z.device)[None, :] == target[:, None]
+        g = g - class_term[class_start:stop].to(acc)[None]
+    hit = torch.arange(class_start, stop, device=z.device)[None, :] == target[:, None]
     g = torch.where(hit, g - target_coef[:, None], g)
-    g = torch.where((target != ignore_index)[:, None], g * scale[:, None], 0.0).to(x.dtype).to(acc)
-    if grad_input is not None:
-        grad_input += g @ w.to(acc)
-    if grad_weight is not None:
-        grad_weight += g.t() @ x.to(acc)
-    if grad_bias is not None:
-        grad_bias += g.sum(0)
+    out.copy_(torch.where((target != ignore_index)[:, None], g * scale[:, None], 0.0))

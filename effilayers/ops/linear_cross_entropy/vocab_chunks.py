@@ -50,15 +50,36 @@ def vocab_chunk_bytes(compute_dtype: torch.dtype, acc: torch.dtype, wide_copy: b
     return compute_dtype.itemsize + (acc.itemsize if wide_copy else 0)
 
 
+# The fused path's gradient pass writes d loss / d logits for every token
+# and a chunk of classes into one reused buffer G (tokens x chunk, compute
+# dtype), which two GEMMs turn into the chunk's grad_weight rows and a share
+# of grad_input. G takes at most max(GRADIENT_CHUNK_BYTES, a quarter of the
+# input's bytes): memory bounded by the input, never by the vocabulary, and
+# (at Gemma-2's and Llama-3's heads, 8192 tokens in bf16) 512 to 1024
+# classes, wide enough for the GEMMs to fill the chip. Chunks are whole
+# multiples of GRADIENT_CHUNK_ALIGN classes (every tile width divides it).
+# Not tuned on a GPU yet.
+GRADIENT_CHUNK_BYTES = 8 << 20
+GRADIENT_CHUNK_ALIGN = 256
+
+
+def gradient_chunk(tokens: int, classes: int, itemsize: int, input_bytes: int) -> int:
+    """Classes per chunk of the fused gradient pass (see GRADIENT_CHUNK_BYTES)."""
+    budget = max(GRADIENT_CHUNK_BYTES, input_bytes // 4)
+    width = budget // (max(tokens, 1) * itemsize) // GRADIENT_CHUNK_ALIGN * GRADIENT_CHUNK_ALIGN
+    return max(1, min(classes, max(width, GRADIENT_CHUNK_ALIGN)))
+
+
 def accumulate_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """out += a @ b with the product kept in ``out``'s dtype (never rounded to
-    fp16/bf16). On CPU, which has no mixed-dtype GEMM, ``a`` arrives already in
-    ``out``'s dtype and ``b`` is widened."""
+    fp16/bf16), in place: no product-sized temporary. On CPU, which has no
+    mixed-dtype GEMM, ``a`` arrives already in ``out``'s dtype and ``b`` is
+    widened (the callers pass it widened where it is reused)."""
     if a.dtype == out.dtype:
         out.addmm_(a, b.to(out.dtype))
     else:
-        # cuBLAS's fp16/bf16 GEMM with a float32 output.
-        out.add_(torch.mm(a, b, out_dtype=out.dtype))
+        # cuBLAS's fp16/bf16 GEMM accumulating into a float32 C (torch >= 2.11).
+        torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
 
 
 def _chunk_logits(x, w, b, step, buffer):
@@ -105,13 +126,6 @@ class _Gradients:
         if self.needs[0]:
             self.grad_input.copy_(self.gi)
 
-    def add_fused(self, grads_kernel, b, target, class_term, row_terms, ignore_index):
-        """Every class at once through the fused gradient kernel, which adds
-        into the float32 sums itself."""
-        grads_kernel(self.x, self.w, b, target, class_term, row_terms.contiguous(), ignore_index,
-                                self.gi if self.needs[0] else None, self.grad_weight if self.needs[1] else None,
-                                self.grad_bias if self.needs[2] else None)
-
     def walk(self, b, step, buffer, write_chunk_gradient):
         """The second walk: each chunk's logits recomputed,
         ``write_chunk_gradient(z, start, stop)`` writes d loss / d logits
@@ -139,7 +153,7 @@ def class_index_loss(lse, target_logit, smooth, w_t, class_weight, eps: float, c
 
 
 def vocab_chunked_rows(x, w, b, target, class_weight, ignore_index, eps, grad_scale, row_scale, needs, step, acc,
-                       grad_input, grad_weight, grad_bias, fused=None):
+                       grad_input, grad_weight, grad_bias):
     """Loss rows (accumulation dtype) of one token chunk ``x`` (compute
     dtype), walking the classes ``step`` at a time. When a gradient is wanted,
     writes ``grad_input`` (this chunk's rows, any dtype) and adds into
@@ -147,53 +161,54 @@ def vocab_chunked_rows(x, w, b, target, class_weight, ignore_index, eps, grad_sc
     gradient scaled by ``grad_scale`` (1 element) and ``row_scale`` (per row or
     None). ``acc``: the accumulation dtype (``accumulation_dtype`` of the
     compute dtype); ``class_weight``: None or in it; ``target``: int64 class
-    indices, contiguous, or probabilities. ``fused``: None, or the fused
-    path's (statistics, gradient) kernels (``triton.py``) for class indices:
-    the two walks then run as those two, which form the logits tile by tile
-    themselves (``step`` is unused)."""
+    indices, contiguous, or probabilities."""
     scale = grad_scale if row_scale is None else grad_scale * row_scale
     scale = scale.expand(x.shape[0])
     grads = _Gradients(x, w, needs, acc, grad_input, grad_weight, grad_bias) if any(needs) else None
     if target.is_floating_point():
         rows = _probability_rows(x, w, b, target, class_weight, eps, scale, step, acc, grads)
     else:
-        rows = _class_index_rows(x, w, b, target, class_weight, ignore_index, eps, scale, step, acc, grads, fused)
+        rows = _class_index_rows(x, w, b, target, class_weight, ignore_index, eps, scale, step, acc, grads)
     if grads is not None:
         grads.finish()
     return rows
 
 
-def _class_index_rows(x, w, b, target, class_weight, ignore_index, eps, scale, step, acc, grads, fused):
-    rows_n, classes = x.shape[0], w.shape[0]
-    device = x.device
+def class_index_row_terms(stats, target, class_weight, ignore_index, eps: float, classes: int):
+    """``(loss rows, (3, rows) gradient terms)`` of class-index rows from
+    their (4, rows) statistics (:func:`new_stats`'s layout after every
+    class): the terms are the log-sum-exp, the softmax coefficient (NaN for
+    a target out of range: on GPU nothing checked the range, a host check
+    would synchronise, so such a row's loss and gradient are NaN, as the row
+    kernels make them) and the target's coefficient, the first three rows of
+    ``cross_entropy_chunk_grad_``'s ``row_terms``."""
     valid = target != ignore_index
     safe = torch.where(valid, target, 0)
-    # On GPU nothing checked the range (a host check would synchronise):
-    # such a row's loss and gradient are NaN, as the row kernels make them.
     out_of_range = valid & ((safe < 0) | (safe >= classes))
     safe = safe.clamp(0, classes - 1)
-    smoothing = eps > 0
-    if fused is not None:
-        stats = fused[0](x, w, b, target, class_weight if smoothing else None, smoothing)
-    else:
-        stats = new_stats(rows_n, acc, device)
-        buffer = torch.empty(rows_n * min(step, classes), dtype=x.dtype, device=device)
-        stats_kernel = registry.dispatch("cross_entropy_chunk_stats_", x)
-        for start, z in _chunk_logits(x, w, b, step, buffer):
-            chunk_weight = None if class_weight is None or not smoothing else class_weight[start:start + z.shape[1]]
-            stats_kernel(z, target, chunk_weight, stats, start, ignore_index, smoothing)
     running_max, sum_exp, target_logit, smooth = stats
     lse = running_max + torch.log(sum_exp)
     w_t = torch.ones_like(lse) if class_weight is None else class_weight[safe]
     rows, coef = class_index_loss(lse, target_logit, smooth, w_t, class_weight, eps, classes)
     rows = torch.where(valid, torch.where(out_of_range, math.nan, rows), 0.0)
+    coef = torch.where(out_of_range, math.nan, coef)
+    return rows, torch.stack((lse, coef.expand_as(lse), (1.0 - eps) * w_t))
+
+
+def _class_index_rows(x, w, b, target, class_weight, ignore_index, eps, scale, step, acc, grads):
+    rows_n, classes = x.shape[0], w.shape[0]
+    smoothing = eps > 0
+    stats = new_stats(rows_n, acc, x.device)
+    buffer = torch.empty(rows_n * min(step, classes), dtype=x.dtype, device=x.device)
+    stats_kernel = registry.dispatch("cross_entropy_chunk_stats_", x)
+    for start, z in _chunk_logits(x, w, b, step, buffer):
+        chunk_weight = None if class_weight is None or not smoothing else class_weight[start:start + z.shape[1]]
+        stats_kernel(z, target, chunk_weight, stats, start, ignore_index, smoothing)
+    rows, terms = class_index_row_terms(stats, target, class_weight, ignore_index, eps, classes)
     if grads is None:
         return rows
-    row_terms = torch.stack((lse, coef, (1.0 - eps) * w_t, torch.where(out_of_range, math.nan, scale)))
-    class_term = smoothing_term(class_weight, eps, classes, acc, device) if smoothing else None
-    if fused is not None:
-        grads.add_fused(fused[1], b, target, class_term, row_terms, ignore_index)
-        return rows
+    row_terms = torch.cat((terms, scale[None]))
+    class_term = smoothing_term(class_weight, eps, classes, acc, x.device) if smoothing else None
     grad_kernel = registry.dispatch("cross_entropy_chunk_grad_", x)
     grads.walk(b, step, buffer, lambda z, start, stop: grad_kernel(
         z, target, None if class_term is None else class_term[start:stop], row_terms, start, ignore_index))
