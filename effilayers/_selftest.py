@@ -333,8 +333,8 @@ CASES: dict[str, Case] = {
     "batch_stats": Case(_batch_stats),
     "normalizing_statistics": Case(_normalizing_statistics),
     "finish_statistics": Case(_finish_statistics),
-    "adam_step": Case(_adam, dtypes=(f32,), float64_oracle=False),
-    "adam_step_8bit": Case(_adam_8bit, dtypes=(f32,), tier="adam_8bit", float64_oracle=False),
+    "adam_step_": Case(_adam, dtypes=(f32,), float64_oracle=False),
+    "adam_step_8bit_": Case(_adam_8bit, dtypes=(f32,), tier="adam_8bit", float64_oracle=False),
 }
 
 

@@ -88,7 +88,7 @@ def fused_update(quantized: bool, params: Sequence[torch.Tensor], grads: Sequenc
     if not registry.runs_eagerly(states[0]):
         (torch.ops.effilayers.adam_step_8bit_ if quantized else torch.ops.effilayers.adam_step_)(*args)
         return
-    registry.kernel("adam_step_8bit" if quantized else "adam_step", device)(*args)
+    registry.kernel("adam_step_8bit_" if quantized else "adam_step_", device)(*args)
     written = [*params, *(t for t in states if t is not None)]
     if master is not None:
         written.append(master)
