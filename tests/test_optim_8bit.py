@@ -332,7 +332,7 @@ def test_padding_bytes_per_parameter_as_documented(dtype, amsgrad):
     buffers = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax",
                "max_exp_avg_sq_absmax", "master", "steps")
     measured = sum(getattr(chunk, name).numel() * getattr(chunk, name).element_size()
-                   for chunks in optimizer._chunks.values() for chunk in chunks
+                   for chunks in optimizer._store.chunks.values() for chunk in chunks
                    for name in buffers if getattr(chunk, name) is not None)
     slots = sum(-(-n // QUANT_BLOCK) * QUANT_BLOCK for n in sizes)  # 256 + 512 + 256
     code_buffers = 3 if amsgrad else 2

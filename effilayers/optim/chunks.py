@@ -198,7 +198,7 @@ class _Chunk:
         moves without touching the version counter (the step compares them
         in :meth:`gradients` for parameters with a gradient; exports and syncs ask
         here). Returns False when a parameter was re-pointed at a tensor the
-        chunk no longer fits: the states must move (``_rechunk``)."""
+        chunk no longer fits: the states must move (``ChunkStore.rechunk``)."""
         if self.versions is None:
             return True
         fits = True
