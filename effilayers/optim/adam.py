@@ -45,7 +45,7 @@ from torch.optim import Optimizer
 from .._core.layout import is_dense
 from ..ops.adam import PARAM_DTYPES, STATE_DTYPES, AdamHyperParams
 from ..ops.adam.contract import check_hyperparameters
-from .chunks import DEFAULT_CHUNK_SIZE, EIGHT_BIT, _Chunk
+from .chunks import DEFAULT_CHUNK_SIZE, EIGHT_BIT
 from .functional import chunked_adam, chunked_adam_8bit
 from .offload import _Transfers
 from .sharded import check_group_placement, local
@@ -235,13 +235,19 @@ class ChunkedAdam(Optimizer):
                 if transfers is None:
                     transfers = self._transfers[device] = _Transfers(device)
                 for chunk, start, stop, params, grads, scale, found in transfers.runs(work, grad_scale, found_inf):
-                    _update(chunk, start, stop, params, grads, scale, found, amsgrad, hyper)
-            else:
-                for chunk, grads, complete in work:
-                    for start, stop in chunk.runs(grads, complete):
-                        _update(chunk, start, stop, chunk.params[start:stop], grads[start:stop], grad_scale,
-                                found_inf, amsgrad, hyper)
-            for chunk, _, _ in work:
+                    core = chunked_adam_8bit if chunk.quantized else chunked_adam
+                    core(params, grads, *chunk.run(start, stop, amsgrad), scale, found, hyper=hyper, check=False)
+                for chunk, _, _ in work:
+                    chunk.updated()
+                continue
+            # the functional core once per run of parameters that share a
+            # step count (one run per chunk, unless some parameters skip
+            # steps); the chunks satisfy its checks by construction
+            for chunk, grads, complete in work:
+                core = chunked_adam_8bit if chunk.quantized else chunked_adam
+                for start, stop in chunk.runs(grads, complete):
+                    core(chunk.params[start:stop], grads[start:stop], *chunk.run(start, stop, amsgrad), grad_scale,
+                         found_inf, hyper=hyper, check=False)
                 chunk.updated()
         return loss
 
@@ -389,17 +395,6 @@ class ChunkedAdamW(ChunkedAdam):
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, **kwargs: Any) -> None:
         kwargs.setdefault("decoupled_weight_decay", True)
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
-
-
-def _update(chunk: _Chunk, start: int, stop: int, params: list[torch.Tensor], grads: list[torch.Tensor],
-            grad_scale: Optional[torch.Tensor], found_inf: Optional[torch.Tensor], amsgrad: bool,
-            hyper: AdamHyperParams) -> None:
-    """The functional core on parameters [start, stop) of ``chunk``, which
-    share a step count: ``params`` / ``grads`` are the parameters and
-    gradients themselves, or (offloaded) their flat staging ranges. The
-    chunk satisfies the core's checks by construction."""
-    core = chunked_adam_8bit if chunk.quantized else chunked_adam
-    core(params, grads, *chunk.run(start, stop, amsgrad), grad_scale, found_inf, hyper=hyper, check=False)
 
 
 def _hyper_params(group: dict[str, Any]) -> AdamHyperParams:

@@ -503,8 +503,8 @@ class ChunkStore:
         changed dtype or device, the states are moved first (rechunk)."""
         for _ in range(2):
             members = self.check_groups(param_groups)
-            for group_index in range(len(param_groups)):
-                self.locate_new(param_groups, group_index, members[group_index])
+            for group_index, ids in enumerate(members):
+                self.locate_new(param_groups, group_index, ids)
             collected, moved = [], False
             for (group_index, device, _), chunks in self.chunks.items():
                 work = [(chunk, chunk.gradients(self.owner)) for chunk in chunks]
