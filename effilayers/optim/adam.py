@@ -60,7 +60,8 @@ _PICKLED_SETTINGS = ("state_dtype", "master_weights", "offload", "chunk_size", "
 
 def _store_setting(name: str) -> property:
     """An optimizer attribute kept by its chunk store (read when chunks are made)."""
-    return property(lambda self: getattr(self._store, name), lambda self, value: setattr(self._store, name, value))
+    return property(lambda self: getattr(self._store, name), lambda self, value: setattr(self._store, name, value),
+                    doc=f"The ``{name}`` setting, kept by the chunk store: chunks made from then on follow it.")
 
 
 class ChunkedAdam(Optimizer):

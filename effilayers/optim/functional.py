@@ -1,5 +1,7 @@
 """The functional core of the chunked optimizers (as ``torch.optim.adam.adam``
 is torch's): one Adam/AdamW step of a run of parameters with flat states.
+``ChunkedAdam.step`` calls it once per run of a chunk's parameters that share
+a step count, with ``check=False``; it is also usable on its own.
 
 Steps without host synchronisation
 ----------------------------------
