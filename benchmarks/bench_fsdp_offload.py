@@ -177,7 +177,7 @@ def print_table(summary: dict) -> None:
 def main(argv=None) -> dict:
     args = parse(argv)
     # ChunkedAdamW steps CPU shards with this kernel; building it (first run: a minute) here keeps it out of the steps
-    backend = effilayers.backends.choice("adam_step", "cpu").backend
+    backend = effilayers.backends.choice("adam_step_", "cpu").backend
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     if device.type == "cuda":

@@ -131,11 +131,11 @@ def stats_device(request):
     yield from forced_backend(request, "batch_stats")
 
 
-@pytest.fixture(params=backend_params("adam_step"))
+@pytest.fixture(params=backend_params("adam_step_"))
 def adam_device(request):
-    """Runs the test with adam_step forced to one backend; yields (backend, device)."""
+    """Runs the test with adam_step_ forced to one backend; yields (backend, device)."""
     backend = request.param[0]
-    for device in forced_backend(request, "adam_step"):
+    for device in forced_backend(request, "adam_step_"):
         yield backend, device
 
 

@@ -387,13 +387,13 @@ def test_backend_params_list_no_kernel_an_op_lacks():
     """Adam's GPU kernel is Triton: no cuda-cuda param (a CUDA machine under
     EFFILAYERS_REQUIRE_COMPILED=1 would fail it), and a selection of a
     backend the op lacks is an error rather than an empty list."""
-    for name in ("adam_step", "adam_step_8bit"):
+    for name in ("adam_step_", "adam_step_8bit_"):
         assert "cuda-cuda" not in {p.id for p in backend_params(name)}
         assert [p.id for p in backend_params(name, backends=["triton"])] == ["triton-interpreter", "triton-cuda"]
     with pytest.raises(ValueError, match="declares none of these"):
-        backend_params("adam_step", backends=["cuda"])
+        backend_params("adam_step_", backends=["cuda"])
     with pytest.raises(ValueError, match="without names no param of this op: \\['cuda-cuda'\\]"):
-        backend_params("adam_step", without=["cuda-cuda"])
+        backend_params("adam_step_", without=["cuda-cuda"])
     with pytest.raises(ValueError, match="without names no backend of this op"):
         backend_names("batch_stats", "cpu", without=["triton"])
 

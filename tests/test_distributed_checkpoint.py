@@ -68,7 +68,7 @@ def _load_worker(rank, world, workdir, checkpoint, optimizer_name):
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    activate_backend("adam_step", "cpp", "cpu").__exit__(None, None, None)
+    activate_backend("adam_step_", "cpp", "cpu").__exit__(None, None, None)
     workdir = tmp_path_factory.mktemp("saved")
     uninterrupted = run_ranks(_save_worker, workdir)
     return str(workdir / "checkpoint"), uninterrupted[0]

@@ -71,7 +71,7 @@ def _trajectory_worker(rank, world, workdir):
 
 @pytest.fixture(scope="module")
 def trajectories(tmp_path_factory):
-    activate_backend("adam_step", "cpp", "cpu").__exit__(None, None, None)  # build once, before the workers
+    activate_backend("adam_step_", "cpp", "cpu").__exit__(None, None, None)  # build once, before the workers
     return run_ranks(_trajectory_worker, tmp_path_factory.mktemp("fsdp"))
 
 

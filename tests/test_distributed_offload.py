@@ -98,7 +98,7 @@ def _offload_worker(rank, world, workdir):
 
 @pytest.fixture(scope="module")
 def offloaded(tmp_path_factory):
-    activate_backend("adam_step", "cpp", "cpu").__exit__(None, None, None)
+    activate_backend("adam_step_", "cpp", "cpu").__exit__(None, None, None)
     return run_ranks(_offload_worker, tmp_path_factory.mktemp("offload"))
 
 

@@ -39,10 +39,10 @@ from .helpers import NewStorages
 from .optim_cases import make_net
 
 
-@pytest.fixture(params=backend_params("adam_step_8bit"))
+@pytest.fixture(params=backend_params("adam_step_8bit_"))
 def adam8_device(request):
     backend = request.param[0]
-    for device in forced_backend(request, "adam_step_8bit"):
+    for device in forced_backend(request, "adam_step_8bit_"):
         yield backend, device
 
 
@@ -332,7 +332,7 @@ def test_padding_bytes_per_parameter_as_documented(dtype, amsgrad):
     buffers = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax",
                "max_exp_avg_sq_absmax", "master", "steps")
     measured = sum(getattr(chunk, name).numel() * getattr(chunk, name).element_size()
-                   for chunks in optimizer._chunks.values() for chunk in chunks
+                   for chunks in optimizer._store.chunks.values() for chunk in chunks
                    for name in buffers if getattr(chunk, name) is not None)
     slots = sum(-(-n // QUANT_BLOCK) * QUANT_BLOCK for n in sizes)  # 256 + 512 + 256
     code_buffers = 3 if amsgrad else 2
@@ -522,7 +522,7 @@ def test_kernel_rejects_bad_arguments():
     with pytest.raises(ValueError, match="master must be a 1-D float32 tensor of 256"):
         adam_step_8bit_(params, grads, m, m_absmax, v, v_absmax, None, None, torch.zeros(12), step, hyper=hyper)
     with effilayers.use_backend("cpp"):
-        if effilayers.backends.choice("adam_step_8bit", "cpu").kernel is not None:
+        if effilayers.backends.choice("adam_step_8bit_", "cpu").kernel is not None:
             with pytest.raises(ValueError, match="exp_avg_sq_absmax must be a contiguous 1-D float32 CPU tensor"):
                 torch.ops.effilayers_cpu.adam_step_8bit_(params, grads, m, m_absmax, v, torch.zeros(3), None, None,
                                                           None, step, None, None, 1e-3, 0.9, 0.999, 1e-8, 0.0,
@@ -574,7 +574,7 @@ def test_triton_kernel_over_2_31_elements():
         p, g = param[values].clone(), grad[values].clone()
         adam_step_8bit_reference([p], [g], *part, None, None, None, step, None, None, hyper)
         expected[name] = (p, part)
-    context = activate_backend("adam_step_8bit", "triton", "cuda")
+    context = activate_backend("adam_step_8bit_", "triton", "cuda")
     try:
         adam_step_8bit_([param], [grad], *states, None, None, None, step, None, None, hyper=hyper)
     finally:
@@ -617,10 +617,10 @@ def test_a_nan_gradient_makes_its_block_nan_on_every_backend(adam8_device):
 
 # -- the Triton kernel on chunks of several parameters ----------------------------
 
-@pytest.fixture(params=backend_params("adam_step_8bit", backends=("triton",)))
+@pytest.fixture(params=backend_params("adam_step_8bit_", backends=("triton",)))
 def triton8_device(request):
-    """adam_step_8bit forced to the Triton kernel; yields the device."""
-    yield from forced_backend(request, "adam_step_8bit")
+    """adam_step_8bit_ forced to the Triton kernel; yields the device."""
+    yield from forced_backend(request, "adam_step_8bit_")
 
 
 # odd sizes around the 256-element block and the 1024-element tile, and a
@@ -688,13 +688,13 @@ def test_triton_multi_parameter_chunk_allocates_no_padded_temporary():
     """The parameters and gradients are read in place: no zero-padded
     gather (the recorder sees one) and no scatter back; the tables are the
     only new storages, and a second call finds them cached."""
-    with required_backend("adam_step_8bit", "triton", "cpu"):
+    with required_backend("adam_step_8bit_", "triton", "cpu"):
         params, grads, states, _ = _multi_inputs(torch.float32, False, "cpu")
         padded_bytes = sum(padded_numel(p.numel()) for p in params) * 4
         with NewStorages() as recorder:
             gather_padded(params)
         assert max(recorder.allocated) >= padded_bytes
-        kernel = effilayers.backends.kernel("adam_step_8bit", torch.device("cpu"))
+        kernel = effilayers.backends.kernel("adam_step_8bit_", torch.device("cpu"))
         expected = [[p.clone() for p in params], [s.clone() for s in states]]
         hyper = AdamHyperParams(1e-2, 0.9, 0.999, 1e-8, 0.1, True, False)
         calls = []

@@ -146,7 +146,7 @@ def test_kernel_rejects_bad_arguments():
         adam_step_([torch.randn(4, 3).t()], grads, state.clone(), state.clone(), None, None, step, hyper=hyper)
     # the compiled kernel checks for itself when called directly
     with effilayers.use_backend("cpp"):
-        if effilayers.backends.choice("adam_step", "cpu").kernel is not None:
+        if effilayers.backends.choice("adam_step_", "cpu").kernel is not None:
             with pytest.raises(ValueError, match="states must be contiguous 1-D CPU tensors of 12"):
                 torch.ops.effilayers_cpu.adam_step_(params, grads, torch.zeros(11), state.clone(), None, None, step,
                                                      None, None, 1e-3, 0.9, 0.999, 1e-8, 0.0, False, False)
@@ -174,7 +174,7 @@ def test_triton_kernel_over_2_31_elements():
         p, g, m, v = (t[part].clone() for t in (param, grad, exp_avg, exp_avg_sq))
         adam_step_reference([p], [g], m, v, None, None, step, None, None, hyper)
         expected[name] = (p, m, v)
-    context = activate_backend("adam_step", "triton", "cuda")
+    context = activate_backend("adam_step_", "triton", "cuda")
     try:
         adam_step_([param], [grad], exp_avg, exp_avg_sq, None, None, step, None, None, hyper=hyper)
     finally:
@@ -211,10 +211,10 @@ def test_functional_step_counters_on_cpu_wait_for_a_cuda_found_inf():
 # table of addresses (effilayers/ops/adam/triton.py). These tests run it under
 # the interpreter in fp32 and fp16 (bf16 and the large cases on a GPU).
 
-@pytest.fixture(params=backend_params("adam_step", backends=("triton",)))
+@pytest.fixture(params=backend_params("adam_step_", backends=("triton",)))
 def triton_device(request):
-    """adam_step forced to the Triton kernel; yields the device."""
-    yield from forced_backend(request, "adam_step")
+    """adam_step_ forced to the Triton kernel; yields the device."""
+    yield from forced_backend(request, "adam_step_")
 
 
 # (shapes, whether the kernel takes its ALIGNED specialisation): odd sizes
@@ -314,7 +314,7 @@ def test_triton_multi_parameter_chunk_allocates_no_chunk_sized_temporary():
     are read, not the old ones."""
     from effilayers.ops.adam import triton as kernels
 
-    with required_backend("adam_step", "triton", "cpu"):
+    with required_backend("adam_step_", "triton", "cpu"):
         shapes, _ = MULTI_LAYOUTS["odd"]
         params, grads, states, _ = _multi_inputs(shapes, torch.float32, torch.float32, False, "cpu")
         chunk_bytes = sum(p.numel() for p in params) * 4
@@ -336,7 +336,7 @@ def test_triton_multi_parameter_chunk_allocates_no_chunk_sized_temporary():
         kernels._PARAMETER_TABLES.clear()
         # the kernel itself, as the optimizer calls it (through the op, the
         # recorder would see the op but not what runs inside it)
-        kernel = effilayers.backends.kernel("adam_step", torch.device("cpu"))
+        kernel = effilayers.backends.kernel("adam_step_", torch.device("cpu"))
         calls = []
         for step, step_grads in ((1.0, grads), (2.0, grads), (3.0, new_grads)):
             with NewStorages() as recorder:
@@ -421,7 +421,7 @@ def test_triton_multi_parameter_chunk_peak_memory_on_cuda():
     expected = [[p.clone() for p in params], [s.clone() for s in states]]
     adam_step_reference(expected[0], grads, *expected[1], None, None, torch.tensor([5.0], device=device), None,
                         None, hyper)
-    with required_backend("adam_step", "triton", "cuda"):
+    with required_backend("adam_step_", "triton", "cuda"):
         step = torch.tensor([5.0], device=device)
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()

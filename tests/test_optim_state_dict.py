@@ -176,7 +176,7 @@ def test_zero_redundancy_optimizer_two_gloo_processes(tmp_path):
     """ZeroRedundancyOptimizer(optimizer_class=ChunkedAdamW) follows
     optimizer_class=torch.optim.AdamW step by step on both ranks, and its
     consolidated state has torch's entries."""
-    activate_backend("adam_step", "cpp", "cpu").__exit__(None, None, None)  # build once, before the workers
+    activate_backend("adam_step_", "cpp", "cpu").__exit__(None, None, None)  # build once, before the workers
     results = run_ranks(_zero_worker, tmp_path)
     for rank, result in enumerate(results):
         for step, (ours, theirs) in enumerate(zip(result["ours"]["trajectory"], result["torch"]["trajectory"])):

@@ -447,7 +447,7 @@ def test_cuda_trajectory_matches_torch_fused():
 
 def test_optimizer_is_exported():
     assert effilayers.optim.ChunkedAdamW is ChunkedAdamW
-    assert "adam_step" in effilayers.backends.registered_ops()
+    assert "adam_step_" in effilayers.backends.registered_ops()
 
 
 def test_step_bumps_parameter_versions_like_torch():

@@ -2,8 +2,9 @@
 
 ``ChunkedAdam`` / ``ChunkedAdamW`` replace ``torch.optim.Adam`` / ``AdamW``
 with no other change; see :mod:`effilayers.optim.adam`. Imports go one way:
-adam (the classes) -> offload, state -> chunks -> functional -> effilayers.ops;
-sharded (DTensor helpers) is imported by adam, state and chunks.
+adam (the classes) -> functional (the core), state (the chunk store),
+offload -> chunks -> effilayers.ops; functional -> effilayers.ops; sharded
+(DTensor helpers) is imported by adam, state and chunks.
 """
 
 from ..ops.adam import AdamHyperParams

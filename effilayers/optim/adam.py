@@ -21,14 +21,17 @@ the chunk's per-parameter step counter), so ``state_dict()`` has exactly
 tensors shaped like their parameter. Like torch's, the returned tensors are
 references (here: views of the chunks), not copies.
 
-The rest of the package, one concern a module: :mod:`.state` keeps
-``optimizer.state`` and the chunks in step (entries written from outside,
-parameters and param groups that change; torch's state-dict layout),
-:mod:`.chunks` the chunks themselves (8-bit states, chunk size),
-:mod:`.offload` the CPU offload pipeline, :mod:`.sharded` DTensor
-parameters (FSDP2: the chunks hold each rank's local shards) and
-:mod:`.functional` the functional core that runs the kernels (steps without
-host synchronisation).
+As ``torch.optim.Adam`` is a thin class over ``torch.optim.adam.adam``, the
+class here is torch's API over two parts it owns or calls, one concern a
+module: :mod:`.functional`, the functional core, which ``step`` calls once
+per run of parameters of a chunk that share a step count (steps without host
+synchronisation), and a :class:`~.state.ChunkStore` (``self._store``), which
+keeps the chunks (:mod:`.chunks`: 8-bit states, chunk size) and
+``optimizer.state`` in step (entries written from outside, parameters and
+param groups that change). The class itself holds torch's surface: the
+arguments and their checks, ``step``, the state-dict layout, pickling.
+:mod:`.offload` is the CPU offload pipeline, :mod:`.sharded` DTensor
+parameters (FSDP2: the chunks hold each rank's local shards).
 """
 
 from __future__ import annotations
@@ -42,10 +45,11 @@ from torch.optim import Optimizer
 from .._core.layout import is_dense
 from ..ops.adam import PARAM_DTYPES, STATE_DTYPES, AdamHyperParams
 from ..ops.adam.contract import check_hyperparameters
-from .chunks import DEFAULT_CHUNK_SIZE, EIGHT_BIT, _Chunk
+from .chunks import DEFAULT_CHUNK_SIZE, EIGHT_BIT
+from .functional import chunked_adam, chunked_adam_8bit
 from .offload import _Transfers
 from .sharded import check_group_placement, local
-from .state import _ChunkedState, _plain_state
+from .state import ChunkStore, _OptimizerState, _plain_state
 
 __all__ = ["ChunkedAdam", "ChunkedAdamW", "DEFAULT_CHUNK_SIZE"]
 
@@ -54,7 +58,13 @@ _OFFLOAD = (None, "cpu")
 _PICKLED_SETTINGS = ("state_dtype", "master_weights", "offload", "chunk_size", "_force_staging")
 
 
-class ChunkedAdam(_ChunkedState, Optimizer):
+def _store_setting(name: str) -> property:
+    """An optimizer attribute kept by its chunk store (read when chunks are made)."""
+    return property(lambda self: getattr(self._store, name), lambda self, value: setattr(self._store, name, value),
+                    doc=f"The ``{name}`` setting, kept by the chunk store: chunks made from then on follow it.")
+
+
+class ChunkedAdam(Optimizer):
     """``torch.optim.Adam`` with flat-chunk states and one fused kernel per chunk.
 
     Arguments as ``torch.optim.Adam`` (``lr``, ``betas``, ``eps``,
@@ -133,21 +143,32 @@ class ChunkedAdam(_ChunkedState, Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, foreach=foreach, capturable=capturable, differentiable=False,
                         fused=fused, decoupled_weight_decay=decoupled_weight_decay)
-        self.state_dtype = state_dtype
-        self.master_weights = bool(master_weights)
-        self.offload = offload
-        self.chunk_size = chunk_size
-        self._clear_chunks()
-        # ids of each group's params at the last step (edits are compared with it)
-        self._members: Optional[list[list[int]]] = None
-        # Exercise the offload staging on CPU parameters (tests); on CUDA it
-        # is on whenever offload="cpu".
-        self._force_staging = False
+        self._store = ChunkStore(name, state_dtype, bool(master_weights), offload, chunk_size)
         self._transfers: dict[torch.device, _Transfers] = {}
         super().__init__(params, defaults)
         # GradScaler.step hands us `grad_scale` and `found_inf` as attributes.
         self._step_supports_amp_scaling = True
 
+    state_dtype = _store_setting("state_dtype")
+    master_weights = _store_setting("master_weights")
+    offload = _store_setting("offload")
+    chunk_size = _store_setting("chunk_size")
+    _force_staging = _store_setting("force_staging")
+
+    # torch's Optimizer reads and assigns ``self.state``; it is the store's.
+    # A mapping assigned wholesale (``optimizer.state = {...}``) or written
+    # into ``__dict__`` past the property (torch's ``Optimizer.__setstate__``)
+    # is adopted: its entries are imported at the next step.
+    @property
+    def state(self) -> _OptimizerState:
+        placed = self.__dict__.pop("state", None)
+        if placed is not None:
+            return self._store.adopt(placed)
+        return self._store.state
+
+    @state.setter
+    def state(self, value) -> None:
+        self._store.adopt(value)
 
     # -- construction --------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -185,7 +206,7 @@ class ChunkedAdam(_ChunkedState, Optimizer):
     def chunk_layout(self) -> list[dict[str, Any]]:
         """One entry per chunk: group, device, dtypes, element count, params."""
         layout = []
-        for (group_index, device, dtype), chunks in self._chunks.items():
+        for (group_index, device, dtype), chunks in self._store.chunks.items():
             for chunk in chunks:
                 layout.append({"group": group_index, "device": str(device), "param_dtype": dtype,
                                "state_dtype": chunk.state_dtype, "numel": chunk.numel, "params": len(chunk.params),
@@ -199,54 +220,37 @@ class ChunkedAdam(_ChunkedState, Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        store, groups = self._store, self.param_groups
         if self.state.pending:
-            self._sync_state()
+            store.sync(groups)
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
-        hypers = [_hyper_params(group) for group in self.param_groups]
-        for group_index, device, work in self._collect_work():
-            amsgrad = self.param_groups[group_index]["amsgrad"]
+        hypers = [_hyper_params(group) for group in groups]
+        for group_index, device, work in store.collect_work(groups):
+            amsgrad = groups[group_index]["amsgrad"]
+            hyper = hypers[group_index]
             for chunk, _, _ in work:
-                self._before_update(chunk, amsgrad)
+                store.prepare(chunk, amsgrad)
             if any(chunk.staged for chunk, _, _ in work):
                 transfers = self._transfers.get(device)
                 if transfers is None:
                     transfers = self._transfers[device] = _Transfers(device)
-                transfers.step(work, grad_scale, found_inf, amsgrad, hypers[group_index])
+                for chunk, start, stop, params, grads, scale, found in transfers.runs(work, grad_scale, found_inf):
+                    core = chunked_adam_8bit if chunk.quantized else chunked_adam
+                    core(params, grads, *chunk.run(start, stop, amsgrad), scale, found, hyper=hyper, check=False)
+                for chunk, _, _ in work:
+                    chunk.updated()
                 continue
+            # the functional core once per run of parameters that share a
+            # step count (one run per chunk, unless some parameters skip
+            # steps); the chunks satisfy its checks by construction
             for chunk, grads, complete in work:
-                chunk.step(grads, complete, grad_scale, found_inf, amsgrad, hypers[group_index])
+                core = chunked_adam_8bit if chunk.quantized else chunked_adam
+                for start, stop in chunk.runs(grads, complete):
+                    core(chunk.params[start:stop], grads[start:stop], *chunk.run(start, stop, amsgrad), grad_scale,
+                         found_inf, hyper=hyper, check=False)
+                chunk.updated()
         return loss
-
-    def _collect_work(self) -> list[tuple[int, torch.device, list]]:
-        """(group index, device, [(chunk, grads, every param has a grad)])
-        for every chunk, checked before any kernel runs: when a parameter
-        changed dtype or device, the states are moved first (_rechunk)."""
-        for _ in range(2):
-            members = self._check_groups()
-            for group_index, group in enumerate(self.param_groups):
-                self._locate_new(group_index, group, members[group_index])
-            collected, moved = [], False
-            for (group_index, device, _), chunks in self._chunks.items():
-                work = [(chunk, chunk.gradients(type(self).__name__)) for chunk in chunks]
-                if any(grads is None for _, grads in work):
-                    moved = True
-                    break
-                collected.append((group_index, device, [(chunk, *grads) for chunk, grads in work]))
-            if not moved:
-                return collected
-            self._rechunk()
-        raise AssertionError("parameters still differ from their chunks after re-chunking")
-
-    def _before_update(self, chunk: _Chunk, amsgrad: bool) -> None:
-        """What a chunk needs before its update: the user's writes to the
-        parameters in its copy, amsgrad's buffer if just switched on, step
-        classes redone after an outside write to the counters."""
-        chunk.reseed_changed()
-        if amsgrad and chunk.max_exp_avg_sq is None:
-            chunk.ensure_amsgrad()
-            self._refresh_state(chunk)
-        chunk.check_steps()
 
     # -- state dict, copies, pickles ----------------------------------------
     @torch._disable_dynamo
@@ -260,7 +264,7 @@ class ChunkedAdam(_ChunkedState, Optimizer):
         replaces it)."""
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        self._settle()
+        self._store.settle(self.param_groups)
         state_dict = self._packed_state_dict()
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             returned = post_hook(self, state_dict)
@@ -304,8 +308,58 @@ class ChunkedAdam(_ChunkedState, Optimizer):
         twin.__setstate__(copy.deepcopy(self._exported(compact=False), memo))
         return twin
 
+    def _packed_state_dict(self) -> dict[str, Any]:
+        """The state in torch.optim.Adam's state-dict layout: parameters
+        numbered by position across the groups (a repeated parameter keeps
+        its first number), 8-bit states decoded to float32 (new tensors)."""
+        numbers: dict[int, int] = {}
+        groups, start = [], 0
+        for group in self.param_groups:
+            packed = {key: value for key, value in group.items() if key != "params"}
+            for number, p in enumerate(group["params"], start):
+                numbers.setdefault(id(p), number)
+            packed["params"] = [numbers[id(p)] for p in group["params"]]
+            start += len(group["params"])
+            groups.append(packed)
+        packed_state = {}
+        for p, entry in self.state.items():
+            if not isinstance(p, torch.Tensor):
+                packed_state[p] = entry
+                continue
+            if id(p) not in numbers:
+                # torch.optim raises a bare KeyError here
+                raise KeyError(f"{type(self).__name__}.state_dict: optimizer.state holds an entry for a parameter "
+                               f"of shape {tuple(p.shape)} that is in no param group; put it back into a group or "
+                               "delete its entry (del optimizer.state[p])")
+            packed_state[numbers[id(p)]] = self._store.export_entry(p, entry)
+        return {"state": packed_state, "param_groups": groups}
+
+    def _load_packed(self, state_dict: dict[str, Any]) -> None:
+        """The inverse of :meth:`_packed_state_dict`: the groups' settings
+        and every entry, imported into new chunks."""
+        name = type(self).__name__
+        groups = self.param_groups
+        saved_groups = state_dict["param_groups"]
+        if len(groups) != len(saved_groups):
+            raise ValueError(f"{name}.load_state_dict: loaded state dict has {len(saved_groups)} parameter groups, "
+                             f"this optimizer has {len(groups)}")
+        for group, saved in zip(groups, saved_groups):
+            if len(group["params"]) != len(saved["params"]):
+                raise ValueError(f"{name}.load_state_dict: loaded state dict contains a parameter group that "
+                                 "doesn't match the size of optimizer's group")
+        for group, saved in zip(groups, saved_groups):
+            for key, value in saved.items():
+                if key != "params":
+                    group[key] = value
+            group.setdefault("decoupled_weight_decay", self._default_decoupled)
+        saved_state = state_dict["state"]
+        self._store.clear()
+        self.state = {p: saved_state[i] for group, saved in zip(groups, saved_groups)
+                      for p, i in zip(group["params"], saved["params"]) if i in saved_state}
+        self._store.sync(groups)
+
     def _exported(self, compact: bool) -> dict[str, Any]:
-        self._settle()
+        self._store.settle(self.param_groups)
         state = super().__getstate__()
         entries = []
         for p, entry in self.state.items():
@@ -321,9 +375,12 @@ class ChunkedAdam(_ChunkedState, Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         state = dict(state)
         entries = state.pop("state", {})
+        settings = {name: state.pop(name) for name in _PICKLED_SETTINGS if name in state}
+        self._store = ChunkStore(type(self).__name__, settings.get("state_dtype", torch.float32),
+                                 settings.get("master_weights", True), settings.get("offload"),
+                                 settings.get("chunk_size", DEFAULT_CHUNK_SIZE))
+        self._store.force_staging = settings.get("_force_staging", False)
         super().__setstate__(state)
-        self._clear_chunks()
-        self._members = None
         self._transfers = {}
         self._step_supports_amp_scaling = True
         self.state = entries

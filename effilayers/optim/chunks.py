@@ -1,7 +1,8 @@
 """The chunks of ``ChunkedAdam``: a run of parameters of one param group,
 device and dtype whose states (and fp32 masters, offload staging) live in
-flat buffers, updated by one kernel call per run of parameters that share a
-step count.
+flat buffers. A chunk knows its layout and hands out the functional core's
+arguments for a run of parameters that share a step count (``_Chunk.run``);
+the optimizer makes the call.
 
 Runs
 ----
@@ -64,7 +65,6 @@ import torch
 from .._core.layout import memory_flat, same_layout
 from ..ops.adam import (
     QUANT_BLOCK,
-    AdamHyperParams,
     dequantize_exp_avg,
     dequantize_exp_avg_sq,
     gather_padded,
@@ -72,7 +72,6 @@ from ..ops.adam import (
     quantize_exp_avg,
     quantize_exp_avg_sq,
 )
-from .functional import fused_update
 from .sharded import is_sharded, local, local_grad, local_value, shard_like
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "EIGHT_BIT", "refuse_sparse"]
@@ -199,7 +198,7 @@ class _Chunk:
         moves without touching the version counter (the step compares them
         in :meth:`gradients` for parameters with a gradient; exports and syncs ask
         here). Returns False when a parameter was re-pointed at a tensor the
-        chunk no longer fits: the states must move (``_rechunk``)."""
+        chunk no longer fits: the states must move (``ChunkStore.rechunk``)."""
         if self.versions is None:
             return True
         fits = True
@@ -270,15 +269,20 @@ class _Chunk:
             else:
                 self.max_exp_avg_sq = self._zeros(self.state_dtype)
 
-    def state_args(self, lo: int, hi: int, amsgrad: bool) -> list[Optional[torch.Tensor]]:
-        """The state arguments of the kernel for flat range [lo, hi), in the
-        op's order (without master)."""
+    def run(self, start: int, stop: int, amsgrad: bool) -> list[Optional[torch.Tensor]]:
+        """The functional core's state arguments for parameters [start, stop)
+        (:func:`~effilayers.optim.functional.chunked_adam`, or
+        ``chunked_adam_8bit`` for a quantized chunk): the flat state ranges in
+        the op's order, the fp32 master range (or None) and the step counters."""
+        lo, hi = self.offsets[start], self.offsets[stop]
+        master = self.master[lo:hi] if self.master_is_fp32 else None
         if not self.quantized:
-            return [self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], self.max_exp_avg_sq[lo:hi] if amsgrad else None]
+            return [self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], self.max_exp_avg_sq[lo:hi] if amsgrad else None,
+                    master, self.steps[start:stop]]
         blo, bhi = lo // QUANT_BLOCK, hi // QUANT_BLOCK
         return [self.exp_avg[lo:hi], self.exp_avg_absmax[blo:bhi], self.exp_avg_sq[lo:hi],
                 self.exp_avg_sq_absmax[blo:bhi], self.max_exp_avg_sq[lo:hi] if amsgrad else None,
-                self.max_exp_avg_sq_absmax[blo:bhi] if amsgrad else None]
+                self.max_exp_avg_sq_absmax[blo:bhi] if amsgrad else None, master, self.steps[start:stop]]
 
     def _quantized_names(self) -> list[tuple[str, Callable, Callable]]:
         names = [("exp_avg", quantize_exp_avg, dequantize_exp_avg),
@@ -479,22 +483,3 @@ class _Chunk:
                         g = torch.empty_like(p).copy_(g)  # the parameter's strides
             grads.append(g)
         return grads, complete
-
-    def update(self, start: int, stop: int, params: list[torch.Tensor], grads: list[torch.Tensor],
-               grad_scale: Optional[torch.Tensor], found_inf: Optional[torch.Tensor], amsgrad: bool,
-               hyper: AdamHyperParams) -> None:
-        """One kernel call for parameters [start, stop), which share a step
-        count: ``params`` / ``grads`` are the parameters and gradients
-        themselves, or (offloaded) their flat staging ranges."""
-        lo, hi = self.offsets[start], self.offsets[stop]
-        fused_update(self.quantized, params, grads, self.state_args(lo, hi, amsgrad),
-                     self.master[lo:hi] if self.master_is_fp32 else None, self.steps[start:stop], grad_scale,
-                     found_inf, hyper)
-
-    def step(self, grads: list[Optional[torch.Tensor]], complete: bool, grad_scale: Optional[torch.Tensor],
-             found_inf: Optional[torch.Tensor], amsgrad: bool, hyper: AdamHyperParams) -> None:
-        """The update of every parameter with a gradient, read in place."""
-        for start, stop in self.runs(grads, complete):
-            self.update(start, stop, self.params[start:stop], grads[start:stop], grad_scale, found_inf, amsgrad,
-                        hyper)
-        self.updated()

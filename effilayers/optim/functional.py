@@ -1,5 +1,7 @@
 """The functional core of the chunked optimizers (as ``torch.optim.adam.adam``
 is torch's): one Adam/AdamW step of a run of parameters with flat states.
+``ChunkedAdam.step`` calls it once per run of a chunk's parameters that share
+a step count, with ``check=False``; it is also usable on its own.
 
 Steps without host synchronisation
 ----------------------------------
@@ -20,7 +22,7 @@ import torch
 from .._core import registry
 from ..ops.adam import AdamHyperParams, check_adam_8bit_arguments, check_adam_arguments
 
-__all__ = ["chunked_adam", "chunked_adam_8bit", "fused_update"]
+__all__ = ["chunked_adam", "chunked_adam_8bit"]
 
 
 def chunked_adam(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg: torch.Tensor,
@@ -37,8 +39,8 @@ def chunked_adam(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg:
     regardless)."""
     if check:
         check_adam_arguments(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, master, steps[:1])
-    fused_update(False, params, grads, [exp_avg, exp_avg_sq, max_exp_avg_sq], master, steps, grad_scale, found_inf,
-                 hyper)
+    _call_op("adam_step_", params, grads, (exp_avg, exp_avg_sq, max_exp_avg_sq), master, steps, grad_scale,
+             found_inf, hyper)
 
 
 def chunked_adam_8bit(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avg: torch.Tensor,
@@ -53,7 +55,7 @@ def chunked_adam_8bit(params: list[torch.Tensor], grads: list[torch.Tensor], exp
     states = [exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax, max_exp_avg_sq, max_exp_avg_sq_absmax]
     if check:
         check_adam_8bit_arguments(params, grads, *states, master, steps[:1])
-    fused_update(True, params, grads, states, master, steps, grad_scale, found_inf, hyper)
+    _call_op("adam_step_8bit_", params, grads, states, master, steps, grad_scale, found_inf, hyper)
 
 
 def _advance_steps(steps: torch.Tensor, found_inf: Optional[torch.Tensor]) -> None:
@@ -67,11 +69,12 @@ def _advance_steps(steps: torch.Tensor, found_inf: Optional[torch.Tensor]) -> No
         steps.add_(found_inf.to(steps.device, non_blocking=steps.device.type != "cpu") == 0)
 
 
-def fused_update(quantized: bool, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-           states: Sequence[Optional[torch.Tensor]], master: Optional[torch.Tensor], steps: torch.Tensor,
-           grad_scale: Optional[torch.Tensor], found_inf: Optional[torch.Tensor], hyper: AdamHyperParams) -> None:
-    """Advance ``steps`` and run one kernel on states in the op's order
-    (``quantized``: the 8-bit op's codes and scales), without checks.
+def _call_op(name: str, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+             states: Sequence[Optional[torch.Tensor]], master: Optional[torch.Tensor], steps: torch.Tensor,
+             grad_scale: Optional[torch.Tensor], found_inf: Optional[torch.Tensor], hyper: AdamHyperParams) -> None:
+    """The op boundary: advance ``steps``, then run op ``name`` on states in
+    its order, unchecked, with the record unpacked into the op's scalars
+    (the one place it is unpacked).
 
     Eager steps call the kernel the op would run (``registry.kernel``)
     directly and bump the version counters of what it wrote in one call, as
@@ -86,9 +89,9 @@ def fused_update(quantized: bool, params: Sequence[torch.Tensor], grads: Sequenc
             None if grad_scale is None else grad_scale.to(device, torch.float32),
             None if found_inf is None else found_inf.to(device, torch.float32), *hyper.values)
     if not registry.runs_eagerly(states[0]):
-        (torch.ops.effilayers.adam_step_8bit_ if quantized else torch.ops.effilayers.adam_step_)(*args)
+        getattr(torch.ops.effilayers, name)(*args)
         return
-    registry.kernel("adam_step_8bit" if quantized else "adam_step", device)(*args)
+    registry.kernel(name, device)(*args)
     written = [*params, *(t for t in states if t is not None)]
     if master is not None:
         written.append(master)

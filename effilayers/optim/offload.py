@@ -13,11 +13,10 @@ streams replaced by synchronous copies.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
-from ..ops.adam import AdamHyperParams
 from .chunks import _Chunk
 
 __all__ = ["_Transfers"]
@@ -70,12 +69,15 @@ class _Transfers:
         if self.cuda:
             self.main.wait_stream(self.up)
 
-    def step(self, chunks: list[tuple[_Chunk, list[Optional[torch.Tensor]], bool]],
-             grad_scale: Optional[torch.Tensor], found_inf: Optional[torch.Tensor], amsgrad: bool,
-             hyper: AdamHyperParams) -> None:
-        """Offloaded chunks, each with its gradients and whether every
-        parameter has one: gradients down, CPU kernel, parameters up; the
-        next run's gradients are on their way while the CPU works."""
+    def runs(self, chunks: list[tuple[_Chunk, list[Optional[torch.Tensor]], bool]],
+             grad_scale: Optional[torch.Tensor], found_inf: Optional[torch.Tensor]) -> Iterator[tuple]:
+        """The pipeline over offloaded chunks, each given with its gradients
+        and whether every parameter has one. Yields ``(chunk, start, stop,
+        params, grads, grad_scale, found_inf)`` per run of parameters that
+        share a step count, on the CPU (the staging ranges and CPU copies of
+        the scale and flag) once that run's gradients are down; the caller
+        updates it, and the generator sends the parameters up when resumed,
+        while the next run's gradients are already on their way."""
         work = [(chunk, start, stop, grads[start:stop])
                 for chunk, grads, complete in chunks for start, stop in chunk.runs(grads, complete)]
         if not work:
@@ -94,9 +96,6 @@ class _Transfers:
             # with an fp32 master the kernel writes the rounded parameters to
             # the staging buffer; without one it updates the CPU copy in place
             params = chunk.param_staging if chunk.master_is_fp32 else chunk.master
-            chunk.update(start, stop, [params[lo:hi]], [chunk.grad_staging[lo:hi]], cpu_scale, cpu_found, amsgrad,
-                         hyper)
+            yield chunk, start, stop, [params[lo:hi]], [chunk.grad_staging[lo:hi]], cpu_scale, cpu_found
             self.copy_up(chunk, start, stop)
         self.finish()
-        for chunk, _, _ in chunks:
-            chunk.updated()

@@ -1,4 +1,5 @@
-"""``optimizer.state`` of the chunked optimizers and its link to the chunks.
+"""``optimizer.state`` of the chunked optimizers and the :class:`ChunkStore`
+that keeps it in step with the chunks.
 
 State and parameters changed from outside
 -----------------------------------------
@@ -65,9 +66,9 @@ two consistent with what torch's optimizers would see:
   group's list or moved to another group, a group popped or added): each
   step compares the groups' parameter ids with the last step's. When a
   parameter with a chunk is now in another group or in none, every state
-  moves into chunks of the current groups (``_check_groups``); a parameter
-  in no group keeps its entry (torch's layout) and is not updated, as in
-  torch, until it rejoins a group.
+  moves into chunks of the current groups (``ChunkStore.check_groups``); a
+  parameter in no group keeps its entry (torch's layout) and is not
+  updated, as in torch, until it rejoins a group.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ from ..ops.adam import PARAM_DTYPES, padded_numel
 from .chunks import EIGHT_BIT, _Chunk, refuse_sparse
 from .sharded import local
 
-__all__ = ["_ChunkedState", "_OptimizerState", "_ParamState", "_plain_state"]
+__all__ = ["ChunkStore", "_OptimizerState", "_ParamState", "_plain_state"]
 
 # parameter dtypes that get an fp32 master (with master_weights=True)
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -217,51 +218,58 @@ class _OptimizerState(_Watched, defaultdict):
                                for key, entry in self.items()],)
 
 
-class _ChunkedState:
-    """The part of ``ChunkedAdam`` that keeps ``optimizer.state`` and the
-    chunks in step: gives parameters their chunks, installs the chunks'
-    views as the state entries, imports entries written from outside,
-    re-chunks when parameters or param groups change, and maps the state to
-    torch's state-dict layout and back. The optimizer provides
-    ``param_groups`` and the settings ``state_dtype``, ``master_weights``,
-    ``offload``, ``chunk_size``, ``_force_staging`` and
-    ``_default_decoupled``."""
+class ChunkStore:
+    """The chunks of one optimizer and ``optimizer.state`` kept in step with
+    them: gives parameters their chunks, installs the chunks' views as the
+    state entries, imports entries written from outside, re-chunks when
+    parameters or param groups change. The optimizer owns one and passes
+    its ``param_groups`` to each call that reads them (a group's list may be
+    replaced, so the store keeps no reference to it).
 
-    def _clear_chunks(self) -> None:
+    ``owner``: the optimizer's class name, for messages. The settings
+    (``state_dtype``, ``master_weights``, ``offload``, ``chunk_size``,
+    ``force_staging``) decide the layout of chunks made from then on."""
+
+    def __init__(self, owner: str, state_dtype, master_weights: bool, offload: Optional[str],
+                 chunk_size: int) -> None:
+        self.owner = owner
+        self.state_dtype = state_dtype
+        self.master_weights = master_weights
+        self.offload = offload
+        self.chunk_size = chunk_size
+        # Exercise the offload staging on CPU parameters (tests); on CUDA it
+        # is on whenever offload="cpu".
+        self.force_staging = False
+        self.state = _OptimizerState()
+        # ids of each group's params at the last step (edits are compared with it)
+        self.members: Optional[list[list[int]]] = None
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget every chunk (the state entries stay)."""
         # (group index, device, dtype) -> chunks, in order of first use
-        self._chunks: dict[tuple[int, torch.device, torch.dtype], list[_Chunk]] = defaultdict(list)
+        self.chunks: dict[tuple[int, torch.device, torch.dtype], list[_Chunk]] = defaultdict(list)
         # id(param) -> (chunk, index); ids, not tensors, as keys: a tensor
         # hashes through a Python-level __hash__, several times slower
-        self._location: dict[int, tuple[_Chunk, int]] = {}
+        self.location: dict[int, tuple[_Chunk, int]] = {}
         # group index -> (ids of its params, its params without a chunk yet)
-        self._unlocated: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
+        self.unlocated: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
 
     # -- optimizer.state ------------------------------------------------
     # Outside writes into the state (ZeroRedundancyOptimizer.load_state_dict,
     # `state[p] = ...`, a whole new mapping) are collected by _OptimizerState
-    # and copied into the chunks by _sync_state before the next step or
-    # state_dict(); a state assigned wholesale (also through torch's
-    # __setstate__, which updates __dict__ directly) is wrapped on first use.
-    @property
-    def state(self) -> _OptimizerState:
-        state = self.__dict__.get("state")
-        if type(state) is not _OptimizerState:
-            state = self._adopt_state(state or {})
-        return state
-
-    @state.setter
-    def state(self, value) -> None:
-        self._adopt_state(value)
-
-    def _adopt_state(self, value) -> _OptimizerState:
+    # and copied into the chunks by sync() before the next step or
+    # state_dict().
+    def adopt(self, value) -> _OptimizerState:
+        """``value`` (any mapping) becomes ``optimizer.state``."""
         state = value if type(value) is _OptimizerState else _OptimizerState(value)
         # parameters that have a chunk but no entry in the new mapping start afresh, as in torch
-        for chunk, index in getattr(self, "_location", {}).values():
+        for chunk, index in self.location.values():
             state.mark(chunk.owners[index])
-        self.__dict__["state"] = state
+        self.state = state
         return state
 
-    def _sync_state(self) -> None:
+    def sync(self, param_groups: list[dict]) -> None:
         """Copy the entries written from outside into the chunks: a replaced
         or deleted entry resets the parameter's state and imports what the
         new entry holds; a write into one of our entries imports the values
@@ -271,12 +279,12 @@ class _ChunkedState:
         # (param, reset its state first, values to import), decided before
         # new chunks re-install any entry
         located, fresh = [], defaultdict(list)
-        for group_index, group in enumerate(self.param_groups):
+        for group_index, group in enumerate(param_groups):
             for p in group["params"]:
                 if id(p) not in pending:
                     continue
                 entry = dict.get(state, p)
-                place = self._location.get(id(p))
+                place = self.location.get(id(p))
                 ours = isinstance(entry, _ParamState) and entry.param is p
                 if place is not None and ours and entry.chunk is place[0]:
                     located.append((p, False, entry.written_values()))
@@ -290,21 +298,21 @@ class _ChunkedState:
         # import overwrites, what they show.
         imported = [values for items in (located, *fresh.values()) for _, _, values in items if values]
         if imported:
-            owned = {address for chunks in self._chunks.values() for chunk in chunks for address in chunk.storages()}
+            owned = {address for chunks in self.chunks.values() for chunk in chunks for address in chunk.storages()}
             for values in imported:
                 for key, value in values.items():
                     if isinstance(value, torch.Tensor) and local(value).untyped_storage().data_ptr() in owned:
                         values[key] = value.clone()
         # the user's writes to parameters reach the chunks' copies before
         # anything is imported over them (and before versions are recorded)
-        fits = self._reseed_copies()
+        fits = self.reseed_copies()
         for group_index, items in fresh.items():
-            self._assign(group_index, [p for p, _, _ in items])
+            self.assign(param_groups, group_index, [p for p, _, _ in items])
             located.extend(items)
         touched = {}
         with torch.no_grad():
             for p, reset, values in located:
-                chunk, index = self._location[id(p)]
+                chunk, index = self.location[id(p)]
                 if reset:
                     chunk.reset(index)
                 for key, value in values.items():
@@ -312,11 +320,11 @@ class _ChunkedState:
                 touched[id(chunk)] = chunk
         for chunk in touched.values():
             chunk.reclassify_from_steps()
-            self._refresh_state(chunk)
+            self.install(chunk)
         if not fits:
-            self._rechunk()
+            self.rechunk(param_groups)
 
-    def _reseed_copies(self) -> bool:
+    def reseed_copies(self) -> bool:
         """Parameters written by the user since the optimizer last wrote them
         (version counter moved, or storage address moved: ``p.data = t``) are
         copied into the chunks' own copies (fp32 masters, offload). Every
@@ -327,22 +335,22 @@ class _ChunkedState:
         re-chunks."""
         fits = True
         with torch.no_grad():
-            for chunks in self._chunks.values():
+            for chunks in self.chunks.values():
                 for chunk in chunks:
                     fits = chunk.reseed_changed(pointers=True) and fits
         return fits
 
-    def _settle(self) -> None:
+    def settle(self, param_groups: list[dict]) -> None:
         """Before the state is exported (state_dict, deepcopy, pickle): the
         entries written from outside are imported, the parameters' writes
         reach the chunks' copies, and parameters re-pointed at a tensor of
         another dtype, device or memory order move the states."""
         if self.state.pending:
-            self._sync_state()  # reseeds too, and re-chunks when needed
-        elif not self._reseed_copies():
-            self._rechunk()
+            self.sync(param_groups)  # reseeds too, and re-chunks when needed
+        elif not self.reseed_copies():
+            self.rechunk(param_groups)
 
-    def _refresh_state(self, chunk: _Chunk) -> None:
+    def install(self, chunk: _Chunk) -> None:
         """Install the chunk's views as its parameters' entries, refilling
         the entry objects already there (a handle the user holds stays live)."""
         with torch.no_grad():
@@ -355,7 +363,7 @@ class _ChunkedState:
             else:
                 state.install(p, _ParamState(chunk.param_state(index), state, p, chunk))
 
-    def _rechunk(self) -> None:
+    def rechunk(self, param_groups: list[dict]) -> None:
         """Some parameter changed dtype or device since its chunk was made
         (``model.to(torch.bfloat16)``), or the param groups were edited: move
         every state into chunks keyed by the parameters' current group, dtype
@@ -365,17 +373,17 @@ class _ChunkedState:
         its entry, as torch does, as a copy in torch's layout (8-bit states
         decoded), so the old chunks can be freed; it is imported again if the
         parameter rejoins a group."""
-        name = type(self).__name__
-        grouped = {id(p) for group in self.param_groups for p in group["params"]}
-        for group_index, group in enumerate(self.param_groups):
+        name = self.owner
+        grouped = {id(p) for group in param_groups for p in group["params"]}
+        for group_index, group in enumerate(param_groups):
             for position, p in enumerate(group["params"]):
-                if id(p) in self._location and (p.is_complex() or p.dtype not in PARAM_DTYPES):
+                if id(p) in self.location and (p.is_complex() or p.dtype not in PARAM_DTYPES):
                     raise TypeError(f"{name}: parameter {position} of param group {group_index} is now {p.dtype} "
                                     f"(its dtype changed after its optimizer state was created); {name} supports "
                                     "float16, bfloat16, float32 and float64 parameters")
-        self._reseed_copies()
+        self.reseed_copies()
         state = self.state
-        for chunks in self._chunks.values():
+        for chunks in self.chunks.values():
             for chunk in chunks:
                 for index, p in enumerate(chunk.owners):
                     # views of the old chunk in its layout, until imported
@@ -390,10 +398,10 @@ class _ChunkedState:
                     else:
                         state.install(p, exported)
                     state.mark(p)
-        self._clear_chunks()
-        self._sync_state()
+        self.clear()
+        self.sync(param_groups)
 
-    def _check_groups(self) -> list[list[int]]:
+    def check_groups(self, param_groups: list[dict]) -> list[list[int]]:
         """The ids of each group's parameters. Compared with the snapshot
         taken at the last step (the list compare the step needs anyway to
         find parameters without a chunk), so edits of ``param_groups`` after
@@ -403,67 +411,63 @@ class _ChunkedState:
         for (or in none), the states are re-chunked by the current groups,
         each parameter keeping its state as torch keeps state by parameter;
         a parameter that rejoins a group gets its kept entry back."""
-        members = [list(map(id, group["params"])) for group in self.param_groups]
-        if members == self._members:
-            return self._members
-        name = type(self).__name__
+        members = [list(map(id, group["params"])) for group in param_groups]
+        if members == self.members:
+            return self.members
         group_of: dict[int, int] = {}
         where: dict[int, tuple[int, int]] = {}
         for group_index, ids in enumerate(members):
             for position, key in enumerate(ids):
                 if key in where:
-                    raise ValueError(f"{name}: parameter {position} of param group {group_index} is the same tensor "
-                                     f"as parameter {where[key][1]} of param group {where[key][0]} (param_groups "
-                                     "were edited; a parameter listed twice would be updated twice per step); "
-                                     "list each parameter once")
+                    raise ValueError(f"{self.owner}: parameter {position} of param group {group_index} is the same "
+                                     f"tensor as parameter {where[key][1]} of param group {where[key][0]} "
+                                     "(param_groups were edited; a parameter listed twice would be updated twice "
+                                     "per step); list each parameter once")
                 where[key] = (group_index, position)
                 group_of[key] = group_index
-        self._unlocated.clear()
+        self.unlocated.clear()
         if any(group_of.get(id(p)) != group_index
-               for (group_index, _, _), chunks in self._chunks.items() for chunk in chunks for p in chunk.owners):
-            self._rechunk()
+               for (group_index, _, _), chunks in self.chunks.items() for chunk in chunks for p in chunk.owners):
+            self.rechunk(param_groups)
         # parameters without a chunk that hold an entry (back in a group
         # after a removal, or given one while in no group): import it
         state = self.state
-        for group in self.param_groups:
+        for group in param_groups:
             for p in group["params"]:
-                if id(p) not in self._location and dict.get(state, p):
+                if id(p) not in self.location and dict.get(state, p):
                     state.mark(p)
         if state.pending:
-            self._sync_state()
-        self._members = members
+            self.sync(param_groups)
+        self.members = members
         return members
 
     # -- chunk bookkeeping ---------------------------------------------
-    def _state_device(self, device: torch.device) -> torch.device:
-        return torch.device("cpu") if self.offload == "cpu" else device
+    def staged(self, device: torch.device) -> bool:
+        return self.offload == "cpu" and (device.type != "cpu" or self.force_staging)
 
-    def _staged(self, device: torch.device) -> bool:
-        return self.offload == "cpu" and (device.type != "cpu" or self._force_staging)
-
-    def _assign(self, group_index: int, params: list[torch.Tensor]) -> None:
+    def assign(self, param_groups: list[dict], group_index: int, params: list[torch.Tensor]) -> None:
         """Give chunks to parameters that have none yet, in the order given."""
-        group = self.param_groups[group_index]
-        self._unlocated.clear()
+        amsgrad = param_groups[group_index]["amsgrad"]
+        self.unlocated.clear()
         by_key: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
         for p in params:
             by_key[(p.device, p.dtype)].append(p)
         for (device, dtype), members in by_key.items():
             state_dtype = torch.float64 if dtype == torch.float64 else self.state_dtype
             master = self.master_weights and dtype in _LOW_PRECISION
-            staged = self._staged(device)
-            state_device = self._state_device(device)
+            staged = self.staged(device)
+            state_device = torch.device("cpu") if self.offload == "cpu" else device
             pin = state_device.type == "cpu" and device.type == "cuda"
             current: list[torch.Tensor] = []
             filled = 0
 
             def close() -> None:
                 if current:
-                    chunk = _Chunk(list(current), state_device, state_dtype, master, group["amsgrad"], staged, pin)
-                    self._chunks[(group_index, device, dtype)].append(chunk)
+                    chunk = _Chunk(list(current), state_device, state_dtype, master, amsgrad, staged, pin)
+                    self.chunks[(group_index, device, dtype)].append(chunk)
                     for index, member in enumerate(chunk.owners):
-                        self._location[id(member)] = (chunk, index)
-                    self._refresh_state(chunk)
+                        self.location[id(member)] = (chunk, index)
+                    self.install(chunk)
 
             for p in members:
                 numel = local(p).numel()  # a DTensor's chunk holds its local shard
@@ -475,76 +479,58 @@ class _ChunkedState:
                 filled += span
             close()
 
-    def _locate_new(self, group_index: int, group: dict[str, Any], ids: list[int]) -> None:
+    def locate_new(self, param_groups: list[dict], group_index: int, ids: list[int]) -> None:
         """Chunks for parameters that get their first gradient now. The
         parameters still without a chunk are cached per group (keyed by the
-        list of ids of the group's parameters that :meth:`_check_groups`
+        list of ids of the group's parameters that :meth:`check_groups`
         returns, the same object while the groups are unchanged), so a step
         does not look every parameter up once all have chunks."""
-        cached = self._unlocated.get(group_index)
+        cached = self.unlocated.get(group_index)
         if cached is None or cached[0] is not ids:
-            params = group["params"]
-            cached = self._unlocated[group_index] = (ids, [p for p in params if id(p) not in self._location])
+            params = param_groups[group_index]["params"]
+            cached = self.unlocated[group_index] = (ids, [p for p in params if id(p) not in self.location])
         fresh = []
         for p in cached[1]:
             if p.grad is not None:
-                refuse_sparse(type(self).__name__, p.grad)
+                refuse_sparse(self.owner, p.grad)
                 fresh.append(p)
         if fresh:
-            self._assign(group_index, fresh)
+            self.assign(param_groups, group_index, fresh)
 
-    # -- torch's state-dict layout ------------------------------------------
-    def _packed_state_dict(self) -> dict[str, Any]:
-        """The state in torch.optim.Adam's state-dict layout: parameters
-        numbered by position across the groups (a repeated parameter keeps
-        its first number), 8-bit states decoded to float32 (new tensors)."""
-        numbers: dict[int, int] = {}
-        groups, start = [], 0
-        for group in self.param_groups:
-            packed = {key: value for key, value in group.items() if key != "params"}
-            for number, p in enumerate(group["params"], start):
-                numbers.setdefault(id(p), number)
-            packed["params"] = [numbers[id(p)] for p in group["params"]]
-            start += len(group["params"])
-            groups.append(packed)
-        packed_state = {}
-        for p, entry in self.state.items():
-            if not isinstance(p, torch.Tensor):
-                packed_state[p] = entry
-                continue
-            if id(p) not in numbers:
-                # torch.optim raises a bare KeyError here
-                raise KeyError(f"{type(self).__name__}.state_dict: optimizer.state holds an entry for a parameter "
-                               f"of shape {tuple(p.shape)} that is in no param group; put it back into a group or "
-                               "delete its entry (del optimizer.state[p])")
-            located = self._location.get(id(p))
-            if located is not None and located[0].quantized:
-                entry = located[0].export_state(located[1])
-            elif isinstance(entry, dict):
-                entry = dict(entry)  # a plain dict, not our tracked entry
-            packed_state[numbers[id(p)]] = entry
-        return {"state": packed_state, "param_groups": groups}
+    def collect_work(self, param_groups: list[dict]) -> list[tuple[int, torch.device, list]]:
+        """(group index, device, [(chunk, grads, every param has a grad)])
+        for every chunk, checked before any kernel runs: when a parameter
+        changed dtype or device, the states are moved first (rechunk)."""
+        for _ in range(2):
+            members = self.check_groups(param_groups)
+            for group_index, ids in enumerate(members):
+                self.locate_new(param_groups, group_index, ids)
+            collected, moved = [], False
+            for (group_index, device, _), chunks in self.chunks.items():
+                work = [(chunk, chunk.gradients(self.owner)) for chunk in chunks]
+                if any(grads is None for _, grads in work):
+                    moved = True
+                    break
+                collected.append((group_index, device, [(chunk, *grads) for chunk, grads in work]))
+            if not moved:
+                return collected
+            self.rechunk(param_groups)
+        raise AssertionError("parameters still differ from their chunks after re-chunking")
 
-    def _load_packed(self, state_dict: dict[str, Any]) -> None:
-        """The inverse of :meth:`_packed_state_dict`: the groups' settings
-        and every entry, imported into new chunks."""
-        name = type(self).__name__
-        groups = self.param_groups
-        saved_groups = state_dict["param_groups"]
-        if len(groups) != len(saved_groups):
-            raise ValueError(f"{name}.load_state_dict: loaded state dict has {len(saved_groups)} parameter groups, "
-                             f"this optimizer has {len(groups)}")
-        for group, saved in zip(groups, saved_groups):
-            if len(group["params"]) != len(saved["params"]):
-                raise ValueError(f"{name}.load_state_dict: loaded state dict contains a parameter group that "
-                                 "doesn't match the size of optimizer's group")
-        for group, saved in zip(groups, saved_groups):
-            for key, value in saved.items():
-                if key != "params":
-                    group[key] = value
-            group.setdefault("decoupled_weight_decay", self._default_decoupled)
-        saved_state = state_dict["state"]
-        self._clear_chunks()
-        self.state = {p: saved_state[i] for group, saved in zip(groups, saved_groups)
-                      for p, i in zip(group["params"], saved["params"]) if i in saved_state}
-        self._sync_state()
+    def prepare(self, chunk: _Chunk, amsgrad: bool) -> None:
+        """What a chunk needs before its update: the user's writes to the
+        parameters in its copy, amsgrad's buffer if just switched on, step
+        classes redone after an outside write to the counters."""
+        chunk.reseed_changed()
+        if amsgrad and chunk.max_exp_avg_sq is None:
+            chunk.ensure_amsgrad()
+            self.install(chunk)
+        chunk.check_steps()
+
+    def export_entry(self, p: torch.Tensor, entry):
+        """``p``'s entry as torch's state dict holds it: 8-bit states decoded
+        to float32 (new tensors), otherwise a plain dict of the same values."""
+        located = self.location.get(id(p))
+        if located is not None and located[0].quantized:
+            return located[0].export_state(located[1])
+        return dict(entry) if isinstance(entry, dict) else entry

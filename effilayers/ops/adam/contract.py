@@ -25,9 +25,10 @@ in flat buffers (``effilayers.optim`` keeps them in fixed-size chunks)::
   ``torch.amp.GradScaler``. Gradients are divided by ``grad_scale``; when
   ``found_inf`` is non-zero nothing is written at all.
 * ``hyper``: the :class:`AdamHyperParams` record. The custom ops' schemas
-  (and the compiled kernels) take its fields as their last arguments, flat,
-  in the record's order: :func:`op_schema` writes them from the record, and
-  ``*hyper`` fills them.
+  and every kernel (C++, Triton, reference) take its fields as their last
+  arguments, scalars in the record's order: :func:`op_schema` writes them
+  from the record, and the caller of the op unpacks it there, once
+  (``*hyper.values``); nothing below the op rebuilds it.
 
 8-bit block-quantized states (``adam_step_8bit_``) take ``exp_avg`` as int8
 codes and ``exp_avg_sq`` (and ``max_exp_avg_sq``) as uint8 codes, each
@@ -49,7 +50,6 @@ described in :mod:`effilayers.ops.adam.reference`.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, fields
 from typing import Callable, NamedTuple, Optional, Sequence
 
@@ -58,7 +58,7 @@ import torch
 from ..._core.layout import is_dense, same_layout
 
 __all__ = ["AdamHyperParams", "PARAM_DTYPES", "STATE_DTYPES", "QUANT_PARAM_DTYPES", "QUANT_BLOCK", "EXP_AVG_LEVELS",
-           "EXP_AVG_SQ_LEVELS", "padded_numel", "op_schema", "op_kernel", "check_adam_arguments",
+           "EXP_AVG_SQ_LEVELS", "padded_numel", "op_schema", "check_adam_arguments",
            "check_adam_8bit_arguments", "check_hyperparameters"]
 
 PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -130,19 +130,6 @@ def op_schema(states: Sequence[str], amsgrad_states: Sequence[str]) -> OpSchema:
     text = [f"{kind.replace('Tensor', f'Tensor(a{index}!)') if written else kind} {name}"
             for index, (kind, name, written) in enumerate(arguments)]
     return OpSchema(f"({', '.join(text)}) -> ()", tuple(name for _, name, written in arguments if written))
-
-
-def op_kernel(implementation: Callable) -> Callable:
-    """The registered form of a kernel written as ``implementation(*tensors,
-    hyper)``: it takes the op's own arguments, the hyper-parameters flat at
-    the end (as the compiled kernels and ``registry.dispatch`` callers do)."""
-    count = len(_FIELDS)
-
-    @functools.wraps(implementation)
-    def kernel(*args):
-        return implementation(*args[:-count], AdamHyperParams(*args[-count:]))
-
-    return kernel
 
 
 def _dtype_names(dtypes: Sequence[torch.dtype]) -> str:

@@ -3,11 +3,15 @@
 :mod:`effilayers.ops.adam.contract`; math and 8-bit codes:
 :mod:`effilayers.ops.adam.reference`).
 
-The ops' bodies check their arguments (so a call through ``torch.ops``
-is checked like one through :func:`adam_step_`) and run the kernel the
-registry chose for the states' device. Their schemas take the
-hyper-parameters flat; the Python functions take one
-:class:`~effilayers.ops.adam.contract.AdamHyperParams`.
+Each op has one name, ``adam_step_`` / ``adam_step_8bit_``: the custom op
+``effilayers::<name>``, its kernels in the registry (the C++ one is
+``effilayers_cpu::<name>``) and the Python function here. The ops' bodies
+check their arguments (so a call through ``torch.ops`` is checked like one
+through :func:`adam_step_`) and run the kernel the registry chose for the
+states' device. The schemas and every kernel take the hyper-parameters as
+scalars; the Python functions take one
+:class:`~effilayers.ops.adam.contract.AdamHyperParams` and unpack it into the
+op, the one place it is unpacked.
 """
 
 from __future__ import annotations
@@ -17,8 +21,8 @@ from typing import Optional, Sequence
 import torch
 
 from ..._core import registry
-from .contract import AdamHyperParams, check_adam_8bit_arguments, check_adam_arguments, op_kernel, op_schema
-from .reference import adam_step_8bit_reference, adam_step_reference
+from .contract import AdamHyperParams, check_adam_8bit_arguments, check_adam_arguments, op_schema
+from .reference import adam_step_8bit_reference_kernel, adam_step_reference_kernel
 
 __all__ = ["adam_step_", "adam_step_8bit_"]
 
@@ -29,20 +33,20 @@ _ADAM_8BIT_SCHEMA = op_schema(("exp_avg", "exp_avg_absmax", "exp_avg_sq", "exp_a
 
 @torch.library.custom_op("effilayers::adam_step_", mutates_args=_ADAM_SCHEMA.mutates, schema=_ADAM_SCHEMA.schema)
 def _adam_step_op(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, master, step, grad_scale, found_inf,
-                  *hyper) -> None:
+                  *scalars) -> None:
     check_adam_arguments(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, master, step)
-    registry.kernel("adam_step", exp_avg.device)(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, master, step,
-                                                 grad_scale, found_inf, *hyper)
+    registry.kernel("adam_step_", exp_avg.device)(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, master, step,
+                                                  grad_scale, found_inf, *scalars)
 
 
 @torch.library.custom_op("effilayers::adam_step_8bit_", mutates_args=_ADAM_8BIT_SCHEMA.mutates,
                          schema=_ADAM_8BIT_SCHEMA.schema)
 def _adam_step_8bit_op(params, grads, exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax, max_exp_avg_sq,
-                       max_exp_avg_sq_absmax, master, step, grad_scale, found_inf, *hyper) -> None:
+                       max_exp_avg_sq_absmax, master, step, grad_scale, found_inf, *scalars) -> None:
     states = (exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax, max_exp_avg_sq, max_exp_avg_sq_absmax)
     check_adam_8bit_arguments(params, grads, *states, master, step)
-    registry.kernel("adam_step_8bit", exp_avg.device)(params, grads, *states, master, step, grad_scale, found_inf,
-                                                      *hyper)
+    registry.kernel("adam_step_8bit_", exp_avg.device)(params, grads, *states, master, step, grad_scale, found_inf,
+                                                       *scalars)
 
 
 def _writes_in_place(*args) -> None:
@@ -52,9 +56,9 @@ def _writes_in_place(*args) -> None:
 _adam_step_op.register_fake(_writes_in_place)
 _adam_step_8bit_op.register_fake(_writes_in_place)
 
-registry.register(registry.OpKernels(name="adam_step", reference=op_kernel(adam_step_reference), cpp="adam_step_",
+registry.register(registry.OpKernels(name="adam_step_", reference=adam_step_reference_kernel, cpp="adam_step_",
                                      triton="effilayers.ops.adam.triton:adam_step_triton"))
-registry.register(registry.OpKernels(name="adam_step_8bit", reference=op_kernel(adam_step_8bit_reference),
+registry.register(registry.OpKernels(name="adam_step_8bit_", reference=adam_step_8bit_reference_kernel,
                                      cpp="adam_step_8bit_",
                                      triton="effilayers.ops.adam.triton:adam_step_8bit_triton"))
 
@@ -67,7 +71,7 @@ def adam_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], ex
     ``params``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq`` and
     ``master`` in place."""
     _adam_step_op(list(params), list(grads), exp_avg, exp_avg_sq, max_exp_avg_sq, master, step, grad_scale,
-                  found_inf, *hyper)
+                  found_inf, *hyper.values)
 
 
 def adam_step_8bit_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avg: torch.Tensor,
@@ -78,4 +82,4 @@ def adam_step_8bit_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     """One fused Adam/AdamW update with 8-bit block-quantized states.
     Mutates params, codes, scales and master in place."""
     _adam_step_8bit_op(list(params), list(grads), exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax,
-                       max_exp_avg_sq, max_exp_avg_sq_absmax, master, step, grad_scale, found_inf, *hyper)
+                       max_exp_avg_sq, max_exp_avg_sq_absmax, master, step, grad_scale, found_inf, *hyper.values)

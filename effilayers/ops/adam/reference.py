@@ -52,7 +52,8 @@ from ..._core.dtypes import accumulation_dtype
 from ..._core.layout import memory_flat
 from .contract import EXP_AVG_LEVELS, EXP_AVG_SQ_LEVELS, QUANT_BLOCK, AdamHyperParams, padded_numel
 
-__all__ = ["adam_step_reference", "adam_step_8bit_reference", "quantize_exp_avg", "quantize_exp_avg_sq",
+__all__ = ["adam_step_reference", "adam_step_8bit_reference", "adam_step_reference_kernel",
+           "adam_step_8bit_reference_kernel", "quantize_exp_avg", "quantize_exp_avg_sq",
            "dequantize_exp_avg", "dequantize_exp_avg_sq", "gather_padded", "scatter_padded"]
 
 
@@ -60,35 +61,48 @@ def adam_step_reference(params: Sequence[torch.Tensor], grads: Sequence[torch.Te
                         exp_avg_sq: torch.Tensor, max_exp_avg_sq: Optional[torch.Tensor],
                         master: Optional[torch.Tensor], step: torch.Tensor, grad_scale: Optional[torch.Tensor],
                         found_inf: Optional[torch.Tensor], hyper: AdamHyperParams) -> None:
-    """The update on flat copies. A skipped (``found_inf``) step is a
-    ``torch.where`` on the results, not a host-side branch, so this path
-    does not synchronise either."""
+    """The reference update with the settings as one record (the tests'
+    oracle); the op's reference kernel is :func:`adam_step_reference_kernel`."""
+    adam_step_reference_kernel(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, master, step, grad_scale,
+                               found_inf, *hyper.values)
+
+
+def adam_step_reference_kernel(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avg: torch.Tensor,
+                               exp_avg_sq: torch.Tensor, max_exp_avg_sq: Optional[torch.Tensor],
+                               master: Optional[torch.Tensor], step: torch.Tensor,
+                               grad_scale: Optional[torch.Tensor], found_inf: Optional[torch.Tensor], lr: float,
+                               beta1: float, beta2: float, eps: float, weight_decay: float,
+                               decoupled_weight_decay: bool, maximize: bool) -> None:
+    """``effilayers::adam_step_`` in pure PyTorch: the update on flat copies,
+    the hyper-parameters as the op's scalars. A skipped (``found_inf``) step
+    is a ``torch.where`` on the results, not a host-side branch, so this
+    path does not synchronise either."""
     acc = accumulation_dtype(params[0].dtype)
     flat_grad = torch.cat([memory_flat(g) for g in grads]).to(acc)
     old_param = master if master is not None else torch.cat([memory_flat(p) for p in params])
     param = old_param.to(acc)
     if grad_scale is not None:
         flat_grad = flat_grad / grad_scale.to(acc)
-    if hyper.maximize:
+    if maximize:
         flat_grad = -flat_grad
     # step-derived factors, computed in float64 like torch's Python floats
     step64 = step.reshape(()).to(torch.float64)
-    bias_correction1 = 1 - hyper.beta1 ** step64
-    bias_correction2_sqrt = (1 - hyper.beta2 ** step64).sqrt()
-    step_size = (hyper.lr / bias_correction1).to(acc)
-    if hyper.weight_decay != 0:
-        if hyper.decoupled_weight_decay:
-            param = param * torch.tensor(1 - hyper.lr * hyper.weight_decay, dtype=torch.float64).to(acc)
+    bias_correction1 = 1 - beta1 ** step64
+    bias_correction2_sqrt = (1 - beta2 ** step64).sqrt()
+    step_size = (lr / bias_correction1).to(acc)
+    if weight_decay != 0:
+        if decoupled_weight_decay:
+            param = param * torch.tensor(1 - lr * weight_decay, dtype=torch.float64).to(acc)
         else:
-            flat_grad = flat_grad + torch.tensor(hyper.weight_decay, dtype=torch.float64).to(acc) * param
-    m = exp_avg.to(acc).lerp(flat_grad, 1 - hyper.beta1)
-    v = exp_avg_sq.to(acc) * hyper.beta2 + (1 - hyper.beta2) * (flat_grad * flat_grad)
+            flat_grad = flat_grad + torch.tensor(weight_decay, dtype=torch.float64).to(acc) * param
+    m = exp_avg.to(acc).lerp(flat_grad, 1 - beta1)
+    v = exp_avg_sq.to(acc) * beta2 + (1 - beta2) * (flat_grad * flat_grad)
     v_hat = v
     new_max = None
     if max_exp_avg_sq is not None:
         new_max = torch.maximum(max_exp_avg_sq.to(acc), v)
         v_hat = new_max
-    denom = v_hat.sqrt() / bias_correction2_sqrt.to(acc) + hyper.eps
+    denom = v_hat.sqrt() / bias_correction2_sqrt.to(acc) + eps
     param = param - step_size * (m / denom)
 
     skip = None if found_inf is None else found_inf.reshape(()) != 0
@@ -188,15 +202,31 @@ def adam_step_8bit_reference(params: Sequence[torch.Tensor], grads: Sequence[tor
                              max_exp_avg_sq_absmax: Optional[torch.Tensor], master: Optional[torch.Tensor],
                              step: torch.Tensor, grad_scale: Optional[torch.Tensor],
                              found_inf: Optional[torch.Tensor], hyper: AdamHyperParams) -> None:
-    """Decode, the float32 reference update on the padded flat layout,
-    re-encode."""
+    """:func:`adam_step_reference` on 8-bit states (the op's reference kernel
+    is :func:`adam_step_8bit_reference_kernel`)."""
+    adam_step_8bit_reference_kernel(params, grads, exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax,
+                                    max_exp_avg_sq, max_exp_avg_sq_absmax, master, step, grad_scale, found_inf,
+                                    *hyper.values)
+
+
+def adam_step_8bit_reference_kernel(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                                    exp_avg: torch.Tensor, exp_avg_absmax: torch.Tensor, exp_avg_sq: torch.Tensor,
+                                    exp_avg_sq_absmax: torch.Tensor, max_exp_avg_sq: Optional[torch.Tensor],
+                                    max_exp_avg_sq_absmax: Optional[torch.Tensor], master: Optional[torch.Tensor],
+                                    step: torch.Tensor, grad_scale: Optional[torch.Tensor],
+                                    found_inf: Optional[torch.Tensor], lr: float, beta1: float, beta2: float,
+                                    eps: float, weight_decay: float, decoupled_weight_decay: bool,
+                                    maximize: bool) -> None:
+    """``effilayers::adam_step_8bit_`` in pure PyTorch: decode, the float32
+    reference update on the padded flat layout, re-encode."""
     flat_params = gather_padded(params)
     flat_grads = gather_padded(grads)
     m = dequantize_exp_avg(exp_avg, exp_avg_absmax)
     v = dequantize_exp_avg_sq(exp_avg_sq, exp_avg_sq_absmax)
     v_max = None if max_exp_avg_sq is None else dequantize_exp_avg_sq(max_exp_avg_sq, max_exp_avg_sq_absmax)
     # padding: zero grads, params and states stay zero through the update
-    adam_step_reference([flat_params], [flat_grads], m, v, v_max, master, step, grad_scale, found_inf, hyper)
+    adam_step_reference_kernel([flat_params], [flat_grads], m, v, v_max, master, step, grad_scale, found_inf, lr,
+                               beta1, beta2, eps, weight_decay, decoupled_weight_decay, maximize)
     skip = None if found_inf is None else found_inf.reshape(()) != 0
     encoded = [(exp_avg, exp_avg_absmax, quantize_exp_avg(m)), (exp_avg_sq, exp_avg_sq_absmax, quantize_exp_avg_sq(v))]
     if v_max is not None:

@@ -51,6 +51,6 @@ def _adam_8bit(device, dtype, g):
 
 
 CASES = {
-    "adam_step": Case(_adam, dtypes=(f32,), float64_oracle=False),
-    "adam_step_8bit": Case(_adam_8bit, dtypes=(f32,), tier="adam_8bit", float64_oracle=False),
+    "adam_step_": Case(_adam, dtypes=(f32,), float64_oracle=False),
+    "adam_step_8bit_": Case(_adam_8bit, dtypes=(f32,), tier="adam_8bit", float64_oracle=False),
 }

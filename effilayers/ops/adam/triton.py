@@ -99,7 +99,7 @@ import triton.language as tl
 from ..._core.cache import TableCache
 from ..._core.kernel_spec import KernelSpec
 from ..._core.layout import memory_flat
-from .contract import QUANT_BLOCK, AdamHyperParams, op_kernel, padded_numel
+from .contract import QUANT_BLOCK, AdamHyperParams, padded_numel
 
 # 1024 elements x (p, g, m, v) per program: enough bytes in flight per SM for
 # a memory-bound update; 4 warps keep 8 elements per thread.
@@ -342,7 +342,8 @@ def _on_parameter_device(launcher: Callable) -> Callable:
 
 def _launch(kernel, operands: _Operands, states: Sequence[torch.Tensor], master: Optional[torch.Tensor],
             stand_in: torch.Tensor, step: torch.Tensor, grad_scale: Optional[torch.Tensor],
-            found_inf: Optional[torch.Tensor], amsgrad: bool, hyper: AdamHyperParams, **constants) -> None:
+            found_inf: Optional[torch.Tensor], amsgrad: bool, lr: float, beta1: float, beta2: float, eps: float,
+            weight_decay: float, decoupled_weight_decay: bool, maximize: bool, **constants) -> None:
     """``kernel`` over the operands' programs. Absent optional tensors are
     passed as a stand-in of their dtype (never read: the kernel is
     specialised on their absence); ``states`` already hold stand-ins."""
@@ -351,38 +352,39 @@ def _launch(kernel, operands: _Operands, states: Sequence[torch.Tensor], master:
     kernel[(operands.programs,)](
         *operands[:5], *states, master if master is not None else stand_in,
         step, grad_scale if grad_scale is not None else step, found_inf if found_inf is not None else step,
-        *_scalars(hyper),
+        *_scalars(lr, beta1, beta2, eps, weight_decay),
         **_specialisation(operands.single, operands.aligned, operands.vector, master is not None, amsgrad,
-                          grad_scale is not None, found_inf is not None, hyper),
+                          grad_scale is not None, found_inf is not None, weight_decay, decoupled_weight_decay,
+                          maximize),
         num_warps=NUM_WARPS, **constants,
     )
 
 
-def _scalars(hyper: AdamHyperParams) -> tuple[float, ...]:
+def _scalars(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> tuple[float, ...]:
     """The kernels' float arguments, lr to decay_factor."""
-    return (hyper.lr, _log(hyper.beta1), _log(hyper.beta2), hyper.beta2, 1.0 - hyper.beta1, 1.0 - hyper.beta2,
-            hyper.eps, hyper.weight_decay, 1.0 - hyper.lr * hyper.weight_decay)
+    return (lr, _log(beta1), _log(beta2), beta2, 1.0 - beta1, 1.0 - beta2, eps, weight_decay, 1.0 - lr * weight_decay)
 
 
 def _specialisation(single: bool, aligned: bool, vector: int, has_master: bool, amsgrad: bool, scaled: bool,
-                    check_inf: bool, hyper: AdamHyperParams) -> dict:
+                    check_inf: bool, weight_decay: float, decoupled_weight_decay: bool, maximize: bool) -> dict:
     """The constexprs both kernels are specialised on (also what the kernel
     report compiles, ``kernel_specialisations``)."""
     return dict(SINGLE=single, ALIGNED=aligned, VECTOR=vector, HAS_MASTER=has_master, AMSGRAD=amsgrad,
-                SCALED=scaled, CHECK_INF=check_inf, DECOUPLED=hyper.decoupled_weight_decay,
-                MAXIMIZE=hyper.maximize, HAS_WEIGHT_DECAY=hyper.weight_decay != 0)
+                SCALED=scaled, CHECK_INF=check_inf, DECOUPLED=decoupled_weight_decay, MAXIMIZE=maximize,
+                HAS_WEIGHT_DECAY=weight_decay != 0)
 
 
-@op_kernel
 @_on_parameter_device
-def adam_step_triton(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, master, step, grad_scale, found_inf,
-                     hyper: AdamHyperParams) -> None:
+def adam_step_triton(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, master, step, grad_scale, found_inf, lr,
+                     beta1, beta2, eps, weight_decay, decoupled_weight_decay, maximize) -> None:
+    """``effilayers::adam_step_`` on CUDA (or on CPU tensors under the
+    interpreter): the op's arguments, the hyper-parameters as its scalars."""
     if params[0].dtype == torch.float64:
         raise TypeError("adam_step_ (triton): float64 parameters are not supported on the GPU kernel")
     amsgrad = max_exp_avg_sq is not None
     _launch(_adam_kernel, _operands(params, grads, exp_avg.dtype, padded=False),
             (exp_avg, exp_avg_sq, max_exp_avg_sq if amsgrad else exp_avg), master, exp_avg, step, grad_scale,
-            found_inf, amsgrad, hyper, BLOCK=BLOCK)
+            found_inf, amsgrad, lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay, maximize, BLOCK=BLOCK)
 
 
 # -- 8-bit block-quantized states ------------------------------------------------
@@ -486,10 +488,10 @@ def _encode_unsigned(v, codes_ptr, absmax_ptr, offsets, blocks, mask, block_mask
     tl.store(absmax_ptr + blocks, absmax, mask=block_mask)
 
 
-@op_kernel
 @_on_parameter_device
 def adam_step_8bit_triton(params, grads, exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax, max_exp_avg_sq,
-                          max_exp_avg_sq_absmax, master, step, grad_scale, found_inf, hyper: AdamHyperParams) -> None:
+                          max_exp_avg_sq_absmax, master, step, grad_scale, found_inf, lr, beta1, beta2, eps,
+                          weight_decay, decoupled_weight_decay, maximize) -> None:
     """Like adam_step_triton, on the padded layout: the parameter table's
     state offsets follow the padded spans, and a tile is four whole blocks of
     one parameter."""
@@ -497,7 +499,8 @@ def adam_step_8bit_triton(params, grads, exp_avg, exp_avg_absmax, exp_avg_sq, ex
     states = (exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax, max_exp_avg_sq if amsgrad else exp_avg_sq,
               max_exp_avg_sq_absmax if amsgrad else exp_avg_sq_absmax)
     _launch(_adam_8bit_kernel, _operands(params, grads, exp_avg.dtype, padded=True), states, master,
-            exp_avg_absmax, step, grad_scale, found_inf, amsgrad, hyper, QBLOCK=QUANT_BLOCK,
+            exp_avg_absmax, step, grad_scale, found_inf, amsgrad, lr, beta1, beta2, eps, weight_decay,
+            decoupled_weight_decay, maximize, QBLOCK=QUANT_BLOCK,
             ROWS=BLOCKS_PER_PROGRAM)
 
 
@@ -533,6 +536,7 @@ def kernel_specialisations():
     benchmark's AdamW settings and with every optional branch (amsgrad, grad
     scaler, skip on inf). The constexprs come from the launcher's
     ``_specialisation``."""
+    hyper = BENCHMARK_HYPER
     kinds = ((torch.float32, torch.float32, False), (torch.float32, torch.bfloat16, False),
              (torch.bfloat16, torch.float32, True), (torch.float16, torch.float32, True),
              (torch.bfloat16, torch.bfloat16, False), (torch.float32, "8bit", False), (torch.bfloat16, "8bit", True),
@@ -546,12 +550,14 @@ def kernel_specialisations():
             single = layout == "single"
             for amsgrad, scaled, check_inf in ((False, False, False), (True, True, True)):
                 constants = _specialisation(single, layout == "aligned", vector, has_master, amsgrad, scaled,
-                                            check_inf, BENCHMARK_HYPER)
+                                            check_inf, hyper.weight_decay, hyper.decoupled_weight_decay,
+                                            hyper.maximize)
                 arguments = dict(parameter_table=torch.int64, tile_table=torch.int64, first_param=param_dtype,
                                  first_grad=param_dtype, n=BENCHMARK_NUMEL if single else 0,
                                  master_ptr=torch.float32 if has_master else param_dtype, step_ptr=torch.float32,
                                  grad_scale_ptr=torch.float32, found_inf_ptr=torch.float32,
-                                 **dict(zip(_FLOATS, _scalars(BENCHMARK_HYPER))))
+                                 **dict(zip(_FLOATS, _scalars(hyper.lr, hyper.beta1, hyper.beta2, hyper.eps,
+                                                               hyper.weight_decay))))
                 options = "amsgrad+scaler+inf" if amsgrad else "adamw"
                 config = (f"{str(param_dtype)[6:]} params{' +fp32 master' if has_master else ''}, "
                           f"{state_dtype if quantized else str(state_dtype)[6:]} states, {layout}, {options}")
