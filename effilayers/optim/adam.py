@@ -400,7 +400,7 @@ class ChunkedAdamW(ChunkedAdam):
 
 def _hyper_params(group: dict[str, Any]) -> AdamHyperParams:
     """The group's settings for the kernels. AdamHyperParams reads them with
-    float(): a CUDA tensor lr or beta costs a host sync here (README)."""
+    float(): a CUDA tensor lr or beta costs a host sync here (docs/guide/optim.md)."""
     beta1, beta2 = group["betas"]
     return AdamHyperParams(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                            weight_decay=group["weight_decay"], decoupled_weight_decay=group["decoupled_weight_decay"],

@@ -26,7 +26,7 @@ states. ``self.state[p]`` holds the raw payload (``exp_avg_codes``,
 ``state_dict()`` exports the decoded float32 states in torch's layout (new
 tensors, so a checkpoint loads into ``torch.optim.AdamW``) and
 ``load_state_dict`` encodes them again (decode -> encode reproduces the
-codes). Measured accuracy: README, "Chunked Adam / AdamW".
+codes). Measured accuracy: docs/guide/optim.md.
 
 Chunk size
 ----------
