@@ -90,14 +90,21 @@ def _positive(shape, generator, device, low=0.5, high=2.0) -> torch.Tensor:
     return (torch.rand(shape, generator=generator, dtype=f64) * (high - low) + low).to(f32).to(device)
 
 
+# Rows longer than one Triton program holds (softmax's and cross-entropy's
+# MAX_FUSED_BLOCK): on a GPU they are split over three programs, the last
+# piece partial.
+LONG_ROW = 40000
+
+
 def _softmax_forward(device, dtype, g):
     return [(_randn((3, 37), g, dtype, device, 3.0), -1, False, None),
-            (_randn((2, 5, 3, 4), g, dtype, device, 3.0), 1, True, None)]
+            (_randn((2, 5, 3, 4), g, dtype, device, 3.0), 1, True, None),
+            (_randn((3, LONG_ROW), g, dtype, device, 3.0), -1, True, None)]
 
 
 def _softmax_backward(device, dtype, g):
     cases = []
-    for shape, dim, log in (((3, 37), -1, False), ((2, 5, 3, 4), 1, True)):
+    for shape, dim, log in (((3, 37), -1, False), ((2, 5, 3, 4), 1, True), ((3, LONG_ROW), -1, False)):
         x = _randn(shape, g, f64, "cpu", 3.0)
         output = (torch.log_softmax(x, dim) if log else torch.softmax(x, dim)).to(dtype).to(device)
         cases.append((_randn(shape, g, dtype, device), output, dim, log, 1.0, dtype))
@@ -107,7 +114,9 @@ def _softmax_backward(device, dtype, g):
 def _scaled_masked_softmax(device, dtype, g):
     mask = (torch.rand((1, 1, 6, 9), generator=g) > 0.3).to(device)
     return [(_randn((2, 3, 6, 9), g, dtype, device, 3.0), mask, 0.5, False),
-            (_randn((2, 3, 6, 9), g, dtype, device, 3.0), None, 0.5, True)]
+            (_randn((2, 3, 6, 9), g, dtype, device, 3.0), None, 0.5, True),
+            # causal rows 0 and 1 of a long row: every later piece is -inf throughout
+            (_randn((1, 2, LONG_ROW), g, dtype, device, 3.0), None, 0.5, True)]
 
 
 def _cross_entropy(device, dtype, g):
@@ -115,7 +124,11 @@ def _cross_entropy(device, dtype, g):
     target = torch.randint(0, 11, (12,), generator=g).to(device)
     target[5] = -100  # an ignored row
     weight = _positive((11,), g, device)
-    return [(logits, target, weight, torch.empty_like(logits), torch.tensor([0.125], device=device), -100, 0.1)]
+    long_logits = _randn((3, LONG_ROW, 1), g, dtype, device, 3.0)
+    long_target = torch.tensor([5, LONG_ROW - 1, -100], device=device)
+    return [(logits, target, weight, torch.empty_like(logits), torch.tensor([0.125], device=device), -100, 0.1),
+            (long_logits, long_target, _positive((LONG_ROW,), g, device), torch.empty_like(long_logits),
+             torch.tensor([0.5], device=device), -100, 0.1)]
 
 
 def _chunk_rows(device, dtype, g):

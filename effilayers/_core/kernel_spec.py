@@ -28,7 +28,8 @@ class KernelSpec(NamedTuple):
     family's unit (its modeled traffic), ``roofline_bytes`` what a perfect
     kernel of the family must move. ``narrow`` maps an argument name (or
     ``"*"``, the whole kernel) to the reason its per-thread global accesses
-    cannot be 128 bits wide; every other per-thread access must be."""
+    cannot be 128 bits wide; every other per-thread access must be.
+    ``reread`` says why this kernel moves more than ``roofline_bytes``."""
     kernel: Any
     arguments: dict
     constexprs: dict
@@ -38,6 +39,9 @@ class KernelSpec(NamedTuple):
     roofline_bytes: float
     narrow: dict = {}
     num_stages: Optional[int] = None  # None: Triton's default, as the launchers leave it
+    # Why a memory-bound kernel moves more bytes than its roofline (the
+    # report fails such a row without one, or with a "pending:" one).
+    reread: str = ""
 
     @property
     def name(self) -> str:
