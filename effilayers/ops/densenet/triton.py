@@ -95,6 +95,17 @@ def _grad_weight_tiles(dtype: torch.dtype, allow_tf32: bool) -> tuple[int, Optio
     return BLOCK_M, None
 
 
+def _forward_stages(dtype: torch.dtype, allow_tf32: bool) -> Optional[int]:
+    """num_stages of ``_forward``: one for the FMA-unit float32 dot, which
+    in Triton 3.9's default pipeline compiled to the 255-register cap on
+    sm_80 (127-128 registers in one stage); Triton's default otherwise."""
+    return 1 if dtype == torch.float32 and not allow_tf32 else None
+
+
+def _stages(stages: Optional[int]) -> dict:
+    return {} if stages is None else {"num_stages": stages}
+
+
 @triton.jit
 def _tile_of_map(table, tiles, t, offs_m, M, HW, dtype_ptr, BLOCK_K: tl.constexpr, VECTOR: tl.constexpr):
     """Pointers, mask and channel numbers of K tile ``t`` for the rows offs_m.
@@ -445,10 +456,11 @@ def bottleneck_forward(features: Sequence[torch.Tensor], mean: torch.Tensor, inv
         return out
     table, tiles, num_tiles, vector = _tables(features)
     grid = (triton.cdiv(total, FORWARD_BLOCK_M), triton.cdiv(c_out, FORWARD_BLOCK_N))
+    allow_tf32 = _allow_tf32(first.dtype)
     _forward[grid](table, tiles, num_tiles, mean, scale, bias, matrix, out, total, hw, k, c_out,
-                   *_pixel_strides(out), ALLOW_TF32=_allow_tf32(first.dtype),
+                   *_pixel_strides(out), ALLOW_TF32=allow_tf32,
                    BLOCK_M=FORWARD_BLOCK_M, BLOCK_N=FORWARD_BLOCK_N, BLOCK_K=BLOCK_K, VECTOR=vector,
-                   num_warps=NUM_WARPS)
+                   num_warps=NUM_WARPS, **_stages(_forward_stages(first.dtype, allow_tf32)))
     return out
 
 
@@ -508,7 +520,7 @@ def bottleneck_backward(grad_out: torch.Tensor, features: Sequence[torch.Tensor]
             _grad_weight[(output_tiles, num_tiles, splits)](
                 table, tiles, mean, scale, bias, grad_out, partial, matrix, total, hw, k, c_out, *go_strides,
                 rows_per_split, ALLOW_TF32=allow_tf32, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                VECTOR=vector, num_warps=NUM_WARPS, **({} if stages is None else {"num_stages": stages}))
+                VECTOR=vector, num_warps=NUM_WARPS, **_stages(stages))
             grad_weight = partial.sum(0)
         else:
             grad_weight = torch.zeros((c_out, k), device=first.device, dtype=torch.float32)
@@ -624,7 +636,8 @@ def _report_specs(dtype: torch.dtype, vector: int):
                        weight=dtype, out=dtype, M=m, HW=hw, K=k, C_OUT=c_out, **out_strides)
         forward_blocks = dict(blocks, BLOCK_M=FORWARD_BLOCK_M, BLOCK_N=FORWARD_BLOCK_N)
         yield KernelSpec(_forward, forward, dict(ALLOW_TF32=allow_tf32, **forward_blocks), NUM_WARPS, label,
-                         *bytes_per_element(size, c_out, "forward"), _narrow_reasons(vector, forward))
+                         *bytes_per_element(size, c_out, "forward"), _narrow_reasons(vector, forward),
+                         _forward_stages(dtype, allow_tf32))
         go = dict(go_stride_n=c_out * hw, go_stride_c=hw, go_stride_hw=1)
         grad = dict(g_stride_n=k * hw, g_stride_c=hw, g_stride_hw=1)
         for batch_stats in (True, False):
