@@ -189,7 +189,7 @@ def check_tiny(key: Key, checked: set) -> list[dict]:
     fresh = []
     for config in key.candidates:
         blocks = (key.family, tiny.key,
-                  tuple(sorted((k, v) for k, v in config.items() if k.isupper() or k == "splits")))
+                  tuple(sorted((k, v) for k, v in config.items() if k.isupper() or k in ("splits", "split"))))
         if blocks not in checked:
             checked.add(blocks)
             fresh.append(config)

@@ -14,7 +14,10 @@ One row per kernel x target x dtype/configuration: registers, spill stores
 and loads (bytes), shared memory, the widths of the global loads and stores
 in the PTX, and the bytes the kernel moves per element against the family's
 roofline (what a perfect kernel must move). The exit status is non-zero on a
-compile failure, on any spill, and on a per-thread global access narrower
+compile failure, on any spill, on a kernel at the 255-register cap, on a
+row of a memory-bound family (``MEMORY_BOUND``) that moves more bytes per
+element than its roofline without a reason in its spec (``reread``; one
+marked "pending:" fails too), and on a per-thread global access narrower
 than 128 bits in a kernel whose layout allows 128-bit accesses (a row that
 may be narrower says why; a reason marked "pending:", one that concedes the
 layout would allow 128 bits, fails the row too).
@@ -52,6 +55,11 @@ from ._core.families import OPS, family_names
 from ._core.kernel_spec import KernelSpec, specialise
 
 TARGETS = (90, 80)
+# Families whose kernels are bound by memory traffic: a row of theirs that
+# moves more bytes per element than its roofline fails the report unless its
+# spec says why (``KernelSpec.reread``). linear_cross_entropy's kernels are
+# GEMMs, bound by their arithmetic; their bytes are reported, not held.
+MEMORY_BOUND = ("softmax", "cross_entropy", "reductions", "stats", "abn", "densenet", "adam")
 # The families with Triton kernels, found on disk: each one's triton.py
 # declares kernel_specialisations(), which must cover its launched kernels.
 TRITON_FAMILIES = tuple(family for family in family_names() if (OPS / family / "triton.py").is_file())
@@ -248,7 +256,8 @@ def spec_row(family: str, spec: KernelSpec, capability: int) -> dict[str, Any]:
     row = {"kind": "triton", "family": family, "kernel": spec.name, "target": f"sm_{capability}",
            "config": spec.config, "num_warps": spec.num_warps, "bytes_per_element": spec.bytes_per_element,
            "roofline_bytes": spec.roofline_bytes, "narrow_reason": "; ".join(f"{k}: {v}" if k != "*" else v
-                                                                            for k, v in spec.narrow.items())}
+                                                                            for k, v in spec.narrow.items()),
+           "reread_reason": spec.reread}
     try:
         compiled = compile_triton(spec, capability)
     except Exception as error:  # noqa: BLE001 - a failed compile is a row, not a crash
@@ -457,6 +466,16 @@ def _ptxas_usage(log: str) -> dict[str, dict[str, int]]:
 
 # -- the report --------------------------------------------------------------------------------
 
+def memory_bound(row: dict[str, Any]) -> bool:
+    """Whether the row's kernel belongs to a memory-bound family (a CUDA
+    row's family is its source file, ``stats.cu``)."""
+    return row.get("family", "").removesuffix(".cu") in MEMORY_BOUND
+
+
+def above_roofline(row: dict[str, Any]) -> bool:
+    return memory_bound(row) and row.get("bytes_per_element", 0) > row.get("roofline_bytes", 0)
+
+
 def problems(row: dict[str, Any]) -> list[str]:
     """Why a row fails the report (empty: it passes)."""
     if "error" in row:
@@ -464,6 +483,12 @@ def problems(row: dict[str, Any]) -> list[str]:
     found = []
     if row["spill_stores"] or row["spill_loads"]:
         found.append(f"spills {row['spill_stores']}/{row['spill_loads']} bytes")
+    if row.get("registers", 0) >= REGISTER_CAP:
+        found.append(f"at the {REGISTER_CAP}-register cap")
+    reread = row.get("reread_reason", "")
+    if above_roofline(row) and (not reread or "pending:" in reread):
+        found.append(f"moves {row['bytes_per_element']:g} bytes per element, above its roofline of "
+                     f"{row['roofline_bytes']:g}" + (f" ({reread})" if reread else ""))
     pending = [reason for reason in row.get("narrow_reason", "").split("; ") if "pending:" in reason]
     if pending:  # a reason that admits the layout allows 128 bits does not excuse the row
         found.append("narrower than the layout allows (" + "; ".join(pending) + ")")
@@ -513,7 +538,7 @@ def _width_text(widths: dict) -> str:
 def format_report(rows: list[dict[str, Any]]) -> str:
     header = ("kernel", "target", "config", "regs", "spill st/ld", "smem", "loads (bits x n)", "stores",
               "B/elem (roofline)", "status")
-    table, reasons = [header], {}
+    table, reasons, rereads = [header], {}, {}
     for row in rows:
         name = f"{row['family']}:{row['kernel']}"
         if "error" in row:
@@ -524,6 +549,9 @@ def format_report(rows: list[dict[str, Any]]) -> str:
         if not row["problems"] and row.get("narrow_reason"):
             note = reasons.setdefault(row["narrow_reason"], len(reasons) + 1)
             status = f"ok, narrow [{note}]"
+        if not row["problems"] and above_roofline(row):
+            note = rereads.setdefault(row["reread_reason"], len(rereads) + 1)
+            status += f", above roofline <{note}>"
         table.append((name, row["target"], row["config"], str(row["registers"]),
                       f"{row['spill_stores']}/{row['spill_loads']}", str(row["shared"]), _width_text(row["loads"]),
                       _width_text(row["stores"]), f"{row['bytes_per_element']:g} ({row['roofline_bytes']:g})",
@@ -533,6 +561,10 @@ def format_report(rows: list[dict[str, Any]]) -> str:
     lines.append("")
     lines.append("per-thread accesses under 128 bits, allowed because:")
     lines.extend(f"  [{number}] {reason}" for reason, number in reasons.items())
+    if rereads:
+        lines.append("")
+        lines.append("memory-bound rows above their roofline in bytes, because:")
+        lines.extend(f"  <{number}> {reason}" for reason, number in rereads.items())
     lines.append("")
     lines.append(summary(rows))
     return "\n".join(lines)
@@ -545,8 +577,11 @@ def summary(rows: list[dict[str, Any]]) -> str:
     most = max(compiled, key=lambda r: r["registers"], default=None)
     most_where = f" ({most['family']}:{most['kernel']} {most['target']} {most['config']})" if most else ""
     pending = sum(1 for r in compiled if "pending:" in r.get("narrow_reason", ""))
+    above = [r for r in compiled if above_roofline(r)]
+    excused = sum(1 for r in above if r.get("reread_reason") and "pending:" not in r["reread_reason"])
     return (f"{len(rows)} rows, {len(kernels)} kernels, {len(rows) - len(compiled)} compile failures, "
             f"{pending} rows narrower than the layout allows (pending), "
+            f"{len(above)} memory-bound rows above their roofline in bytes ({excused} with a reason), "
             f"{sum(1 for r in compiled if r['spill_stores'] or r['spill_loads'])} with spills, "
             f"{sum(1 for r in compiled if r['registers'] >= REGISTER_CAP)} at the {REGISTER_CAP}-register cap, "
             f"max registers {most['registers'] if most else '-'}"

@@ -275,11 +275,14 @@ def ce_cpu_or_interpreter_device(request):
 
 @pytest.fixture
 def ce_small_triton_block(monkeypatch):
-    """Blocks of 8 classes, so rows of more than 8 classes run the Triton
-    cross_entropy kernel's multi-block loop under the interpreter."""
+    """Blocks of 8 classes, and rows held whole in registers up to 16, so
+    under the interpreter rows of 9 to 16 classes run the Triton
+    cross_entropy kernel's one-read path (SINGLE) and longer rows its
+    multi-block loop."""
     from effilayers.ops.cross_entropy import triton as kernels
 
     monkeypatch.setattr(kernels, "MAX_BLOCK", 8)
+    monkeypatch.setattr(kernels, "MAX_FUSED_BLOCK", 16)
 
 
 @pytest.fixture

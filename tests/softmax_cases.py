@@ -15,8 +15,8 @@ from .accuracy import assert_close, tolerance
 from .conftest import activate_backend, backend_params, poison_cpp_allocations
 
 # The Triton interpreter gets small shapes and lowered block limits so the
-# multi-block paths run.
-INTERPRETER_LIMITS = dict(MAX_FUSED_BLOCK=32, ONLINE_BLOCK=16, MAX_TILE=64)
+# multi-block paths run (and tiles narrowed to 4 columns before they do).
+INTERPRETER_LIMITS = dict(MAX_FUSED_BLOCK=32, ONLINE_BLOCK=16, SPLIT_BLOCK=16, MAX_TILE=64, MIN_TILE_COLUMNS=4)
 
 
 def _is_interpreter(backend, device):

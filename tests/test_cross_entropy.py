@@ -84,15 +84,47 @@ def test_long_rows_65537_classes(ce_cpu_device, dtype):
     assert_matches_torch(logits, target, dtype, reduction="mean", label_smoothing=0.1)
 
 
-def test_triton_row_just_over_one_block(monkeypatch):
+@pytest.mark.parametrize("fused", [64, 128], ids=["walking", "whole-row"])
+def test_triton_row_just_over_one_block(monkeypatch, fused):
+    """65 classes over blocks of 64 (the walking path), or held whole in a
+    block of 128 (SINGLE: one read, the gradient from the same registers)."""
     from effilayers.ops.cross_entropy import triton as kernels
 
     # Skips only where Triton cannot run; fails instead under EFFILAYERS_REQUIRE_COMPILED=1 (CI).
     with required_backend(OP, "triton", "cpu"):
         monkeypatch.setattr(kernels, "MAX_BLOCK", 64)
+        monkeypatch.setattr(kernels, "MAX_FUSED_BLOCK", fused)
+        assert kernels._rows_block_and_warps(65)[0] == (64 if fused == 64 else 128)
         logits = make_logits((3, 65), torch.float32, torch.device("cpu"))
         target = torch.tensor([64, 0, 63])
         assert_matches_torch(logits, target, torch.float32, label_smoothing=0.1, weight=make_weight(65, "cpu"))
+
+
+@pytest.mark.parametrize("block", [32, 8], ids=["one-piece", "3-pieces"])
+def test_triton_split_rows(monkeypatch, block):
+    """Rows with a gradient cut into pieces of ``block`` classes, one program
+    each (the ``split`` configurations): 20 classes in one piece or in three
+    whose last is partial, 5 rows, an ignored target, weights and label
+    smoothing, and -inf logits (a row with one finite value, an infinite
+    target logit). Under the interpreter every piece but a row's last
+    computes the other pieces' statistics itself, so both merges run."""
+    from effilayers.ops.cross_entropy import triton as kernels
+
+    with required_backend(OP, "triton", "cpu"):
+        monkeypatch.setattr(kernels, "_rows_config",
+                            lambda logits, write_grad: {"BLOCK": block, "num_warps": 4, "split": write_grad})
+        cpu = torch.device("cpu")
+        logits = make_logits((5, 20), torch.float32, cpu, seed=2)
+        target = torch.tensor([3, -100, 19, 0, 12])
+        assert_matches_torch(logits, target, torch.float32, reduction="mean", label_smoothing=0.1,
+                             weight=make_weight(20, "cpu"))
+        logits[1, 5] = -math.inf  # the target: infinite loss, finite gradient
+        logits[2, :19] = -math.inf  # one finite value left in the row
+        target = torch.tensor([3, 5, 19, 0, 12])
+        exp_loss, exp_grad = torch_expected(logits, target, reduction="none")
+        loss, grad = ours(logits, target, reduction="none")
+        assert_close(loss.double(), exp_loss, torch.float32)
+        assert_close(grad.double(), exp_grad, torch.float32)
 
 
 def test_subnormal_gradients_like_torch(ce_device):
@@ -314,12 +346,13 @@ def test_layouts(ce_device, ce_small_triton_block, layout, inplace):
 
 
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
-def test_minus_inf_logits(ce_device, ce_small_triton_block, label_smoothing):
-    logits = make_logits((4, 12), torch.float32, ce_device)
-    target = torch.tensor([3, 5, 0, 11], device=ce_device)
+@pytest.mark.parametrize("classes", [12, 20], ids=["whole-row", "walking"])  # under ce_small_triton_block
+def test_minus_inf_logits(ce_device, ce_small_triton_block, label_smoothing, classes):
+    logits = make_logits((4, classes), torch.float32, ce_device)
+    target = torch.tensor([3, 5, 0, classes - 1], device=ce_device)
     logits[0, 7] = -math.inf  # a non-target class
     logits[1, 5] = -math.inf  # the target: infinite loss, finite gradient
-    logits[2, :11] = -math.inf  # one finite value left in the row
+    logits[2, :classes - 1] = -math.inf  # one finite value left in the row
     exp_loss, exp_grad = torch_expected(logits, target, reduction="none", label_smoothing=label_smoothing)
     loss, grad = ours(logits, target, reduction="none", label_smoothing=label_smoothing)
     assert_close(loss.double(), exp_loss, torch.float32)

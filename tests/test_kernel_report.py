@@ -119,6 +119,52 @@ def test_problems_flag_spills_failures_and_narrow_rows():
     assert _kernel_report.problems(dict(clean, narrow_reason="not bandwidth-bound")) == []
     assert _kernel_report.problems(dict(clean, narrow_reason="a; pending: later")) == [
         "narrower than the layout allows (pending: later)"]
+    assert _kernel_report.problems(dict(clean, registers=255)) == ["at the 255-register cap"]
+    assert _kernel_report.problems(dict(clean, registers=254)) == []
+
+
+def test_rows_above_their_roofline_fail_in_memory_bound_families():
+    """A memory-bound row that moves more bytes per element than its
+    roofline fails unless its spec says why (and not "pending:"); a GEMM
+    family's bytes are reported, not held."""
+    row = dict(spill_stores=0, spill_loads=0, narrow_per_thread=[], registers=64, family="softmax",
+               bytes_per_element=6, roofline_bytes=4, reread_reason="")
+    assert _kernel_report.problems(row) == ["moves 6 bytes per element, above its roofline of 4"]
+    assert _kernel_report.problems(dict(row, bytes_per_element=4)) == []
+    assert _kernel_report.problems(dict(row, reread_reason="a row wider than the registers")) == []
+    assert _kernel_report.problems(dict(row, reread_reason="pending: split rows")) == [
+        "moves 6 bytes per element, above its roofline of 4 (pending: split rows)"]
+    assert _kernel_report.problems(dict(row, family="linear_cross_entropy")) == []
+    assert _kernel_report.problems(dict(row, family="stats.cu"))  # a CUDA row, by its source file
+    assert set(_kernel_report.MEMORY_BOUND) >= {"softmax", "cross_entropy", "reductions", "stats", "densenet"}
+
+
+def test_every_memory_bound_spec_at_its_roofline_or_saying_why():
+    """The specs' own byte counts (no compilation): every memory-bound
+    kernel at the benchmark shapes moves its roofline, except the softmax
+    rows' two-pass fallback (beyond MAX_SPLITS pieces, or a tuned
+    configuration without split) and cross-entropy rows too long for one
+    program's registers, which say so; the split softmax rows, the dim=1
+    tiles, the causal row and the DenseNet forward are at their roofline."""
+    above = []
+    for family, spec in _kernel_report.iter_specs():
+        if family in _kernel_report.MEMORY_BOUND and spec.bytes_per_element > spec.roofline_bytes:
+            above.append((family, spec.name, spec.config))
+            assert spec.reread and "pending:" not in spec.reread, (family, spec.config)
+    assert {name for _, name, _ in above} <= {"_row_forward", "_row_backward", "_cross_entropy_rows_kernel"}
+    assert all(config.endswith(("online", "online log")) or "131072" in config for _, _, config in above), above
+    configs = {spec.config for _, spec in _kernel_report.iter_specs() if spec.bytes_per_element == spec.roofline_bytes}
+    for shape in ("cols=65536 BLOCK=16384 split x4", "cols=262144 BLOCK=16384 split x16", "dim=1 of 64x256x64x64",
+                  "8192x32000 BLOCK=32768 grad", "64x64x56x56 -> 128 aligned"):
+        assert any(shape in config for config in configs), shape
+    causal = [spec for _, spec in _kernel_report.iter_specs() if "causal" in spec.config]
+    assert len(causal) == 3
+    for spec in causal:  # half the row read (plus at most one sector), all of it written
+        size = spec.arguments["x_ptr"].itemsize
+        assert 1.5 * size < spec.bytes_per_element < (1.5 + 32 / 1024) * size, spec.config
+    from effilayers.ops.softmax.triton import causal_fraction
+
+    assert causal_fraction(16, 2) == 1.0 and causal_fraction(32, 4) == (8 * 8 + 8 * 16 + 8 * 24 + 8 * 32) / 32**2
 
 
 def test_exit_status_and_json(monkeypatch, capsys):
@@ -151,6 +197,16 @@ def test_exit_status_and_json(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "narrower than the layout allows (x_ptr: pending: not vectorised yet)" in out
     assert "1 rows narrower than the layout allows (pending)" in out and "1 rows failing" in out
+    # above the roofline: fails without a reason, passes and prints it with one
+    above = dict(good, family="softmax", kernel="reader", bytes_per_element=12)
+    monkeypatch.setattr(_kernel_report, "collect", fake_collect([dict(above)]))
+    assert _kernel_report.main() == 1
+    assert "above its roofline of 8" in capsys.readouterr().out
+    monkeypatch.setattr(_kernel_report, "collect", fake_collect([dict(above, reread_reason="too long a row")]))
+    assert _kernel_report.main() == 0
+    out = capsys.readouterr().out
+    assert "ok, above roofline <1>" in out and "<1> too long a row" in out
+    assert "1 memory-bound rows above their roofline in bytes (1 with a reason)" in out
 
 
 def test_refuses_to_run_under_the_interpreter(monkeypatch, capsys):

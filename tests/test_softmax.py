@@ -27,7 +27,8 @@ SMALL_CASES = [  # (shape, dim): every backend
     ((5, 1), 1),
     ((3, 7), 1),  # odd, single block
     ((4, 45), -1),  # longer than the interpreter's lowered block: online path
-    ((2, 3, 5, 7), 1),  # inner > 1, odd sizes
+    ((2, 3, 5, 7), 1),  # inner > 1, odd sizes (a tile narrowed to one pass under the interpreter)
+    ((2, 20, 9), 1),  # too long even for the narrowest tile: the two-pass tile
     ((2, 3, 5, 7), 0),  # outer == 1
     ((2, 3, 5, 7), 2),
     ((3, 40, 2), 1),  # inner > 1 and longer than the lowered tile
@@ -255,6 +256,22 @@ def test_causal_matches_sdpa(backend, shape):
     x = varied(shape, torch.float32, device, seed=4)
     assert_matches(scaled_masked_softmax(x, causal=True, scale=2.0), sdpa_weights(x, None, 2.0, True),
                    torch.float32, False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_causal_ignores_what_lies_above_the_diagonal(backend, dtype):
+    """A causal row reads x and the mask only up to its diagonal (rounded up
+    to a 32-byte sector in the Triton kernel): NaN scores and a NaN float mask
+    above it change nothing. 24 columns cross the sector (8 or 16 values);
+    tests/test_softmax_kernels.py's split rows cross pieces."""
+    _, device = backend
+    x = varied((2, 24, 24), dtype, device, seed=6)
+    mask = torch.randn(24, 24, generator=torch.Generator().manual_seed(3)).to(device=device, dtype=dtype)
+    above = torch.ones(24, 24, dtype=torch.bool, device=device).triu(1)
+    poisoned_x = x.masked_fill(above, float("nan"))
+    poisoned_mask = mask.masked_fill(above, float("nan"))
+    ref = softmax_reference.scaled_masked_softmax_forward_reference(x.double().cpu(), mask.double().cpu(), 0.6, True)
+    assert_matches(scaled_masked_softmax(poisoned_x, poisoned_mask, 0.6, causal=True), ref, dtype, False)
 
 
 def test_mask_and_causal_with_fully_masked_rows(backend):

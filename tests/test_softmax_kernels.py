@@ -63,6 +63,50 @@ def test_triton_fp32_backward_matches_reference():
         context.__exit__(None, None, None)
 
 
+@pytest.mark.parametrize("block", [32, 8], ids=["one-piece", "4-pieces"])
+def test_triton_split_rows(monkeypatch, block):
+    """Rows cut into pieces of ``block`` values, one program each (the
+    launchers' ``split`` configurations), against the float64 references:
+    one piece, and 30 columns in pieces whose last one is partial; 5 rows
+    (no multiple of anything), one of them -inf throughout and one -inf up to
+    a later piece; the causal mask across piece boundaries with a fully
+    masked row. Under the interpreter every piece but a row's last computes
+    the others' partials itself (it cannot wait), so both ways of merging run."""
+    from effilayers.ops.softmax import triton as kernels
+
+    activate_backend("softmax_forward", "triton", "cpu").__exit__(None, None, None)  # skips where it cannot run
+    original = kernels._config
+    configs = []
+
+    def split(launcher, dtype, device, *sizes):
+        configs.append(launcher)
+        if launcher.startswith("row"):
+            return {"BLOCK": block, "num_warps": 4, "split": True}
+        return original(launcher, dtype, device, *sizes)
+
+    monkeypatch.setattr(kernels, "_config", split)
+    x = varied((5, 30), torch.float32, seed=3)
+    x[1] = -math.inf
+    x[3, :20] = -math.inf
+    g = varied((5, 30), torch.float32, seed=4)
+    for log in (False, True):
+        y = kernels.softmax_forward(x, 1, log, None)
+        expected_y = softmax_reference.softmax_forward_reference(x.double(), 1, log, None)
+        torch.testing.assert_close(y.double(), expected_y, rtol=1e-5, atol=1e-6, equal_nan=False)
+        finite = torch.where(torch.isfinite(y), y, torch.zeros_like(y)) if log else y
+        dx = kernels.softmax_backward(g, finite, 1, log, 0.5, torch.float32)
+        ref = softmax_reference.softmax_backward_reference(g.double(), finite.double(), 1, log, 0.5, torch.float64)
+        torch.testing.assert_close(dx.double(), ref, rtol=1e-5, atol=1e-6)
+    mask = torch.ones(30, dtype=torch.bool)
+    mask[0] = False  # causal row 0 keeps nothing
+    xm = varied((1, 20, 30), torch.float32, seed=5)  # rows 8 to 19 reach into the second piece and the third
+    ym = kernels.scaled_masked_softmax_forward(xm, mask, 0.7, True)
+    ref = softmax_reference.scaled_masked_softmax_forward_reference(xm.double(), mask, 0.7, True)
+    torch.testing.assert_close(ym.double(), ref, rtol=1e-5, atol=1e-6)
+    assert torch.equal(ym[..., 0, :], torch.zeros(1, 30))
+    assert configs.count("row_forward") == 2 and "row_backward" in configs and "row_forward_masked" in configs
+
+
 @pytest.mark.parametrize("out_dtype", [None, torch.float32])
 def test_saves_only_the_output(backend, out_dtype):
     _, device = backend

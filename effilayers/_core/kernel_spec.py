@@ -28,7 +28,8 @@ class KernelSpec(NamedTuple):
     family's unit (its modeled traffic), ``roofline_bytes`` what a perfect
     kernel of the family must move. ``narrow`` maps an argument name (or
     ``"*"``, the whole kernel) to the reason its per-thread global accesses
-    cannot be 128 bits wide; every other per-thread access must be."""
+    cannot be 128 bits wide; every other per-thread access must be.
+    ``reread`` says why this kernel moves more than ``roofline_bytes``."""
     kernel: Any
     arguments: dict
     constexprs: dict
@@ -41,6 +42,9 @@ class KernelSpec(NamedTuple):
     # The capabilities (90, 80) whose launchers pick this spec; None: every one.
     # A tile table chosen per architecture compiles only for its own.
     targets: Optional[tuple] = None
+    # Why a memory-bound kernel moves more bytes than its roofline (the
+    # report fails such a row without one, or with a "pending:" one).
+    reread: str = ""
 
     @property
     def name(self) -> str:

@@ -22,6 +22,11 @@ f64, f32, f16, bf16 = torch.float64, torch.float32, torch.float16, torch.bfloat1
 # accumulation. tests/accuracy.py starts its default tier from this table.
 TOLERANCES = {f64: (1e-10, 1e-12), f32: (1e-5, 1e-6), f16: (1e-3, 1e-3), bf16: (1e-2, 1e-2)}
 
+# Rows longer than one Triton program holds (softmax's and cross-entropy's
+# MAX_FUSED_BLOCK): on a GPU they are split over three programs, the last
+# piece partial.
+LONG_ROW = 40000
+
 
 @dataclass(frozen=True)
 class Case:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..._core.selftest import Case, f32, positive, randn
+from ..._core.selftest import LONG_ROW, Case, f32, positive, randn
 
 
 def _cross_entropy(device, dtype, g):
@@ -12,7 +12,11 @@ def _cross_entropy(device, dtype, g):
     target = torch.randint(0, 11, (12,), generator=g).to(device)
     target[5] = -100  # an ignored row
     weight = positive((11,), g, device)
-    return [(logits, target, weight, torch.empty_like(logits), torch.tensor([0.125], device=device), -100, 0.1)]
+    long_logits = randn((3, LONG_ROW, 1), g, dtype, device, 3.0)
+    long_target = torch.tensor([5, LONG_ROW - 1, -100], device=device)
+    return [(logits, target, weight, torch.empty_like(logits), torch.tensor([0.125], device=device), -100, 0.1),
+            (long_logits, long_target, positive((LONG_ROW,), g, device), torch.empty_like(long_logits),
+             torch.tensor([0.5], device=device), -100, 0.1)]
 
 
 def _chunk_rows(device, dtype, g):

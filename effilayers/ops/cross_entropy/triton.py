@@ -1,23 +1,27 @@
 """Triton kernel for the row-wise cross-entropy (``cross_entropy_rows``).
 
 One program per row of the ``(N, C, I)`` logits view (row ``r = n * I + i``,
-its C values ``class_stride`` apart). The row is read in blocks of ``BLOCK``
-classes, so any vocabulary size runs with a fixed register footprint:
+its C values ``class_stride`` apart). A row of up to ``MAX_FUSED_BLOCK``
+classes is loaded once into registers (``SINGLE``): its maximum, sum of
+``exp``, loss and gradient all come from that one read. A longer row is read
+in blocks of ``BLOCK`` classes, so any vocabulary size runs with a fixed
+register footprint:
 
 * pass 1: online maximum and rescaled sum of ``exp`` in float32 (float64 for
   float64 logits), plus ``sum_c w_c x_c`` and ``sum_c w_c`` when label
   smoothing needs them -> the row's log-sum-exp and loss;
 * pass 2 (only when a gradient is wanted): reads each block again and stores
-  the reduction-scaled gradient in the gradient's dtype. ``grad`` may be the
-  logits themselves (``inplace_backward``): every element is loaded before
-  the same program stores over it, and rows never share elements.
+  the reduction-scaled gradient in the gradient's dtype.
 
-The second read of a row usually comes from L2: a 131,072-class bf16 row is
-256 KiB, and the rows in flight at once (a few per SM) fit in an H100's
-50 MB L2. Offsets are int64 (``row * stride`` passes 2**31 for 16K x 128K
-logits). A target that is neither ``ignore_index`` nor in ``[0, C)`` makes
-the row's loss and gradient NaN instead of a device assert or a host check
-(which would synchronise).
+``grad`` may be the logits themselves (``inplace_backward``): every element
+is loaded before the same program stores over it, and rows never share
+elements. The second read of a long row is the one byte count above the
+roofline left in this kernel (``bytes_per_element``): a 131,072-class row
+is 256 KiB in bf16, more than one program's registers can hold. Offsets
+are int64 (``row * stride`` passes 2**31 for 16K x 128K logits). A target
+that is neither ``ignore_index`` nor in ``[0, C)`` makes the row's loss and
+gradient NaN instead of a device assert or a host check (which would
+synchronise).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import triton.language as tl
 from ..._core import tuning
 from ..._core.dtypes import accumulation_dtype
 from ..._core.kernel_spec import KernelSpec
+from .._row_split import SPIN, spin, split_buffers, split_count, split_piece, wait_for_pieces
 
 # Classes per block. 4096 fp32 values over 8 warps is 16 per thread for each
 # live vector (x, exp, gradient): enough loads in flight to saturate memory
@@ -38,6 +43,17 @@ from ..._core.kernel_spec import KernelSpec
 # `python -m effilayers.info --kernels` reports. Not yet tuned on a GPU:
 # 16 warps, or a larger block, are the first things to try.
 MAX_BLOCK = 4096
+# Longest row the rows kernel holds in registers whole (SINGLE): 32768
+# float32 values over 32 warps is 32 per thread, as softmax's
+# MAX_FUSED_BLOCK, so the gradient is written from the values the loss was
+# computed from and each logit is read once.
+MAX_FUSED_BLOCK = 32768
+# Rows with a gradient longer than that: pieces of SPLIT_BLOCK classes, one
+# program each (16 warps, 32 values per thread), which exchange their
+# partial statistics (ops/_row_split.py) and write the gradient of what
+# they hold, each logit read once. Tuned configurations without "split", and
+# rows of more than MAX_SPLITS pieces, walk the row in one program.
+SPLIT_BLOCK = 16384
 
 
 def _block_and_warps(classes: int) -> tuple[int, int]:
@@ -46,6 +62,16 @@ def _block_and_warps(classes: int) -> tuple[int, int]:
     # 4096-wide block keeps 16 values per thread at 8 warps.
     warps = max(1, min(8, block // 512))
     return block, warps
+
+
+def _rows_block_and_warps(classes: int) -> tuple[int, int]:
+    """The rows kernel's heuristic: the whole row in one block up to
+    MAX_FUSED_BLOCK (beyond 4096 classes one warp per 1024, at most 32: 32
+    values per thread), else _block_and_warps' walking block."""
+    whole = triton.next_power_of_2(max(classes, 1))
+    if whole <= min(MAX_BLOCK, MAX_FUSED_BLOCK) or whole > MAX_FUSED_BLOCK:
+        return _block_and_warps(classes)
+    return whole, max(8, min(32, whole // 1024))
 
 
 def _rows_launcher(write_grad: bool) -> str:
@@ -62,7 +88,16 @@ def _rows_config(logits: torch.Tensor, write_grad: bool) -> dict:
     found = tuning.lookup("cross_entropy", logits.device, _rows_launcher(write_grad), logits.dtype, classes)
     if found is not None:
         return found
-    block, warps = _block_and_warps(classes)
+    return _rows_heuristic(classes, write_grad)
+
+
+def _rows_heuristic(classes: int, write_grad: bool) -> dict:
+    """With a gradient, a row longer than MAX_FUSED_BLOCK is cut into
+    SPLIT_BLOCK-wide pieces, one program each (``split``: each logit read
+    once); the loss alone reads each logit once walking the row."""
+    block, warps = _rows_block_and_warps(classes)
+    if write_grad and classes > block and split_count(classes, SPLIT_BLOCK, 1):
+        return {"BLOCK": SPLIT_BLOCK, "num_warps": max(4, min(32, SPLIT_BLOCK // 1024)), "split": True}
     return {"BLOCK": block, "num_warps": warps}
 
 
@@ -71,11 +106,13 @@ def tuning_candidates(launcher: str, sizes: tuple[int, ...]) -> list[dict]:
     heuristic and its neighbours (block halved or doubled, up to the row;
     warps halved or doubled; 1 or 2 stages where the block loops)."""
     (classes,) = sizes
-    block, warps = _block_and_warps(classes)
-    heuristic = {"BLOCK": block, "num_warps": warps}
+    heuristic = _rows_heuristic(classes, launcher == _rows_launcher(True))
+    block, warps = heuristic["BLOCK"], heuristic["num_warps"]
     variations = {"BLOCK": [b for b in (block // 2, block * 2) if 256 <= b <= triton.next_power_of_2(classes)],
-                  "num_warps": [warps // 2, warps * 2]}
-    if block < classes:
+                  "num_warps": [w for w in (warps // 2, warps * 2) if 1 <= w <= 32]}
+    if heuristic.get("split"):  # the split row against the walking one
+        variations["split"] = [False]
+    elif block < classes:
         variations["num_stages"] = [1, 2]
     return tuning.around(heuristic, variations, lambda config: config["BLOCK"])
 
@@ -104,13 +141,32 @@ def _smoothing_block(weight_ptr, offsets, mask, x, HAS_WEIGHT: tl.constexpr, ACC
 
 
 @triton.jit
+def _gradient_block(x, offsets, mask, weight_ptr, lse, coef, eps, classes, safe_target, w_t, valid, in_range,
+                    row_scale, HAS_WEIGHT: tl.constexpr, SMOOTHING: tl.constexpr, ACC: tl.constexpr):
+    """The reduction-scaled gradient of one block of a row's logits."""
+    g = coef * tl.exp(x - lse)
+    if SMOOTHING:
+        if HAS_WEIGHT:
+            w = tl.load(weight_ptr + offsets, mask=mask, other=0.0).to(ACC)
+            g -= eps / classes * w
+        else:
+            g -= eps / classes
+    g = tl.where(offsets == safe_target, g - (1.0 - eps) * w_t, g)
+    # Multiply, not select, for ignored rows would give 0 * inf = NaN
+    # on -inf logits; select instead.
+    g = tl.where(valid, g * row_scale, 0.0)
+    return tl.where(valid & ~in_range, float("nan"), g)
+
+
+@triton.jit
 def _cross_entropy_rows_kernel(
     logits_ptr, target_ptr, weight_ptr, grad_ptr, grad_scale_ptr, loss_ptr,
     classes, inner,
     outer_stride, class_stride, inner_stride,
     grad_outer_stride, grad_class_stride, grad_inner_stride,
     ignore_index, eps_ptr,
-    HAS_WEIGHT: tl.constexpr, SMOOTHING: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, SMOOTHING: tl.constexpr, WRITE_GRAD: tl.constexpr, SINGLE: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     ACC = loss_ptr.dtype.element_ty  # the losses are in the accumulation dtype
     row = tl.program_id(0).to(tl.int64)
@@ -131,15 +187,23 @@ def _cross_entropy_rows_kernel(
     sum_exp = tl.zeros((), ACC)
     sum_wx = tl.zeros((), ACC)
     sum_w = tl.zeros((), ACC)
-    for start in range(0, classes, BLOCK):
-        offsets = start + cols
-        mask = offsets < classes
-        x = tl.load(row_ptr + offsets.to(tl.int64) * class_stride, mask=mask, other=neg_inf).to(ACC)
-        running_max, sum_exp = _online_block(running_max, sum_exp, x, ACC)
+    if SINGLE:
+        # the whole row, kept for the gradient below
+        row_mask = cols < classes
+        x_row = tl.load(row_ptr + cols.to(tl.int64) * class_stride, mask=row_mask, other=neg_inf).to(ACC)
+        running_max, sum_exp = _online_block(running_max, sum_exp, x_row, ACC)
         if SMOOTHING:
-            block_wx, block_w = _smoothing_block(weight_ptr, offsets, mask, x, HAS_WEIGHT, ACC)
-            sum_wx += block_wx
-            sum_w += block_w
+            sum_wx, sum_w = _smoothing_block(weight_ptr, cols, row_mask, x_row, HAS_WEIGHT, ACC)
+    else:
+        for start in range(0, classes, BLOCK):
+            offsets = start + cols
+            mask = offsets < classes
+            x = tl.load(row_ptr + offsets.to(tl.int64) * class_stride, mask=mask, other=neg_inf).to(ACC)
+            running_max, sum_exp = _online_block(running_max, sum_exp, x, ACC)
+            if SMOOTHING:
+                block_wx, block_w = _smoothing_block(weight_ptr, offsets, mask, x, HAS_WEIGHT, ACC)
+                sum_wx += block_wx
+                sum_w += block_w
 
     lse = tl.where(running_max == neg_inf, neg_inf, running_max + tl.log(sum_exp)).to(ACC)
     # Only a row with a valid target reads one: with 0 classes there is no
@@ -166,24 +230,113 @@ def _cross_entropy_rows_kernel(
         row_scale = tl.where(valid, scale, 0.0)
         row_scale = tl.where(valid & ~in_range, nan, row_scale)
         grad_row_ptr = grad_ptr + n * grad_outer_stride + i * grad_inner_stride
-        for start in range(0, classes, BLOCK):
-            offsets = start + cols
-            mask = offsets < classes
-            x = tl.load(row_ptr + offsets.to(tl.int64) * class_stride, mask=mask, other=0.0).to(ACC)
-            g = coef * tl.exp(x - lse)
+        if SINGLE:
+            g = _gradient_block(x_row, cols, row_mask, weight_ptr, lse, coef, eps, classes, safe_target, w_t,
+                                valid, in_range, row_scale, HAS_WEIGHT, SMOOTHING, ACC)
+            tl.store(grad_row_ptr + cols.to(tl.int64) * grad_class_stride, g.to(grad_ptr.dtype.element_ty),
+                     mask=row_mask)
+        else:
+            for start in range(0, classes, BLOCK):
+                offsets = start + cols
+                mask = offsets < classes
+                x = tl.load(row_ptr + offsets.to(tl.int64) * class_stride, mask=mask, other=0.0).to(ACC)
+                g = _gradient_block(x, offsets, mask, weight_ptr, lse, coef, eps, classes, safe_target, w_t,
+                                    valid, in_range, row_scale, HAS_WEIGHT, SMOOTHING, ACC)
+                tl.store(grad_row_ptr + offsets.to(tl.int64) * grad_class_stride,
+                         g.to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _cross_entropy_split_kernel(
+    logits_ptr, target_ptr, weight_ptr, grad_ptr, grad_scale_ptr, loss_ptr, work_ptr, partial_ptr,
+    classes, inner,
+    outer_stride, class_stride, inner_stride,
+    grad_outer_stride, grad_class_stride, grad_inner_stride,
+    ignore_index, eps_ptr, splits, spin,
+    HAS_WEIGHT: tl.constexpr, SMOOTHING: tl.constexpr, BLOCK: tl.constexpr, PIECES: tl.constexpr,
+):
+    # The loss and gradient of rows too long for one program: one BLOCK-wide
+    # piece per program (ops/_row_split.py), read once and held while the
+    # row's pieces exchange (max, sum of exp, and for label smoothing
+    # sum w*x and sum w); each piece then writes its gradient, piece 0 the loss.
+    ACC = loss_ptr.dtype.element_ty
+    row, piece = split_piece(work_ptr, splits)
+    n = row // inner
+    i = row % inner
+    row_ptr = logits_ptr + n * outer_stride + i * inner_stride
+    target = tl.load(target_ptr + row)
+    valid = target != ignore_index
+    in_range = (target >= 0) & (target < classes)
+    safe_target = tl.where(valid & in_range, target, 0)
+    eps = tl.load(eps_ptr)
+    neg_inf = float("-inf")
+    cols = piece * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < classes
+    x = tl.load(row_ptr + cols.to(tl.int64) * class_stride, mask=mask, other=neg_inf).to(ACC)
+    piece_max, piece_sum = _online_block(tl.full((), neg_inf, ACC), tl.zeros((), ACC), x, ACC)
+    partials = partial_ptr + row * 4 * splits  # maxima, sums of exp, sums of w*x, sums of w
+    tl.store(partials + piece, piece_max)
+    tl.store(partials + splits + piece, piece_sum)
+    if SMOOTHING:
+        piece_wx, piece_w = _smoothing_block(weight_ptr, cols, mask, x, HAS_WEIGHT, ACC)
+        tl.store(partials + 2 * splits + piece, piece_wx)
+        tl.store(partials + 3 * splits + piece, piece_w)
+    pieces = tl.arange(0, PIECES)
+    present = pieces < splits
+    sums_wx = tl.zeros([PIECES], ACC)
+    sums_w = tl.zeros([PIECES], ACC)
+    if wait_for_pieces(work_ptr + 1 + row, splits, spin):
+        maxima = tl.load(partials + pieces, mask=present, other=neg_inf, volatile=True)
+        sums = tl.load(partials + splits + pieces, mask=present, other=0.0, volatile=True)
+        if SMOOTHING:
+            sums_wx = tl.load(partials + 2 * splits + pieces, mask=present, other=0.0, volatile=True)
+            sums_w = tl.load(partials + 3 * splits + pieces, mask=present, other=0.0, volatile=True)
+    else:
+        maxima = tl.full([PIECES], neg_inf, ACC)
+        sums = tl.zeros([PIECES], ACC)
+        for other in range(0, splits):
+            other_cols = other * BLOCK + tl.arange(0, BLOCK)
+            other_mask = other_cols < classes
+            other_x = tl.load(row_ptr + other_cols.to(tl.int64) * class_stride, mask=other_mask,
+                              other=neg_inf).to(ACC)
+            other_max, other_sum = _online_block(tl.full((), neg_inf, ACC), tl.zeros((), ACC), other_x, ACC)
+            maxima = tl.where(pieces == other, other_max, maxima)
+            sums = tl.where(pieces == other, other_sum, sums)
             if SMOOTHING:
-                if HAS_WEIGHT:
-                    w = tl.load(weight_ptr + offsets, mask=mask, other=0.0).to(ACC)
-                    g -= eps / classes * w
-                else:
-                    g -= eps / classes
-            g = tl.where(offsets == safe_target, g - (1.0 - eps) * w_t, g)
-            # Multiply, not select, for ignored rows would give 0 * inf = NaN
-            # on -inf logits; select instead.
-            g = tl.where(valid, g * row_scale, 0.0)
-            g = tl.where(valid & ~in_range, nan, g)
-            tl.store(grad_row_ptr + offsets.to(tl.int64) * grad_class_stride,
-                     g.to(grad_ptr.dtype.element_ty), mask=mask)
+                other_wx, other_w = _smoothing_block(weight_ptr, other_cols, other_mask, other_x, HAS_WEIGHT, ACC)
+                sums_wx = tl.where(pieces == other, other_wx, sums_wx)
+                sums_w = tl.where(pieces == other, other_w, sums_w)
+        # the piece again, so its values need no registers during the loop
+        x = tl.load(row_ptr + cols.to(tl.int64) * class_stride, mask=mask, other=neg_inf).to(ACC)
+    running_max = tl.max(maxima, axis=0)
+    shift = tl.where(running_max == neg_inf, 0.0, running_max).to(ACC)
+    sum_exp = tl.sum(sums * tl.exp(maxima - shift), axis=0)
+    lse = tl.where(running_max == neg_inf, neg_inf, running_max + tl.log(sum_exp)).to(ACC)
+    sum_wx = tl.sum(sums_wx, axis=0)
+    sum_w = tl.sum(sums_w, axis=0)
+    has_target = valid & in_range
+    if HAS_WEIGHT:
+        w_t = tl.load(weight_ptr + safe_target, mask=has_target, other=0.0).to(ACC)
+    else:
+        w_t = tl.full((), 1.0, ACC)
+    coef = w_t
+    if SMOOTHING:
+        coef = (1.0 - eps) * w_t + eps / classes * sum_w
+    nan = float("nan")
+    if piece == 0:
+        x_t = tl.load(row_ptr + safe_target * class_stride, mask=has_target, other=0.0).to(ACC)
+        loss = (1.0 - eps) * w_t * (lse - x_t)
+        if SMOOTHING:
+            loss += eps / classes * (sum_w * lse - sum_wx)
+        loss = tl.where(valid, loss, 0.0)
+        tl.store(loss_ptr + row, tl.where(valid & ~in_range, nan, loss))
+    scale = tl.load(grad_scale_ptr).to(ACC)
+    row_scale = tl.where(valid, scale, 0.0)
+    row_scale = tl.where(valid & ~in_range, nan, row_scale)
+    g = _gradient_block(x, cols, mask, weight_ptr, lse, coef, eps, classes, safe_target, w_t, valid, in_range,
+                        row_scale, HAS_WEIGHT, SMOOTHING, ACC)
+    grad_row_ptr = grad_ptr + n * grad_outer_stride + i * grad_inner_stride
+    tl.store(grad_row_ptr + cols.to(tl.int64) * grad_class_stride, g.to(grad_ptr.dtype.element_ty), mask=mask)
 
 
 def cross_entropy_rows_triton(logits, target, weight, grad, grad_scale, ignore_index, label_smoothing):
@@ -200,14 +353,27 @@ def cross_entropy_rows_triton(logits, target, weight, grad, grad_scale, ignore_i
     grad_strides = grad.stride() if write_grad else (0, 0, 0)
     eps = float(label_smoothing)
     eps_tensor = torch.full((1,), eps, dtype=acc, device=logits.device)  # a fill kernel, no host copy
+    splits = split_count(classes, config["BLOCK"], rows) if write_grad and config.get("split") else 0
+    if splits:
+        work, partials = split_buffers(rows, splits, 4, acc, logits.device)
+        _cross_entropy_split_kernel[(rows * splits,)](
+            logits, target, weight if weight is not None else logits, grad, grad_scale, loss, work, partials,
+            classes, n_inner,
+            logits.stride(0), logits.stride(1), logits.stride(2),
+            grad_strides[0], grad_strides[1], grad_strides[2],
+            ignore_index, eps_tensor, splits, spin(logits.device),
+            HAS_WEIGHT=weight is not None, SMOOTHING=eps > 0.0, BLOCK=config["BLOCK"],
+            PIECES=triton.next_power_of_2(splits), **tuning.launch_options(config),
+        )
+        return loss
     _cross_entropy_rows_kernel[(rows,)](
         logits, target, weight if weight is not None else logits, grad_arg, grad_scale, loss,
         classes, n_inner,
         logits.stride(0), logits.stride(1), logits.stride(2),
         grad_strides[0], grad_strides[1], grad_strides[2],
         ignore_index, eps_tensor,
-        HAS_WEIGHT=weight is not None, SMOOTHING=eps > 0.0, WRITE_GRAD=write_grad, BLOCK=config["BLOCK"],
-        **tuning.launch_options(config),
+        HAS_WEIGHT=weight is not None, SMOOTHING=eps > 0.0, WRITE_GRAD=write_grad,
+        SINGLE=classes <= config["BLOCK"], BLOCK=config["BLOCK"], **tuning.launch_options(config),
     )
     return loss
 
@@ -414,45 +580,79 @@ BENCHMARK_SHAPES = ((16384, 131072), (8192, 32000))
 REPORT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def bytes_per_element(size: int, write_grad: bool) -> tuple[float, float]:
+def bytes_per_element(size: int, write_grad: bool, single: bool) -> tuple[float, float]:
     """(bytes this kernel moves per logit, the roofline). The loss alone
-    reads each logit once; with the gradient the second pass reads it again
-    and writes the gradient, where a perfect kernel would read once and write
-    once (the per-row target, loss and class weights are below 0.01 byte
-    per logit at these sizes)."""
+    reads each logit once; with the gradient a row held whole in registers
+    (``SINGLE``) is read once and its gradient written once, as a perfect
+    kernel would, while the walking path's second pass reads it again (the
+    per-row target, loss and class weights are below 0.01 byte per logit at
+    these sizes)."""
     if write_grad:
-        return 3 * size, 2 * size
+        return (2 if single else 3) * size, 2 * size
     return size, size
 
 
+_WALKING_REREAD = ("the walking path with a gradient, which a row longer than MAX_FUSED_BLOCK takes only beyond "
+                   "MAX_SPLITS pieces or under a tuned configuration without split (the benchmark rows are split): "
+                   "its gradient pass reads the row again")
+_PARTIALS = "a row's per-piece partials, at most MAX_SPLITS values each: not bandwidth-bound"
+
+
+def _arguments(dtype: torch.dtype, classes: int, has_weight: bool, write_grad: bool) -> dict:
+    """The rows kernels' arguments for contiguous (rows, classes) logits seen as (rows, classes, 1)."""
+    acc = accumulation_dtype(dtype)
+    grad_strides = (classes, 1, 1) if write_grad else (0, 0, 0)
+    return dict(logits_ptr=dtype, target_ptr=torch.int64, weight_ptr=acc if has_weight else dtype, grad_ptr=dtype,
+                grad_scale_ptr=acc, loss_ptr=acc, classes=classes, inner=1, outer_stride=classes, class_stride=1,
+                inner_stride=1, grad_outer_stride=grad_strides[0], grad_class_stride=grad_strides[1],
+                grad_inner_stride=grad_strides[2], ignore_index=-100, eps_ptr=acc)
+
+
+_BRANCHES = ((False, False), (True, False), (False, True), (True, True))  # (weight, smoothing)
+
+
 def kernel_specialisations():
-    """Every (dtype, branch) of the kernel at the benchmark shapes, with
-    the launcher's block and warp choice (``_block_and_warps``)."""
+    """Every (dtype, branch) of the rows kernels at the benchmark shapes,
+    with the launcher's choice (``_rows_heuristic``), and the walking
+    path a tuned configuration without split would take instead."""
     for dtype in REPORT_DTYPES:
         acc = accumulation_dtype(dtype)
         size = dtype.itemsize
         seen = set()
         for rows, classes in BENCHMARK_SHAPES:
-            block, warps = _block_and_warps(classes)
-            if (block, warps) in seen:
-                continue
-            seen.add((block, warps))
             for write_grad in (True, False):
-                for has_weight, smoothing in ((False, False), (True, False), (False, True), (True, True)):
-                    grad_strides = (classes, 1, 1) if write_grad else (0, 0, 0)
-                    # (rows, classes) logits seen as (rows, classes, 1)
-                    arguments = dict(
-                        logits_ptr=dtype, target_ptr=torch.int64, weight_ptr=acc if has_weight else dtype,
-                        grad_ptr=dtype, grad_scale_ptr=acc, loss_ptr=acc, classes=classes, inner=1,
-                        outer_stride=classes, class_stride=1, inner_stride=1, grad_outer_stride=grad_strides[0],
-                        grad_class_stride=grad_strides[1], grad_inner_stride=grad_strides[2], ignore_index=-100,
-                        eps_ptr=acc)
-                    config = (f"{str(dtype)[6:]} {rows}x{classes} BLOCK={block}"
-                              f"{' grad' if write_grad else ''}{' weight' if has_weight else ''}"
-                              f"{' smoothing' if smoothing else ''}")
-                    yield KernelSpec(_cross_entropy_rows_kernel, arguments,
+                config = _rows_heuristic(classes, write_grad)
+                block, warps = config["BLOCK"], config["num_warps"]
+                if config.get("split"):
+                    splits = triton.cdiv(classes, block)
+                    pieces = triton.next_power_of_2(splits)
+                    if ("split", block, pieces) not in seen:
+                        seen.add(("split", block, pieces))
+                        for has_weight, smoothing in _BRANCHES:
+                            arguments = dict(_arguments(dtype, classes, has_weight, True), work_ptr=torch.int32,
+                                             partial_ptr=acc, splits=splits, spin=SPIN)
+                            label = (f"{str(dtype)[6:]} {rows}x{classes} BLOCK={block} split x{splits} grad"
+                                     f"{' weight' if has_weight else ''}{' smoothing' if smoothing else ''}")
+                            yield KernelSpec(_cross_entropy_split_kernel, arguments,
+                                             dict(HAS_WEIGHT=has_weight, SMOOTHING=smoothing, BLOCK=block,
+                                                  PIECES=pieces), warps, label,
+                                             *bytes_per_element(size, True, True), {"partial_ptr": _PARTIALS})
+                    # the walking path of a tuned configuration without split
+                    config = _rows_heuristic(classes, False)
+                    block, warps = config["BLOCK"], config["num_warps"]
+                single = classes <= block
+                if (block, warps, single, write_grad) in seen:
+                    continue
+                seen.add((block, warps, single, write_grad))
+                for has_weight, smoothing in _BRANCHES:
+                    label = (f"{str(dtype)[6:]} {rows}x{classes} BLOCK={block}{'' if single else ' walking'}"
+                             f"{' grad' if write_grad else ''}{' weight' if has_weight else ''}"
+                             f"{' smoothing' if smoothing else ''}")
+                    reread = _WALKING_REREAD if write_grad and not single else ""
+                    yield KernelSpec(_cross_entropy_rows_kernel, _arguments(dtype, classes, has_weight, write_grad),
                                      dict(HAS_WEIGHT=has_weight, SMOOTHING=smoothing, WRITE_GRAD=write_grad,
-                                          BLOCK=block), warps, config, *bytes_per_element(size, write_grad))
+                                          SINGLE=single, BLOCK=block), warps, label,
+                                     *bytes_per_element(size, write_grad, single), reread=reread)
     yield from _chunk_specialisations()
 
 

@@ -47,7 +47,10 @@ Accumulation is float32 throughout; ``tl.dot`` takes the maps' dtype (fp16,
 bf16, or fp32 as TF32 when torch allows TF32 convolutions, as cuDNN would).
 Block sizes: 64 pixels x 64 output channels x 32 input channels keeps the
 three tiles of a float32 dot (8 KB + 8 KB + 16 KB accumulator) in registers
-of 4 warps; DenseNet's bottleneck has 128 output channels (2 tiles), and a
+of 4 warps in the backward kernels; the forward takes 32 pixels x 128 output
+channels (the same accumulator), so DenseNet's 128-channel bottleneck reads
+each input tile once; ``_grad_weight`` without TF32 takes 32 pixels in one
+stage (``_grad_weight_tiles``, under the register cap). A
 block's maps form one row, so only the last K tile of a layer is partly
 padding. Maps passed as separate tensors (not in a block buffer) pad each
 map to a multiple of 32 channels: at growth rate 12 most of each tile. The
@@ -73,6 +76,34 @@ BLOCK_M = 64
 BLOCK_N = 64
 BLOCK_K = 32
 NUM_WARPS = 4
+# The forward's tile: one program covers up to 128 output channels
+# (DenseNet's bottleneck width, 4 x the growth rate), so each input tile is
+# loaded once from memory instead of once per 64-channel tile of the output
+# (its roofline: read x once, write the output once). 32 pixels keep the
+# accumulator at the 64 x 64 tile's size, 32 float32 values per thread.
+FORWARD_BLOCK_M = 32
+FORWARD_BLOCK_N = 128
+
+
+def _grad_weight_tiles(dtype: torch.dtype, allow_tf32: bool) -> tuple[int, Optional[int]]:
+    """(BLOCK_M, num_stages) of ``_grad_weight``. A float32 dot without TF32
+    runs on the FMA units, and with 64-pixel tiles in Triton's default
+    pipeline it compiled to the 255-register cap on sm_80 and sm_90; 32
+    pixels in one stage compile to about half of that."""
+    if dtype == torch.float32 and not allow_tf32:
+        return 32, 1
+    return BLOCK_M, None
+
+
+def _forward_stages(dtype: torch.dtype, allow_tf32: bool) -> Optional[int]:
+    """num_stages of ``_forward``: one for the FMA-unit float32 dot, which
+    in Triton 3.9's default pipeline compiled to the 255-register cap on
+    sm_80 (127-128 registers in one stage); Triton's default otherwise."""
+    return 1 if dtype == torch.float32 and not allow_tf32 else None
+
+
+def _stages(stages: Optional[int]) -> dict:
+    return {} if stages is None else {"num_stages": stages}
 
 
 @triton.jit
@@ -350,7 +381,7 @@ def _tables(features: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tenso
             _vector_width(rows, features[0].element_size()))
 
 
-def _pixel_splits(device: torch.device, rows: int, programs: int) -> tuple[int, int]:
+def _pixel_splits(device: torch.device, rows: int, programs: int, block_m: int = BLOCK_M) -> tuple[int, int]:
     """(splits, rows per split) of dW's reduction over the pixels: enough
     programs for about four per multiprocessor on a GPU (two under the
     interpreter, so the tests exercise the partial sums), never more than
@@ -359,14 +390,14 @@ def _pixel_splits(device: torch.device, rows: int, programs: int) -> tuple[int, 
         target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
     else:
         target = 2 * programs
-    return _split_rows(rows, programs, target)
+    return _split_rows(rows, programs, target, block_m)
 
 
-def _split_rows(rows: int, programs: int, target: int) -> tuple[int, int]:
-    """(splits, rows per split, a multiple of BLOCK_M) for about ``target``
-    programs in all."""
-    splits = max(1, min(triton.cdiv(rows, BLOCK_M), triton.cdiv(target, programs)))
-    rows_per_split = triton.cdiv(triton.cdiv(rows, splits), BLOCK_M) * BLOCK_M
+def _split_rows(rows: int, programs: int, target: int, block_m: int = BLOCK_M) -> tuple[int, int]:
+    """(splits, rows per split, a multiple of ``block_m``) for about
+    ``target`` programs in all."""
+    splits = max(1, min(triton.cdiv(rows, block_m), triton.cdiv(target, programs)))
+    rows_per_split = triton.cdiv(triton.cdiv(rows, splits), block_m) * block_m
     return triton.cdiv(rows, rows_per_split), rows_per_split
 
 
@@ -424,10 +455,12 @@ def bottleneck_forward(features: Sequence[torch.Tensor], mean: torch.Tensor, inv
     if total == 0 or c_out == 0:
         return out
     table, tiles, num_tiles, vector = _tables(features)
-    grid = (triton.cdiv(total, BLOCK_M), triton.cdiv(c_out, BLOCK_N))
+    grid = (triton.cdiv(total, FORWARD_BLOCK_M), triton.cdiv(c_out, FORWARD_BLOCK_N))
+    allow_tf32 = _allow_tf32(first.dtype)
     _forward[grid](table, tiles, num_tiles, mean, scale, bias, matrix, out, total, hw, k, c_out,
-                   *_pixel_strides(out), ALLOW_TF32=_allow_tf32(first.dtype),
-                   BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, VECTOR=vector, num_warps=NUM_WARPS)
+                   *_pixel_strides(out), ALLOW_TF32=allow_tf32,
+                   BLOCK_M=FORWARD_BLOCK_M, BLOCK_N=FORWARD_BLOCK_N, BLOCK_K=BLOCK_K, VECTOR=vector,
+                   num_warps=NUM_WARPS, **_stages(_forward_stages(first.dtype, allow_tf32)))
     return out
 
 
@@ -481,12 +514,13 @@ def bottleneck_backward(grad_out: torch.Tensor, features: Sequence[torch.Tensor]
     if need_conv:
         if total > 0 and c_out > 0:
             output_tiles = triton.cdiv(c_out, BLOCK_N)
-            splits, rows_per_split = _pixel_splits(first.device, total, output_tiles * num_tiles)
+            block_m, stages = _grad_weight_tiles(first.dtype, allow_tf32)
+            splits, rows_per_split = _pixel_splits(first.device, total, output_tiles * num_tiles, block_m)
             partial = torch.zeros((splits, c_out, k), device=first.device, dtype=torch.float32)
             _grad_weight[(output_tiles, num_tiles, splits)](
                 table, tiles, mean, scale, bias, grad_out, partial, matrix, total, hw, k, c_out, *go_strides,
-                rows_per_split, ALLOW_TF32=allow_tf32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                VECTOR=vector, num_warps=NUM_WARPS)
+                rows_per_split, ALLOW_TF32=allow_tf32, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                VECTOR=vector, num_warps=NUM_WARPS, **_stages(stages))
             grad_weight = partial.sum(0)
         else:
             grad_weight = torch.zeros((c_out, k), device=first.device, dtype=torch.float32)
@@ -562,12 +596,12 @@ def _narrow_reasons(vector: int, arguments: dict, tf32_dout: bool = False) -> di
 
 def bytes_per_element(size: int, c_out: int, kernel: str) -> tuple[float, float]:
     """(bytes per element of the concatenated input, the roofline). The
-    forward reads the input once per BLOCK_N tile of output channels and
+    forward reads the input once per FORWARD_BLOCK_N tile of output channels and
     writes c_out / K outputs per input element (counted against K = c_out,
     the ratio of DenseNet's wider layers is lower); the backward kernels
     read the input and dout and write dx; a perfect bottleneck reads x once
     and writes its output once per pass."""
-    tiles = triton.cdiv(c_out, BLOCK_N)
+    tiles = triton.cdiv(c_out, FORWARD_BLOCK_N)
     if kernel == "forward":
         return (tiles + 1) * size, 2 * size
     if kernel == "grad_weight":
@@ -600,8 +634,10 @@ def _report_specs(dtype: torch.dtype, vector: int):
         out_strides = dict(out_stride_n=c_out * hw, out_stride_c=hw, out_stride_hw=1)
         forward = dict(table=torch.int64, tiles=torch.int64, num_tiles=triton.cdiv(k, BLOCK_K), **vectors,
                        weight=dtype, out=dtype, M=m, HW=hw, K=k, C_OUT=c_out, **out_strides)
-        yield KernelSpec(_forward, forward, dict(ALLOW_TF32=allow_tf32, **blocks), NUM_WARPS, label,
-                         *bytes_per_element(size, c_out, "forward"), _narrow_reasons(vector, forward))
+        forward_blocks = dict(blocks, BLOCK_M=FORWARD_BLOCK_M, BLOCK_N=FORWARD_BLOCK_N)
+        yield KernelSpec(_forward, forward, dict(ALLOW_TF32=allow_tf32, **forward_blocks), NUM_WARPS, label,
+                         *bytes_per_element(size, c_out, "forward"), _narrow_reasons(vector, forward),
+                         _forward_stages(dtype, allow_tf32))
         go = dict(go_stride_n=c_out * hw, go_stride_c=hw, go_stride_hw=1)
         grad = dict(g_stride_n=k * hw, g_stride_c=hw, g_stride_hw=1)
         for batch_stats in (True, False):
@@ -624,9 +660,11 @@ def _report_specs(dtype: torch.dtype, vector: int):
                              f"{str(dtype)[6:]} {layer['batch']}x{k}x{layer['height']}x{layer['width']} {kind}",
                              *bytes_per_element(size, c_out, "finish"), _narrow_reasons(vector, finish))
         # _pixel_splits on an H100 (132 SMs)
-        _, rows_per_split = _split_rows(m, triton.cdiv(c_out, BLOCK_N) * triton.cdiv(k, BLOCK_K), 4 * 132)
+        block_m, stages = _grad_weight_tiles(dtype, allow_tf32)
+        _, rows_per_split = _split_rows(m, triton.cdiv(c_out, BLOCK_N) * triton.cdiv(k, BLOCK_K), 4 * 132, block_m)
         weight_grad = dict(table=torch.int64, tiles=torch.int64, mean=torch.float32, scale=torch.float32,
                            bias=torch.float32, grad_out=dtype, partial_grad_weight=torch.float32,
                            dtype_ptr=dtype, M=m, HW=hw, K=k, C_OUT=c_out, **go, ROWS_PER_SPLIT=rows_per_split)
-        yield KernelSpec(_grad_weight, weight_grad, dict(ALLOW_TF32=allow_tf32, **blocks), NUM_WARPS, label,
-                         *bytes_per_element(size, c_out, "grad_weight"), _narrow_reasons(vector, weight_grad))
+        yield KernelSpec(_grad_weight, weight_grad, dict(ALLOW_TF32=allow_tf32, **dict(blocks, BLOCK_M=block_m)),
+                         NUM_WARPS, label, *bytes_per_element(size, c_out, "grad_weight"),
+                         _narrow_reasons(vector, weight_grad), stages)

@@ -1,21 +1,25 @@
 """Triton kernels for the softmax family (GPU; CPU tensors under ``TRITON_INTERPRET=1``).
 
-Four kernels, all accumulating in float32 (float64 when input or output is
+Six kernels, all accumulating in float32 (float64 when input or output is
 float64):
 
 * ``_row_forward``: one program per row whose values are ``col_stride``
   apart (softmax over a dimension with nothing after it in memory order,
   and every row of :func:`scaled_masked_softmax_forward`). A row that fits
   in ``MAX_FUSED_BLOCK`` values is loaded once into registers, reduced and
-  written: one read, one write. A longer row takes two passes: an online
-  pass keeps a running maximum and a running sum per lane, rescaling the sum
-  by ``exp(old_max - new_max)`` when the maximum grows, then one more pass
-  re-reads the row and writes it. (On a GPU the second read of a row of
-  tens of KiB mostly hits L2.)
+  written: one read, one write. A longer row is split (below); where it
+  is not (a tuned configuration, more than MAX_SPLITS pieces), it takes two
+  passes: an online pass keeps a running maximum and a running sum per
+  lane, rescaling the sum by ``exp(old_max - new_max)`` when the maximum
+  grows, then one more pass re-reads the row and writes it.
 * ``_tile_forward``: softmax over a dimension that has ``inner > 1``
   neighbours (``dim=1`` of NCHW, ``dim=0``): one program per block of
   ``BLOCK_I`` inner columns, reducing a ``(BLOCK_R, BLOCK_I)`` tile along its
   first axis, so the loads run along the unit-stride inner dimension.
+* ``_row_forward_split`` / ``_row_backward_split``: rows longer than
+  ``MAX_FUSED_BLOCK``, cut into ``SPLIT_BLOCK``-wide pieces, one program
+  each, which exchange their partial (max, sum) or sum and write what they
+  hold: each value read once (``ops/_row_split.py``).
 * ``_row_backward`` / ``_tile_backward``: the fused gradient
   ``scale * y * (g - sum(g*y))`` or ``scale * (g - exp(y) * sum(g))``, one
   pass when the row fits a block, else a reducing pass and a writing pass.
@@ -43,12 +47,19 @@ from ..._core import tuning
 from ..._core.dtypes import accumulation_dtype
 from ..._core.kernel_spec import KernelSpec
 from ..._core.layout import three_groups
+from .._row_split import SPIN, spin, split_buffers, split_count, split_piece, wait_for_pieces
 from .contract import output_like, wrap_dim
 
 # Longest row held in registers in one block: 32768 fp32 values at 32 warps
 # is 32 values per thread, within the register file of current GPUs without
 # spilling; longer rows take the two-pass online path.
 MAX_FUSED_BLOCK = 32768
+# Longer rows are cut into pieces of SPLIT_BLOCK values, one program each
+# (16 warps, 32 values per thread), which exchange their (max, sum) and
+# normalise what they hold: each value read once (ops/_row_split.py). Rows
+# of more than MAX_SPLITS pieces (1M values), and tuned configurations
+# without "split", take the one-program two-pass path.
+SPLIT_BLOCK = 16384
 # Chunk of the online (two-pass) path: 4096 values per iteration at 4 warps
 # (_row_warps) keep 32 values per thread in flight, enough to cover memory
 # latency, while leaving registers for the per-lane running max and sum.
@@ -58,6 +69,16 @@ ONLINE_BLOCK = 4096
 # unit-stride inner dimension (a full cache line of 16-bit data).
 MAX_TILE = 8192
 MAX_TILE_COLUMNS = 64
+# Before a reduced dimension too long for a MAX_TILE_COLUMNS-wide tile takes
+# the two-pass path, the tile narrows down to this many columns (32 bytes
+# of fp16, 64 of fp32: whole sectors, and at least one 128-bit access per
+# thread and tile row), so dim=1 of 256 channels is read once.
+MIN_TILE_COLUMNS = 16
+
+
+def _sector(element_size: int) -> int:
+    # 32 bytes (one DRAM sector) in elements: a causal row's loads end on one.
+    return max(1, 32 // element_size)
 
 
 def _row_warps(block: int) -> int:
@@ -68,6 +89,10 @@ def _row_warps(block: int) -> int:
 
 def _tile_warps(tile: int) -> int:
     return 4 if tile <= 2048 else 8
+
+
+def _partial_dtype(acc) -> torch.dtype:
+    return torch.float64 if acc == tl.float64 else torch.float32
 
 
 def _acc(*dtypes: torch.dtype):
@@ -171,15 +196,23 @@ def _input_grad(g, y, total, scale, LOG: tl.constexpr):
 
 @triton.jit
 def _masked_scores(x_row, mask_row, cols, n_cols, x_col_stride, mask_col_stride, causal_row, scale,
-                   MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, ACC: tl.constexpr):
-    """x * scale with the mask applied, -inf outside the row; cols is int64."""
+                   MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, ACC: tl.constexpr, SECTOR: tl.constexpr):
+    """x * scale with the mask applied, -inf outside the row; cols is int64.
+
+    A causal row reads x and the mask only up to its diagonal, rounded up to
+    whole ``SECTOR``s (32 bytes of x, the unit memory moves): the rest of
+    the row is -inf whatever it holds. The rounded bound is a multiple of
+    SECTOR, so the loads stay as wide as without it."""
     inside = cols < n_cols
-    z = tl.load(x_row + cols * x_col_stride, mask=inside, other=0.0).to(ACC) * scale
+    read = inside
+    if CAUSAL:
+        read = inside & (cols < (causal_row // SECTOR + 1) * SECTOR)
+    z = tl.load(x_row + cols * x_col_stride, mask=read, other=0.0).to(ACC) * scale
     if MASK_KIND == 1:  # bool: keep where True
-        keep = tl.load(mask_row + cols * mask_col_stride, mask=inside, other=0)
+        keep = tl.load(mask_row + cols * mask_col_stride, mask=read, other=0)
         z = tl.where(keep != 0, z, float("-inf"))
     if MASK_KIND == 2:  # floating: added after scaling
-        z = z + tl.load(mask_row + cols * mask_col_stride, mask=inside, other=0.0).to(ACC)
+        z = z + tl.load(mask_row + cols * mask_col_stride, mask=read, other=0.0).to(ACC)
     if CAUSAL:
         z = tl.where(cols <= causal_row, z, float("-inf"))
     return tl.where(inside, z, float("-inf"))
@@ -190,7 +223,7 @@ def _row_forward(x_ptr, mask_ptr, out_ptr, size1, size2,
                  sx0, sx1, sx2, sx3, sm0, sm1, sm2, sm3, so0, so1, so2, so3,
                  n_cols, scale,
                  MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, LOG: tl.constexpr, SINGLE: tl.constexpr,
-                 ACC: tl.constexpr, BLOCK: tl.constexpr):
+                 ACC: tl.constexpr, SECTOR: tl.constexpr, BLOCK: tl.constexpr):
     # Row pid of a (size0, size1, size2, n_cols) view; dim 2 is the causal row.
     pid = tl.program_id(0).to(tl.int64)
     i2 = pid % size2
@@ -201,21 +234,65 @@ def _row_forward(x_ptr, mask_ptr, out_ptr, size1, size2,
     out_row = out_ptr + i0 * so0 + i1 * so1 + i2 * so2
     lanes = tl.arange(0, BLOCK).to(tl.int64)
     if SINGLE:
-        z = _masked_scores(x_row, mask_row, lanes, n_cols, sx3, sm3, i2, scale, MASK_KIND, CAUSAL, ACC)
+        z = _masked_scores(x_row, mask_row, lanes, n_cols, sx3, sm3, i2, scale, MASK_KIND, CAUSAL, ACC, SECTOR)
         result = _softmax_in_registers(z, LOG)
         tl.store(out_row + lanes * so3, result.to(out_ptr.dtype.element_ty), mask=lanes < n_cols)
     else:
         lane_max = tl.full([BLOCK], float("-inf"), ACC)
         lane_sum = tl.zeros([BLOCK], ACC)
         for start in range(0, n_cols, BLOCK):
-            z = _masked_scores(x_row, mask_row, start + lanes, n_cols, sx3, sm3, i2, scale, MASK_KIND, CAUSAL, ACC)
+            z = _masked_scores(x_row, mask_row, start + lanes, n_cols, sx3, sm3, i2, scale, MASK_KIND, CAUSAL, ACC,
+                               SECTOR)
             lane_max, lane_sum = _online_step(lane_max, lane_sum, z)
         shift, total, log_total, inverse = _online_totals(lane_max, lane_sum)
         for start in range(0, n_cols, BLOCK):
             cols = start + lanes
-            z = _masked_scores(x_row, mask_row, cols, n_cols, sx3, sm3, i2, scale, MASK_KIND, CAUSAL, ACC)
+            z = _masked_scores(x_row, mask_row, cols, n_cols, sx3, sm3, i2, scale, MASK_KIND, CAUSAL, ACC, SECTOR)
             result = _online_result(z, shift, total, log_total, inverse, LOG)
             tl.store(out_row + cols * so3, result.to(out_ptr.dtype.element_ty), mask=cols < n_cols)
+
+
+@triton.jit
+def _row_forward_split(x_ptr, mask_ptr, out_ptr, work_ptr, partial_ptr, size1, size2,
+                       sx0, sx1, sx2, sx3, sm0, sm1, sm2, sm3, so0, so1, so2, so3,
+                       n_cols, scale, splits, spin,
+                       MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, LOG: tl.constexpr, ACC: tl.constexpr,
+                       SECTOR: tl.constexpr, BLOCK: tl.constexpr, PIECES: tl.constexpr):
+    # One BLOCK-wide piece of a row per program (ops/_row_split.py), held in
+    # registers from its one read to its write: the pieces' (max, sum of
+    # exp) are merged as _online_totals merges lanes.
+    row, piece = split_piece(work_ptr, splits)
+    i2 = row % size2
+    i1 = (row // size2) % size1
+    i0 = row // (size2 * size1)
+    x_row = x_ptr + i0 * sx0 + i1 * sx1 + i2 * sx2
+    mask_row = mask_ptr + i0 * sm0 + i1 * sm1 + i2 * sm2
+    out_row = out_ptr + i0 * so0 + i1 * so1 + i2 * so2
+    lanes = tl.arange(0, BLOCK).to(tl.int64)
+    cols = piece * BLOCK + lanes
+    z = _masked_scores(x_row, mask_row, cols, n_cols, sx3, sm3, i2, scale, MASK_KIND, CAUSAL, ACC, SECTOR)
+    piece_max = tl.max(z, axis=0)
+    partials = partial_ptr + row * 2 * splits  # the row's maxima, then its sums
+    tl.store(partials + piece, piece_max)
+    tl.store(partials + splits + piece, tl.sum(tl.exp(z - _finite_shift(piece_max)), axis=0))
+    pieces = tl.arange(0, PIECES)
+    if wait_for_pieces(work_ptr + 1 + row, splits, spin):
+        maxima = tl.load(partials + pieces, mask=pieces < splits, other=float("-inf"), volatile=True)
+        sums = tl.load(partials + splits + pieces, mask=pieces < splits, other=0.0, volatile=True)
+    else:
+        maxima = tl.full([PIECES], float("-inf"), ACC)
+        sums = tl.zeros([PIECES], ACC)
+        for other in range(0, splits):
+            other_z = _masked_scores(x_row, mask_row, other * BLOCK + lanes, n_cols, sx3, sm3, i2, scale,
+                                     MASK_KIND, CAUSAL, ACC, SECTOR)
+            other_max = tl.max(other_z, axis=0)
+            maxima = tl.where(pieces == other, other_max, maxima)
+            sums = tl.where(pieces == other, tl.sum(tl.exp(other_z - _finite_shift(other_max)), axis=0), sums)
+        # the piece again, so its values need no registers during the loop
+        z = _masked_scores(x_row, mask_row, cols, n_cols, sx3, sm3, i2, scale, MASK_KIND, CAUSAL, ACC, SECTOR)
+    shift, total, log_total, inverse = _online_totals(maxima, sums)
+    result = _online_result(z, shift, total, log_total, inverse, LOG)
+    tl.store(out_row + cols * so3, result.to(out_ptr.dtype.element_ty), mask=cols < n_cols)
 
 
 @triton.jit
@@ -286,6 +363,40 @@ def _row_backward(g_ptr, y_ptr, out_ptr, sgo, sgr, syo, syr, soo, sor, n_cols, s
 
 
 @triton.jit
+def _row_backward_split(g_ptr, y_ptr, out_ptr, work_ptr, partial_ptr, sgo, sgr, syo, syr, soo, sor, n_cols, scale,
+                        splits, spin, LOG: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr,
+                        PIECES: tl.constexpr):
+    # _row_forward_split's scheme for the backward's one row reduction,
+    # sum(g * y) (softmax) or sum(g) (log-softmax): g and y read once.
+    row, piece = split_piece(work_ptr, splits)
+    g_row = g_ptr + row * sgo
+    y_row = y_ptr + row * syo
+    lanes = tl.arange(0, BLOCK).to(tl.int64)
+    cols = piece * BLOCK + lanes
+    inside = cols < n_cols
+    g = tl.load(g_row + cols * sgr, mask=inside, other=0.0).to(ACC)
+    y = tl.load(y_row + cols * syr, mask=inside, other=0.0).to(ACC)
+    partials = partial_ptr + row * splits
+    tl.store(partials + piece, _grad_total(g, y, LOG))
+    pieces = tl.arange(0, PIECES)
+    if wait_for_pieces(work_ptr + 1 + row, splits, spin):
+        sums = tl.load(partials + pieces, mask=pieces < splits, other=0.0, volatile=True)
+    else:
+        sums = tl.zeros([PIECES], ACC)
+        for other in range(0, splits):
+            other_cols = other * BLOCK + lanes
+            other_inside = other_cols < n_cols
+            other_g = tl.load(g_row + other_cols * sgr, mask=other_inside, other=0.0).to(ACC)
+            other_y = tl.load(y_row + other_cols * syr, mask=other_inside, other=0.0).to(ACC)
+            sums = tl.where(pieces == other, _grad_total(other_g, other_y, LOG), sums)
+        # the piece again, so its values need no registers during the loop
+        g = tl.load(g_row + cols * sgr, mask=inside, other=0.0).to(ACC)
+        y = tl.load(y_row + cols * syr, mask=inside, other=0.0).to(ACC)
+    result = _input_grad(g, y, tl.sum(sums, axis=0), scale, LOG)
+    tl.store(out_ptr + row * soo + cols * sor, result.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
 def _tile_backward(g_ptr, y_ptr, out_ptr, reduced, inner, inner_blocks,
                    sgo, sgr, sgi, syo, syr, syi, soo, sor, soi, scale,
                    LOG: tl.constexpr, SINGLE: tl.constexpr, ACC: tl.constexpr,
@@ -336,14 +447,25 @@ def _tile_blocks(reduced: int, inner: int) -> tuple[int, int, bool]:
     """(BLOCK_R, BLOCK_I, single pass)."""
     block_i = min(triton.next_power_of_2(inner), MAX_TILE_COLUMNS, MAX_TILE)
     rows = triton.next_power_of_2(max(reduced, 1))
-    if rows * block_i <= MAX_TILE:
-        return rows, block_i, True
+    narrow = block_i
+    while rows * narrow > MAX_TILE and narrow > MIN_TILE_COLUMNS:
+        narrow //= 2
+    if rows * narrow <= MAX_TILE:
+        return rows, narrow, True
     return max(1, MAX_TILE // block_i // 2), block_i, False
 
 
 def _row_heuristic(n_cols: int) -> dict:
-    block, _ = _row_block(n_cols)
+    block, single = _row_block(n_cols)
+    if not single and split_count(n_cols, SPLIT_BLOCK, 1):
+        return {"BLOCK": SPLIT_BLOCK, "num_warps": _row_warps(SPLIT_BLOCK), "split": True}
     return {"BLOCK": block, "num_warps": _row_warps(block)}
+
+
+def _split_count(config: dict, n_cols: int, rows: int) -> int:
+    """How many programs share each row (0: none, the one-program paths): a
+    configuration with ``split`` cuts rows into BLOCK-wide pieces."""
+    return split_count(n_cols, config["BLOCK"], rows) if config.get("split") else 0
 
 
 def _tile_heuristic(reduced: int, inner: int) -> dict:
@@ -375,8 +497,10 @@ def tuning_candidates(launcher: str, sizes: tuple[int, ...]) -> list[dict]:
         (n_cols,) = sizes
         heuristic = _row_heuristic(n_cols)
         widest = triton.next_power_of_2(n_cols)
-        loops = heuristic["BLOCK"] < n_cols
+        loops = heuristic["BLOCK"] < n_cols and not heuristic.get("split")
         variations = {"BLOCK": [b for b in (heuristic["BLOCK"] // 2, heuristic["BLOCK"] * 2) if 256 <= b <= widest]}
+        if heuristic.get("split"):  # the split row against the one-program two-pass path
+            variations["split"] = [False]
         elements = lambda config: config["BLOCK"]  # noqa: E731
     else:
         reduced, inner = sizes
@@ -399,11 +523,21 @@ def _launch_row_forward(x, mask, out, sizes, x_strides, mask_strides, out_stride
     rows = sizes[0] * sizes[1] * sizes[2]
     masked = mask_kind != 0 or causal
     config = _config("row_forward_masked" if masked else "row_forward", x.dtype, x.device, n_cols)
+    splits = _split_count(config, n_cols, rows)
+    if splits:
+        work, partials = split_buffers(rows, splits, 2, _partial_dtype(acc), x.device)
+        _row_forward_split[(rows * splits,)](
+            x, mask if mask is not None else x, out, work, partials, sizes[1], sizes[2],
+            *x_strides, *mask_strides, *out_strides, n_cols, scale, splits, spin(x.device),
+            MASK_KIND=mask_kind, CAUSAL=causal, LOG=log, ACC=acc, SECTOR=_sector(x.element_size()),
+            BLOCK=config["BLOCK"], PIECES=triton.next_power_of_2(splits), **tuning.launch_options(config),
+        )
+        return
     _row_forward[(rows,)](
         x, mask if mask is not None else x, out, sizes[1], sizes[2],
         *x_strides, *mask_strides, *out_strides, n_cols, scale,
         MASK_KIND=mask_kind, CAUSAL=causal, LOG=log, SINGLE=n_cols <= config["BLOCK"], ACC=acc,
-        BLOCK=config["BLOCK"], **tuning.launch_options(config),
+        SECTOR=_sector(x.element_size()), BLOCK=config["BLOCK"], **tuning.launch_options(config),
     )
 
 
@@ -444,6 +578,16 @@ def softmax_backward(grad: torch.Tensor, output: torch.Tensor, dim: int, log: bo
     acc = _acc(grad.dtype, output.dtype, input_dtype)
     if yg.inner == 1:
         config = _config("row_backward", output.dtype, output.device, yg.reduced)
+        splits = _split_count(config, yg.reduced, yg.outer)
+        if splits:
+            work, partials = split_buffers(yg.outer, splits, 1, _partial_dtype(acc), output.device)
+            _row_backward_split[(yg.outer * splits,)](
+                g, y, out, work, partials, gg.outer_stride, gg.reduced_stride, yg.outer_stride, yg.reduced_stride,
+                og.outer_stride, og.reduced_stride, yg.reduced, float(scale), splits, spin(output.device),
+                LOG=log, ACC=acc, BLOCK=config["BLOCK"], PIECES=triton.next_power_of_2(splits),
+                **tuning.launch_options(config),
+            )
+            return out
         _row_backward[(yg.outer,)](
             g, y, out, gg.outer_stride, gg.reduced_stride, yg.outer_stride, yg.reduced_stride,
             og.outer_stride, og.reduced_stride, yg.reduced, float(scale),
@@ -541,6 +685,21 @@ BENCHMARK_ATTENTION = (16, 32, 1024, 1024)
 REPORT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def _reread(what: str, values: int, size: int) -> str:
+    """Why the two-pass path reads its input twice."""
+    return (f"a {what} of {values} values ({values * size // 1024} KiB) is more than one program holds in registers "
+            f"(MAX_FUSED_BLOCK = {MAX_FUSED_BLOCK}, MAX_TILE = {MAX_TILE}), so the two-pass path reads it again; "
+            f"reading it once needs the row split over programs that exchange (max, sum)")
+
+
+def causal_fraction(length: int, size: int) -> float:
+    """The share of a causal (length x length) score matrix that is read:
+    row i up to its diagonal, rounded up to a whole 32-byte sector (what a
+    perfect kernel reads too: memory moves whole sectors)."""
+    sector = _sector(size)
+    return sum(min(length, (i // sector + 1) * sector) for i in range(length)) / (length * length)
+
+
 def bytes_per_element(direction: str, size: int, single: bool, log: bool) -> tuple[float, float]:
     """(bytes this kernel moves per input element, the roofline). Forward
     reads x and writes y; backward reads g and y and writes dx. A row that
@@ -553,6 +712,39 @@ def bytes_per_element(direction: str, size: int, single: bool, log: bool) -> tup
     return (4 if log else 5) * size, 3 * size
 
 
+_ONLINE_REREAD = ("the one-program two-pass path, which a row takes only beyond MAX_SPLITS pieces or under a tuned "
+                  "configuration without split (the benchmark rows are split): its second pass reads the row again")
+_PARTIALS = "a row's per-piece partials, at most MAX_SPLITS values: not bandwidth-bound"
+
+
+def _split_specs(dtype: torch.dtype, n_cols: int, seen: set):
+    """The split kernels for rows of ``n_cols`` (``_row_heuristic``): each
+    value read once, its result written once, as a perfect kernel must."""
+    config = _row_heuristic(n_cols)
+    block, warps = config["BLOCK"], config["num_warps"]
+    splits = triton.cdiv(n_cols, block)
+    pieces = triton.next_power_of_2(splits)
+    if ("split", block, pieces) in seen:
+        return
+    seen.add(("split", block, pieces))
+    size, acc = dtype.itemsize, _acc(dtype)
+    partial = torch.float64 if dtype == torch.float64 else torch.float32
+    for log in (False, True):
+        label = f"{str(dtype)[6:]} cols={n_cols} BLOCK={block} split x{splits}" + (" log" if log else "")
+        forward = dict(x_ptr=dtype, mask_ptr=dtype, out_ptr=dtype, work_ptr=torch.int32, partial_ptr=partial,
+                       size1=1, size2=1, sx0=n_cols, sx1=0, sx2=0, sx3=1, sm0=0, sm1=0, sm2=0, sm3=0, so0=n_cols,
+                       so1=0, so2=0, so3=1, n_cols=n_cols, scale=1.0, splits=splits, spin=SPIN)
+        yield KernelSpec(_row_forward_split, forward,
+                         dict(MASK_KIND=0, CAUSAL=False, LOG=log, ACC=acc, SECTOR=_sector(size), BLOCK=block,
+                              PIECES=pieces), warps, label, *bytes_per_element("forward", size, True, log),
+                         {"partial_ptr": _PARTIALS})
+        backward = dict(g_ptr=dtype, y_ptr=dtype, out_ptr=dtype, work_ptr=torch.int32, partial_ptr=partial,
+                        sgo=n_cols, sgr=1, syo=n_cols, syr=1, soo=n_cols, sor=1, n_cols=n_cols, scale=1.0,
+                        splits=splits, spin=SPIN)
+        yield KernelSpec(_row_backward_split, backward, dict(LOG=log, ACC=acc, BLOCK=block, PIECES=pieces), warps,
+                         label, *bytes_per_element("backward", size, True, log), {"partial_ptr": _PARTIALS})
+
+
 def kernel_specialisations():
     """Every (kernel, dtype, configuration) the launchers pick at the
     benchmark shapes, through the launchers' own block and warp choices
@@ -563,6 +755,11 @@ def kernel_specialisations():
         seen = set()
         for n_cols in BENCHMARK_ROWS:
             block, single = _row_block(n_cols)
+            if _row_heuristic(n_cols).get("split"):
+                yield from _split_specs(dtype, n_cols, seen)
+                # what a tuned configuration without "split" runs at this row
+                n_cols, single = ONLINE_BLOCK * 16, False
+                block = _row_block(n_cols)[0]
             if (block, single) in seen:
                 continue
             seen.add((block, single))
@@ -573,13 +770,16 @@ def kernel_specialisations():
                 forward = dict(x_ptr=dtype, mask_ptr=dtype, out_ptr=dtype, size1=1, size2=1, sx0=n_cols, sx1=0,
                                sx2=0, sx3=1, sm0=0, sm1=0, sm2=0, sm3=0, so0=n_cols, so1=0, so2=0, so3=1,
                                n_cols=n_cols, scale=1.0)
+                reread = "" if single else _ONLINE_REREAD
                 yield KernelSpec(_row_forward, forward, dict(MASK_KIND=0, CAUSAL=False, LOG=log, SINGLE=single,
-                                                             ACC=acc, BLOCK=block), _row_warps(block), config,
-                                 *bytes_per_element("forward", size, single, log))
+                                                             ACC=acc, SECTOR=_sector(size), BLOCK=block),
+                                 _row_warps(block), config, *bytes_per_element("forward", size, single, log),
+                                 reread=reread)
                 backward = dict(g_ptr=dtype, y_ptr=dtype, out_ptr=dtype, sgo=n_cols, sgr=1, syo=n_cols, syr=1,
                                 soo=n_cols, sor=1, n_cols=n_cols, scale=1.0)
                 yield KernelSpec(_row_backward, backward, dict(LOG=log, SINGLE=single, ACC=acc, BLOCK=block),
-                                 _row_warps(block), config, *bytes_per_element("backward", size, single, log))
+                                 _row_warps(block), config, *bytes_per_element("backward", size, single, log),
+                                 reread=reread)
         outer, reduced, inner = BENCHMARK_TILE
         block_r, block_i, single = _tile_blocks(reduced, inner)
         inner_blocks = triton.cdiv(inner, block_i)
@@ -589,29 +789,39 @@ def kernel_specialisations():
             strides = dict(reduced=reduced, inner=inner, inner_blocks=inner_blocks)
             forward = dict(x_ptr=dtype, out_ptr=dtype, **strides, sxo=reduced * inner, sxr=inner, sxi=1,
                            soo=reduced * inner, sor=inner, soi=1)
+            reread = "" if single else _reread("reduced dimension", reduced, size)
             yield KernelSpec(_tile_forward, forward, dict(LOG=log, SINGLE=single, ACC=acc, BLOCK_R=block_r,
                                                           BLOCK_I=block_i), warps, config,
-                             *bytes_per_element("forward", size, single, log))
+                             *bytes_per_element("forward", size, single, log), reread=reread)
             backward = dict(g_ptr=dtype, y_ptr=dtype, out_ptr=dtype, **strides, sgo=reduced * inner, sgr=inner,
                             sgi=1, syo=reduced * inner, syr=inner, syi=1, soo=reduced * inner, sor=inner, soi=1,
                             scale=1.0)
             yield KernelSpec(_tile_backward, backward, dict(LOG=log, SINGLE=single, ACC=acc, BLOCK_R=block_r,
                                                             BLOCK_I=block_i), warps, config,
-                             *bytes_per_element("backward", size, single, log))
+                             *bytes_per_element("backward", size, single, log), reread=reread)
         # scaled_masked_softmax, causal, with a (L, L) bool mask broadcast over
-        # batch and heads (read through the cache: one byte per element at most)
+        # batch and heads. Each row reads x and the mask up to its diagonal
+        # (whole sectors: causal_fraction) and writes the whole row, as a
+        # perfect kernel must; the 1 MiB mask stays in L2, so it comes from
+        # memory once for all batch x heads copies (its bytes per element
+        # are that share).
         batch, heads, length, _ = BENCHMARK_ATTENTION
         block, single = _row_block(length)
         masked = dict(x_ptr=dtype, mask_ptr=torch.uint8, out_ptr=dtype, size1=heads, size2=length,
                       sx0=heads * length * length, sx1=length * length, sx2=length, sx3=1, sm0=0, sm1=0, sm2=length,
                       sm3=1, so0=heads * length * length, so1=length * length, so2=length, so3=1, n_cols=length,
                       scale=length ** -0.5)
-        moved, roofline = bytes_per_element("forward", size, single, False)
+        read = causal_fraction(length, size)
+        mask_once = causal_fraction(length, 1) / (batch * heads)
+        moved = read * size + size + mask_once
+        roofline = read * size + size + mask_once
+        if not single:
+            moved += read * size
         mask_bytes = block // (32 * _row_warps(block))  # a thread's share of a row of one-byte mask values
         narrow = {} if mask_bytes >= 16 else {
             "mask_ptr": f"{mask_bytes} mask bytes per thread ({block} over {_row_warps(block)} warps): one "
                         f"{8 * mask_bytes}-bit load is the whole share"}
         yield KernelSpec(_row_forward, masked, dict(MASK_KIND=1, CAUSAL=True, LOG=False, SINGLE=single, ACC=acc,
-                                                    BLOCK=block), _row_warps(block),
+                                                    SECTOR=_sector(size), BLOCK=block), _row_warps(block),
                          f"{str(dtype)[6:]} causal+bool mask {'x'.join(map(str, BENCHMARK_ATTENTION))}",
-                         moved + 1, roofline, narrow)
+                         moved, roofline, narrow, reread="" if single else _reread("row", length, size))
