@@ -20,7 +20,31 @@
 
 namespace effilayers {
 
-enum class Activation : int { Identity = 0, LeakyRelu = 1, Elu = 2, Relu = 3 };
+// The Python table's names, in enum order (kActivationNames).
+enum class Activation : int {
+  Identity = 0,
+  LeakyRelu = 1,
+  Elu = 2,
+  Relu = 3,
+  Silu = 4,
+  Gelu = 5,
+  GeluTanh = 6,
+  Hardswish = 7,
+  Mish = 8,
+  Relu6 = 9,
+  Sigmoid = 10,
+  Tanh = 11,
+};
+constexpr int kActivationCount = 12;
+constexpr const char* kActivationNames[kActivationCount] = {
+    "identity", "leaky_relu", "elu", "relu", "silu", "gelu", "gelu_tanh", "hardswish", "mish", "relu6", "sigmoid",
+    "tanh"};
+
+// Whether backward can rebuild the pre-activation from the output (the
+// in-place form); the others are only ever run from the saved input.
+constexpr bool invertible(Activation a) {
+  return a == Activation::Identity || a == Activation::LeakyRelu || a == Activation::Elu;
+}
 
 // What the activations need of a lane type: a constant in every lane, and
 // the transcendental functions lane by lane. This primary template is the
@@ -45,9 +69,47 @@ struct Lane {
     if constexpr (kFloat) return ::log1pf(v);
     else return ::log1p(v);
   }
+  static EFFILAYERS_HOST_DEVICE T tanh(T v) {
+    if constexpr (kFloat) return ::tanhf(v);
+    else return ::tanh(v);
+  }
+  static EFFILAYERS_HOST_DEVICE T erf(T v) {
+    if constexpr (kFloat) return ::erff(v);
+    else return ::erf(v);
+  }
   // torch.finfo(T).eps (std::numeric_limits is host-only in CUDA).
   static EFFILAYERS_HOST_DEVICE T epsilon() { return kFloat ? FLT_EPSILON : DBL_EPSILON; }
 };
+
+// Pieces the smooth activations share, written as torch writes them so the
+// rounding of each matches (torch.sigmoid, gelu, hardtanh(0, 6)).
+template <typename T>
+EFFILAYERS_HOST_DEVICE T sigmoid(T y) {
+  using L = Lane<T>;
+  return L::splat(1) / (L::splat(1) + L::exp(-y));
+}
+
+// Phi(y), the standard normal CDF: gelu(y) = y * Phi(y).
+template <typename T>
+EFFILAYERS_HOST_DEVICE T normal_cdf(T y) {
+  using L = Lane<T>;
+  return L::splat(0.5) * (L::splat(1) + L::erf(y * L::splat(0.70710678118654752440)));
+}
+
+// sqrt(2 / pi) * (y + 0.044715 y^3), the argument of gelu(approximate='tanh')'s tanh.
+template <typename T>
+EFFILAYERS_HOST_DEVICE T gelu_tanh_inner(T y) {
+  using L = Lane<T>;
+  return L::splat(0.79788456080286535588) * (y + L::splat(0.044715) * (y * y * y));
+}
+
+// min(max(y, 0), 6), NaN passing through as with hardtanh.
+template <typename T>
+EFFILAYERS_HOST_DEVICE T relu6(T y) {
+  using L = Lane<T>;
+  const T zero = L::splat(0), six = L::splat(6);
+  return y < zero ? zero : (y > six ? six : y);
+}
 
 // act(y) (_activate).
 template <Activation A, typename T>
@@ -60,6 +122,22 @@ EFFILAYERS_HOST_DEVICE T activate(T y, T param) {
     return y > zero ? y : param * L::expm1(y);
   } else if constexpr (A == Activation::Relu) {
     return y < zero ? zero : y;  // NaN and -0.0 pass through, as with clamp_min
+  } else if constexpr (A == Activation::Silu) {
+    return y * sigmoid(y);
+  } else if constexpr (A == Activation::Gelu) {
+    return y * normal_cdf(y);
+  } else if constexpr (A == Activation::GeluTanh) {
+    return L::splat(0.5) * y * (L::splat(1) + L::tanh(gelu_tanh_inner(y)));
+  } else if constexpr (A == Activation::Hardswish) {
+    return y * relu6(y + L::splat(3)) / L::splat(6);
+  } else if constexpr (A == Activation::Mish) {
+    return y * L::tanh(L::log1p(L::exp(y)));
+  } else if constexpr (A == Activation::Relu6) {
+    return relu6(y);
+  } else if constexpr (A == Activation::Sigmoid) {
+    return sigmoid(y);
+  } else if constexpr (A == Activation::Tanh) {
+    return L::tanh(y);
   } else {
     return y;
   }
@@ -78,6 +156,33 @@ EFFILAYERS_HOST_DEVICE T derivative(T y, T param) {
     return y > zero ? one : param * L::exp(y);
   } else if constexpr (A == Activation::Relu) {
     return y > zero ? one : zero;
+  } else if constexpr (A == Activation::Silu) {
+    const T s = sigmoid(y);
+    return s * (one + y * (one - s));
+  } else if constexpr (A == Activation::Gelu) {
+    // Phi(y) + y * phi(y), phi the standard normal density
+    return normal_cdf(y) + y * (L::splat(0.39894228040143267794) * L::exp(L::splat(-0.5) * y * y));
+  } else if constexpr (A == Activation::GeluTanh) {
+    // torch's grouping, so an overflowing y^3 gives what torch gives
+    const T t = L::tanh(gelu_tanh_inner(y));
+    const T inner_derivative = L::splat(0.79788456080286535588) * (one + L::splat(3 * 0.044715) * (y * y));
+    return L::splat(0.5) * (one + t) + (L::splat(0.5) * y * (one - t * t)) * inner_derivative;
+  } else if constexpr (A == Activation::Hardswish) {
+    // torch's choices at the kinks: 0 at y = -3, 1 at y = 3
+    const T three = L::splat(3);
+    return y <= -three ? zero : (y >= three ? one : y / three + L::splat(0.5));
+  } else if constexpr (A == Activation::Mish) {
+    const T t = L::tanh(L::log1p(L::exp(y)));
+    return t + y * sigmoid(y) * (one - t * t);
+  } else if constexpr (A == Activation::Relu6) {
+    // hardtanh's: zero at both kinks
+    return y > zero ? (y < L::splat(6) ? one : zero) : zero;
+  } else if constexpr (A == Activation::Sigmoid) {
+    const T s = sigmoid(y);
+    return s * (one - s);
+  } else if constexpr (A == Activation::Tanh) {
+    const T t = L::tanh(y);
+    return one - t * t;
   } else {
     return one;
   }
@@ -86,6 +191,7 @@ EFFILAYERS_HOST_DEVICE T derivative(T y, T param) {
 // d act / d y in terms of the output z = act(y) (_derivative_from_output).
 template <Activation A, typename T>
 EFFILAYERS_HOST_DEVICE T derivative_from_output(T z, T param) {
+  static_assert(invertible(A) || A == Activation::Relu, "only sign-based or invertible activations run from z");
   if constexpr (A == Activation::Elu) {
     return z > Lane<T>::splat(0) ? Lane<T>::splat(1) : z + param;
   } else {
@@ -96,6 +202,7 @@ EFFILAYERS_HOST_DEVICE T derivative_from_output(T z, T param) {
 // y from z = act(y) (_invert).
 template <Activation A, typename T>
 EFFILAYERS_HOST_DEVICE T invert(T z, T param) {
+  static_assert(invertible(A) || A == Activation::Relu, "only sign-based or invertible activations run from z");
   using L = Lane<T>;
   if constexpr (A == Activation::LeakyRelu) {
     return z > L::splat(0) ? z : z / param;
@@ -122,6 +229,22 @@ decltype(auto) with_activation(Activation activation, F&& f) {
       return f(std::integral_constant<Activation, Activation::Elu>{});
     case Activation::Relu:
       return f(std::integral_constant<Activation, Activation::Relu>{});
+    case Activation::Silu:
+      return f(std::integral_constant<Activation, Activation::Silu>{});
+    case Activation::Gelu:
+      return f(std::integral_constant<Activation, Activation::Gelu>{});
+    case Activation::GeluTanh:
+      return f(std::integral_constant<Activation, Activation::GeluTanh>{});
+    case Activation::Hardswish:
+      return f(std::integral_constant<Activation, Activation::Hardswish>{});
+    case Activation::Mish:
+      return f(std::integral_constant<Activation, Activation::Mish>{});
+    case Activation::Relu6:
+      return f(std::integral_constant<Activation, Activation::Relu6>{});
+    case Activation::Sigmoid:
+      return f(std::integral_constant<Activation, Activation::Sigmoid>{});
+    case Activation::Tanh:
+      return f(std::integral_constant<Activation, Activation::Tanh>{});
     case Activation::Identity:
     default:
       return f(std::integral_constant<Activation, Activation::Identity>{});
