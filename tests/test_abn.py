@@ -146,6 +146,25 @@ def test_activation_table_matches_torch():
         assert row.inverse is None and (row.derivative_from_output is None) == (name != "relu")
 
 
+def test_activation_names_agree_across_languages():
+    # csrc/common/activation.h's enum order (kActivationNames), the Python
+    # table, and the kernel report's decoding of template arguments.
+    import re
+    from pathlib import Path
+
+    from effilayers import _kernel_report
+    from effilayers.ops._activation import INVERTIBLE_ACTIVATIONS, TABLE
+
+    header = (Path(__file__).resolve().parent.parent / "csrc" / "common" / "activation.h").read_text()
+    names = re.findall(r'"(\w+)"', header.split("kActivationNames[kActivationCount] = {")[1].split("};")[0])
+    assert tuple(names) == _kernel_report._ACTIVATIONS and set(names) == set(TABLE)
+    enum = re.findall(r"^  (\w+) = (\d+),$", header, flags=re.M)
+    assert [int(value) for _, value in enum] == list(range(len(names)))
+    invertible = header.split("constexpr bool invertible(Activation a) {")[1].split("}")[0]
+    assert {names[int(value)] for name, value in enum if f"Activation::{name}" in invertible} == set(
+        INVERTIBLE_ACTIVATIONS)
+
+
 @pytest.mark.parametrize("activation", list(SMOOTH_ACTIVATIONS))
 @pytest.mark.parametrize("dtype, shape, layout", [
     (torch.float32, (3, 5, 6, 7), "contiguous"), (torch.float16, (3, 5, 6, 7), "channels_last"),

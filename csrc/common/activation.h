@@ -73,16 +73,19 @@ struct Lane {
     if constexpr (kFloat) return ::tanhf(v);
     else return ::tanh(v);
   }
-  static EFFILAYERS_HOST_DEVICE T erf(T v) {
-    if constexpr (kFloat) return ::erff(v);
-    else return ::erf(v);
+  static EFFILAYERS_HOST_DEVICE T erfc(T v) {
+    if constexpr (kFloat) return ::erfcf(v);
+    else return ::erfc(v);
   }
   // torch.finfo(T).eps (std::numeric_limits is host-only in CUDA).
   static EFFILAYERS_HOST_DEVICE T epsilon() { return kFloat ? FLT_EPSILON : DBL_EPSILON; }
 };
 
-// Pieces the smooth activations share, written as torch writes them so the
-// rounding of each matches (torch.sigmoid, gelu, hardtanh(0, 6)).
+// Pieces the smooth activations share. Each is written so a value near 0
+// is computed relative to itself, not as 1 minus a value near 1 (the
+// derivatives at saturated inputs are tiny, and a whole channel's sum of
+// them would otherwise be rounding noise): 1 - sigmoid(y) as sigmoid(-y),
+// Phi through erfc, 1 - tanh^2 as sech^2.
 template <typename T>
 EFFILAYERS_HOST_DEVICE T sigmoid(T y) {
   using L = Lane<T>;
@@ -93,14 +96,23 @@ EFFILAYERS_HOST_DEVICE T sigmoid(T y) {
 template <typename T>
 EFFILAYERS_HOST_DEVICE T normal_cdf(T y) {
   using L = Lane<T>;
-  return L::splat(0.5) * (L::splat(1) + L::erf(y * L::splat(0.70710678118654752440)));
+  return L::splat(0.5) * L::erfc(y * L::splat(-0.70710678118654752440));
 }
 
-// sqrt(2 / pi) * (y + 0.044715 y^3), the argument of gelu(approximate='tanh')'s tanh.
+// 2 * sqrt(2 / pi) * (y + 0.044715 y^3): gelu(approximate='tanh')'s
+// 0.5 * (1 + tanh(u)) is sigmoid(2u).
 template <typename T>
-EFFILAYERS_HOST_DEVICE T gelu_tanh_inner(T y) {
+EFFILAYERS_HOST_DEVICE T gelu_tanh_twice_inner(T y) {
   using L = Lane<T>;
-  return L::splat(0.79788456080286535588) * (y + L::splat(0.044715) * (y * y * y));
+  return L::splat(2 * 0.79788456080286535588) * (y + L::splat(0.044715) * (y * y * y));
+}
+
+// 1 - tanh(y)^2 = 4 / (e^y + e^-y)^2 (0 once the square overflows).
+template <typename T>
+EFFILAYERS_HOST_DEVICE T sech_squared(T y) {
+  using L = Lane<T>;
+  const T sum = L::exp(y) + L::exp(-y);
+  return L::splat(4) / (sum * sum);
 }
 
 // min(max(y, 0), 6), NaN passing through as with hardtanh.
@@ -127,7 +139,7 @@ EFFILAYERS_HOST_DEVICE T activate(T y, T param) {
   } else if constexpr (A == Activation::Gelu) {
     return y * normal_cdf(y);
   } else if constexpr (A == Activation::GeluTanh) {
-    return L::splat(0.5) * y * (L::splat(1) + L::tanh(gelu_tanh_inner(y)));
+    return y * sigmoid(gelu_tanh_twice_inner(y));
   } else if constexpr (A == Activation::Hardswish) {
     return y * relu6(y + L::splat(3)) / L::splat(6);
   } else if constexpr (A == Activation::Mish) {
@@ -157,16 +169,16 @@ EFFILAYERS_HOST_DEVICE T derivative(T y, T param) {
   } else if constexpr (A == Activation::Relu) {
     return y > zero ? one : zero;
   } else if constexpr (A == Activation::Silu) {
-    const T s = sigmoid(y);
-    return s * (one + y * (one - s));
+    return sigmoid(y) * (one + y * sigmoid(-y));
   } else if constexpr (A == Activation::Gelu) {
     // Phi(y) + y * phi(y), phi the standard normal density
     return normal_cdf(y) + y * (L::splat(0.39894228040143267794) * L::exp(L::splat(-0.5) * y * y));
   } else if constexpr (A == Activation::GeluTanh) {
-    // torch's grouping, so an overflowing y^3 gives what torch gives
-    const T t = L::tanh(gelu_tanh_inner(y));
-    const T inner_derivative = L::splat(0.79788456080286535588) * (one + L::splat(3 * 0.044715) * (y * y));
-    return L::splat(0.5) * (one + t) + (L::splat(0.5) * y * (one - t * t)) * inner_derivative;
+    // y * s(v), s = sigmoid, v = 2u: s(v) + y * s(v) s(-v) * dv/dy
+    const T v = gelu_tanh_twice_inner(y);
+    const T dv = L::splat(2 * 0.79788456080286535588) * (one + L::splat(3 * 0.044715) * (y * y));
+    const T s = sigmoid(v);
+    return s + y * (s * sigmoid(-v)) * dv;
   } else if constexpr (A == Activation::Hardswish) {
     // torch's choices at the kinks: 0 at y = -3, 1 at y = 3
     const T three = L::splat(3);
@@ -178,11 +190,9 @@ EFFILAYERS_HOST_DEVICE T derivative(T y, T param) {
     // hardtanh's: zero at both kinks
     return y > zero ? (y < L::splat(6) ? one : zero) : zero;
   } else if constexpr (A == Activation::Sigmoid) {
-    const T s = sigmoid(y);
-    return s * (one - s);
+    return sigmoid(y) * sigmoid(-y);
   } else if constexpr (A == Activation::Tanh) {
-    const T t = L::tanh(y);
-    return one - t * t;
+    return sech_squared(y);
   } else {
     return one;
   }

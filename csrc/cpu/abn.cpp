@@ -47,7 +47,7 @@ namespace effilayers {
 // vectors at a time and finishes the tail one scalar at a time, without
 // depending on the auto-vectoriser (which leaves these selects and
 // reductions scalar). The transcendental functions (ELU's exp/log1p, the
-// smooth activations' exp/tanh/erf) have no vector form here and run lane by
+// smooth activations' exp/tanh/erfc) have no vector form here and run lane by
 // lane.
 template <typename acc_t>
 struct VecLane {
@@ -65,7 +65,7 @@ struct VecLane {
   static V expm1(V v) { return per_lane(v, [](acc_t x) { return Lane<acc_t>::expm1(x); }); }
   static V log1p(V v) { return per_lane(v, [](acc_t x) { return Lane<acc_t>::log1p(x); }); }
   static V tanh(V v) { return per_lane(v, [](acc_t x) { return Lane<acc_t>::tanh(x); }); }
-  static V erf(V v) { return per_lane(v, [](acc_t x) { return Lane<acc_t>::erf(x); }); }
+  static V erfc(V v) { return per_lane(v, [](acc_t x) { return Lane<acc_t>::erfc(x); }); }
   static acc_t epsilon() { return Lane<acc_t>::epsilon(); }
 };
 template <>
