@@ -376,7 +376,9 @@ CUDA_SCALAR_FALLBACK = {
 # the backward) one value per element, from C-sized cached arrays.
 CUDA_CHANNEL_PARAMS = {"forward_kernel": {4}, "elemt_kernel": {6, 7, 8}}
 _SCALAR_BYTES = {"__half": 2, "__nv_bfloat16": 2, "float": 4, "double": 8}
-_ACTIVATIONS = ("identity", "leaky_relu", "elu", "relu")  # csrc/common/activation.h's enum order
+# csrc/common/activation.h's enum order (kActivationNames)
+_ACTIVATIONS = ("identity", "leaky_relu", "elu", "relu", "silu", "gelu", "gelu_tanh", "hardswish", "mish", "relu6",
+                "sigmoid", "tanh")
 
 
 def _demangle(names: list[str]) -> dict[str, str]:

@@ -9,9 +9,12 @@ measured, see below) and stops at the first that meets the budget:
 1. ``inplace_abn``: BatchNorm + activation pairs become
    :class:`effilayers.nn.InPlaceABN` (:func:`effilayers.convert`,
    ``mode="inplace"``): no recomputation beyond inverting the activation in
-   backward. It needs an invertible activation, so a ReLU becomes
+   backward. In place needs an invertible activation, so a ReLU becomes
    leaky_relu(0.01); with ``exact=True`` (the default) the step is skipped
    when that would change the model's function, and the report says so.
+   The activations that cannot be inverted (SiLU, GELU, ...) become an
+   exact, not in-place ``ABN``, which keeps the norm's input and drops its
+   output (convert's report says so per pair).
 2. ``densenet_memory_efficient``: effilayers DenseNet layers and transitions
    built with ``memory_efficient=False`` switch it on (the concatenation,
    norm and ReLU are recomputed in backward: elementwise work, no
@@ -119,8 +122,8 @@ on shapes only: no data-dependent control flow).
 
 Where fit cannot get under the budget its ``ValueError`` lists the notes
 that say why (no unit found, none that saves bytes, no BatchNorm +
-activation pair, or convert's reason for each pair it left alone, e.g. a
-SiLU, which is not invertible).
+activation pair, or convert's reason for each pair it left alone, e.g. an
+activation it does not support, such as PReLU).
 """
 
 from __future__ import annotations

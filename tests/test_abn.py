@@ -19,6 +19,18 @@ from .helpers import channel_varied, to_layout
 
 ACTIVATIONS = [("leaky_relu", 0.1), ("elu", 0.8), ("identity", 0.0)]
 ALL_ACTIVATIONS = ACTIVATIONS + [("relu", 0.0)]
+# Not invertible: ABN only, which keeps the norm's input and recomputes the
+# pre-activation in backward. Each with the torch module it stands for.
+SMOOTH_ACTIVATIONS = {
+    "silu": nn.SiLU(),
+    "gelu": nn.GELU(),
+    "gelu_tanh": nn.GELU(approximate="tanh"),
+    "hardswish": nn.Hardswish(),
+    "mish": nn.Mish(),
+    "relu6": nn.ReLU6(),
+    "sigmoid": nn.Sigmoid(),
+    "tanh": nn.Tanh(),
+}
 
 
 @pytest.fixture(params=backend_params("abn_forward"))
@@ -36,6 +48,7 @@ def activation_fn(activation, param):
         "elu": lambda t: F.elu(t, param),
         "identity": lambda t: t,
         "relu": F.relu,
+        **SMOOTH_ACTIVATIONS,
     }[activation]
 
 
@@ -101,6 +114,99 @@ def test_gradcheck_relu_abn(device):
     weight = torch.tensor([0.7, -1.2, 1.5], dtype=torch.float64, device=device, requires_grad=True)
     bias = torch.tensor([0.1, -0.2, 0.3], dtype=torch.float64, device=device, requires_grad=True)
     assert torch.autograd.gradcheck(lambda a, w, b: abn(a, w, b, activation="relu"), (x, weight, bias))
+
+
+@pytest.mark.parametrize("activation", list(SMOOTH_ACTIVATIONS))
+def test_gradcheck_smooth_abn(device, activation):
+    # Residual on every other activation; pre-activations spread over the
+    # kinks and saturations (|y| up to ~4).
+    index = list(SMOOTH_ACTIVATIONS).index(activation)
+    x = (channel_varied((3, 3, 4), torch.float64, device) * 0.7).requires_grad_()
+    weight = torch.tensor([0.7, -1.2, 2.5], dtype=torch.float64, device=device, requires_grad=True)
+    bias = torch.tensor([0.1, -0.2, -1.1], dtype=torch.float64, device=device, requires_grad=True)
+    residual = (torch.randn(3, 3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(index))
+                .to(device).requires_grad_() if index % 2 else None)
+    assert torch.autograd.gradcheck(lambda a, w, b, r: abn(a, w, b, activation=activation, residual=r),
+                                    (x, weight, bias, residual))
+
+
+def test_activation_table_matches_torch():
+    # The float64 rows every kernel is checked against: forward is torch's
+    # function, the derivative torch's autograd, kinks and saturation included.
+    from effilayers.ops._activation import TABLE
+
+    y = torch.cat([torch.linspace(-12, 12, 481, dtype=torch.float64),
+                   torch.tensor([-3.0, 0.0, 3.0, 6.0, -40.0, 40.0], dtype=torch.float64)]).requires_grad_()
+    for name, module in {**SMOOTH_ACTIVATIONS, "relu": nn.ReLU()}.items():
+        expected = module(y)
+        (derivative,) = torch.autograd.grad(expected.sum(), y)
+        row = TABLE[name]
+        torch.testing.assert_close(row.forward(y.detach(), 0.0), expected.detach(), rtol=1e-14, atol=1e-15)
+        torch.testing.assert_close(row.derivative(y.detach(), 0.0), derivative, rtol=1e-12, atol=1e-14, msg=name)
+        assert row.inverse is None and (row.derivative_from_output is None) == (name != "relu")
+
+
+def test_activation_names_agree_across_languages():
+    # csrc/common/activation.h's enum order (kActivationNames), the Python
+    # table, and the kernel report's decoding of template arguments.
+    import re
+    from pathlib import Path
+
+    from effilayers import _kernel_report
+    from effilayers.ops._activation import INVERTIBLE_ACTIVATIONS, TABLE
+
+    header = (Path(__file__).resolve().parent.parent / "csrc" / "common" / "activation.h").read_text()
+    names = re.findall(r'"(\w+)"', header.split("kActivationNames[kActivationCount] = {")[1].split("};")[0])
+    assert tuple(names) == _kernel_report._ACTIVATIONS and set(names) == set(TABLE)
+    enum = re.findall(r"^  (\w+) = (\d+),$", header, flags=re.M)
+    assert [int(value) for _, value in enum] == list(range(len(names)))
+    invertible = header.split("constexpr bool invertible(Activation a) {")[1].split("}")[0]
+    assert {names[int(value)] for name, value in enum if f"Activation::{name}" in invertible} == set(
+        INVERTIBLE_ACTIVATIONS)
+
+
+@pytest.mark.parametrize("activation", list(SMOOTH_ACTIVATIONS))
+@pytest.mark.parametrize("dtype, shape, layout", [
+    (torch.float32, (3, 5, 6, 7), "contiguous"), (torch.float16, (3, 5, 6, 7), "channels_last"),
+    (torch.bfloat16, (3, 5, 6, 7), "strided"), (torch.float32, (2, 11, 3, 4, 5), "channels_last"),
+    (torch.float64, (6, 5), "contiguous")], ids=["f32", "f16-cl", "bf16-strided", "f32-3d-cl", "f64-2d"])
+def test_smooth_abn_matches_batchnorm_activation(device, activation, dtype, shape, layout):
+    # ABN(act) against BatchNorm + torch's activation module over two
+    # training steps (outputs, input/parameter gradients, running stats).
+    ours, plain = twin_modules(ABN, shape[1], len(shape), activation, 0.0, device)
+    if dtype == torch.float64:
+        ours, plain = ours.double(), plain.double()
+    act = SMOOTH_ACTIVATIONS[activation]
+    tol = tolerance(dtype, "vs_torch_batch_norm")
+    grad_tol = dict(rtol=tol["rtol"], atol=tol["atol"] * 10)
+    for step in range(2):
+        x = to_layout(channel_varied(shape, dtype, device, seed=step) * 2, layout)
+        grad = torch.randn(shape, generator=torch.Generator().manual_seed(10 + step)).to(device=device, dtype=dtype)
+        x_ours = x.detach().clone().requires_grad_()
+        x_plain = x.detach().clone().requires_grad_()
+        out = ours(x_ours)
+        low = dtype in (torch.float16, torch.bfloat16)
+        expected = act(plain(x_plain.float())).to(dtype) if low else act(plain(x_plain))
+        assert out.dtype == dtype and out.shape == x.shape
+        assert layout == "strided" or out.stride() == x.stride()
+        assert_close(out.float(), expected.float(), dtype, "vs_torch_batch_norm")
+        out.backward(grad)
+        expected.backward(grad)
+        torch.testing.assert_close(x_ours.grad.float(), x_plain.grad.float(), **grad_tol)
+    torch.testing.assert_close(ours.running_mean, plain.running_mean, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ours.running_var, plain.running_var, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ours.weight.grad, plain.weight.grad, **grad_tol)
+    torch.testing.assert_close(ours.bias.grad, plain.bias.grad, **grad_tol)
+
+
+def test_smooth_backward_from_output_is_refused(device):
+    # The in-place backward rebuilds y from the output, which a smooth
+    # activation cannot give back: every backend says so.
+    x = channel_varied((2, 3, 4), torch.float32, device)
+    ones, zeros = torch.ones(3, device=device), torch.zeros(3, device=device)
+    reduce = effilayers._core.registry.kernel("abn_backward_reduce", x.device)
+    with pytest.raises((ValueError, RuntimeError), match="'silu' is not invertible, so backward needs the saved input"):
+        reduce(x, x, zeros, ones, None, None, None, "silu", 0.0, 0.0, True)
 
 
 # ---- parity with BatchNorm + activation ----------------------------------------------------
@@ -268,6 +374,22 @@ def test_inplace_abn_keeps_only_its_output(device):
     assert saved_plain == 2 * x.numel() * 4 + 2 * channels * 4
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "hardswish"])
+def test_exact_abn_keeps_only_input_and_statistics(device, activation):
+    # BatchNorm + SiLU keeps the norm's input and its output (the
+    # activation's input); ABN keeps the input and the per-channel mean and
+    # invstd, and recomputes the rest in backward.
+    channels = 8
+    module = ABN(channels, activation=activation).to(device)
+    x = channel_varied((4, channels, 6, 6), torch.float32, device)
+    saved = memory.activation_bytes(lambda t: module(t * 1), x, exclude=module)
+    assert saved == x.numel() * 4 + 2 * channels * 4
+
+    plain = nn.Sequential(nn.BatchNorm2d(channels), SMOOTH_ACTIVATIONS[activation]).to(device)
+    saved_plain = memory.activation_bytes(lambda t: plain(t * 1), x, exclude=plain)
+    assert saved_plain == 2 * x.numel() * 4 + 2 * channels * 4
+
+
 def test_residual_variant_keeps_output_and_identity(device):
     module = InPlaceABN(8).to(device)
     x = channel_varied((4, 8, 6, 6), torch.float32, device)
@@ -300,10 +422,13 @@ def test_leaf_input_that_requires_grad_is_refused(device):
         (lambda: InPlaceABN(4, activation="relu"), ValueError, "not invertible.*leaky_relu.*ABN"),
         (lambda: InPlaceABN(4, activation="leaky_relu", activation_param=0.0), ValueError, "slope > 0"),
         (lambda: InPlaceABN(4, activation="elu", activation_param=-1.0), ValueError, "elu alpha must be > 0"),
-        (lambda: ABN(4, activation="gelu"), ValueError, "activation must be one of"),
-        # In place: only the invertible choices are listed, relu as ABN's.
-        (lambda: InPlaceABN(4, activation="gelu"), ValueError,
-         r"activation must be one of leaky_relu, elu, identity \(effilayers.nn.ABN also takes relu\), got 'gelu'"),
+        # In place: only the invertible choices are listed; what ABN takes besides is said apart.
+        (lambda: InPlaceABN(4, activation="swish"), ValueError,
+         r"activation must be one of leaky_relu, elu, identity, got 'swish' \(effilayers.nn.ABN, which keeps its "
+         r"input instead, also takes relu, silu, gelu, gelu_tanh, hardswish, mish, relu6, sigmoid, tanh\)"),
+        (lambda: ABN(4, activation="swish"), ValueError,
+         r"ABN: activation must be one of leaky_relu, elu, identity, relu, silu, gelu, gelu_tanh, hardswish, mish, "
+         r"relu6, sigmoid, tanh, got 'swish'$"),
         (lambda: ABN(4, activation_param="big"), TypeError, "activation_param must be a float"),
         (lambda: ABN(4, activation_param=float("nan")), ValueError, "must be finite"),
         (lambda: ABN(0), ValueError, "num_features must be a positive int"),
@@ -315,6 +440,27 @@ def test_leaf_input_that_requires_grad_is_refused(device):
 def test_constructor_errors(build, error, message):
     with pytest.raises(error, match=message):
         build()
+
+
+@pytest.mark.parametrize("cls", [InPlaceABN, InPlaceABNSync])
+def test_inplace_refusal_lists_exactly_what_it_accepts(cls):
+    # InPlaceABN(activation='gelu'): the choices it names are the ones it
+    # takes, no more (relu and gelu are ABN's) and no fewer.
+    from effilayers.ops._activation import ACTIVATIONS
+
+    with pytest.raises(ValueError, match="not invertible") as raised:
+        cls(4, activation="gelu")
+    message = str(raised.value)
+    listed = message.split(f"{cls.__name__} takes one of ")[1].split(".")[0].split(", ")
+    accepted = []
+    for name in ACTIVATIONS:
+        try:
+            cls(4, activation=name, activation_param=0.5)
+            accepted.append(name)
+        except ValueError:
+            pass
+    assert listed == accepted == ["leaky_relu", "elu", "identity"]
+    assert "ABN, which keeps its input and takes 'gelu'" in message
 
 
 @pytest.mark.parametrize(

@@ -261,7 +261,7 @@ def test_left_alone_cases_are_reported_with_reasons():
     model = nn.ModuleDict({
         "not_adjacent": nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.Dropout(0.1), nn.ReLU()),
         "last": nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)),
-        "unsupported": nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.SiLU()),
+        "unsupported": nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.PReLU()),
         "negative_slope": nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.LeakyReLU(-0.1)),
         "reused_relu": ReusedActivation(),
         "shared_a": nn.Sequential(nn.Conv2d(3, 4, 1), shared_bn, nn.ReLU()),
@@ -277,7 +277,8 @@ def test_left_alone_cases_are_reported_with_reasons():
     expected_reasons = {
         "not_adjacent.1": "followed by Dropout",
         "last.1": "last module of its nn.Sequential",
-        "unsupported.1": "followed by SiLU",
+        "unsupported.1": "followed by PReLU, not a supported activation (ReLU, LeakyReLU with slope >= 0, ELU "
+                         "with alpha > 0, SiLU, GELU, Hardswish, Mish, ReLU6, Sigmoid, Tanh)",
         "negative_slope.1": "followed by LeakyReLU",
         "reused_relu.bn": "inside ReusedActivation, whose forward decides",
         "shared_a.1": "registered at 2 places (shared_a.1, shared_b.1)",
@@ -395,7 +396,10 @@ def test_timm_style_norm_act_layers():
     # A convolution's fresh output feeds it in this Sequential: in place, relu made leaky.
     assert type(converted[1]) is InPlaceABN and converted[1].activation == "leaky_relu"
     assert report.fused[0].pattern == "norm_act" and report.fused[0].activation is None
-    assert "SiLU" in report.reason("3") and "Identity" in report.reason("4")
+    # SiLU has no inverse: an exact ABN, said so in the pair's note
+    assert type(converted[3]) is ABN and converted[3].activation == "silu"
+    assert report.fused[1].note.startswith("ABN, not in place: silu is not invertible")
+    assert "its act is Identity: nothing to fuse" in report.reason("4")
     assert list(converted.state_dict()) == keys
     x = inputs((2, 3, 6, 6))
     leaky = relu_to_leaky(copy.deepcopy(original))
@@ -403,7 +407,8 @@ def test_timm_style_norm_act_layers():
 
     revert_report = revert(converted)
     assert type(converted[1]) is BatchNormAct and type(converted[1].act) is nn.LeakyReLU
-    assert revert_report.restored_paths == ["1"]
+    assert type(converted[3]) is BatchNormAct and type(converted[3].act) is nn.SiLU
+    assert revert_report.restored_paths == ["1", "3"]
     assert list(converted.state_dict()) == keys
     assert_same_results(forward_backward(converted, x), forward_backward(leaky, x))
 
@@ -412,6 +417,43 @@ def test_timm_style_norm_act_layers():
     report = convert(first, mode="inplace")
     assert type(first[0]) is ABN and first[0].activation == "relu"
     assert "first module" in report.fused[0].note or "outside" in report.fused[0].note
+
+
+SMOOTH = [nn.SiLU(), nn.GELU(), nn.GELU(approximate="tanh"), nn.Hardswish(), nn.Mish(), nn.ReLU6(),
+          nn.Sigmoid(), nn.Tanh()]
+
+
+@pytest.mark.parametrize("mode", ["inplace", "abn"])
+def test_smooth_activations_fuse_as_exact_abn(mode):
+    # Not invertible, so never in place: ABN with the activation unchanged,
+    # the same function, and the norm outputs BatchNorm + act kept are gone.
+    torch.manual_seed(0)
+    layers = [nn.Conv2d(3, 4, 3, padding=1)]
+    for act in SMOOTH:
+        layers += [nn.BatchNorm2d(4), act, nn.Conv2d(4, 4, 1)]
+    original = nn.Sequential(*layers).double()
+    randomize_norms(original)
+    keys = list(original.state_dict())
+    converted = copy.deepcopy(original)
+    report = convert(converted, mode=mode)
+    names = ["silu", "gelu", "gelu_tanh", "hardswish", "mish", "relu6", "sigmoid", "tanh"]
+    assert [pair.after for pair in report.fused] == [f"ABN({name})" for name in names]
+    assert not report.left_alone and not report.function_changed
+    if mode == "inplace":
+        assert all(pair.note.startswith(f"ABN, not in place: {name} is not invertible")
+                   for pair, name in zip(report.fused, names))
+    assert list(converted.state_dict()) == keys
+    x = inputs((2, 3, 5, 5))
+    assert_same_results(forward_backward(converted, x), forward_backward(original, x))
+    plain_bytes = effilayers.memory.activation_bytes(original, x)
+    fused_bytes = effilayers.memory.activation_bytes(converted, x)
+    # One norm output (2x4x5x5 float64) fewer per pair; but for Sigmoid and
+    # Tanh, which torch differentiates from their output (that the next
+    # convolution keeps anyway), BatchNorm + act kept no more than ABN does.
+    assert plain_bytes - fused_bytes == (len(names) - 2) * 2 * 4 * 5 * 5 * 8
+    revert(converted)
+    assert [type(m) for m in converted] == [type(m) for m in original]
+    assert [m.approximate for m in converted if isinstance(m, nn.GELU)] == ["none", "tanh"]
 
 
 # ---- torchvision-style ResNets ----------------------------------------------------------------
@@ -659,6 +701,6 @@ def test_fused_activation_records_what_it_stands_for():
                for slot, norm in pairs)
     assert FusedActivation("bn").activation is None
     with pytest.raises(ValueError, match="FusedActivation: activation must be one of"):
-        FusedActivation("bn", activation="gelu")
+        FusedActivation("bn", activation="swish")
     with pytest.raises(TypeError, match="FusedActivation: activation_param must be a float"):
         FusedActivation("bn", activation="elu", activation_param="1")

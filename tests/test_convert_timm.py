@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from effilayers import convert, fit, revert
+from effilayers import convert, fit, memory, revert
 from effilayers.convert import FusedActivation
 from effilayers.memory import activation_bytes
 from effilayers.nn import ABN, InPlaceABN, InPlaceABNSync
@@ -448,3 +448,31 @@ def test_timm_freeze_leaves_converted_torchvision_norms_alone(mode):
     assert not any(isinstance(module, BatchNormAct2d) for module in fused)
     assert len(frozen_norms(model)) == (3 if mode == "abn" else 0)
     assert_close_scaled(eval_output(model, x), expected, "output")
+
+
+def test_efficientnet_b0_fuses_its_silu_norms_as_exact_abns():
+    # timm's BatchNormAct2d + SiLU throughout: SiLU is not invertible, so each
+    # pair becomes an exact ABN, which keeps the norm's input and statistics
+    # but not the norm output that BatchNorm + SiLU keeps.
+    torch.manual_seed(0)
+    original = randomize_norms(timm.create_model("efficientnet_b0", pretrained=False).double())
+    model = copy.deepcopy(original)
+    keys, before_classes = list(model.state_dict()), classes(model)
+    report = convert(model, mode="inplace")
+    assert len(report.fused) == 33 and {pair.after for pair in report.fused} == {"ABN(silu)"}
+    assert not report.function_changed
+    assert all(pair.note.startswith("ABN, not in place: silu is not invertible") for pair in report.fused)
+    # the projection norms, which no activation follows
+    assert len(report.left_alone) == 16
+    assert all("its act is Identity: nothing to fuse" in entry.reason for entry in report.left_alone)
+    assert list(model.state_dict()) == keys
+    x = inputs((2, 3, 96, 96))
+    # one forward and backward each, measured by the meter as they run
+    with memory.track_activations(exclude=model) as fused_meter:
+        fused = forward_backward(model, x)
+    with memory.track_activations(exclude=original) as plain_meter:
+        plain = forward_backward(original, x)
+    assert fused_meter.peak_bytes <= 0.85 * plain_meter.peak_bytes, (fused_meter.peak_bytes, plain_meter.peak_bytes)
+    assert_same_results(fused, plain)
+    revert(model)
+    assert classes(model) == before_classes and list(model.state_dict()) == keys

@@ -54,6 +54,11 @@ SHAPES = [
 ]
 # Parameters other than torch's defaults, so a kernel that ignores one fails.
 ACTIVATIONS = {"identity": 0.0, "leaky_relu": 0.1, "elu": 0.75, "relu": 0.0}
+# Not invertible (ABN only, backward from the saved input); their param is unused.
+SMOOTH_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "hardswish", "mish", "relu6", "sigmoid", "tanh")
+ACTIVATIONS.update(dict.fromkeys(SMOOTH_ACTIVATIONS, 0.0))
+# The ones with a parameter, or a clamp and inverse of the weight to check.
+SIGN_ACTIVATIONS = ("identity", "leaky_relu", "elu", "relu")
 EPS = 1e-5
 
 
@@ -186,7 +191,7 @@ def kernel_args(a):
 
 
 def activation_for(index):
-    return list(ACTIVATIONS)[index % len(ACTIVATIONS)]
+    return SIGN_ACTIVATIONS[index % len(SIGN_ACTIVATIONS)]
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -208,7 +213,7 @@ def test_abn_forward(emulated, shape, dtype, layout, seed):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("activation", list(ACTIVATIONS))
+@pytest.mark.parametrize("activation", SIGN_ACTIVATIONS)
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
 def test_abn_forward_options(emulated, activation, residual, dtype):
     # Every activation with a clamped weight (sign kept, 0 -> +eps).
@@ -273,7 +278,7 @@ def backward_case(shape, dtype, layout, seed, saved_is_output, index):
     divides by the weight, so those cases keep |weight| >= 0.5 (clamping to
     a tiny weight_eps is covered from the saved input) and use an invertible
     activation."""
-    activations = INVERTIBLE_ACTIVATIONS if saved_is_output else list(ACTIVATIONS)
+    activations = INVERTIBLE_ACTIVATIONS if saved_is_output else SIGN_ACTIVATIONS
     args, as64 = abn_case(shape, dtype, layout, seed, activation=activations[index % len(activations)],
                           affine=index % 3 != 1, residual=index % 2 == 1,
                           weight_eps=1e-5 if index % 2 and not saved_is_output else 0.0,
@@ -341,9 +346,16 @@ def test_abn_backward(emulated, shape, dtype, layout, saved_is_output, seed):
         mean_dy, mean_dy_xhat = sum_dy / count, sum_dy_xhat / count
         grad_input, grad_residual = emulated.abn_backward_elemt(grad, saved, *kernel_args(args), saved_is_output,
                                                                 mean_dy, mean_dy_xhat, want_residual_grad)
+    check_backward(sum_dy, sum_dy_xhat, mean_dy, mean_dy_xhat, grad_input, grad_residual, as64, saved, grad,
+                   saved_is_output, want_residual_grad, dtype)
+
+
+def check_backward(sum_dy, sum_dy_xhat, mean_dy, mean_dy_xhat, grad_input, grad_residual, as64, saved, grad,
+                   saved_is_output, want_residual_grad, dtype):
+    """Both backward kernels' results against float64, each within the
+    rounding its terms allow (the element pass from the kernel's own means)."""
     ref_args, dy, x_hat, x_hat_error, scale = check_backward_sums(sum_dy, sum_dy_xhat, as64, saved, grad,
                                                                   saved_is_output, dtype)
-    # The element pass from the kernel's own means (the reduce is checked above).
     ref_grad_input, ref_grad_residual = abn_reference.backward_elemt(
         *ref_args, mean_dy.double(), mean_dy_xhat.double(), want_residual_grad)
     assert grad_input.dtype == dtype and grad_input.stride() == saved.stride()
@@ -361,6 +373,33 @@ def test_abn_backward(emulated, shape, dtype, layout, saved_is_output, seed):
         torch.testing.assert_close(grad_residual.double(), ref_grad_residual.double(), **tolerance(dtype))
     else:
         assert grad_residual.numel() == 0
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("activation", SMOOTH_ACTIVATIONS)
+def test_abn_smooth_activations(emulated, activation, layout):
+    # Each activation only ABN takes, through the forward and both backward
+    # kernels from the saved input: the dtypes in turn, the 128-bit and the
+    # scalar element loops, a residual on every other. From the output (no
+    # inverse) the binding refuses it.
+    index = SMOOTH_ACTIVATIONS.index(activation) + LAYOUTS.index(layout)
+    dtype = DTYPES[index % len(DTYPES)]
+    shape = (2, 16, 4, 8) if index % 2 else (2, 3, 5, 7)
+    residual = index % 2 == 0
+    with simt(emulated, 1 + index % 2):
+        args, as64 = abn_case(shape, dtype, layout, index, activation=activation, residual=residual)
+        out = emulated.abn_forward(args["x"], *kernel_args(args))
+        grad = to_layout(channel_varied(shape, dtype, seed=index + 2, offset_scale=0.5), layout)
+        sum_dy, sum_dy_xhat = emulated.abn_backward_reduce(grad, args["x"], *kernel_args(args), False)
+        count = args["x"].numel() // shape[1]
+        mean_dy, mean_dy_xhat = sum_dy / count, sum_dy_xhat / count
+        grad_input, grad_residual = emulated.abn_backward_elemt(grad, args["x"], *kernel_args(args), False, mean_dy,
+                                                                mean_dy_xhat, residual)
+        with pytest.raises(ValueError, match=f"'{activation}' is not invertible, so backward needs the saved input"):
+            emulated.abn_backward_reduce(grad, out, *kernel_args(args), True)
+    torch.testing.assert_close(out.double(), reference_forward(as64), **tolerance(dtype))
+    check_backward(sum_dy, sum_dy_xhat, mean_dy, mean_dy_xhat, grad_input, grad_residual, as64, args["x"], grad,
+                   False, residual, dtype)
 
 
 def launched_widths(ops, kernel):

@@ -276,15 +276,21 @@ def test_errors_and_notes_say_why_fit_cannot_help():
         effilayers.fit(_Linears(), x, 0.5)
     report = effilayers.fit(_Linears(), x, 1.0)
     assert not report.steps and any(note.startswith("nothing to do") for note in report.notes)
-    # BatchNorm + SiLU: the pair is there, its activation is not invertible; say what convert says
-    silu = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.SiLU(), nn.Conv2d(8, 4, 3, padding=1))
+    # BatchNorm + PReLU: the pair is there, its activation is not one convert fuses; say what convert says
+    prelu = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.PReLU(), nn.Conv2d(8, 4, 3, padding=1))
     images = torch.randn(2, 3, 6, 6)
-    reason = effilayers.convert(copy.deepcopy(silu), "inplace").reason("1")
-    assert "SiLU" in reason
+    reason = effilayers.convert(copy.deepcopy(prelu), "inplace").reason("1")
+    assert "PReLU" in reason
     with pytest.raises(ValueError) as raised:
-        effilayers.fit(silu, images, 1)
+        effilayers.fit(prelu, images, 1)
     assert reason in str(raised.value)
     assert "no BatchNorm + activation pair" not in str(raised.value)
+    # BatchNorm + SiLU: convert fuses it as an exact ABN, and fit takes that step (no ReLU made leaky)
+    silu = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.SiLU(), nn.Conv2d(8, 4, 3, padding=1))
+    report = effilayers.fit(silu, images, 0.8)
+    assert [step.kind for step in report.steps] == ["inplace_abn"]
+    assert not any("pair" in note for note in report.notes)
+    assert type(silu[1]) is effilayers.nn.ABN and silu[1].activation == "silu"
     with pytest.raises(TypeError, match="example_input"):
         effilayers.fit(_Linears(), {0: x}, 0.5)
     with pytest.raises(TypeError, match="dry_run"):

@@ -92,11 +92,21 @@ inline at::Tensor readable_batch(const at::Tensor& input) {
 }
 
 inline Activation parse_activation(const std::string& name, const char* op) {
-  if (name == "leaky_relu") return Activation::LeakyRelu;
-  if (name == "elu") return Activation::Elu;
-  if (name == "identity") return Activation::Identity;
-  if (name == "relu") return Activation::Relu;
-  TORCH_CHECK_VALUE(false, op, ": activation must be one of leaky_relu, elu, identity, relu, got '", name, "'");
+  std::string names;
+  for (int i = 0; i < kActivationCount; ++i) {
+    if (name == kActivationNames[i]) return static_cast<Activation>(i);
+    names += (i ? ", " : "") + std::string(kActivationNames[i]);
+  }
+  TORCH_CHECK_VALUE(false, op, ": activation must be one of ", names, ", got '", name, "'");
+}
+
+// The activation of a backward kernel: from the saved output only an
+// invertible one (the kernels for the others are never built).
+inline Activation parse_backward_activation(const std::string& name, bool saved_is_output, const char* op) {
+  const Activation activation = parse_activation(name, op);
+  TORCH_CHECK_VALUE(!saved_is_output || invertible(activation), op, ": activation '", name,
+                    "' is not invertible, so backward needs the saved input (saved_is_output=False)");
+  return activation;
 }
 
 // A full-size tensor that a kernel walks with `like`'s strides: itself when

@@ -46,8 +46,9 @@ namespace effilayers {
 // selects for vectors), so every loop below runs the same formulas whole
 // vectors at a time and finishes the tail one scalar at a time, without
 // depending on the auto-vectoriser (which leaves these selects and
-// reductions scalar). ELU's exp/log1p have no vector form here and run lane
-// by lane.
+// reductions scalar). The transcendental functions (ELU's exp/log1p, the
+// smooth activations' exp/tanh/erfc) have no vector form here and run lane by
+// lane.
 template <typename acc_t>
 struct VecLane {
   using V = typename Vec<acc_t>::type;
@@ -63,6 +64,8 @@ struct VecLane {
   static V exp(V v) { return per_lane(v, [](acc_t x) { return Lane<acc_t>::exp(x); }); }
   static V expm1(V v) { return per_lane(v, [](acc_t x) { return Lane<acc_t>::expm1(x); }); }
   static V log1p(V v) { return per_lane(v, [](acc_t x) { return Lane<acc_t>::log1p(x); }); }
+  static V tanh(V v) { return per_lane(v, [](acc_t x) { return Lane<acc_t>::tanh(x); }); }
+  static V erfc(V v) { return per_lane(v, [](acc_t x) { return Lane<acc_t>::erfc(x); }); }
   static acc_t epsilon() { return Lane<acc_t>::epsilon(); }
 };
 template <>
@@ -372,13 +375,13 @@ void elemt_kernel(const scalar_t* grad, const scalar_t* saved, const scalar_t* r
 // The activation and the source of x_hat are template parameters (they
 // change the arithmetic); whether a residual is read or its gradient written
 // is a runtime test per vector, uniform and predicted, which keeps the number
-// of instantiations (and the first-use build time) down. ReLU cannot be
-// inverted, so it is never instantiated from the output.
+// of instantiations (and the first-use build time) down. Only the
+// invertible activations are instantiated from the output (the binding
+// refuses the others: check_saved_source).
 template <typename F>
 void with_backward_variant(Act act, bool from_output, F&& f) {
   with_activation(act, [&](auto a) {
-    if constexpr (decltype(a)::value == Act::Relu) {
-      TORCH_CHECK_VALUE(!from_output, "abn backward: relu is not invertible, so it needs the saved input");
+    if constexpr (!invertible(decltype(a)::value)) {
       f(a, std::false_type{});
     } else if (from_output) {
       f(a, std::true_type{});
@@ -467,8 +470,9 @@ struct BackwardInputs {
   BackwardInputs(const at::Tensor& grad_arg, const at::Tensor& saved_arg, const at::Tensor& mean,
                  const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
                  const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual_arg,
-                 const std::string& activation, const char* op)
-      : act((check_common(saved_arg, mean, invstd, weight, bias, op), parse_activation(activation, op))),
+                 const std::string& activation, bool saved_is_output, const char* op)
+      : act((check_common(saved_arg, mean, invstd, weight, bias, op),
+             parse_backward_activation(activation, saved_is_output, op))),
         saved(readable_batch(saved_arg)),
         grad(matching(grad_arg, saved, op, "grad")),
         residual(matching(residual_arg, saved, op, "residual")),
@@ -483,7 +487,7 @@ std::tuple<at::Tensor, at::Tensor> abn_backward_reduce_cpu(
     const std::optional<at::Tensor>& residual_arg, std::string activation, double param, double weight_eps,
     bool saved_is_output) {
   const BackwardInputs in(grad_arg, saved_arg, mean, invstd, weight, bias, residual_arg, activation,
-                          "abn_backward_reduce");
+                          saved_is_output, "abn_backward_reduce");
   const at::Tensor &saved = in.saved, &grad = in.grad;
   const auto& residual = in.residual;
   const Walk& walk = in.walk;
@@ -515,7 +519,8 @@ std::tuple<at::Tensor, at::Tensor> abn_backward_elemt_cpu(
     const std::optional<at::Tensor>& residual_arg, std::string activation, double param, double weight_eps,
     bool saved_is_output, const at::Tensor& mean_dy, const at::Tensor& mean_dy_xhat, bool want_residual_grad) {
   const char* op = "abn_backward_elemt";
-  const BackwardInputs in(grad_arg, saved_arg, mean, invstd, weight, bias, residual_arg, activation, op);
+  const BackwardInputs in(grad_arg, saved_arg, mean, invstd, weight, bias, residual_arg, activation,
+                          saved_is_output, op);
   const at::Tensor &saved = in.saved, &grad = in.grad;
   const auto& residual = in.residual;
   const Walk& walk = in.walk;

@@ -229,8 +229,10 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Two resident blocks (at most 128 registers) steer ptxas as for the
+// reductions below: without it the double gelu_tanh instances spilled 8 bytes.
 template <int V, Activation A, bool kFromOutput, typename scalar_t, typename acc_t>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 2)
     elemt_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ saved,
                  const scalar_t* __restrict__ residual, scalar_t* __restrict__ grad_input,
                  scalar_t* __restrict__ grad_residual, FlatWalk w, ChannelPtrs<acc_t> p,
@@ -351,8 +353,10 @@ __global__ void __launch_bounds__(kChunkThreads, 2)
   }
 }
 
+// Two resident blocks, as for the plane chunks above: without it ptxas
+// spilled a few bytes in the double silu and mish instances.
 template <Activation A, bool kFromOutput, typename scalar_t, typename acc_t>
-__global__ void __launch_bounds__(kTileChannels* kTileRows)
+__global__ void __launch_bounds__(kTileChannels* kTileRows, 2)
     reduce_partial_channels_last(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ saved,
                                  const scalar_t* __restrict__ residual, StatsPlan plan, ChannelPtrs<acc_t> p,
                                  acc_t* __restrict__ part_dy, acc_t* __restrict__ part_dy_xhat) {
@@ -427,9 +431,15 @@ cudaError_t with_element_loop(const StatsPlan& plan, const AbnChannels& channels
   });
 }
 
-template <typename F>
+// Only the invertible activations are instantiated from the output (the
+// binding refuses the others first: parse_backward_activation).
+template <Activation A, typename F>
 cudaError_t with_source(bool from_output, F&& f) {
-  if (from_output) return f(std::true_type{});
+  if constexpr (invertible(A)) {
+    if (from_output) return f(std::true_type{});
+  } else if (from_output) {
+    return cudaErrorInvalidValue;
+  }
   return f(std::false_type{});
 }
 
@@ -481,7 +491,7 @@ cudaError_t abn_backward_reduce(const void* grad, const void* saved, const void*
     const auto* s = static_cast<const scalar_t*>(saved);
     const auto* r = static_cast<const scalar_t*>(residual);
     err = with_activation(channels.activation, [&](auto act) {
-      return with_source(saved_is_output, [&](auto from_output) {
+      return with_source<decltype(act)::value>(saved_is_output, [&](auto from_output) {
         constexpr Activation A = decltype(act)::value;
         constexpr bool kFromOutput = decltype(from_output)::value;
         if (plan.channels_last) {
@@ -517,7 +527,7 @@ cudaError_t abn_backward_elemt(const void* grad, const void* saved, const void* 
     using scalar_t = typename decltype(types)::scalar_t;
     using acc_t = typename decltype(types)::acc_t;
     return with_activation(channels.activation, [&](auto act) {
-      return with_source(saved_is_output, [&](auto from_output) {
+      return with_source<decltype(act)::value>(saved_is_output, [&](auto from_output) {
         constexpr Activation A = decltype(act)::value;
         constexpr bool kFromOutput = decltype(from_output)::value;
         const auto* g = static_cast<const scalar_t*>(grad);

@@ -137,8 +137,8 @@ BackwardInputs backward_inputs(const at::Tensor& grad_arg, const at::Tensor& sav
                                const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
                                const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual_arg,
                                const std::string& activation, double activation_param, double weight_eps,
-                               const char* op) {
-  const cuda::Activation act = parse_activation(activation, op);
+                               bool saved_is_output, const char* op) {
+  const cuda::Activation act = parse_backward_activation(activation, saved_is_output, op);
   BackwardInputs in;
   in.saved = readable_batch(saved_arg);
   in.grad = matching(grad_arg, in.saved, op, "grad");
@@ -156,7 +156,7 @@ std::tuple<at::Tensor, at::Tensor> abn_backward_reduce_cuda(
   check_cuda_input(saved_arg, op, "saved");
   const KernelDeviceGuard guard(saved_arg.device());
   const BackwardInputs in = backward_inputs(grad_arg, saved_arg, mean, invstd, weight, bias, residual_arg, activation,
-                                            activation_param, weight_eps, op);
+                                            activation_param, weight_eps, saved_is_output, op);
   const cuda::StatsPlan plan = plan_for(in.saved);
   const auto acc_options = in.saved.options().dtype(accumulation_type(in.saved.scalar_type()));
   at::Tensor sum_dy = at::empty({plan.channels}, acc_options);
@@ -179,7 +179,7 @@ std::tuple<at::Tensor, at::Tensor> abn_backward_elemt_cuda(
   check_cuda_input(saved_arg, op, "saved");
   const KernelDeviceGuard guard(saved_arg.device());
   const BackwardInputs in = backward_inputs(grad_arg, saved_arg, mean, invstd, weight, bias, residual_arg, activation,
-                                            activation_param, weight_eps, op);
+                                            activation_param, weight_eps, saved_is_output, op);
   const at::Tensor mean_dy = channel_vector(mean_dy_arg, in.saved, op, "mean_dy");
   const at::Tensor mean_dy_xhat = channel_vector(mean_dy_xhat_arg, in.saved, op, "mean_dy_xhat");
   at::Tensor grad_input = at::empty_like(in.saved);

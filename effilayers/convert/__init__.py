@@ -10,7 +10,10 @@ dict, key for key.
 What is recognised (anything else is left alone and reported, with why):
 
 * **nn.Sequential chains**: a ``BatchNorm{1,2,3}d`` directly followed by a
-  ``ReLU``, ``LeakyReLU`` or ``ELU`` in a plain ``nn.Sequential`` (the data
+  supported activation module (``ReLU``, ``LeakyReLU``, ``ELU``, ``SiLU``,
+  ``GELU`` (either approximation), ``Hardswish``, ``Mish``, ``ReLU6``,
+  ``Sigmoid``, ``Tanh``, by exact type; timm's own ``GELU``, ``GELUTanh``,
+  ``Sigmoid`` and ``Tanh`` too) in a plain ``nn.Sequential`` (the data
   flow of a Sequential is its order, so the pair is certain). The norm
   becomes the fused module and the activation slot a pass-through
   :class:`FusedActivation`, so indices, and with them the state-dict keys of
@@ -99,7 +102,12 @@ Modes:
                needs an invertible activation, so **ReLU becomes
                leaky_relu(activation_param)** (default 0.01) -- a different
                function, reported as ``function_changed``; leaky_relu with a
-               positive slope and elu are kept as they are. Writing over the
+               positive slope and elu are kept as they are. The activations
+               that cannot be inverted (SiLU, GELU, Hardswish, Mish, ReLU6,
+               Sigmoid, Tanh) get an exact ``ABN``: it keeps only the
+               norm's input and per-channel statistics (not the norm output
+               that BatchNorm + activation keeps), and the report says so
+               in the pair's note. Writing over the
                norm's input is only safe when nothing else uses it, so a pair
                is converted in place only where that input is known to be a
                fresh convolution or linear output (the previous module of a
@@ -137,6 +145,7 @@ from ..nn import ABN, InPlaceABN, MaxPool2d
 from ..nn.fused import PLAIN_TYPE_ATTR, FusedActivation
 from . import timm_blocks, timm_densenet
 from .patterns import (
+    SUPPORTED_ACTIVATIONS,
     Activation,
     BatchNormAct,
     Slots,
@@ -209,8 +218,17 @@ class _Converter:
                 return ("SyncBatchNorm: there is no synchronised non-in-place ABN; use mode='inplace' "
                         "(InPlaceABNSync)")
             return activation, False, ""
+        fused_activation = in_place_activation(activation, self.slope)
+        if not fused_activation.invertible:
+            # SiLU, GELU, ...: no inverse, so no in-place form; ABN keeps the
+            # norm's input only (the norm output BatchNorm + act keeps is dropped).
+            if isinstance(norm, nn.SyncBatchNorm):
+                return (f"SyncBatchNorm followed by {activation.name}, which is not invertible (no in-place form), "
+                        "and there is no synchronised non-in-place ABN")
+            return activation, False, (f"ABN, not in place: {activation.name} is not invertible; exact, it keeps "
+                                       "only the norm's input and statistics")
         if input_fresh:
-            return in_place_activation(activation, self.slope), True, ""
+            return fused_activation, True, ""
         if isinstance(norm, nn.SyncBatchNorm):
             return (f"SyncBatchNorm whose input cannot be overwritten ({why_not_fresh}), and there is no "
                     "synchronised non-in-place ABN")
@@ -354,7 +372,7 @@ class _Converter:
             activation = activation_of(act_module)
             if activation is None:
                 reasons[name] = (f"followed by {type(act_module).__name__}, not a supported activation "
-                                 "(ReLU, LeakyReLU with slope >= 0, ELU)")
+                                 f"({SUPPORTED_ACTIVATIONS})")
                 continue
             blocker = replace_blocker(norm, self.slots, "the norm") or activation_blocker(act_module)
             if blocker:
@@ -381,7 +399,8 @@ class _Converter:
             return {}
         activation = activation_of(act_module)
         if activation is None:
-            return {"bn1": f"the stem activation is {type(act_module).__name__}, not ReLU, LeakyReLU or ELU"}
+            return {"bn1": f"the stem activation is {type(act_module).__name__}, not a supported activation "
+                           f"({SUPPORTED_ACTIVATIONS})"}
         blocker = replace_blocker(norm, self.slots, "the norm") or activation_blocker(act_module)
         if blocker:
             return {"bn1": blocker}
@@ -412,7 +431,8 @@ class _Converter:
         activation = activation_of(act_module)
         problem = replace_blocker(block, self.slots, "the block")
         if activation is None:
-            problem = f"the block's activation is {type(act_module).__name__}, not ReLU, LeakyReLU or ELU"
+            problem = (f"the block's activation is {type(act_module).__name__}, not a supported activation "
+                       f"({SUPPORTED_ACTIVATIONS})")
         problem = problem or activation_blocker(act_module)
         for norm_name in norm_names:
             norm = block._modules[norm_name]
@@ -497,8 +517,11 @@ class _Converter:
         act_module = module._modules["act"]
         activation = activation_of(act_module)
         problem = replace_blocker(module, self.slots, "the module")
-        if activation is None:  # Identity included: nothing to fuse
-            problem = f"its act is {type(act_module).__name__}, not ReLU, LeakyReLU or ELU"
+        if type(act_module) is nn.Identity:
+            problem = ("its act is Identity: nothing to fuse (an identity ABN would keep the same input BatchNorm "
+                       "keeps)")
+        elif activation is None:
+            problem = f"its act is {type(act_module).__name__}, not a supported activation ({SUPPORTED_ACTIVATIONS})"
         if not problem:
             why_not = ("its input comes from outside its parent's known forward, so it may be used again"
                        if previous is None else
@@ -588,7 +611,7 @@ class _Converter:
         activation = activation_of(act_module)
         if activation is None:
             return (f"followed by {act_name} ({type(act_module).__name__}), not a supported activation "
-                    "(ReLU, LeakyReLU with slope >= 0, ELU)")
+                    f"({SUPPORTED_ACTIVATIONS})")
         if between is not None and type(block._modules[between]) is not nn.Identity:
             return (f"{between} ({type(block._modules[between]).__name__}) runs between it and {act_name}, so "
                     "the two cannot be fused")

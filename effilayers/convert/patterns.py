@@ -17,7 +17,7 @@ from torch.nn.utils import parametrize
 
 from ..nn import ABN
 from ..nn.fused import PLAIN_TYPE_ATTR, fused_norm
-from ..ops.abn import DEFAULT_WEIGHT_EPS
+from ..ops.abn import DEFAULT_WEIGHT_EPS, INVERTIBLE_ACTIVATIONS
 
 _STATE_PARAMETERS = ("weight", "bias")
 _STATE_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
@@ -59,34 +59,62 @@ class Activation:
     param: float
 
     def describe(self) -> str:
-        return self.name if self.name in ("relu", "identity") else f"{self.name}({self.param:g})"
+        return f"{self.name}({self.param:g})" if self.name in ("leaky_relu", "elu") else self.name
+
+    @property
+    def invertible(self) -> bool:
+        return self.name in INVERTIBLE_ACTIVATIONS
+
+
+# Activation modules without a parameter, by exact type, and the ABN name of
+# each; the inverse map rebuilds them for revert (inplace where they take it).
+_PLAIN_ACTIVATIONS = {nn.ReLU: "relu", nn.SiLU: "silu", nn.Hardswish: "hardswish", nn.Mish: "mish",
+                      nn.ReLU6: "relu6", nn.Sigmoid: "sigmoid", nn.Tanh: "tanh"}
+_MODULE_OF = {name: kind for kind, name in _PLAIN_ACTIVATIONS.items()}
+# timm's own activation classes (timm.layers.activations) that compute one of
+# ABN's activations, recognised by class path, timm not imported.
+_TIMM_ACTIVATIONS = {"GELU": "gelu", "GELUTanh": "gelu_tanh", "Sigmoid": "sigmoid", "Tanh": "tanh"}
+# What convert fuses, for the reasons it gives when it does not.
+SUPPORTED_ACTIVATIONS = ("ReLU, LeakyReLU with slope >= 0, ELU with alpha > 0, SiLU, GELU, Hardswish, Mish, "
+                         "ReLU6, Sigmoid, Tanh")
 
 
 def activation_of(module: nn.Module) -> Optional[Activation]:
     """The ABN activation equal to ``module``, or None. Exact types only: a
     subclass may compute something else."""
     kind = type(module)
-    if kind is nn.ReLU:
-        return Activation("relu", 0.0)
+    if kind in _PLAIN_ACTIVATIONS:
+        return Activation(_PLAIN_ACTIVATIONS[kind], 0.0)
+    if kind is nn.GELU and module.approximate in ("none", "tanh"):
+        return Activation("gelu" if module.approximate == "none" else "gelu_tanh", 0.0)
     if kind is nn.LeakyReLU and module.negative_slope >= 0:
         return Activation("leaky_relu", float(module.negative_slope))
     if kind is nn.ELU and module.alpha > 0:
         return Activation("elu", float(module.alpha))
+    if kind.__module__ == "timm.layers.activations" and kind.__name__ in _TIMM_ACTIVATIONS:
+        return Activation(_TIMM_ACTIVATIONS[kind.__name__], 0.0)
     return None
 
 
 def activation_module(activation: Activation, inplace: bool) -> nn.Module:
-    if activation.name == "relu":
-        return nn.ReLU(inplace=inplace)
-    if activation.name == "leaky_relu":
+    name = activation.name
+    if name == "leaky_relu":
         return nn.LeakyReLU(activation.param, inplace=inplace)
-    if activation.name == "elu":
+    if name == "elu":
         return nn.ELU(activation.param, inplace=inplace)
+    if name in ("gelu", "gelu_tanh"):
+        return nn.GELU(approximate="none" if name == "gelu" else "tanh")
+    if name in ("sigmoid", "tanh"):
+        return _MODULE_OF[name]()
+    if name in _MODULE_OF:
+        return _MODULE_OF[name](inplace=inplace)
     return nn.Identity()
 
 
 def in_place_activation(activation: Activation, slope: float) -> Activation:
-    """The invertible activation an in-place fused module uses instead."""
+    """The invertible activation an in-place fused module uses instead of
+    relu; the others are returned unchanged (the smooth ones are not
+    invertible: they stay exact, in an ABN)."""
     if activation.name == "relu" or (activation.name == "leaky_relu" and activation.param == 0):
         return Activation("leaky_relu", slope)
     return activation

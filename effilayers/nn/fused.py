@@ -1,6 +1,8 @@
 """Activated BatchNorm modules: drop-ins for ``BatchNorm{1,2,3}d`` + activation.
 
-``ABN``            act(BN(x)) fused, not in place; any activation, relu included.
+``ABN``            act(BN(x)) fused, not in place; any activation, relu and the
+                   smooth ones (silu, gelu, ...) included. It keeps only
+                   the input and per-channel statistics for backward.
 ``InPlaceABN``     the same written over its input, keeping only the output
                    for backward; invertible activations only.
 ``InPlaceABNSync`` InPlaceABN with statistics over a ``torch.distributed``
@@ -80,8 +82,13 @@ class ABN(_BatchNorm):
     ``bias``: ``bias=False`` with ``affine=True`` keeps a weight and no
     bias, ``self.bias`` is None and the state dict has no ``bias``, as
     BatchNorm2d(..., bias=False)), plus ``activation``
-    (``"leaky_relu"``, ``"elu"``, ``"relu"`` or ``"identity"``) and
-    ``activation_param`` (leaky_relu's negative slope or elu's alpha).
+    (``"leaky_relu"``, ``"elu"``, ``"relu"``, ``"identity"``, ``"silu"``,
+    ``"gelu"``, ``"gelu_tanh"`` (GELU(approximate='tanh')), ``"hardswish"``,
+    ``"mish"``, ``"relu6"``, ``"sigmoid"`` or ``"tanh"``) and
+    ``activation_param`` (leaky_relu's negative slope or elu's alpha; the
+    others take none). Backward recomputes the normalised input and the
+    activation's derivative from the saved input and the per-channel mean
+    and invstd, so BatchNorm + activation's saved norm output is not kept.
     Inputs of rank 2 to 5, any layout, float16/bfloat16/float32/float64;
     parameters and statistics stay in their own (float32) dtype.
     """

@@ -21,18 +21,20 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 def check_activation(activation: str, activation_param: float, inplace: bool, where: str) -> None:
     """Raise a clear ValueError/TypeError for an unusable activation."""
+    # In place, only the invertible ones are allowed: the list names exactly
+    # those, and what ABN takes besides is said apart from it.
+    allowed = INVERTIBLE_ACTIVATIONS if inplace else ACTIVATIONS
     if not isinstance(activation, str) or activation not in ACTIVATIONS:
-        # In place, only the invertible ones are allowed: listing the others
-        # would name choices the module then refuses.
-        allowed = [name for name in ACTIVATIONS if not inplace or name in INVERTIBLE_ACTIVATIONS]
         others = [name for name in ACTIVATIONS if name not in allowed]
-        elsewhere = f" (effilayers.nn.ABN also takes {', '.join(others)})" if others else ""
-        raise ValueError(f"{where}: activation must be one of {', '.join(allowed)}{elsewhere}, got {activation!r}")
+        elsewhere = (f" (effilayers.nn.ABN, which keeps its input instead, also takes {', '.join(others)})"
+                     if others else "")
+        raise ValueError(f"{where}: activation must be one of {', '.join(allowed)}, got {activation!r}{elsewhere}")
     if inplace and activation not in INVERTIBLE_ACTIVATIONS:
         raise ValueError(
-            f"{where}: activation={activation!r} is not invertible, so it cannot run in place "
-            "(backward rebuilds the input from the output). Use activation='leaky_relu' "
-            "(e.g. activation_param=0.01) or effilayers.nn.ABN, which supports relu."
+            f"{where}: activation={activation!r} is not invertible, so it cannot run in place (backward rebuilds "
+            f"the input from the output); {where} takes one of {', '.join(allowed)}. Use effilayers.nn.ABN, "
+            f"which keeps its input and takes {activation!r}, or activation='leaky_relu' (e.g. "
+            "activation_param=0.01)."
         )
     if isinstance(activation_param, bool) or not isinstance(activation_param, (int, float)):
         raise TypeError(f"{where}: activation_param must be a float, got {type(activation_param).__name__}")

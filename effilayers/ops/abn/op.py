@@ -2,9 +2,11 @@
 
 Two autograd Functions share the kernels:
 
-* ``abn`` (not in place) saves its input ``x``, like BatchNorm does, so any
-  activation works, ReLU included, and ``s`` is the weight itself: exactly
-  ``act(batch_norm(x) [+ residual])``.
+* ``abn`` (not in place) saves its input ``x``, like BatchNorm does, and
+  the per-channel mean and invstd, and recomputes the pre-activation in
+  backward, so any activation works, ReLU and the smooth ones (silu, gelu,
+  gelu_tanh, hardswish, mish, relu6, sigmoid, tanh) included, and ``s`` is
+  the weight itself: exactly ``act(batch_norm(x) [+ residual])``.
 * ``inplace_abn`` writes ``z`` over ``x`` and saves only ``z`` (plus
   per-channel statistics, and the residual when there is one, which a ResNet
   block keeps anyway). Backward inverts the activation and the affine map to

@@ -55,6 +55,10 @@ def _dy_and_xhat(grad, saved, mean, invstd, weight, bias, residual, activation, 
     shape = _channel_shape(saved)
     scale, shift = _affine(weight, bias, mean, weight_eps, acc, shape)
     row = TABLE[activation]
+    if saved_is_output and row.inverse is None:
+        # the compiled kernels refuse it alike (csrc/common/checks.h)
+        raise ValueError(f"abn backward: activation {activation!r} is not invertible, so backward needs the saved "
+                         "input (saved_is_output=False)")
     if saved_is_output:
         # Rebuild x_hat from the output: invert the activation, then the affine map.
         z = saved.to(acc)
