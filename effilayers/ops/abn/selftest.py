@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..._activation import INVERTIBLE_ACTIVATIONS, TABLE
 from ..._core.selftest import Case, f32, positive, randn
+from .._activation import INVERTIBLE_ACTIVATIONS, TABLE
 
 
 def _channels(device, g, c):
