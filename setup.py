@@ -60,8 +60,8 @@ def _extensions():
     return {"ext_modules": modules, "cmdclass": {"build_ext": BuildExtension.with_options(no_python_abi_suffix=False)}}
 
 
-# pyproject.toml finds the Python packages; csrc/ joins them here because a
-# package mapped from another directory cannot be found by a search.
+# Every package under effilayers/, found; csrc/ joins them as effilayers.csrc
+# (a package mapped from another directory cannot be found by a search).
 PACKAGES = find_packages(include=["effilayers", "effilayers.*"]) + ["effilayers.csrc"]
 
 setup(packages=PACKAGES, package_dir={"effilayers.csrc": "csrc"}, include_package_data=False, **_extensions())

@@ -78,7 +78,7 @@ def test_resnet50_json_report(resnet_report):
     report, _ = resnet_report
     assert {"command", "argv", "settings", "skipped", "environment", "results"} <= set(report)
     assert "effilayers.bench" in report["command"] and "--model resnet50" in report["command"]
-    assert report["settings"] == {"device": "cpu", "batch": 2, "size": 32, "dtype": "float32",
+    assert report["settings"] == {"device": "cpu", "batch": 2, "size": 32, "tokens": None, "dtype": "float32",
                                   "channels_last": False, "steps": 1, "train": 0, "max_batch_limit": None,
                                   "compile": False, "loss_noise_factor": bench.LOSS_NOISE_FACTOR,
                                   "loss_tolerance_floor": 1e-5, "spread_warning": bench.SPREAD_WARNING,

@@ -239,10 +239,3 @@ def test_an_image_bench_of_a_language_model_says_to_give_tokens(capsys):
                        "1"]) == 2
     assert "needs --tokens T" in capsys.readouterr().err
 
-
-def test_a_hugging_face_language_model_runs_with_tokens(tmp_path):
-    pytest.importorskip("transformers")
-    report = run_bench(tmp_path, "--model", "benchmarks.transformer_models:gpt2_tiny", "--tokens", "8", "--steps",
-                       "1")
-    (result,) = report["results"]
-    assert result["variant"] == "as given" and result["activation_bytes"] > 0

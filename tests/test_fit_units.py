@@ -344,3 +344,16 @@ def test_fsdp2_fully_shard_of_the_fitted_blocks_trains_as_the_plain_sharded_mode
         assert fitted.layers[0].__dict__[fit_module._UNIT_OFF_ATTR]
     finally:
         distributed.destroy_process_group()
+
+
+def test_the_bench_runs_a_hugging_face_language_model_with_tokens(tmp_path):
+    """``python -m effilayers.bench --tokens``: token ids in, the output's
+    ``.logits``, next-token cross-entropy (here, not in test_bench_budget.py,
+    whose fixture hides torchvision, which transformers imports)."""
+    from .bench_cases import run_bench
+
+    report = run_bench(tmp_path, "--model", "benchmarks.transformer_models:gpt2_tiny", "--tokens", "8", "--steps",
+                       "1", "--device", "cpu")
+    (result,) = report["results"]
+    assert result["variant"] == "as given" and result["activation_bytes"] > 0
+    assert report["settings"]["tokens"] == 8
