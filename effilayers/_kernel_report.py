@@ -34,6 +34,7 @@ fewer arguments for it, which can fail a row but not pass a narrow one.
 from __future__ import annotations
 
 import ast
+import hashlib
 import importlib
 import inspect
 import json
@@ -49,7 +50,7 @@ import warnings
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple, Optional
+from typing import Any, Iterator, NamedTuple, Optional, Union
 
 from ._core.families import OPS, family_names
 from ._core.kernel_spec import KernelSpec, specialise
@@ -394,6 +395,42 @@ def _ptx_functions(ptx: str) -> dict[str, str]:
     return {re.match(r"[\w$]+", piece).group(0): ".entry " + piece for piece in pieces[1:]}
 
 
+def _compile_cuda(flags: list[str], csrc: Path, source: Path) -> Union[tuple[str, str], str]:
+    """(ptxas -v log, PTX) of one .cu file, or the compiler's error. Kept in
+    the build cache under a hash of the command, the toolkit and every
+    CUDA source and header: CI runs the report three times (two test
+    environments and the GPU-code step) on the same sources, and nvcc of
+    the ABN kernels takes minutes."""
+    from ._core import build
+
+    digest = hashlib.sha256("\0".join(flags[:-1]).encode())
+    nvcc = Path(flags[0])
+    digest.update(f"{nvcc.resolve()} {nvcc.stat().st_mtime_ns}".encode())
+    for path in sorted([*csrc.glob("cuda/*"), *csrc.glob("common/*")]):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    cached = build.cache_root() / "kernel-report" / f"{source.stem}-{flags[1].split('=')[1]}-{digest.hexdigest()[:16]}"
+    if (cached / "ptx").is_file() and (cached / "ptxas.log").is_file():
+        return (cached / "ptxas.log").read_text(), (cached / "ptx").read_text()
+    with tempfile.TemporaryDirectory() as scratch:
+        cubin = subprocess.run([*flags, "-cubin", "-Xptxas", "-v", "-o", f"{scratch}/k.cubin"],
+                               capture_output=True, text=True)
+        ptx = subprocess.run([*flags, "-ptx", "-o", f"{scratch}/k.ptx"], capture_output=True, text=True)
+        if cubin.returncode or ptx.returncode:
+            return (cubin.stderr + ptx.stderr)[-2000:]
+        ptx_text = Path(f"{scratch}/k.ptx").read_text()
+    try:
+        # Written whole under a temporary name, then renamed: a concurrent
+        # report never reads half a file.
+        cached.mkdir(parents=True, exist_ok=True)
+        for name, text in (("ptxas.log", cubin.stderr), ("ptx", ptx_text)):
+            partial = cached / f"{name}.{os.getpid()}"
+            partial.write_text(text)
+            partial.replace(cached / name)
+    except OSError:  # an unwritable cache costs the next run a compile, nothing else
+        pass
+    return cubin.stderr, ptx_text
+
+
 def cuda_rows(capability: int) -> list[dict[str, Any]]:
     from ._core import build
 
@@ -406,16 +443,14 @@ def cuda_rows(capability: int) -> list[dict[str, Any]]:
     rows = []
     for source in sorted((csrc / "cuda").glob("*.cu")):
         flags = [str(nvcc), f"-arch=sm_{capability}", "-std=c++17", f"-I{csrc}", *build.cuda_cflags(), str(source)]
-        with tempfile.TemporaryDirectory() as scratch:
-            cubin = subprocess.run([*flags, "-cubin", "-Xptxas", "-v", "-o", f"{scratch}/k.cubin"],
-                                   capture_output=True, text=True)
-            ptx = subprocess.run([*flags, "-ptx", "-o", f"{scratch}/k.ptx"], capture_output=True, text=True)
-            if cubin.returncode or ptx.returncode:
-                rows.append({"kind": "cuda", "family": source.name, "kernel": "*", "target": f"sm_{capability}",
-                             "config": "", "error": (cubin.stderr + ptx.stderr)[-2000:]})
-                continue
-            functions = _ptx_functions(Path(f"{scratch}/k.ptx").read_text())
-        usage = _ptxas_usage(cubin.stderr)
+        compiled = _compile_cuda(flags, csrc, source)
+        if isinstance(compiled, str):
+            rows.append({"kind": "cuda", "family": source.name, "kernel": "*", "target": f"sm_{capability}",
+                         "config": "", "error": compiled})
+            continue
+        ptxas_log, ptx_text = compiled
+        functions = _ptx_functions(ptx_text)
+        usage = _ptxas_usage(ptxas_log)
         readable = _demangle(list(usage))
         for mangled, resources in usage.items():
             full = readable[mangled]

@@ -231,3 +231,33 @@ def test_every_cuda_global_is_reported_without_spills():
     for row in rows:
         assert row["spill_stores"] == 0 and row["spill_loads"] == 0, row
         assert row["loads"] and row["stores"] and _kernel_report.problems(row) == [], row
+
+
+def test_cuda_compiles_are_kept_in_the_build_cache_by_their_sources(tmp_path, monkeypatch):
+    """The second report on the same sources reads nvcc's results from the
+    cache; a changed header compiles again."""
+    monkeypatch.setenv("EFFILAYERS_CACHE_DIR", str(tmp_path / "cache"))
+    calls = tmp_path / "calls"
+    nvcc = tmp_path / "nvcc"
+    nvcc.write_text(
+        "#!/bin/sh\n"
+        f"echo run >> {calls}\n"
+        'out=""; prev=""; for a in "$@"; do [ "$prev" = "-o" ] && out="$a"; prev="$a"; done\n'
+        'echo ptx > "$out"\n'
+        "echo \"ptxas info    : Compiling entry function 'k' for 'sm_90'\" >&2\n")
+    nvcc.chmod(0o755)
+    csrc = tmp_path / "csrc"
+    (csrc / "cuda").mkdir(parents=True)
+    (csrc / "common").mkdir()
+    source = csrc / "cuda" / "k.cu"
+    source.write_text("__global__ void k() {}\n")
+    (csrc / "common" / "h.h").write_text("// one\n")
+    flags = [str(nvcc), "-arch=sm_90", "-std=c++17", str(source)]
+
+    first = _kernel_report._compile_cuda(flags, csrc, source)
+    assert calls.read_text().count("run") == 2  # -cubin and -ptx
+    assert _kernel_report._compile_cuda(flags, csrc, source) == first
+    assert calls.read_text().count("run") == 2
+    (csrc / "common" / "h.h").write_text("// two\n")
+    assert _kernel_report._compile_cuda(flags, csrc, source) == first
+    assert calls.read_text().count("run") == 4
