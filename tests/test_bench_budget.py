@@ -63,6 +63,10 @@ def test_budget_rows_sit_beside_plain_with_bytes_and_ratios(tmp_path, monkeypatc
     # counted on the compiled module after it compiled: the partitioner's
     # choice under the budget, never more than eager keeps
     assert compiled["activation_bytes"] <= plain["activation_bytes"]
+    # no random op here: every row's recomputation gives plain's gradients
+    assert plain["gradients_match"] is None
+    for row in (fitted, torch_checkpoint, compiled, torch_runs, every_block):
+        assert row["gradients_match"] is True and row["gradient_max_rel_diff"] <= 1e-4
     torch._dynamo.reset()
 
 
@@ -183,9 +187,12 @@ def tiny_language_model() -> nn.Module:
     return TinyLanguageModel()
 
 
-def test_a_language_model_gets_fit_and_every_block_checkpointed(tmp_path, monkeypatch):
+def test_a_language_model_gets_fit_and_every_block_checkpointed(tmp_path, monkeypatch, capsys):
     """--tokens: token ids in, next-token cross-entropy; the blocks of a
-    ModuleList are what fit checkpoints and what the every-block row wraps."""
+    ModuleList are what fit checkpoints and what the every-block row wraps.
+    With dropout drawing, fit's and torch's checkpoints replay the forward's
+    masks and their gradients are plain's; torch.compile's budget draws new
+    ones when it recomputes (pytorch#190758), and its row says so."""
     import functools
 
     import torch._dynamo
@@ -200,7 +207,33 @@ def test_a_language_model_gets_fit_and_every_block_checkpointed(tmp_path, monkey
     assert fitted["activation_bytes"] <= 0.6 * plain["activation_bytes"]
     assert every["activation_bytes"] < plain["activation_bytes"]
     assert "blocks.0, blocks.1, blocks.2" in " ".join(every["notes"])
+    compiled = results["torch.compile budget 0.6"]
+    assert fitted["gradients_match"] is True and every["gradients_match"] is True
+    assert fitted["gradient_max_rel_diff"] == every["gradient_max_rel_diff"] == 0  # the same kernels, same masks
+    assert compiled["gradients_match"] is False and compiled["gradient_max_rel_diff"] > 0.1
+    assert "gradients differ from plain PyTorch's" in " ".join(compiled["notes"])
+    table = capsys.readouterr().out
+    assert "grads = plain" in table
+    lines = {name: next(line for line in table.splitlines() if f"  {name}  " in line)
+             for name in ("as given", "fit(0.6)", "torch.compile budget 0.6")}
+    assert lines["as given"].rstrip().endswith("reference") and lines["fit(0.6)"].rstrip().endswith("yes")
+    assert f"no ({compiled['gradient_max_rel_diff']:.1e})" in lines["torch.compile budget 0.6"]
     torch._dynamo.reset()
+
+
+def test_compare_gradients_names_the_worst_parameter_and_a_missing_one():
+    from effilayers.bench.measure import GRADIENT_TOLERANCE, compare_gradients
+
+    reference = {"a": torch.tensor([1.0, -2.0]), "b": torch.tensor([4.0])}
+    assert compare_gradients(dict(reference), reference, torch.float32) == (True, 0.0, "a")
+    close = {"a": reference["a"] + 1e-5, "b": reference["b"]}
+    match, worst, where = compare_gradients(close, reference, torch.float32)
+    assert match and worst == pytest.approx(1e-5 / 2, rel=1e-2) and where == "a"
+    far = {"a": reference["a"], "b": torch.tensor([3.0])}
+    assert compare_gradients(far, reference, torch.float32) == (False, 0.25, "b")
+    # bfloat16 autocast rounds more: the same difference within its tolerance
+    assert 0.25 > GRADIENT_TOLERANCE[torch.bfloat16]
+    assert compare_gradients({"a": reference["a"]}, reference, torch.float32) == (False, float("inf"), "b")
 
 
 def test_checkpoint_every_block_keeps_keys_outputs_and_gradients():

@@ -27,7 +27,13 @@ fraction of the plain model's activation bytes or bytes (``2GiB``, issue 33).
   fraction of the plain model's activation bytes.
 
 Every row starts from the plain model (the model's first variant), so the
-ratios compare like with like. Imports variants only; cli uses it.
+ratios compare like with like. Every row, and the plain model, also checks
+one training step's parameter gradients against the plain model's, dropout
+drawing from the same seed (``Variant.check_gradients``; the table's
+"grads = plain" column): a method that recomputes dropout must draw the
+forward's masks again. torch.compile's budget recomputes dropout with new
+masks (pytorch#190758), which this check shows. Imports variants only; cli
+uses it.
 """
 
 from __future__ import annotations
@@ -228,6 +234,8 @@ def budget_variants(variants: list[Variant], budget: Union[float, int], example:
     ``fit`` runs here, once, so that a budget below reach is known before
     the measurements."""
     plain = variants[0]
+    # The reference of the rows' gradient check.
+    plain.check_gradients = True
     model_name = plain.model
     # Its weights do not matter (bytes depend on shapes); the bench loads
     # plain PyTorch's into every row.
@@ -292,6 +300,8 @@ def budget_variants(variants: list[Variant], budget: Union[float, int], example:
                         note=f"plain model under torch.compile, torch._functorch.config.activation_memory_budget "
                              f"= {fraction:g}" + ("" if isinstance(budget, float) else
                                                   f" ({budget_name} over the plain model's activation bytes)")))
+    for row in rows:
+        row.check_gradients = True
     return rows, lines
 
 

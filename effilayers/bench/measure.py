@@ -33,7 +33,7 @@ from ..max_batch import find_max_batch, is_out_of_memory, max_tries, release_mem
 from .variants import BenchError, Variant
 
 __all__ = ["Setup", "Result", "time_call", "SEED", "LOSS_NOISE_FACTOR", "LOSS_TOLERANCE_FLOOR", "count_ticks",
-           "run_model", "SPREAD_WARNING", "CLOCKS"]
+           "run_model", "SPREAD_WARNING", "CLOCKS", "GRADIENT_TOLERANCE", "step_gradients", "compare_gradients"]
 
 SEED = 0
 # --train: a variant's loss at step t may differ from its float64 reference by
@@ -51,6 +51,15 @@ SPREAD_WARNING = 0.15
 # time of the bench's process (all its threads), which does not count the
 # time the process waits while others use the cores.
 CLOCKS = {"wall": "wall clock", "cpu": "process CPU time"}
+# --budget's gradient check: a row's gradients match plain PyTorch's when, in
+# every parameter, the largest difference is at most this fraction of the
+# largest plain gradient. Recomputation that replays the forward's random
+# draws runs the same kernels on the same numbers (0 on CPU); a compiled
+# graph reorders sums (~1e-6 in float32); a dropout mask drawn again differs
+# by the order of the gradients themselves.
+GRADIENT_TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+# The seed the gradient check's dropout draws from, the same for every row.
+GRADIENT_SEED = SEED + 7919
 
 
 # ---- one training step ---------------------------------------------------------------------
@@ -118,14 +127,18 @@ def _logits(output: Any) -> Any:
     return output
 
 
-def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, setup: Setup,
-                images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def _loss(model: nn.Module, setup: Setup, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     with setup.autocast():
         logits = _logits(model(images))
         # float32 at least (autocast may give bf16 logits); float64 stays.
         logits = logits.to(accumulation_dtype(logits.dtype))
         # With --tokens, every position predicts the token after it.
-        loss = F.cross_entropy(logits.flatten(0, -2), labels.flatten())
+        return F.cross_entropy(logits.flatten(0, -2), labels.flatten())
+
+
+def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, setup: Setup,
+                images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    loss = _loss(model, setup, images, labels)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -185,6 +198,45 @@ def _num_classes(model: nn.Module, setup: Setup) -> int:
     return logits.shape[-1]
 
 
+def step_gradients(model: nn.Module, runner: nn.Module, setup: Setup, num_classes: int) -> dict[str, torch.Tensor]:
+    """The parameters' gradients (on the host, by name in ``model``) of one
+    training step of ``runner`` (the model, or what runs it) on the bench's
+    first batch, dropout drawing from GRADIENT_SEED; the gradients are then
+    cleared, and the buffers (running statistics) and random state put back,
+    so the step the row is timed from is unchanged."""
+    images, labels = setup.data(setup.batch, num_classes, seed=SEED)
+    devices = [setup.device.index or 0] if setup.device.type == "cuda" else []
+    with torch.no_grad():
+        buffers = [(buffer, buffer.clone()) for buffer in model.buffers()]
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(GRADIENT_SEED)
+        _loss(runner, setup, images, labels).backward()
+    gradients = {name: parameter.grad.detach().to("cpu", copy=True)
+                 for name, parameter in model.named_parameters() if parameter.grad is not None}
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for buffer, value in buffers:
+            buffer.copy_(value)
+    return gradients
+
+
+def compare_gradients(gradients: dict[str, torch.Tensor], reference: dict[str, torch.Tensor],
+                      dtype: torch.dtype) -> tuple[bool, float, str]:
+    """(whether ``gradients`` match ``reference`` within GRADIENT_TOLERANCE
+    at ``dtype``, the largest relative difference over the parameters, the
+    parameter where it is, or the first one with a gradient on one side only)."""
+    missing = sorted(set(gradients) ^ set(reference))
+    if missing:
+        return False, float("inf"), missing[0]
+    worst, where = 0.0, ""
+    for name, expected in reference.items():
+        difference = (gradients[name].double() - expected.double()).abs().max().item()
+        relative = difference / max(expected.double().abs().max().item(), 1e-30)
+        if relative > worst or not where:
+            worst, where = relative, name
+    return worst <= GRADIENT_TOLERANCE[dtype], worst, where
+
+
 def time_call(call: Callable[[], Any], device: torch.device, clock: str = "wall") -> float:
     """Seconds ``call()`` takes: between two CUDA events on CUDA (what the
     GPU's stream spends, launch gaps included), else the host's wall clock,
@@ -221,6 +273,9 @@ class _Session:
     times: list[float] = field(default_factory=list)
     # One timed training step; None before the warm-up and after timing or running out of memory.
     step: Optional[Callable[[], None]] = None
+    # --budget's gradient check (Result's fields of the same names).
+    gradients_match: Optional[bool] = None
+    gradient_max_rel_diff: Optional[float] = None
 
 
 def _fits(call: Callable[[], Any], setup: Setup) -> bool:
@@ -412,6 +467,11 @@ class Result:
     loss_tolerance: Optional[float] = None
     losses_agree: Optional[bool] = None
     max_batch: Optional[int] = None
+    # --budget: whether one step's parameter gradients, dropout drawing,
+    # equal plain PyTorch's (GRADIENT_TOLERANCE), and the largest relative
+    # difference; None where not checked (plain itself is the reference).
+    gradients_match: Optional[bool] = None
+    gradient_max_rel_diff: Optional[float] = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -434,9 +494,41 @@ def count_ticks(variants: list[Variant], setup: Setup, max_batch_limit: Optional
     return len(variants) * per_variant + references
 
 
+def _check_gradients(session: _Session, setup: Setup, num_classes: int, first: bool,
+                     reference: dict[str, torch.Tensor]) -> None:
+    """--budget's gradient check of a started session: the first variant's
+    gradients become ``reference``, the others' are compared with them. A
+    row that compiles (``Variant.compiled``) compiles here, with eager's
+    random kernels (torch._inductor.config.fallback_random), so that its
+    forward draws plain's dropout masks and a difference comes from its
+    backward."""
+    context: ContextManager = nullcontext()
+    if session.variant.compiled or session.variant.under_compile:
+        import torch._inductor.config
+
+        context = torch._inductor.config.patch(fallback_random=True)
+        session.notes.append("gradient check: compiled with torch._inductor.config.fallback_random=True (eager's "
+                             "random kernels, kept for the timed steps), so its forward draws plain's dropout masks")
+    with context:
+        gradients = step_gradients(session.model, session.runner, setup, num_classes)
+    if first:
+        reference.update(gradients)
+        return
+    if not reference:
+        session.notes.append("gradient check: no reference (plain PyTorch did not run its check)")
+        return
+    match, worst, where = compare_gradients(gradients, reference, setup.dtype)
+    session.gradients_match, session.gradient_max_rel_diff = match, worst
+    if not match:
+        session.notes.append(f"gradients differ from plain PyTorch's: largest relative difference {worst:.2e} "
+                             f"(in {where}), above {GRADIENT_TOLERANCE[setup.dtype]:g}")
+
+
 def _start(variant: Variant, reference_state: dict[str, torch.Tensor], first: bool, setup: Setup,
-           num_classes: int, bar: Any) -> _Session:
-    """Build ``variant`` from the reference's weights and warm it up."""
+           num_classes: int, bar: Any, gradient_reference: Optional[dict[str, torch.Tensor]] = None) -> _Session:
+    """Build ``variant`` from the reference's weights and warm it up (after
+    its gradient check, when it has one: ``gradient_reference`` holds the
+    first variant's gradients)."""
     bar.set_description(f"{variant.model} / {variant.name}")
     notes = [variant.note] if variant.note else []
     torch.manual_seed(SEED)
@@ -469,6 +561,10 @@ def _start(variant: Variant, reference_state: dict[str, torch.Tensor], first: bo
         dynamo.reset()
         runner = torch.compile(model)
     session = _Session(variant, model, runner, notes, same_weights, initial_state, pristine, _CountedTick(bar.update))
+    if variant.check_gradients and not _fits(
+            lambda: _check_gradients(session, setup, num_classes, first, gradient_reference
+                                     if gradient_reference is not None else {}), setup):
+        session.notes.append(f"gradient check: out of memory at batch {setup.batch}")
     if not _fits(lambda: _warm_up(session, setup, num_classes), setup):
         _out_of_memory(session, setup)
     return session
@@ -493,11 +589,13 @@ def run_model(variants: list[Variant], setup: Setup, max_batch_limit: Optional[i
     del reference
     finished: dict[int, Result] = {}
     float64_losses: dict[Optional[str], tuple[Optional[list[float]], str, list[str]]] = {}
+    # Plain's gradients of one step, while the rows that check theirs are started.
+    gradient_reference: dict[str, torch.Tensor] = {}
     groups = [[variant for variant in variants if not variant.under_compile]]
     groups += [[variant] for variant in variants if variant.under_compile]
     for group in groups:
-        sessions = [_start(variant, reference_state, variant is variants[0], setup, num_classes, bar)
-                    for variant in group]
+        sessions = [_start(variant, reference_state, variant is variants[0], setup, num_classes, bar,
+                           gradient_reference) for variant in group]
         if len(sessions) > 1:
             bar.set_description(f"{group[0].model} / {len(sessions)} variants in turn")
         _time_in_turn(sessions, setup)
@@ -514,6 +612,7 @@ def run_model(variants: list[Variant], setup: Setup, max_batch_limit: Optional[i
                                                     float64_losses)
             del session
             release_memory(None, setup.device)
+    gradient_reference.clear()
     # float64 references no variant ran (each variant computing it did not fit)
     bar.update(setup.train_steps * len({v.function for v in variants} - set(float64_losses)))
     results = [finished[id(variant)] for variant in variants]
@@ -574,6 +673,7 @@ def _finish(session: _Session, setup: Setup, num_classes: int, max_batch_limit: 
         counted_tick.finish(max_tries(setup.batch, max_batch_limit))
     session.model = session.runner = None  # type: ignore[assignment]
     return Result(variant.model, variant.name, session.same_weights, losses=losses, max_batch=max_batch,
+                  gradients_match=session.gradients_match, gradient_max_rel_diff=session.gradient_max_rel_diff,
                   notes=notes, **measured)
 
 

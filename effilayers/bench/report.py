@@ -14,8 +14,8 @@ import torch
 from .measure import CLOCKS, LOSS_NOISE_FACTOR, LOSS_TOLERANCE_FLOOR, SPREAD_WARNING, Result, Setup
 from .variants import AS_GIVEN, PLAIN, BenchError
 
-__all__ = ["measured_cells", "agreement", "format_table", "conclusion", "precision_name", "format_losses",
-           "loss_warnings", "plot", "load_pyplot", "write_json", "timing_warning"]
+__all__ = ["measured_cells", "agreement", "gradient_cell", "format_table", "conclusion", "precision_name",
+           "format_losses", "loss_warnings", "plot", "load_pyplot", "write_json", "timing_warning"]
 
 # Plain PyTorch this far from float64 means the check is weak here: say so.
 ILL_CONDITIONED = 1e-3
@@ -51,6 +51,18 @@ def agreement(result: dict[str, Any]) -> str:
     return ("agree" if result["losses_agree"] else "DIFFER") + f" (tol {result['loss_tolerance']:.1e})"
 
 
+def gradient_cell(result: dict[str, Any], reference: bool = False) -> str:
+    """--budget's gradient check of one result (a :class:`Result`'s fields)
+    in the table: "yes", "no (2.1e-01)" (the largest relative difference),
+    "reference" for the plain row (``reference``), "n/a" where not checked."""
+    if reference:
+        return "reference"
+    match = result.get("gradients_match")
+    if match is None:
+        return "n/a"
+    return "yes" if match else f"no ({result['gradient_max_rel_diff']:.1e})"
+
+
 def _with_ratio(value: str, ratio: Optional[float]) -> str:
     return value if ratio is None or value in ("n/a", "OOM") else f"{value} ({_times(ratio)})"
 
@@ -72,15 +84,20 @@ def format_table(results: list[Result], clock: str = "wall", cuda: bool = True, 
     a language model)."""
     show_max_batch = any(r.max_batch is not None for r in results)
     show_losses = any(r.losses is not None for r in results)
+    show_gradients = any(r.gradients_match is not None for r in results)
     step = "step ms" if clock == "wall" else f"{clock} step ms"
     header = ["model", "variant", "activation MiB", "CUDA peak MiB", step, "min-max ms", rate]
     if not cuda:
         header.remove("CUDA peak MiB")
     if show_max_batch:
         header += ["max batch"]
+    if show_gradients:
+        header += ["grads = plain"]
     if show_losses:
         header += ["losses vs float64"]
     rows = [header]
+    # The gradient check's reference: each model's first row.
+    firsts = {id(next(r for r in results if r.model == model)) for model in {r.model for r in results}}
     for r in results:
         activation, peak, step, speed = measured_cells(vars(r))
         row = [r.model, r.variant, _with_ratio(activation, r.ratios.get("activation_bytes"))]
@@ -90,12 +107,15 @@ def format_table(results: list[Result], clock: str = "wall", cuda: bool = True, 
                 _with_ratio(speed, r.ratios.get("images_per_s"))]
         if show_max_batch:
             row += [_with_ratio(str(r.max_batch), r.ratios.get("max_batch"))]
+        if show_gradients:
+            row += [gradient_cell(vars(r), reference=id(r) in firsts)]
         if show_losses:
             row += [agreement(vars(r))]
         rows.append(row)
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     # Text columns left-aligned, numbers right-aligned so digits line up.
-    text_columns = {0, 1, len(header) - 1} if show_losses else {0, 1}
+    text_columns = {0, 1} | {index for index, name in enumerate(header)
+                             if name in ("grads = plain", "losses vs float64")}
     lines = ["  ".join(cell.ljust(w) if i in text_columns else cell.rjust(w)
                        for i, (cell, w) in enumerate(zip(row, widths))) for row in rows]
     lines.insert(1, "-" * len(lines[0].rstrip()))

@@ -61,6 +61,10 @@ class Variant:
     # The bench runs the module under torch.compile (--compile's row beside
     # the eager one of the same variant); counted after compiling, as above.
     under_compile: bool = False
+    # --budget: one training step's parameter gradients, dropout drawing, are
+    # compared with the first variant's (plain, which checks too): whether
+    # the row's recomputation replays the forward's random draws.
+    check_gradients: bool = False
 
 
 def compiled_twin(variant: Variant) -> Variant:
