@@ -3,6 +3,8 @@ torch.compile under an activation memory budget, side by side."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from torch import nn
@@ -16,6 +18,20 @@ from .bench_cases import by_variant, check_ratios_against_plain, run_bench
 pytestmark = pytest.mark.usefixtures("on_cpu_without_peers")
 
 MODEL = "tests.test_bench_budget:tiny_deep_model"
+# torch's auto-SAC solves with pulp and fits its trade-off curves with pwlf (effilayers[bench]).
+AUTO_SAC_PACKAGES = all(importlib.util.find_spec(name) is not None for name in ("pulp", "pwlf"))
+
+
+def _auto_sac_dropped_because(report: dict) -> str:
+    return next(line for line in report["skipped"] if f"{budget.AUTO_SAC}: dropped" in line)
+
+
+def _no_auto_sac(monkeypatch) -> None:
+    """Where the auto-SAC row is not the point: its estimate fails at once."""
+    def unavailable(*args, **kwargs):
+        raise ImportError("not estimated in this test")
+
+    monkeypatch.setattr(budget, "plan_auto_sac", unavailable)
 
 
 def tiny_deep_model() -> nn.Module:
@@ -67,12 +83,21 @@ def test_budget_rows_sit_beside_plain_with_bytes_and_ratios(tmp_path, monkeypatc
     assert plain["gradients_match"] is None
     for row in (fitted, torch_checkpoint, compiled, torch_runs, every_block):
         assert row["gradients_match"] is True and row["gradient_max_rel_diff"] <= 1e-4
+    # torch's auto-SAC estimates on a CUDA device only: here its row says why it is missing, in torch's words
+    assert budget.AUTO_SAC not in results
+    dropped = _auto_sac_dropped_because(report)
+    if not AUTO_SAC_PACKAGES:
+        assert "pip install" in dropped
+    elif not torch.cuda.is_available():
+        assert "Roofline estimation needs to access CUDA capabilities" in dropped
+        assert "this machine has none" in dropped
     torch._dynamo.reset()
 
 
 def test_a_budget_below_reach_drops_fit_with_the_smallest_figure(tmp_path, monkeypatch, capsys):
     # Compiling is not the point here: the row's module runs eager.
     monkeypatch.setattr(budget, "compile_under_budget", lambda model, fraction: model)
+    _no_auto_sac(monkeypatch)
     report = run_bench(tmp_path, "--model", MODEL, "--size", "32", "--steps", "1", "--budget", "0.05")
     out = capsys.readouterr().out
     line = next(line for line in out.splitlines() if "fit(0.05): dropped" in line)
@@ -87,6 +112,7 @@ def test_a_budget_below_reach_drops_fit_with_the_smallest_figure(tmp_path, monke
 def test_a_budget_in_bytes_fits_to_those_bytes_and_compiles_at_their_fraction(tmp_path, monkeypatch):
     fractions = []
     monkeypatch.setattr(budget, "compile_under_budget", lambda model, fraction: fractions.append(fraction) or model)
+    _no_auto_sac(monkeypatch)
     plain_bytes = memory.activation_bytes(tiny_deep_model(), torch.randn(2, 3, 32, 32))
     kib = plain_bytes // 2 // 2**10
     report = run_bench(tmp_path, "--model", MODEL, "--size", "32", "--steps", "1", "--budget", f"{kib}KiB")
@@ -192,12 +218,24 @@ def test_a_language_model_gets_fit_and_every_block_checkpointed(tmp_path, monkey
     ModuleList are what fit checkpoints and what the every-block row wraps.
     With dropout drawing, fit's and torch's checkpoints replay the forward's
     masks and their gradients are plain's; torch.compile's budget draws new
-    ones when it recomputes (pytorch#190758), and its row says so."""
+    ones when it recomputes (pytorch#190758), and its row says so. torch's
+    auto-SAC runs its whole pipeline (estimates, ILP, per-op policy) with a
+    stand-in for its roofline, which needs a CUDA device: each op's time
+    from its output's size."""
     import functools
 
     import torch._dynamo
 
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager_decomp_partition"))
+    if AUTO_SAC_PACKAGES:
+        from torch.distributed._tools.runtime_estimator import RuntimeEstimator
+
+        def output_sized(cls, func, args, kwargs):
+            output = func(*args, **(kwargs or {}))
+            return output, 1e-6 * sum(value.numel() for value in torch.utils._pytree.tree_leaves(output)
+                                      if isinstance(value, torch.Tensor))
+
+        monkeypatch.setattr(RuntimeEstimator, "_roofline_estimate", classmethod(output_sized))
     report = run_bench(tmp_path, "--model", "tests.test_bench_budget:tiny_language_model", "--tokens", "12",
                        "--steps", "1", "--budget", "0.6")
     assert report["settings"]["tokens"] == 12
@@ -218,7 +256,35 @@ def test_a_language_model_gets_fit_and_every_block_checkpointed(tmp_path, monkey
              for name in ("as given", "fit(0.6)", "torch.compile budget 0.6")}
     assert lines["as given"].rstrip().endswith("reference") and lines["fit(0.6)"].rstrip().endswith("yes")
     assert f"no ({compiled['gradient_max_rel_diff']:.1e})" in lines["torch.compile budget 0.6"]
+    if not AUTO_SAC_PACKAGES:
+        assert "pip install" in _auto_sac_dropped_because(report)
+    else:
+        auto_sac = results[budget.AUTO_SAC]
+        # the ILP's modules selective, their dropout replayed by torch's checkpoint
+        assert "sac_milp given" in " ".join(auto_sac["notes"]) and "discards" in " ".join(auto_sac["notes"])
+        assert auto_sac["activation_bytes"] < plain["activation_bytes"]
+        assert auto_sac["gradients_match"] is True
     torch._dynamo.reset()
+
+
+def test_the_auto_sac_policy_keeps_the_planned_ops_and_recomputes_what_it_does_not_know():
+    from types import SimpleNamespace
+
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from effilayers.bench.auto_sac import OpPolicy
+
+    aten = torch.ops.aten
+    policy = OpPolicy(["mm", "relu", "mm"], [1, 0, 1])
+    forward, recompute = SimpleNamespace(is_recompute=False), SimpleNamespace(is_recompute=True)
+    assert policy(forward, aten.mm.default) == CheckpointPolicy.MUST_SAVE
+    assert policy(forward, aten.clone.default) == CheckpointPolicy.PREFER_RECOMPUTE  # not in the estimate's list
+    assert policy(forward, aten.relu.default) == CheckpointPolicy.PREFER_RECOMPUTE
+    # the recomputation walks the list from its start
+    assert policy(recompute, aten.mm.default) == CheckpointPolicy.MUST_SAVE
+    # not the op the estimate saw there: recomputed, counted
+    assert policy(forward, aten.add.Tensor) == CheckpointPolicy.PREFER_RECOMPUTE and policy.mismatched == 1
+    assert policy(forward, aten.mm.default) == CheckpointPolicy.PREFER_RECOMPUTE and policy.mismatched == 2
 
 
 def test_compare_gradients_names_the_worst_parameter_and_a_missing_one():

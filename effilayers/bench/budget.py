@@ -24,7 +24,12 @@ fraction of the plain model's activation bytes or bytes (``2GiB``, issue 33).
   parts it can segment (a ResNet stage's blocks);
 * ``torch.compile`` of the plain model compiled under
   ``torch._functorch.config.activation_memory_budget``, the budget as a
-  fraction of the plain model's activation bytes.
+  fraction of the plain model's activation bytes;
+* ``torch auto-SAC``: torch's integer program (``sac_milp``) choosing the
+  modules to checkpoint selectively and their ops to keep, asked for the
+  same fraction (:mod:`effilayers.bench.auto_sac`); dropped, with torch's
+  own error, where its estimators cannot run (no CUDA device, or pulp or
+  pwlf missing).
 
 Every row starts from the plain model (the model's first variant), so the
 ratios compare like with like. Every row, and the plain model, also checks
@@ -33,14 +38,16 @@ drawing from the same seed (``Variant.check_gradients``; the table's
 "grads = plain" column): a method that recomputes dropout must draw the
 forward's masks again. torch.compile's budget recomputes dropout with new
 masks (pytorch#190758), which this check shows. Imports variants only; cli
-uses it.
+uses it; :mod:`effilayers.bench.auto_sac` holds the auto-SAC row's plan.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
+import io
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -59,17 +66,19 @@ from ..fit import (
     fit,
     parse_budget,
 )
+from .auto_sac import apply_auto_sac, plan_auto_sac
 from .variants import BenchError, Variant
 
 __all__ = ["budget_argument", "budget_label", "budget_variants", "TorchCheckpointedSequential", "TorchCheckpointedRuns",
            "compile_under_budget", "checkpoint_every_block", "FIT", "CHECKPOINT_SEQUENTIAL", "TORCH_CHECKPOINT",
-           "EVERY_BLOCK", "COMPILE_BUDGET"]
+           "EVERY_BLOCK", "COMPILE_BUDGET", "AUTO_SAC", "auto_sac_row"]
 
 FIT = "fit({})"
 CHECKPOINT_SEQUENTIAL = "checkpoint_sequential ({})"
 TORCH_CHECKPOINT = "torch checkpoint (to fit's bytes)"
 EVERY_BLOCK = "torch checkpoint (every block)"
 COMPILE_BUDGET = "torch.compile budget {:.3g}"
+AUTO_SAC = "torch auto-SAC"
 
 
 def budget_argument(text: str) -> Union[float, int]:
@@ -217,6 +226,27 @@ def compile_under_budget(model: nn.Module, fraction: float,
     return model
 
 
+def auto_sac_row(plain: Variant, fraction: float, images: torch.Tensor, autocast: Callable[[], Any]
+                 ) -> tuple[Optional[Variant], str]:
+    """The ``torch auto-SAC`` row of ``plain`` at ``fraction`` of its
+    activation bytes, or (None, why it cannot run here): a package missing,
+    or what torch's estimators raised, quoted."""
+    try:
+        # RuntimeEstimator prints its estimate on the way out: not the bench's to show.
+        with autocast(), contextlib.redirect_stdout(io.StringIO()):
+            plan = plan_auto_sac(plain.build, images, fraction)
+    except ImportError as error:
+        return None, str(error)
+    except Exception as error:  # noqa: BLE001 - torch's estimators and solver raise what they raise; quoted
+        where = "" if torch.cuda.is_available() or "cuda" not in str(error).lower() else (
+            " (torch.distributed._tools' estimators model or time every op on a CUDA device, and this machine has "
+            "none: the cost model asserts torch.cuda.is_available(), the benchmark mode times with CUDA events)")
+        return None, f"torch's estimate or solver failed: {type(error).__name__}: {error}{where}"
+    return Variant(plain.model, AUTO_SAC, lambda: apply_auto_sac(plain.build(), plan),
+                   note=f"{plan.describe()}; the chosen modules run under torch's selective checkpoint "
+                        "(use_reentrant=False) keeping the ops get_optimal_checkpointing_policy_per_module keeps"), ""
+
+
 def _fitted_segments(model: nn.Module) -> dict[str, int]:
     """The parts fit checkpointed children of, path -> ceil(sqrt(n)) segments."""
     return {path: sqrt_segments(len(module)) for path, module in model.named_modules()
@@ -300,6 +330,11 @@ def budget_variants(variants: list[Variant], budget: Union[float, int], example:
                         note=f"plain model under torch.compile, torch._functorch.config.activation_memory_budget "
                              f"= {fraction:g}" + ("" if isinstance(budget, float) else
                                                   f" ({budget_name} over the plain model's activation bytes)")))
+    auto_sac, why_not = auto_sac_row(plain, fraction, images, autocast)
+    if auto_sac is None:
+        lines.append(f"{model_name} / {AUTO_SAC}: dropped, {why_not}")
+    else:
+        rows.append(auto_sac)
     for row in rows:
         row.check_gradients = True
     return rows, lines

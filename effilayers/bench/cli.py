@@ -125,7 +125,11 @@ def _parser() -> argparse.ArgumentParser:
                              "of the outermost nn.Sequential parts); and torch.compile of "
                              "the plain model under "
                              "torch._functorch.config.activation_memory_budget = BUDGET as a fraction, its "
-                             "activation bytes counted on the compiled module; BUDGET: a fraction in (0, 1] of the "
+                             "activation bytes counted on the compiled module; torch auto-SAC: torch's "
+                             "torch.distributed._tools.sac_milp choice of modules and ops to checkpoint at the same "
+                             "fraction (needs a CUDA device, pulp and pwlf; elsewhere a line says why it is dropped); "
+                             "every row's 'grads = plain' says whether one step's parameter gradients, dropout "
+                             "drawing, equal the plain model's; BUDGET: a fraction in (0, 1] of the "
                              "plain activation bytes (0.35) or bytes as fit takes them (123456, 2GiB, 512MiB, "
                              "1.5GB); not with --compile")
     parser.add_argument("--json", metavar="FILE", help="write all results, the environment and the command here")
