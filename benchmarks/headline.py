@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from effilayers.bench import agreement, measured_cells
+from effilayers.bench import agreement, gradient_cell, measured_cells
 
 START = "<!-- headline:start -->"
 END = "<!-- headline:end -->"
@@ -59,13 +59,20 @@ def table(report: dict, source: str) -> str:
     results = report["results"]
     max_batch = any(r.get("max_batch") is not None for r in results)
     trained = any(r.get("loss_tolerance") is not None for r in results)
-    header = ["model", "variant", "activation MiB", "CUDA peak MiB", "step ms", "images/s"]
+    # --budget's gradient check (reports from before it have no such field)
+    gradients = any(r.get("gradients_match") is not None for r in results)
+    tokens = settings.get("tokens")
+    header = ["model", "variant", "activation MiB", "CUDA peak MiB", "step ms",
+              "sequences/s" if tokens else "images/s"]
     if max_batch:
         header.append("max batch")
+    if gradients:
+        header.append("grads = plain")
     if trained:
         header.append(f"losses vs float64 ({settings['train']} steps)")
     lines = [
-        f"`{source}`: {_device(report)}; batch {settings['batch']}, {settings['size']}×{settings['size']}, "
+        f"`{source}`: {_device(report)}; batch {settings['batch']}, "
+        f"{f'{tokens} tokens' if tokens else '{0}×{0}'.format(settings['size'])}, "
         f"{settings['dtype']}{', channels_last' if settings.get('channels_last') else ''}"
         f"{', torch.compile' if settings.get('compile') else ''}; median of {settings['steps']} steps. "
         f"Command: `{_command(report)}`. Ratios are to plain PyTorch.",
@@ -73,6 +80,7 @@ def table(report: dict, source: str) -> str:
         "| " + " | ".join(header) + " |",
         "| " + " | ".join("---" for _ in header) + " |",
     ]
+    firsts = {id(next(r for r in results if r["model"] == model)) for model in {r["model"] for r in results}}
     for r in results:
         ratios = r.get("ratios", {})
         cells = measured_cells(r)
@@ -80,6 +88,8 @@ def table(report: dict, source: str) -> str:
             cells, ("activation_bytes", "cuda_peak_bytes", "step_time", "images_per_s"))]
         if max_batch:
             row.append(_with_ratio(str(r.get("max_batch")), ratios.get("max_batch")))
+        if gradients:
+            row.append(gradient_cell(r, reference=id(r) in firsts))
         if trained:
             row.append(agreement(r))
         lines.append("| " + " | ".join(row) + " |")

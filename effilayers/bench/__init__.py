@@ -17,6 +17,7 @@ from .report import (
     conclusion,
     format_losses,
     format_table,
+    gradient_cell,
     loss_warnings,
     measured_cells,
     plot,
@@ -39,8 +40,8 @@ from .variants import (
 
 __all__ = ["find_max_batch", "is_out_of_memory", "builtin_models", "plot", "main",
            "max_tries", "time_call", "Setup", "Result", "SEED", "LOSS_NOISE_FACTOR", "LOSS_TOLERANCE_FLOOR",
-           "measured_cells", "agreement", "format_table", "conclusion", "format_losses", "loss_warnings",
-           "precision_name",
+           "measured_cells", "agreement", "gradient_cell", "format_table", "conclusion", "format_losses",
+           "loss_warnings", "precision_name",
            "BenchError", "Variant", "PLAIN", "AS_GIVEN", "LEAKY", "variants_for", "peer_inplace_abn_resnet",
            "CheckpointedDenseLayer", "checkpointed_densenet", "torchvision_densenet",
            "SPREAD_WARNING", "timing_warning"]
