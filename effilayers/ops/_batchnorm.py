@@ -29,7 +29,13 @@ def distributed(group) -> bool:
 
 def channel_stats(x: torch.Tensor):
     """``batch_stats(x)`` without its checks (the callers checked ``x``)."""
-    return registry.dispatch("batch_stats", x)(x, 0)
+    op = registry.dispatch("batch_stats", x)
+    if registry.runs_eagerly(x):
+        # Autograd is not recording (an autograd Function's forward): the
+        # op's Python autograd kernel would only pass the call on.
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(x, 0)
+    return op(x, 0)
 
 
 def batch_statistics(parts: Sequence[torch.Tensor], group=None) -> tuple[torch.Tensor, torch.Tensor, int]:
