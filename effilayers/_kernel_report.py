@@ -412,12 +412,14 @@ def _compile_cuda(flags: list[str], csrc: Path, source: Path) -> Union[tuple[str
     if (cached / "ptx").is_file() and (cached / "ptxas.log").is_file():
         return (cached / "ptxas.log").read_text(), (cached / "ptx").read_text()
     with tempfile.TemporaryDirectory() as scratch:
-        cubin = subprocess.run([*flags, "-cubin", "-Xptxas", "-v", "-o", f"{scratch}/k.cubin"],
-                               capture_output=True, text=True)
-        ptx = subprocess.run([*flags, "-ptx", "-o", f"{scratch}/k.ptx"], capture_output=True, text=True)
-        if cubin.returncode or ptx.returncode:
-            return (cubin.stderr + ptx.stderr)[-2000:]
-        ptx_text = Path(f"{scratch}/k.ptx").read_text()
+        # One compile gives both: --keep leaves the PTX that ptxas assembled
+        # (a second nvcc run for -ptx would repeat the front end).
+        cubin = subprocess.run([*flags, "-cubin", "-Xptxas", "-v", "--keep", "--keep-dir", scratch,
+                                "-o", f"{scratch}/k.cubin"], capture_output=True, text=True)
+        kept = sorted(Path(scratch).glob("*.ptx"))
+        if cubin.returncode or len(kept) != 1:
+            return cubin.stderr[-2000:] or f"nvcc left {len(kept)} PTX files, expected one"
+        ptx_text = kept[0].read_text()
     try:
         # Written whole under a temporary name, then renamed: a concurrent
         # report never reads half a file.

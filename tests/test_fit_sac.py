@@ -183,29 +183,32 @@ def test_selective_units_say_so_skip_an_unused_one_and_refuse_a_second_backward(
         loss.backward()
 
 
+def _step_layer_by_layer(model, x, offload):
+    """One training step over ``model.layers``, each layer under
+    ``offload_saved_tensors(**offload)`` unless ``offload`` is None: the
+    output, the meter's (device, host) bytes after the forward, the meter."""
+    torch.manual_seed(1)
+    with memory.track_activations(exclude=model) as meter:
+        hidden = x
+        for layer in model.layers:
+            if offload is None:
+                hidden = layer(hidden)
+            else:
+                with offload_saved_tensors(**offload):
+                    hidden = layer(hidden)
+        counted = meter.bytes, meter.offloaded_bytes
+    (hidden * torch.linspace(-1, 1, hidden.numel(), device=x.device).view_as(hidden)).sum().backward()
+    return hidden, counted, meter
+
+
 def test_offload_moves_saved_tensors_to_host_and_fetches_one_block_ahead_on_the_stream_free_path():
     torch.manual_seed(0)
     plain = _encoder(layers=3).train()
     offloaded = copy.deepcopy(plain)
     x = torch.randn(2, 6, 32)
     log = []
-
-    def run(model, offload):
-        torch.manual_seed(1)
-        with memory.track_activations(exclude=model) as meter:
-            hidden = x
-            for layer in model.layers:
-                if offload:
-                    with offload_saved_tensors(min_bytes=256, log=log):
-                        hidden = layer(hidden)
-                else:
-                    hidden = layer(hidden)
-            counted = meter.bytes, meter.offloaded_bytes
-        (hidden * torch.linspace(-1, 1, hidden.numel()).view_as(hidden)).sum().backward()
-        return hidden, counted, meter
-
-    expected, (plain_bytes, none), _ = run(plain, False)
-    got, (device_bytes, host_bytes), meter = run(offloaded, True)
+    expected, (plain_bytes, none), _ = _step_layer_by_layer(plain, x, None)
+    got, (device_bytes, host_bytes), meter = _step_layer_by_layer(offloaded, x, dict(min_bytes=256, log=log))
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
     for (key, parameter), reference in zip(offloaded.named_parameters(), plain.parameters()):
         torch.testing.assert_close(parameter.grad, reference.grad, rtol=0, atol=0, msg=key)
@@ -311,24 +314,9 @@ def test_offload_on_cuda_overlaps_on_a_side_stream_and_gives_the_plain_gradients
     offloaded = copy.deepcopy(plain)
     x = torch.randn(8, 128, 32, device=device)
     log = []
-
-    def run(model, offload):
-        torch.manual_seed(1)
-        with memory.track_activations(exclude=model) as meter:
-            hidden = x
-            for layer in model.layers:
-                if offload:
-                    with offload_saved_tensors(log=log):
-                        hidden = layer(hidden)
-                else:
-                    hidden = layer(hidden)
-            counted = meter.bytes, meter.offloaded_bytes
-        (hidden * torch.linspace(-1, 1, hidden.numel(), device=device).view_as(hidden)).sum().backward()
-        torch.cuda.synchronize()
-        return hidden, counted
-
-    expected, (plain_bytes, _) = run(plain, False)
-    got, (device_bytes, host_bytes) = run(offloaded, True)
+    expected, (plain_bytes, _), _ = _step_layer_by_layer(plain, x, None)
+    got, (device_bytes, host_bytes), _ = _step_layer_by_layer(offloaded, x, dict(log=log))
+    torch.cuda.synchronize()
     torch.testing.assert_close(got, expected)
     for (key, parameter), reference in zip(offloaded.named_parameters(), plain.parameters()):
         torch.testing.assert_close(parameter.grad, reference.grad, msg=key)

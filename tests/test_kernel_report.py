@@ -242,8 +242,8 @@ def test_cuda_compiles_are_kept_in_the_build_cache_by_their_sources(tmp_path, mo
     nvcc.write_text(
         "#!/bin/sh\n"
         f"echo run >> {calls}\n"
-        'out=""; prev=""; for a in "$@"; do [ "$prev" = "-o" ] && out="$a"; prev="$a"; done\n'
-        'echo ptx > "$out"\n'
+        'keep=""; prev=""; for a in "$@"; do [ "$prev" = "--keep-dir" ] && keep="$a"; prev="$a"; done\n'
+        'echo ptx > "$keep/k.ptx"\n'
         "echo \"ptxas info    : Compiling entry function 'k' for 'sm_90'\" >&2\n")
     nvcc.chmod(0o755)
     csrc = tmp_path / "csrc"
@@ -255,9 +255,10 @@ def test_cuda_compiles_are_kept_in_the_build_cache_by_their_sources(tmp_path, mo
     flags = [str(nvcc), "-arch=sm_90", "-std=c++17", str(source)]
 
     first = _kernel_report._compile_cuda(flags, csrc, source)
-    assert calls.read_text().count("run") == 2  # -cubin and -ptx
+    assert first == ("ptxas info    : Compiling entry function 'k' for 'sm_90'\n", "ptx\n")
+    assert calls.read_text().count("run") == 1  # one compile gives the log and the kept PTX
     assert _kernel_report._compile_cuda(flags, csrc, source) == first
-    assert calls.read_text().count("run") == 2
+    assert calls.read_text().count("run") == 1
     (csrc / "common" / "h.h").write_text("// two\n")
     assert _kernel_report._compile_cuda(flags, csrc, source) == first
-    assert calls.read_text().count("run") == 4
+    assert calls.read_text().count("run") == 2

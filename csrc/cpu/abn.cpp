@@ -7,9 +7,9 @@
 // them; the binding below makes a tensor with other strides match first.
 // Per-channel constants are folded once per call (scale, shift, ...), the
 // element loops are `omp simd` loops over unit-stride runs (a plane of NCHW
-// data, or a row of channels_last data), and the activation is a template
-// parameter so each loop body is branch-light and vectorises (ELU's
-// exp/log stay scalar).
+// data, or a row of channels_last data), and a piecewise activation is a
+// template parameter so each loop body is branch-light and vectorises (the
+// transcendental ones share one instantiation: kTranscendental).
 //
 // Reductions are deterministic: partial sums in the accumulation type per
 // plane (NCHW) or per tile of rows (channels_last), a fixed partition that
@@ -76,6 +76,86 @@ struct Lane<Vec<double>::type> : VecLane<double> {};
 namespace {
 
 using Act = Activation;
+
+// The activation reaches a kernel as a template argument, except for the
+// transcendental ones, which share one instantiation (this sentinel) and
+// pick their formula per lane of values at run time. Their libm calls, lane
+// by lane, cost far more than that uniform switch, while an instantiation
+// per activation, dtype and op doubled the build time of this file.
+constexpr Act kTranscendental = static_cast<Act>(kActivationCount);
+
+// The activation's run-time arguments: its parameter, and which
+// transcendental activation a kTranscendental kernel computes.
+template <typename acc_t>
+struct ActArgs {
+  acc_t param;
+  Act which;
+};
+
+template <typename F>
+decltype(auto) with_transcendental(Act which, F&& f) {
+  switch (which) {
+    case Act::Silu:
+      return f(std::integral_constant<Act, Act::Silu>{});
+    case Act::Gelu:
+      return f(std::integral_constant<Act, Act::Gelu>{});
+    case Act::GeluTanh:
+      return f(std::integral_constant<Act, Act::GeluTanh>{});
+    case Act::Mish:
+      return f(std::integral_constant<Act, Act::Mish>{});
+    case Act::Sigmoid:
+      return f(std::integral_constant<Act, Act::Sigmoid>{});
+    case Act::Tanh:
+    default:
+      return f(std::integral_constant<Act, Act::Tanh>{});
+  }
+}
+
+template <Act A, typename T>
+inline T act_value(T y, T param, Act which) {
+  if constexpr (A == kTranscendental) {
+    return with_transcendental(which, [&](auto a) { return activate<decltype(a)::value>(y, param); });
+  } else {
+    return activate<A>(y, param);
+  }
+}
+
+template <Act A, typename T>
+inline T act_derivative(T y, T param, Act which) {
+  if constexpr (A == kTranscendental) {
+    return with_transcendental(which, [&](auto a) { return derivative<decltype(a)::value>(y, param); });
+  } else {
+    return derivative<A>(y, param);
+  }
+}
+
+// with_activation for these kernels: the piecewise activations as
+// themselves, the transcendental ones as kTranscendental.
+template <typename F>
+void with_kernel_activation(Act act, F&& f) {
+  switch (act) {
+    case Act::Silu:
+    case Act::Gelu:
+    case Act::GeluTanh:
+    case Act::Mish:
+    case Act::Sigmoid:
+    case Act::Tanh:
+      return f(std::integral_constant<Act, kTranscendental>{});
+    case Act::LeakyRelu:
+      return f(std::integral_constant<Act, Act::LeakyRelu>{});
+    case Act::Elu:
+      return f(std::integral_constant<Act, Act::Elu>{});
+    case Act::Relu:
+      return f(std::integral_constant<Act, Act::Relu>{});
+    case Act::Hardswish:
+      return f(std::integral_constant<Act, Act::Hardswish>{});
+    case Act::Relu6:
+      return f(std::integral_constant<Act, Act::Relu6>{});
+    case Act::Identity:
+    default:
+      return f(std::integral_constant<Act, Act::Identity>{});
+  }
+}
 
 template <typename T>
 inline T splat(typename Lane<T>::Scalar value) {
@@ -188,7 +268,7 @@ Channel<acc_t> fold_channels(int64_t C, const at::Tensor& mean, const at::Tensor
 
 template <Act A, typename scalar_t, typename acc_t>
 void forward_kernel(const scalar_t* x, const scalar_t* residual, scalar_t* out, const Walk& walk,
-                    const Channel<acc_t>& ch, acc_t param) {
+                    const Channel<acc_t>& ch, ActArgs<acc_t> act) {
   const int64_t C = walk.g.channels, S = walk.g.spatial;
   // y = (x - mean) * a + beta with a = s * invstd. Folding the mean into
   // the shift (x * a + (beta - mean * a)) saves a subtraction but cancels
@@ -204,7 +284,7 @@ void forward_kernel(const scalar_t* x, const scalar_t* residual, scalar_t* out, 
         for_lanes<acc_t>(S, [&]<typename T>(int64_t i) {
           T y = (load_lane<T>(x + base + i) - splat<T>(mean[c])) * splat<T>(a[c]) + splat<T>(b[c]);
           if (residual != nullptr) y += load_lane<T>(residual + base + i);
-          store_lane(out + base + i, activate<A>(y, splat<T>(param)));
+          store_lane(out + base + i, act_value<A>(y, splat<T>(act.param), act.which));
         });
       }
     });
@@ -219,7 +299,7 @@ void forward_kernel(const scalar_t* x, const scalar_t* residual, scalar_t* out, 
           T y = (load_lane<T>(x + base + c) - load_lane<T>(mean + c)) * load_lane<T>(a.data() + c) +
                 load_lane<T>(b + c);
           if (residual != nullptr) y += load_lane<T>(residual + base + c);
-          store_lane(out + base + c, activate<A>(y, splat<T>(param)));
+          store_lane(out + base + c, act_value<A>(y, splat<T>(act.param), act.which));
         });
       }
     }
@@ -233,10 +313,10 @@ void forward_kernel(const scalar_t* x, const scalar_t* residual, scalar_t* out, 
 // consecutive channels of a channels_last row).
 template <Act A, bool kFromOutput, typename T, typename scalar_t, typename acc_t>
 inline void dy_and_xhat(const scalar_t* grad, const scalar_t* saved, const scalar_t* residual, int64_t index,
-                        T mean, T invstd, T scale, T inv_scale, T shift, acc_t param, T& dy, T& x_hat) {
+                        T mean, T invstd, T scale, T inv_scale, T shift, ActArgs<acc_t> act, T& dy, T& x_hat) {
   const T g = load_lane<T>(grad + index);
   const T value = load_lane<T>(saved + index);
-  const T p = splat<T>(param);
+  const T p = splat<T>(act.param);
   if constexpr (kFromOutput) {
     T y = invert<A>(value, p);
     if (residual != nullptr) y -= load_lane<T>(residual + index);
@@ -246,7 +326,7 @@ inline void dy_and_xhat(const scalar_t* grad, const scalar_t* saved, const scala
     x_hat = (value - mean) * invstd;
     T y = x_hat * scale + shift;
     if (residual != nullptr) y += load_lane<T>(residual + index);
-    dy = g * derivative<A>(y, p);
+    dy = g * act_derivative<A>(y, p, act.which);
   }
 }
 
@@ -257,7 +337,7 @@ inline T channel_lane(const std::vector<acc_t>& values, int64_t c, bool channels
 
 template <Act A, bool kFromOutput, typename scalar_t, typename acc_t>
 void reduce_kernel(const scalar_t* grad, const scalar_t* saved, const scalar_t* residual, const Walk& walk,
-                   const Channel<acc_t>& ch, acc_t param, double* sum_dy, double* sum_dy_xhat) {
+                   const Channel<acc_t>& ch, ActArgs<acc_t> act, double* sum_dy, double* sum_dy_xhat) {
   using V = typename Vec<acc_t>::type;
   const int64_t C = walk.g.channels, S = walk.g.spatial;
   if (!walk.g.channels_last) {
@@ -273,7 +353,7 @@ void reduce_kernel(const scalar_t* grad, const scalar_t* saved, const scalar_t* 
           T dy, x_hat;
           dy_and_xhat<A, kFromOutput, T>(grad, saved, residual, base + i, splat<T>(ch.mean[c]),
                                                     splat<T>(ch.invstd[c]), splat<T>(ch.scale[c]),
-                                                    splat<T>(ch.inv_scale[c]), splat<T>(ch.shift[c]), param, dy,
+                                                    splat<T>(ch.inv_scale[c]), splat<T>(ch.shift[c]), act, dy,
                                                     x_hat);
           if constexpr (std::is_same_v<T, V>) {
             acc_dy += dy;
@@ -313,7 +393,7 @@ void reduce_kernel(const scalar_t* grad, const scalar_t* saved, const scalar_t* 
           dy_and_xhat<A, kFromOutput, T>(
               grad, saved, residual, base + c, load_lane<T>(ch.mean.data() + c), load_lane<T>(ch.invstd.data() + c),
               load_lane<T>(ch.scale.data() + c), load_lane<T>(ch.inv_scale.data() + c),
-              load_lane<T>(ch.shift.data() + c), param, dy, x_hat);
+              load_lane<T>(ch.shift.data() + c), act, dy, x_hat);
           store_lane(s_dy + c, load_lane<T>(s_dy + c) + dy);
           store_lane(s_dyx + c, load_lane<T>(s_dyx + c) + dy * x_hat);
         });
@@ -332,7 +412,7 @@ void reduce_kernel(const scalar_t* grad, const scalar_t* saved, const scalar_t* 
 
 template <Act A, bool kFromOutput, typename scalar_t, typename acc_t>
 void elemt_kernel(const scalar_t* grad, const scalar_t* saved, const scalar_t* residual, scalar_t* grad_input,
-                  scalar_t* grad_residual, const Walk& walk, const Channel<acc_t>& ch, acc_t param,
+                  scalar_t* grad_residual, const Walk& walk, const Channel<acc_t>& ch, ActArgs<acc_t> act,
                   const acc_t* mean_dy, const acc_t* mean_dy_xhat) {
   const int64_t C = walk.g.channels, S = walk.g.spatial;
   // grad_input = k * (dy - mean_dy - x_hat * mean_dy_xhat), k = s * invstd
@@ -345,7 +425,7 @@ void elemt_kernel(const scalar_t* grad, const scalar_t* saved, const scalar_t* r
     dy_and_xhat<A, kFromOutput, T>(
         grad, saved, residual, index, channel_lane<T>(ch.mean, c, rows), channel_lane<T>(ch.invstd, c, rows),
         channel_lane<T>(ch.scale, c, rows), channel_lane<T>(ch.inv_scale, c, rows),
-        channel_lane<T>(ch.shift, c, rows), param, dy, x_hat);
+        channel_lane<T>(ch.shift, c, rows), act, dy, x_hat);
     const T result = channel_lane<T>(k, c, rows) *
                      (dy - channel_lane<T>(mdy, c, rows) - x_hat * channel_lane<T>(mdyx, c, rows));
     store_lane(grad_input + index, result);
@@ -380,7 +460,7 @@ void elemt_kernel(const scalar_t* grad, const scalar_t* saved, const scalar_t* r
 // refuses the others: check_saved_source).
 template <typename F>
 void with_backward_variant(Act act, bool from_output, F&& f) {
-  with_activation(act, [&](auto a) {
+  with_kernel_activation(act, [&](auto a) {
     if constexpr (!invertible(decltype(a)::value)) {
       f(a, std::false_type{});
     } else if (from_output) {
@@ -428,11 +508,11 @@ at::Tensor forward(const at::Tensor& x_arg, const at::Tensor& mean, const at::Te
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "abn_forward_cpu", [&] {
       using acc_t = accumulation_t<scalar_t>;
       const auto ch = fold_channels<acc_t>(walk.g.channels, mean, invstd, weight, bias, weight_eps);
-      with_activation(act, [&](auto a) {
+      with_kernel_activation(act, [&](auto a) {
         forward_kernel<decltype(a)::value, scalar_t, acc_t>(x.const_data_ptr<scalar_t>(),
                                                            optional_data<scalar_t>(residual),
                                                            out.mutable_data_ptr<scalar_t>(), walk, ch,
-                                                           static_cast<acc_t>(param));
+                                                           ActArgs<acc_t>{static_cast<acc_t>(param), act});
       });
     });
   }
@@ -502,7 +582,7 @@ std::tuple<at::Tensor, at::Tensor> abn_backward_reduce_cpu(
       with_backward_variant(act, saved_is_output, [&](auto a, auto from_output) {
         reduce_kernel<decltype(a)::value, decltype(from_output)::value, scalar_t, acc_t>(
             grad.const_data_ptr<scalar_t>(), saved.const_data_ptr<scalar_t>(), optional_data<scalar_t>(residual), walk,
-            ch, static_cast<acc_t>(param), sum_dy.data(), sum_dy_xhat.data());
+            ch, ActArgs<acc_t>{static_cast<acc_t>(param), act}, sum_dy.data(), sum_dy_xhat.data());
       });
     });
   }
@@ -542,7 +622,7 @@ std::tuple<at::Tensor, at::Tensor> abn_backward_elemt_cpu(
             grad.const_data_ptr<scalar_t>(), saved.const_data_ptr<scalar_t>(), optional_data<scalar_t>(residual),
             grad_input.mutable_data_ptr<scalar_t>(),
             want_residual_grad ? grad_residual.mutable_data_ptr<scalar_t>() : nullptr, walk, ch,
-            static_cast<acc_t>(param), mdy.const_data_ptr<acc_t>(), mdyx.const_data_ptr<acc_t>());
+            ActArgs<acc_t>{static_cast<acc_t>(param), act}, mdy.const_data_ptr<acc_t>(), mdyx.const_data_ptr<acc_t>());
       });
     });
   }

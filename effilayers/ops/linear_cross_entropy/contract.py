@@ -33,6 +33,16 @@ def _tensor(name: str, value) -> None:
         raise TypeError(f"{OP}: {name} must be a torch.Tensor, got {type(value).__name__}")
 
 
+def _like_input(name: str, value: torch.Tensor, input: torch.Tensor, autocasting: bool) -> None:
+    # The operands of the linear: on input's device, and of its dtype as for
+    # torch.nn.functional.linear, except under autocast, which casts them.
+    if value.device != input.device:
+        raise ValueError(f"{OP}: {name} is on {value.device} but input is on {input.device}")
+    if value.dtype != input.dtype and not (autocasting and value.dtype in INPUT_DTYPES):
+        raise TypeError(f"{OP}: {name} has dtype {value.dtype} but input has {input.dtype}; they must match "
+                        "(as for torch.nn.functional.linear) outside torch.autocast")
+
+
 def _constant_weights(name: str, value: torch.Tensor, shape: tuple, device: torch.device, what: str) -> None:
     _tensor(name, value)
     if not value.is_floating_point():
@@ -69,20 +79,12 @@ def check_arguments(input, weight, target, bias, ignore_index, label_smoothing, 
                          f"{input.shape[-1]} in its last dimension (shape {tuple(input.shape)})")
     if classes == 0:
         raise ValueError(f"{OP}: weight must have at least one class (row), got shape {tuple(weight.shape)}")
-    if weight.device != input.device:
-        raise ValueError(f"{OP}: weight is on {weight.device} but input is on {input.device}")
-    if weight.dtype != input.dtype and not (autocasting and weight.dtype in INPUT_DTYPES):
-        raise TypeError(f"{OP}: weight has dtype {weight.dtype} but input has {input.dtype}; they must match "
-                        "(as for torch.nn.functional.linear) outside torch.autocast")
+    _like_input("weight", weight, input, autocasting)
     if bias is not None:
         _tensor("bias", bias)
         if tuple(bias.shape) != (classes,):
             raise ValueError(f"{OP}: bias must have shape ({classes},) (one per class), got {tuple(bias.shape)}")
-        if bias.device != input.device:
-            raise ValueError(f"{OP}: bias is on {bias.device} but input is on {input.device}")
-        if bias.dtype != input.dtype and not (autocasting and bias.dtype in INPUT_DTYPES):
-            raise TypeError(f"{OP}: bias has dtype {bias.dtype} but input has {input.dtype}; they must match "
-                            "outside torch.autocast")
+        _like_input("bias", bias, input, autocasting)
     tokens = tuple(input.shape[:-1])
     if target.device != input.device:
         raise ValueError(f"{OP}: target is on {target.device} but input is on {input.device}")
