@@ -93,3 +93,46 @@ def test_small_tensor_host_time(benchmark, layout):
 def test_layer_time(benchmark, layout):
     """ABN / InPlaceABN forward+backward at the layer benchmark's CPU shape."""
     _compare(benchmark, "effilayers ABN", LAYER, layout, blocks=7, calls=2)
+
+
+def _compare_steps(benchmark, group: str, steps: dict, peer: str, ours: str, blocks: int, calls: int) -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        medians = interleaved_medians(steps, blocks, calls)
+    finally:
+        torch.set_num_threads(threads)
+    benchmark.group = f"call path cpu {group} threads=1"
+    benchmark.extra_info.update(
+        median_us={name: value * 1e6 for name, value in medians.items()},
+        ratio_to_torch={name: value / medians[peer] for name, value in medians.items()},
+    )
+    benchmark.pedantic(steps[ours], warmup_rounds=2, rounds=blocks)
+
+
+def test_dense_layer_host_time(benchmark):
+    """One DenseNet layer (64 maps in, growth 32, bottleneck 4) forward+backward
+    on 2x64x8x8: the recomputing bottleneck against the plain layer."""
+    from effilayers.models.densenet import DenseLayer
+
+    plain = DenseLayer(64, 32, 4, 0.0, memory_efficient=False)
+    ours = DenseLayer(64, 32, 4, 0.0, memory_efficient=True)
+    ours.load_state_dict(plain.state_dict())
+    features = [torch.randn(SMALL, requires_grad=True)]
+    grad = torch.randn(SMALL[0], 32, *SMALL[2:])
+    steps = {"plain DenseLayer": lambda: plain(features).backward(grad),
+             "effilayers DenseLayer (memory_efficient)": lambda: ours(features).backward(grad)}
+    _compare_steps(benchmark, "dense layer 2x64x8x8", steps, "plain DenseLayer",
+                   "effilayers DenseLayer (memory_efficient)", blocks=30, calls=20)
+
+
+def test_softmax_module_host_time(benchmark):
+    """``effilayers.nn.Softmax`` against ``torch.nn.Softmax``, forward+backward
+    on 16x128 rows."""
+    from effilayers.nn import Softmax
+
+    x = torch.randn(16, 128, requires_grad=True)
+    grad = torch.randn(16, 128)
+    theirs, ours = nn.Softmax(-1), Softmax(-1)
+    steps = {"torch Softmax": lambda: theirs(x).backward(grad), "effilayers Softmax": lambda: ours(x).backward(grad)}
+    _compare_steps(benchmark, "softmax 16x128", steps, "torch Softmax", "effilayers Softmax", blocks=30, calls=50)

@@ -410,10 +410,11 @@ def test_an_effilayers_warning_no_test_expects_fails_it():
 
 
 def test_compiled_schemas_match_the_custom_ops():
-    """An op whose compiled kernel has its custom op's name is the same op on
-    both sides of the registry (csrc/common/schemas.h against each
-    ``registry.define``): same arguments, types and results, so the eager
-    direct call and the traced custom op can never take different inputs."""
+    """An op not yet declared through ``registry.declare`` still has its
+    compiled kernel under another name (``effilayers_cpu::<op>``, schema in
+    csrc/common/schemas.h): the two must be the same op, same arguments,
+    types and results, so the eager direct call and the traced custom op can
+    never take different inputs. Declared ops have one schema (next test)."""
     from effilayers._core import build
 
     from .conftest import REQUIRE_COMPILED
@@ -425,7 +426,7 @@ def test_compiled_schemas_match_the_custom_ops():
         pytest.skip(f"the C++ library is unavailable here: {error}")
     compared = []
     for name, kernels in sorted(backends._state.ops.items()):
-        if kernels.cpp != name or not hasattr(torch.ops.effilayers, name):
+        if kernels.cpp != name or not hasattr(torch.ops.effilayers, name) or name in backends._state.declared:
             continue
         ours, compiled = getattr(torch.ops.effilayers, name).default._schema, \
             getattr(torch.ops.effilayers_cpu, name).default._schema
@@ -434,5 +435,52 @@ def test_compiled_schemas_match_the_custom_ops():
         assert [str(r.type) for r in ours.returns] == [str(r.type) for r in compiled.returns], \
             (str(ours), str(compiled))
         compared.append(name)
-    assert {"abn_forward", "batch_stats", "dense_bottleneck_forward", "dense_bottleneck_backward",
-            "softmax_forward"} <= set(compared), compared
+    assert {"dense_bottleneck_forward", "dense_bottleneck_backward"} <= set(compared), compared
+
+
+def test_declared_ops_have_one_schema_and_the_library_kernels():
+    """A declared op exists once, ``effilayers::<op>``: the C++ library adds
+    its CPU kernel to it (TORCH_LIBRARY_IMPL; torch checks the kernel's
+    signature against the declared schema when the library loads) and
+    declares no op of its own. A forced backend is registered on the CPU key
+    for the ``use_backend`` block only, and the library's kernel is back
+    after it."""
+    from effilayers._core import build, registry
+
+    from .conftest import REQUIRE_COMPILED
+
+    try:
+        build.build_and_load("cpu")
+    except build.ExtensionUnavailable as error:
+        assert not REQUIRE_COMPILED, str(error)
+        pytest.skip(f"the C++ library is unavailable here: {error}")
+    declared = {name for name in registry._state.declared if registry._state.ops[name].cpp == name}
+    assert {"softmax_forward", "softmax_backward", "scaled_masked_softmax_forward", "batch_stats",
+            "normalizing_statistics", "finish_statistics", "abn_forward", "abn_forward_", "abn_backward_reduce",
+            "abn_backward_elemt", "abn_backward"} <= declared
+    for name in declared:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"effilayers::{name}", "CPU"), name
+        assert not hasattr(torch.ops.effilayers_cpu, name), name
+
+    kernels = registry._state.ops["softmax_forward"]
+    calls = []
+    reference = kernels.reference
+
+    def counted(*args):
+        calls.append(args)
+        return reference(*args)
+
+    x = torch.randn(3, 5)
+    kernels.reference = counted
+    try:
+        with backends.use_backend("reference"):
+            forced = torch.ops.effilayers.softmax_forward(x, 1, False, None)
+        assert len(calls) == 1
+        compiled = torch.ops.effilayers.softmax_forward(x, 1, False, None)
+        assert len(calls) == 1
+    finally:
+        kernels.reference = reference
+    torch.testing.assert_close(forced, compiled)
+    torch.testing.assert_close(compiled, torch.softmax(x, 1))
+    with backends.use_backend("cuda"), pytest.raises(RuntimeError, match="no usable backend on cpu"):
+        torch.ops.effilayers.softmax_forward(x, 1, False, None)

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from effilayers._core import build
+from effilayers._core import build, registry
 from effilayers.ops._activation import INVERTIBLE_ACTIVATIONS, TABLE
 from effilayers.ops.abn import reference as abn_reference
 from effilayers.ops.stats.reference import batch_stats_reference
@@ -66,8 +66,25 @@ def shape_id(shape):
     return "x".join(map(str, shape))
 
 
+# The CUDA bindings register their kernels on ops they do not declare
+# (TORCH_LIBRARY_IMPL): effilayers::<op> on CUDA in the real library,
+# effilayers_emulated::<op> on CPU here, whose schemas are the declared ops'
+# own, copied before the library loads (it is loaded once per process).
+_EMULATED_DECLARATIONS = []
+
+
+def declare_emulated_ops():
+    if _EMULATED_DECLARATIONS:
+        return
+    library = torch.library.Library("effilayers_emulated", "FRAGMENT")
+    for op in registry._state.declared.values():
+        library.define(str(op._schema).split("::", 1)[1])
+    _EMULATED_DECLARATIONS.append(library)
+
+
 @pytest.fixture(scope="module")
 def emulated():
+    declare_emulated_ops()
     try:
         build.build_and_load("emulated")
     except build.ExtensionUnavailable as error:

@@ -118,7 +118,7 @@ def test_double_backward(backend):
 def test_cpp_kernel_checks_its_arguments():
     context = activate_backend("softmax_forward", "cpp", "cpu")
     context.__exit__(None, None, None)
-    ops = torch.ops.effilayers_cpu
+    ops = torch.ops.effilayers
     with pytest.raises(IndexError, match="out of range"):
         ops.softmax_forward(torch.randn(2, 3), 2, False, None)
     with pytest.raises(TypeError, match="dtype"):

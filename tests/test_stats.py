@@ -262,7 +262,7 @@ def test_compiled_kernel_checks_its_own_arguments():
     with effilayers.use_backend("cpp"):
         if effilayers.backends.choice("batch_stats", "cpu").kernel is None:
             pytest.skip("C++ kernels unavailable")
-    kernel = torch.ops.effilayers_cpu.batch_stats
+    kernel = torch.ops.effilayers.batch_stats
     with pytest.raises(ValueError, match="at least 2 dimensions"):
         kernel(torch.randn(4), 0)
     with pytest.raises(TypeError, match="dtype must be float16"):
@@ -278,7 +278,7 @@ def test_compiled_finish_statistics_is_batchnorms_update_in_float64(momentum):
     with effilayers.use_backend("cpp"):
         if effilayers.backends.choice("finish_statistics", "cpu").kernel is None:
             pytest.skip("C++ kernels unavailable")
-    kernel = torch.ops.effilayers_cpu.finish_statistics
+    kernel = torch.ops.effilayers.finish_statistics
     g = torch.Generator().manual_seed(0)
     mean = torch.randn(5, generator=g, dtype=torch.float64) * 3 + 1
     var = torch.rand(5, generator=g, dtype=torch.float64) * 2 + 0.1

@@ -631,15 +631,8 @@ std::tuple<at::Tensor, at::Tensor> abn_backward_elemt_cpu(
 
 }  // namespace effilayers
 
-TORCH_LIBRARY_FRAGMENT(effilayers_cpu, m) {
-  m.def(effilayers::schema::kAbnForward);
-  m.def(effilayers::schema::kAbnForwardInplace);
-  m.def(effilayers::schema::kAbnBackwardReduce);
-  m.def(effilayers::schema::kAbnBackwardElemt);
-  m.def(effilayers::schema::kAbnBackward);
-}
-
-TORCH_LIBRARY_IMPL(effilayers_cpu, CPU, m) {
+// The ops are declared once, in Python (effilayers/ops/abn/op.py).
+TORCH_LIBRARY_IMPL(effilayers, CPU, m) {
   m.impl("abn_forward", &effilayers::abn_forward_cpu);
   m.impl("abn_forward_", &effilayers::abn_forward_inplace_cpu);
   m.impl("abn_backward_reduce", &effilayers::abn_backward_reduce_cpu);

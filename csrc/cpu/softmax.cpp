@@ -42,7 +42,6 @@
 #include <vector>
 
 #include "common/checks.h"
-#include "common/schemas.h"
 #include "cpu/vec.h"
 #include "cpu/vec_math.h"
 
@@ -792,13 +791,9 @@ at::Tensor scaled_masked_softmax_forward_cpu(const at::Tensor& x, const std::opt
 }  // namespace
 }  // namespace effilayers
 
-TORCH_LIBRARY_FRAGMENT(effilayers_cpu, m) {
-  m.def(effilayers::schema::kSoftmaxForward);
-  m.def(effilayers::schema::kSoftmaxBackward);
-  m.def(effilayers::schema::kScaledMaskedSoftmaxForward);
-}
-
-TORCH_LIBRARY_IMPL(effilayers_cpu, CPU, m) {
+// The ops are declared once, in Python (effilayers/ops/softmax/op.py); this
+// library only gives them their CPU kernels.
+TORCH_LIBRARY_IMPL(effilayers, CPU, m) {
   m.impl("softmax_forward", &effilayers::softmax_forward_cpu);
   m.impl("softmax_backward", &effilayers::softmax_backward_cpu);
   m.impl("scaled_masked_softmax_forward", &effilayers::scaled_masked_softmax_forward_cpu);

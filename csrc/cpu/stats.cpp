@@ -30,7 +30,6 @@
 
 #include "common/batch_norm.h"
 #include "common/checks.h"
-#include "common/schemas.h"
 #include "cpu/vec.h"
 
 namespace effilayers {
@@ -320,15 +319,9 @@ at::Tensor finish_statistics_cpu(const at::Tensor& mean, const at::Tensor& var, 
 }  // namespace
 }  // namespace effilayers
 
-// The stats kernel and the statistics with BatchNorm's running update built on it (common/batch_norm.h).
-TORCH_LIBRARY_FRAGMENT(effilayers_cpu, m) {
-  for (const char* schema : {effilayers::schema::kBatchStats, effilayers::schema::kNormalizingStatistics,
-                             effilayers::schema::kFinishStatistics}) {
-    m.def(schema);
-  }
-}
-
-TORCH_LIBRARY_IMPL(effilayers_cpu, CPU, m) {
+// The stats kernel and the statistics with BatchNorm's running update built on it (common/batch_norm.h),
+// on the ops effilayers/ops/stats/op.py and ops/_batchnorm.py declare.
+TORCH_LIBRARY_IMPL(effilayers, CPU, m) {
   m.impl("batch_stats", &effilayers::batch_stats_cpu);
   m.impl("normalizing_statistics",
          &effilayers::normalizing_statistics<&effilayers::batch_stats_cpu, &effilayers::finish_statistics_cpu>);

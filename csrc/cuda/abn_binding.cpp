@@ -22,7 +22,6 @@
 
 #include "common/batch_norm.h"
 #include "common/checks.h"
-#include "common/schemas.h"
 #include "cuda/binding.h"
 #include "cuda/abn.cuh"
 
@@ -199,14 +198,7 @@ std::tuple<at::Tensor, at::Tensor> abn_backward_elemt_cuda(
 }  // namespace
 }  // namespace effilayers
 
-TORCH_LIBRARY_FRAGMENT(EFFILAYERS_KERNEL_LIBRARY, m) {
-  m.def(effilayers::schema::kAbnForward);
-  m.def(effilayers::schema::kAbnForwardInplace);
-  m.def(effilayers::schema::kAbnBackwardReduce);
-  m.def(effilayers::schema::kAbnBackwardElemt);
-  m.def(effilayers::schema::kAbnBackward);
-}
-
+// The ops are declared once, in Python (effilayers/ops/abn/op.py).
 TORCH_LIBRARY_IMPL(EFFILAYERS_KERNEL_LIBRARY, EFFILAYERS_KERNEL_DISPATCH_KEY, m) {
   m.impl("abn_forward", &effilayers::abn_forward_cuda);
   m.impl("abn_forward_", &effilayers::abn_forward_inplace_cuda);

@@ -17,7 +17,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#define EFFILAYERS_KERNEL_LIBRARY effilayers_cuda
+#define EFFILAYERS_KERNEL_LIBRARY effilayers
 #define EFFILAYERS_KERNEL_DISPATCH_KEY CUDA
 #define EFFILAYERS_KERNEL_CHECK(expr) C10_CUDA_CHECK(expr)
 

@@ -12,7 +12,6 @@
 
 #include "common/batch_norm.h"
 #include "common/checks.h"
-#include "common/schemas.h"
 #include "cuda/binding.h"
 #include "cuda/stats.cuh"
 
@@ -44,14 +43,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_stats_cuda(const at::Tensor
 }  // namespace
 }  // namespace effilayers
 
-// The stats kernel and the statistics with BatchNorm's running update built on it (common/batch_norm.h).
-TORCH_LIBRARY_FRAGMENT(EFFILAYERS_KERNEL_LIBRARY, m) {
-  for (const char* schema : {effilayers::schema::kBatchStats, effilayers::schema::kNormalizingStatistics,
-                             effilayers::schema::kFinishStatistics}) {
-    m.def(schema);
-  }
-}
-
+// The stats kernel and the statistics with BatchNorm's running update built on it (common/batch_norm.h),
+// on the ops effilayers/ops/stats/op.py and ops/_batchnorm.py declare.
 TORCH_LIBRARY_IMPL(EFFILAYERS_KERNEL_LIBRARY, EFFILAYERS_KERNEL_DISPATCH_KEY, m) {
   m.impl("batch_stats", &effilayers::batch_stats_cuda);
   m.impl("normalizing_statistics",

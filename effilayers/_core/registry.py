@@ -14,6 +14,16 @@ triton     cuda         Triton kernels in effilayers/ops/<family>/triton.py; on 
 reference  any          pure PyTorch; always there, slower, more memory
 ========== ============ ==================================================
 
+Ops declared with :func:`declare` (the converted families; ARCHITECTURE.md
+lists them) exist once, as ``torch.ops.effilayers.<op>``, and torch's
+dispatcher picks their kernel: the compiled libraries register theirs on the
+CPU / CUDA keys (``TORCH_LIBRARY_IMPL(effilayers, ...)``); this registry
+registers the Triton or reference kernel on a key where that is the choice,
+and, for a forced preference, the forced kernel for the duration. It decides,
+it does not dispatch. The other ops still have their compiled kernels in the
+``effilayers_cpu`` / ``effilayers_cuda`` namespaces, which :func:`dispatch`
+calls directly in eager mode.
+
 By default an op uses its compiled kernel for the device and falls back to the
 reference, with one warning, when that kernel cannot be built. The environment
 variable ``EFFILAYERS_BACKEND`` (read at import) or :func:`use_backend` (for
@@ -60,8 +70,10 @@ def parse_preference(value: Optional[str]) -> Optional[tuple[str, ...]]:
 
 @dataclass
 class OpKernels:
-    """What one op provides. Compiled kernels are named by their op in the
-    ``effilayers_cpu`` / ``effilayers_cuda`` namespaces, or given as a Python
+    """What one op provides. Compiled kernels are named by their op: the
+    library registers them on the declared op itself (:func:`declare`), or,
+    for ops not declared yet, in the ``effilayers_cpu`` / ``effilayers_cuda``
+    namespaces; or they are given as a Python
     callable that composes compiled kernels of that library (it is available
     exactly when the library is). Triton kernels take the same arguments as
     the reference and are named ``"module:function"``: the module imports
@@ -97,6 +109,20 @@ class _State:
         self.libraries: dict[str, Optional[str]] = {}
         self.library_origin: dict[str, str] = {}
         self.warned: set[str] = set()
+        # Ops declared in the ``effilayers`` namespace by :func:`declare`:
+        # the dispatcher routes their calls, these libraries only say where.
+        self.declared: dict[str, torch._ops.OpOverload] = {}
+        # Python kernels registered on a device's dispatch key for declared
+        # ops: what the first call chose where no compiled kernel registers
+        # itself (Triton, the reference), or, under a forced preference,
+        # what that preference chose. Destroyed and rebuilt whenever the
+        # preference changes.
+        self.registered: Optional[torch.library.Library] = None
+        # A preference read from the environment, not applied yet: the
+        # first call of a declared op applies it (resolving it at import
+        # could start a build).
+        self.pending = self.preference is not None
+        self.applying = False
 
 
 _state = _State()
@@ -142,6 +168,10 @@ def _library_status(kind: str) -> Optional[str]:
             try:
                 _state.library_origin[kind] = build.build_and_load(kind)
                 _state.libraries[kind] = None
+                if _state.registered is not None and not _state.applying:
+                    # The library's kernels now sit above the forced ones
+                    # on their keys (the last registration wins): put those back on top.
+                    _apply_preference()
             except build.ExtensionUnavailable as error:
                 _state.libraries[kind] = str(error)
             except Exception as error:  # noqa: BLE001 - an unwritable cache, a stale .so: fall back, say why
@@ -162,13 +192,21 @@ def _availability(op: OpKernels, backend: str, device_type: str) -> Optional[str
         return f"{backend} kernels run on {kind} tensors, not {device_type}"
     if kind == "cuda" and not torch.cuda.is_available():
         return "no CUDA device"
-    return _library_status(kind)
+    why_not = _library_status(kind)
+    if why_not is None and op.name in _state.declared and isinstance(getattr(op, backend), str) \
+            and not torch._C._dispatch_has_kernel_for_dispatch_key(f"effilayers::{op.name}", _DISPATCH_KEY[kind]):
+        return f"the {build.library_name(kind)} library loaded registers no {_DISPATCH_KEY[kind]} kernel for it"
+    return why_not
 
 
 def _compiled_kernel(op: OpKernels, backend: str) -> Callable:
     implementation = getattr(op, backend)
     if callable(implementation):
         return implementation
+    if op.name in _state.declared:
+        # The library registered its kernel on the op's device key: the op
+        # itself reaches it, one dispatcher hop.
+        return _state.declared[op.name]
     namespace = f"effilayers_{_COMPILED_KIND[backend]}"
     return getattr(getattr(torch.ops, namespace), getattr(op, backend)).default
 
@@ -278,6 +316,9 @@ def dispatch(op_name: str, like: torch.Tensor) -> Callable:
     op's autograd node then refuses a double backward, where the plain
     kernel would be differentiated silently, or not at all.
     """
+    declared = _state.declared.get(op_name)
+    if declared is not None:
+        return declared
     return eager(op_name, like) or getattr(torch.ops.effilayers, op_name).default
 
 
@@ -293,6 +334,11 @@ def eager(op_name: str, like: torch.Tensor) -> Optional[Callable]:
     """The kernel :func:`dispatch` would call directly, or None where it
     would call the custom op (see :func:`runs_eagerly`); for kernels that
     have no custom op, used only in eager mode."""
+    declared = _state.declared.get(op_name)
+    if declared is not None:
+        # The dispatcher finds its kernel; eager-only callers still need the
+        # answer to whether they may skip the traceable composition.
+        return declared if runs_eagerly(like) else None
     if runs_eagerly(like):
         # is_cpu / is_cuda are flags; building ``like.device`` costs more than
         # the rest of this lookup.
@@ -318,6 +364,118 @@ def define(name: str, schema: str, fake: Callable, *, device_arg: int = 0, mutat
     return op
 
 
+# --------------------------------------------------------------------------- declared ops
+
+_DISPATCH_KEY = {"cpu": "CPU", "cuda": "CUDA"}
+
+# The one declaration of every op converted to it: the C++ libraries add
+# their kernels to these ops with TORCH_LIBRARY_IMPL(effilayers, CPU/CUDA, m)
+# and declare nothing themselves.
+_LIBRARY = torch.library.Library("effilayers", "DEF")
+
+
+def _device_type(args) -> str:
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            return arg.device.type
+        if isinstance(arg, (list, tuple)) and arg and isinstance(arg[0], torch.Tensor):
+            return arg[0].device.type
+    raise RuntimeError("effilayers: an op was called without a tensor argument")
+
+
+def _register_python_kernel(op_name: str, device_type: str, implementation: Callable) -> None:
+    if _state.registered is None:
+        _state.registered = torch.library.Library("effilayers", "IMPL")
+    with warnings.catch_warnings():
+        # Over a compiled kernel on the same key, torch warns once that it is
+        # overridden: that is what a forced preference means here.
+        warnings.simplefilter("ignore")
+        _state.registered.impl(op_name, implementation, _DISPATCH_KEY[device_type])
+
+
+def _failing(message: str) -> Callable:
+    def fail(*args):
+        raise RuntimeError(message)
+
+    return fail
+
+
+def _apply_preference() -> None:
+    """Put on each declared op's CPU and CUDA keys what the current
+    preference chose: nothing in automatic mode (the compiled kernels
+    register themselves, the first call registers the rest); under a
+    forced one, the chosen Python kernel, or one that raises why nothing
+    can run, except where the choice is the compiled kernel."""
+    with _state.lock:
+        if _state.registered is not None:
+            _state.registered._destroy()
+            _state.registered = None
+        if _state.preference is None:
+            return
+        # Resolve everything first: a resolution may load a library, whose
+        # kernels would land above Python kernels registered before it.
+        _state.applying = True
+        try:
+            plan = [(name, device_type, choice(name, device_type))
+                    for name in sorted(_state.declared) for device_type in _DISPATCH_KEY]
+        finally:
+            _state.applying = False
+        for name, device_type, resolved in plan:
+            if resolved.kernel is None:
+                _register_python_kernel(name, device_type, _failing(resolved.error))
+            elif not _is_library_kernel(name, resolved.backend):
+                _register_python_kernel(name, device_type, resolved.kernel)
+
+
+def _is_library_kernel(op_name: str, backend: str) -> bool:
+    return backend in _COMPILED_KIND and isinstance(getattr(_state.ops[op_name], backend), str)
+
+
+def _first_call(op_name: str, op, args):
+    """What a declared op runs on a device key with no kernel of its own yet
+    (its CompositeExplicitAutograd kernel): resolve the choice once, which
+    loads (or builds) the compiled library, whose kernel then takes the key;
+    a Python choice (Triton, the reference) is registered on the key itself.
+    Either way later calls never come here."""
+    with _state.lock:
+        if _state.pending:
+            _state.pending = False
+            _apply_preference()
+            return op(*args)
+    device_type = _device_type(args)
+    resolved = choice(op_name, device_type)
+    if resolved.kernel is None:
+        raise RuntimeError(resolved.error)
+    if _is_library_kernel(op_name, resolved.backend):
+        return op(*args)
+    if device_type in _DISPATCH_KEY:
+        with _state.lock:
+            _register_python_kernel(op_name, device_type, resolved.kernel)
+    return resolved.kernel(*args)
+
+
+def declare(name: str, schema: str, fake: Optional[Callable] = None, *, tags=()):
+    """Declare the op ``effilayers::<name>`` from its schema (``"(Tensor x,
+    ...) -> Tensor"``), once: ``fake`` is its shape function for
+    torch.compile and torch.export; its kernels come from the compiled
+    libraries (registered on the CPU / CUDA keys from C++) or from this
+    registry (:func:`register` names them), chosen on its first call on a
+    device. Returns the op's overload; its autograd, if any, is registered
+    on it with ``torch.library.register_autograd``."""
+    _LIBRARY.define(name + schema, tags=tags)
+    if fake is not None:
+        torch.library.register_fake(f"effilayers::{name}", fake, lib=_LIBRARY)
+    op = getattr(torch.ops.effilayers, name).default
+
+    def first_call(*args):
+        return _first_call(name, op, args)
+
+    _LIBRARY.impl(name, first_call, "CompositeExplicitAutograd")
+    with _state.lock:
+        _state.declared[name] = op
+    return op
+
+
 def current_preference() -> Optional[tuple[str, ...]]:
     return _state.preference
 
@@ -325,6 +483,10 @@ def current_preference() -> Optional[tuple[str, ...]]:
 @contextlib.contextmanager
 def use_backend(preference: Optional[str]) -> Iterator[None]:
     """Force a backend preference inside a ``with`` block (tests, benchmarks).
+
+    For ops declared with :func:`declare`, the chosen kernels are registered
+    on their device's dispatch key for the block (none where the choice is
+    the compiled kernel the library registers itself) and removed after it.
 
     ``use_backend("reference")``, ``use_backend("cpp")``,
     ``use_backend("triton,reference")``; ``None`` restores the automatic choice.
@@ -336,6 +498,8 @@ def use_backend(preference: Optional[str]) -> Iterator[None]:
         _state.preference = parsed
         _state.preference_source = "use_backend"
         _state.choices.clear()
+        _state.pending = False
+        _apply_preference()
     try:
         yield
     finally:
@@ -343,6 +507,7 @@ def use_backend(preference: Optional[str]) -> Iterator[None]:
             _state.preference, _state.preference_source, choices = saved
             _state.choices.clear()
             _state.choices.update(choices)
+            _apply_preference()
 
 
 def library_report() -> dict[str, str]:

@@ -29,7 +29,13 @@ def distributed(group) -> bool:
 
 def channel_stats(x: torch.Tensor):
     """``batch_stats(x)`` without its checks (the callers checked ``x``)."""
-    return registry.dispatch("batch_stats", x)(x, 0)
+    op = registry.dispatch("batch_stats", x)
+    if registry.runs_eagerly(x):
+        # Autograd is not recording (an autograd Function's forward): the
+        # op's Python autograd kernel would only pass the call on.
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(x, 0)
+    return op(x, 0)
 
 
 def batch_statistics(parts: Sequence[torch.Tensor], group=None) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -103,7 +109,11 @@ def _normalizing_statistics_reference(x, running_mean, running_var, num_batches_
 
 
 # One compiled call for the common case, one tensor on one rank
-# (csrc/common/batch_norm.h); eager only, so it needs no custom op.
+# (csrc/common/batch_norm.h); eager only: no fake kernel, traced graphs hold
+# the ops it is made of.
+registry.declare("normalizing_statistics",
+                 "(Tensor input, Tensor(a!)? running_mean, Tensor(b!)? running_var, Tensor(c!)? num_batches_tracked, "
+                 "float momentum, bool cumulative, float eps) -> (Tensor mean, Tensor invstd)")
 registry.register(registry.OpKernels(name="normalizing_statistics", reference=_normalizing_statistics_reference,
                                      cpp="normalizing_statistics", cuda="normalizing_statistics"))
 
@@ -117,6 +127,9 @@ def _finish_statistics_reference(mean, var, count: int, running_mean, running_va
 # The finishing step alone, for statistics the caller has (a dense block
 # shares each map's with every later layer): one compiled call where the
 # composition is eight small ops per layer. Eager only, like the above.
+registry.declare("finish_statistics",
+                 "(Tensor mean, Tensor var, int count, Tensor(a!)? running_mean, Tensor(b!)? running_var, "
+                 "Tensor(c!)? num_batches_tracked, float momentum, bool cumulative, float eps) -> Tensor")
 registry.register(registry.OpKernels(name="finish_statistics", reference=_finish_statistics_reference,
                                      cpp="finish_statistics", cuda="finish_statistics"))
 

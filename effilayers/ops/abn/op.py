@@ -61,24 +61,28 @@ def _grads_like(grad, saved, *args):
     return torch.empty_like(saved), (torch.empty_like(saved) if want_residual_grad else saved.new_empty(0))
 
 
-# One schema per kernel, as csrc/common/schemas.h declares them for C++ and CUDA.
-_abn_forward = registry.define(
+# Declared once here; csrc/cpu/abn.cpp and csrc/cuda/abn_binding.cpp add the kernels.
+_abn_forward = registry.declare(
     "abn_forward", f"(Tensor x, {_KERNEL_ARGS}) -> Tensor", lambda x, *args: torch.empty_like(x))
 # flexible_layout: every kernel takes x with any strides (copying those it
 # cannot walk), so inductor need not restride it. Under the default (exact
 # strides) inductor restrides a mutated (N, C, 1, 1) conv output and then
 # fails scheduling the copy back (KeyError in Scheduler.compute_ancestors,
 # pytorch/pytorch#189271): ResNets at 32x32 reach 1x1 maps in layer4.
-_abn_forward_ = registry.define(
-    "abn_forward_", f"(Tensor(a!) x, {_KERNEL_ARGS}) -> ()", lambda x, *args: None, mutates_args=("x",),
+_abn_forward_ = registry.declare(
+    "abn_forward_", f"(Tensor(a!) x, {_KERNEL_ARGS}) -> ()", lambda x, *args: None,
     tags=(torch.Tag.flexible_layout,))
-_abn_backward_reduce = registry.define(
+_abn_backward_reduce = registry.declare(
     "abn_backward_reduce", f"(Tensor grad, Tensor saved, {_KERNEL_ARGS}, bool saved_is_output) -> (Tensor, Tensor)",
-    _sums_like, device_arg=1)
-_abn_backward_elemt = registry.define(
+    _sums_like)
+_abn_backward_elemt = registry.declare(
     "abn_backward_elemt", f"(Tensor grad, Tensor saved, {_KERNEL_ARGS}, bool saved_is_output, Tensor mean_dy, "
-    "Tensor mean_dy_xhat, bool want_residual_grad) -> (Tensor, Tensor)", _grads_like, device_arg=1)
-
+    "Tensor mean_dy_xhat, bool want_residual_grad) -> (Tensor, Tensor)", _grads_like)
+# reduce, means and elemt in one call, for one rank: eager only (no fake
+# kernel), traced graphs hold the two kernels it is made of.
+_abn_backward = registry.declare(
+    "abn_backward", f"(Tensor grad, Tensor saved, {_KERNEL_ARGS}, bool saved_is_output, int count, bool need_sums, "
+    "bool need_elemt, bool want_residual_grad) -> (Tensor, Tensor, Tensor, Tensor)")
 
 
 def _backward_reference(grad, saved, *args_count_and_needs):
@@ -88,8 +92,6 @@ def _backward_reference(grad, saved, *args_count_and_needs):
                                       want_residual_grad=want_residual_grad)
 
 
-# abn_backward (reduce, means, elemt in one call) is eager-only, with no
-# custom op: traced graphs hold the two kernels it is made of.
 for _name, _reference in (("abn_forward", reference.forward), ("abn_forward_", reference.forward_),
                           ("abn_backward_reduce", reference.backward_reduce),
                           ("abn_backward_elemt", reference.backward_elemt), ("abn_backward", _backward_reference)):
@@ -110,11 +112,11 @@ class _ActivatedBatchNorm(torch.autograd.Function):
             "inplace_abn" if inplace else "abn", group)
         args = (mean, invstd, weight, bias, residual, activation, activation_param, weight_eps)
         if inplace:
-            registry.dispatch("abn_forward_", x)(x, *args)
+            _abn_forward_(x, *args)
             ctx.mark_dirty(x)
             output = x
         else:
-            output = registry.dispatch("abn_forward", x)(x, *args)
+            output = _abn_forward(x, *args)
         # Per-channel statistics go through save_for_backward too, so the
         # memory meter sees everything this layer keeps.
         ctx.save_for_backward(x, residual, weight, bias, mean, invstd)
@@ -123,6 +125,17 @@ class _ActivatedBatchNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
+        if torch.is_grad_enabled():
+            # backward(create_graph=True): the kernels are not differentiable,
+            # so the gradients are computed as constants and tied to what they
+            # came from by a node that refuses to be differentiated.
+            with torch.no_grad():
+                grads = _ActivatedBatchNorm._gradients(ctx, grad_output)
+            return _RefuseDoubleBackward.apply(len(grads), *grads, grad_output, *ctx.saved_tensors)
+        return _ActivatedBatchNorm._gradients(ctx, grad_output)
+
+    @staticmethod
+    def _gradients(ctx, grad_output):
         saved, residual, weight, bias, mean, invstd = ctx.saved_tensors
         if grad_output.stride() != saved.stride():
             # An expanded or differently laid-out gradient (e.g. from .sum()):
@@ -133,10 +146,10 @@ class _ActivatedBatchNorm(torch.autograd.Function):
         use_batch_stats, _, _, activation, activation_param, weight_eps, group, inplace = ctx.settings
         args = (mean, invstd, weight, bias, residual, activation, activation_param, weight_eps, inplace)
         grad_input, grad_residual, sum_dy, sum_dy_xhat = _batchnorm.backward_passes(
-            "abn_backward_reduce", "abn_backward_elemt", grad_output, saved, args, ctx.count,
+            _abn_backward_reduce, _abn_backward_elemt, grad_output, saved, args, ctx.count,
             need_sums=use_batch_stats or need_weight or need_bias, need_elemt=need_input or want_residual_grad,
             want_residual_grad=want_residual_grad, group=group,
-            fused=registry.eager("abn_backward", saved))
+            fused=_abn_backward if registry.runs_eagerly(saved) else None)
         # Straight through the weight clamp: where |weight| < weight_eps the
         # clamp is flat, and its true derivative (zero) would freeze a weight
         # that starts or decays there (zero_init_residual) for good.
@@ -145,6 +158,21 @@ class _ActivatedBatchNorm(torch.autograd.Function):
                 as_dtype(sum_dy, bias.dtype) if need_bias else None,
                 grad_residual if want_residual_grad else None,
                 None, None, None, None)
+
+
+class _RefuseDoubleBackward(torch.autograd.Function):
+    """Returns copies of the first ``count`` tensors (a backward's results),
+    differentiable in the rest (what they were computed from); its own
+    backward raises."""
+
+    @staticmethod
+    def forward(ctx, count, *tensors):
+        return tuple(None if t is None else t.clone() for t in tensors[:count])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("effilayers: activated BatchNorm has no double backward (its backward kernels are not "
+                           "differentiable); use torch.nn.BatchNorm2d and the activation for higher-order gradients")
 
 
 def activated_batch_norm(x, weight, bias, residual, running_mean, running_var, num_batches_tracked,

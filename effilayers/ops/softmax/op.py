@@ -22,49 +22,29 @@ registry.register(registry.OpKernels(
     cpp="scaled_masked_softmax_forward", triton="effilayers.ops.softmax.triton:scaled_masked_softmax_forward"))
 
 
-# --------------------------------------------------------------------------- custom ops
+# --------------------------------------------------------------------------- ops
+# Declared once here; csrc/cpu/softmax.cpp adds the CPU kernels, the registry
+# the Triton and reference ones where those are the choice.
 
 
-@torch.library.custom_op("effilayers::softmax_forward", mutates_args=())
-def _softmax_forward_op(x: torch.Tensor, dim: int, log: bool, dtype: Optional[torch.dtype]) -> torch.Tensor:
-    return registry.kernel("softmax_forward", x.device)(x, dim, log, dtype)
-
-
-@_softmax_forward_op.register_fake
-def _(x, dim, log, dtype):
-    return output_like(x, wrap_dim(dim, x.dim()), x.dtype if dtype is None else dtype)
-
-
-@torch.library.custom_op("effilayers::softmax_backward", mutates_args=())
-def _softmax_backward_op(grad: torch.Tensor, output: torch.Tensor, dim: int, log: bool, scale: float,
-                         input_dtype: torch.dtype) -> torch.Tensor:
-    return registry.kernel("softmax_backward", output.device)(grad, output, dim, log, scale, input_dtype)
-
-
-@_softmax_backward_op.register_fake
-def _(grad, output, dim, log, scale, input_dtype):
-    return output_like(output, wrap_dim(dim, output.dim()), input_dtype)
-
-
-@torch.library.custom_op("effilayers::scaled_masked_softmax_forward", mutates_args=())
-def _scaled_masked_softmax_op(x: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
-                              causal: bool) -> torch.Tensor:
-    return registry.kernel("scaled_masked_softmax_forward", x.device)(x, mask, scale, causal)
-
-
-@_scaled_masked_softmax_op.register_fake
-def _(x, mask, scale, causal):
-    return output_like(x, x.dim() - 1, x.dtype)
+_softmax_forward_op = registry.declare(
+    "softmax_forward", "(Tensor x, int dim, bool log, ScalarType? dtype) -> Tensor",
+    lambda x, dim, log, dtype: output_like(x, wrap_dim(dim, x.dim()), x.dtype if dtype is None else dtype))
+_softmax_backward_op = registry.declare(
+    "softmax_backward",
+    "(Tensor grad, Tensor output, int dim, bool log, float scale, ScalarType input_dtype) -> Tensor",
+    lambda grad, output, dim, log, scale, input_dtype: output_like(output, wrap_dim(dim, output.dim()), input_dtype))
+_scaled_masked_softmax_op = registry.declare(
+    "scaled_masked_softmax_forward", "(Tensor x, Tensor? mask, float scale, bool causal) -> Tensor",
+    lambda x, mask, scale, causal: output_like(x, x.dim() - 1, x.dtype))
 
 
 # --------------------------------------------------------------------------- autograd
 
 
 def _run_backward(grad, output, dim, log, scale, input_dtype):
-    # backward(create_graph=True) needs the custom op, whose own derivative
-    # is registered below; otherwise, in eager mode, the kernel itself.
-    run = _softmax_backward_op if torch.is_grad_enabled() else registry.dispatch("softmax_backward", output)
-    return run(grad, output, dim, log, scale, input_dtype)
+    # The op's own derivative (below) serves backward(create_graph=True).
+    return _softmax_backward_op(grad, output, dim, log, scale, input_dtype)
 
 
 def _softmax_setup_context(ctx, inputs, output):
@@ -78,7 +58,7 @@ def _softmax_backward(ctx, grad):
     return _run_backward(grad, output, ctx.dim, ctx.log, 1.0, ctx.input_dtype), None, None, None
 
 
-_softmax_forward_op.register_autograd(_softmax_backward, setup_context=_softmax_setup_context)
+torch.library.register_autograd(_softmax_forward_op, _softmax_backward, setup_context=_softmax_setup_context)
 
 
 def _masked_setup_context(ctx, inputs, output):
@@ -92,7 +72,7 @@ def _masked_backward(ctx, grad):
     return _run_backward(grad, output, output.dim() - 1, False, ctx.scale, ctx.input_dtype), None, None, None
 
 
-_scaled_masked_softmax_op.register_autograd(_masked_backward, setup_context=_masked_setup_context)
+torch.library.register_autograd(_scaled_masked_softmax_op, _masked_backward, setup_context=_masked_setup_context)
 
 
 def _backward_setup_context(ctx, inputs, output):
@@ -119,7 +99,7 @@ def _backward_backward(ctx, grad_of_grad_x):
     return (d_grad * ctx.scale).to(grad.dtype), (d_y * ctx.scale).to(y.dtype), None, None, None, None
 
 
-_softmax_backward_op.register_autograd(_backward_backward, setup_context=_backward_setup_context)
+torch.library.register_autograd(_softmax_backward_op, _backward_backward, setup_context=_backward_setup_context)
 
 
 # --------------------------------------------------------------------------- public functions

@@ -38,13 +38,7 @@ from .reference import batch_stats_reference
 
 __all__ = ["batch_stats", "combine_batch_stats"]
 
-@torch.library.custom_op("effilayers::batch_stats", mutates_args=())
-def _batch_stats_op(input: torch.Tensor, correction: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return registry.kernel("batch_stats", input.device)(input, correction)
-
-
-@_batch_stats_op.register_fake
-def _(input, correction):
+def _batch_stats_fake(input, correction):
     acc = accumulation_dtype(input.dtype)
     channels = input.shape[1]
     return (
@@ -52,6 +46,11 @@ def _(input, correction):
         input.new_empty((channels,), dtype=acc),
         input.new_empty((), dtype=torch.int64),
     )
+
+
+# Declared once here; csrc/cpu/stats.cpp and csrc/cuda/stats_binding.cpp add the kernels.
+_batch_stats_op = registry.declare(
+    "batch_stats", "(Tensor input, int correction) -> (Tensor mean, Tensor var, Tensor count)", _batch_stats_fake)
 
 
 def _setup_context(ctx, inputs, output):
@@ -81,7 +80,7 @@ def _backward(ctx, grad_mean, grad_var, _grad_count):
     return grad.expand(input.shape).to(input.dtype), None
 
 
-_batch_stats_op.register_autograd(_backward, setup_context=_setup_context)
+torch.library.register_autograd(_batch_stats_op, _backward, setup_context=_setup_context)
 
 registry.register(
     registry.OpKernels(name="batch_stats", reference=batch_stats_reference, cpp="batch_stats", cuda="batch_stats")
@@ -96,9 +95,7 @@ def batch_stats(input: torch.Tensor, correction: int = 0):
     ``torch.compile(fullgraph=True)``.
     """
     check_input(input, correction)
-    # With autograd not recording (no_grad, as BatchNorm-style callers use
-    # it) this is the kernel itself, without the custom op's Python wrapper.
-    return registry.dispatch("batch_stats", input)(input, correction)
+    return _batch_stats_op(input, correction)
 
 
 def combine_batch_stats(
