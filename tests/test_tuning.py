@@ -62,7 +62,7 @@ def _sum(columns):
 
 # family: (kernel module, kernel name, launch, a tuned shape, an untuned one, the table's config)
 CASES = {
-    "softmax": (softmax_kernels, "_row_forward", _softmax, 700, 3000, {"BLOCK": 256, "num_warps": 2}),
+    "softmax": (softmax_kernels, "_row_forward", _softmax, 700, 3000, {"BLOCK": 1024, "ROWS": 2, "num_warps": 2}),
     "cross_entropy": (cross_entropy_kernels, "_cross_entropy_rows_kernel", _cross_entropy, 700, 3000,
                       {"BLOCK": 128, "num_warps": 1, "num_stages": 1}),
     "reductions": (reductions_kernels, "_reduce_kernel", _sum, 700, 3000,
@@ -102,7 +102,8 @@ def test_a_merged_entry_is_launched_and_a_missing_one_falls_back(family, tmp_pat
     launch, expected = make(untuned)
     torch.testing.assert_close(launch().double(), expected, rtol=1e-5, atol=1e-6)
     grid, launched = spy.launches[-1]
-    heuristic = module.tuning_candidates(tuning.probe(launch).launcher, tuning.probe(launch).sizes)[0]
+    request = tuning.probe(launch)
+    heuristic = module.tuning_candidates(request.launcher, request.sizes, request.dtype)[0]
     assert launched["num_warps"] == heuristic["num_warps"] and "num_stages" not in launched
     assert all(launched[name] == value for name, value in heuristic.items() if name.isupper())
 

@@ -59,6 +59,24 @@ def arch(device: torch.device) -> Optional[str]:
     return _cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
 
 
+# What a persistent grid (programs per SM) counts on the interpreter, which
+# has no SMs: few, so a test's persistent launch loops over more row blocks
+# than it has programs.
+INTERPRETER_MULTIPROCESSORS = 2
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def multiprocessors(device: torch.device) -> int:
+    """The device's SM count (INTERPRETER_MULTIPROCESSORS for CPU tensors)."""
+    if device.type != "cuda":
+        return INTERPRETER_MULTIPROCESSORS
+    return _cuda_multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def table_path(family: str, arch_name: str, ops: Optional[Path] = None) -> Path:
     return (ops or _OPS) / family / f"tuned_{arch_name}.json"
 
@@ -175,3 +193,45 @@ def around(heuristic: dict, variations: dict, elements) -> list[dict]:
                 if candidate not in found and plausible(elements(candidate), candidate["num_warps"]):
                     found.append(candidate)
     return found
+
+
+# Rows of at most SHORT_ROW values (the issue's short rows: 2K) come several
+# to a program of the row kernels (softmax, cross-entropy), a [ROWS, BLOCK]
+# block reduced along each line, until a program reads PROGRAM_BYTES: 1024
+# bf16 values (2 KiB) are 4 warps' worth of 128-bit loads, one load each,
+# too little work per program to cover its start and its reductions'
+# latency; 8 such rows are 16 KiB over 8 warps, a row per warp, so each
+# row's reduction stays inside its warp. At most MAX_ROWS_BLOCK values (32
+# per thread at 8 warps, as the longest single rows hold).
+SHORT_ROW = 2048
+PROGRAM_BYTES = 16384
+MAX_ROWS_BLOCK = 8192
+# A persistent grid (a configuration's "persistent": programs per SM) loops
+# each program over row blocks p, p + programs, ...; the value the sweep
+# tries. Not the heuristic's choice: Triton does not pipeline the loop (the
+# PTX of every num_stages has the same plain loads, no cp.async), so a
+# program's next block is not fetched during its reductions, and without
+# that the grid saves only block launches, which the GPU overlaps with the
+# running blocks; a full grid keeps more loads in flight.
+PERSISTENT_PROGRAMS = 4
+
+
+def rows_per_program(block: int, element_size: int) -> int:
+    """How many whole rows of ``block`` values one program takes (the
+    heuristic's ROWS)."""
+    if block > SHORT_ROW:
+        return 1
+    wanted = 1 << (max(1, -(-PROGRAM_BYTES // (block * element_size))) - 1).bit_length()
+    return max(1, min(wanted, MAX_ROWS_BLOCK // block))
+
+
+def row_grid(config: dict, single: bool, rows: int, device: torch.device) -> tuple[int, bool, int]:
+    """(ROWS, PERSISTENT, programs) of a row kernel's launch: ROWS only
+    where a row is held whole (and no more than there are rows); a
+    persistent grid (``persistent``: programs per SM) only where there are
+    more row blocks than its programs."""
+    per_program = min(config.get("ROWS", 1), 1 << max(rows - 1, 0).bit_length()) if single else 1
+    blocks = -(-rows // per_program)
+    programs = multiprocessors(device) * config.get("persistent", 0)
+    persistent = single and 0 < programs < blocks
+    return per_program, persistent, programs if persistent else blocks

@@ -165,7 +165,7 @@ def _config(outer: int, reduced: int, inner: int, partial: int = 0, dtype: torch
     return block_r, config["BLOCK_I"], splits, rows_per_split, tuning.launch_options(config)
 
 
-def tuning_candidates(launcher: str, sizes: tuple[int, ...]) -> list[dict]:
+def tuning_candidates(launcher: str, sizes: tuple[int, ...], dtype: torch.dtype) -> list[dict]:
     """What benchmarks/tune.py times for ``reduce_triton`` at these (outer,
     reduced, inner) sizes (as the kernel walks them, ``_tile_view``): the
     heuristic and its neighbours (tile rows and columns, warps, and the
