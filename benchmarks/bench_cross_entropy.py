@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from effilayers import memory
 from effilayers.functional import cross_entropy
 
-from .conftest import copy_gb_per_s, devices, synchronize
+from .conftest import copy_gb_per_s, devices, launch_configs, synchronize
 
 CPU_SHAPES = [(512, 8192), (128, 32000)]
 GPU_SHAPES = [(16384, 131072), (8192, 32000)]
@@ -156,6 +156,9 @@ def test_forward_backward(benchmark, implementation, device, shape, dtype):
         benchmark.extra_info.update(activation_bytes=ours_saved,
                                     activation_ratio_vs_torch=ours_saved / torch_saved)
     bytes_moved = 2 * logits_bytes
+    launches = launch_configs(lambda: step(fn, fresh_logits(leaf), target))
+    if launches:  # the Triton path: which configuration ran (rows per program, split rows)
+        benchmark.extra_info.update(launch_configs=launches)
     if device == "cuda":
         peak, ms = cuda_peak_and_time(fn, leaf, target)
         torch_peak, torch_ms = cuda_peak_and_time(F.cross_entropy, leaf, target)

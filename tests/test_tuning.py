@@ -165,3 +165,27 @@ def test_every_candidate_of_the_sweep_runs_correctly(tmp_path, capsys):
 def _blocks(config: dict) -> str:
     return json.dumps({name: value for name, value in config.items() if name.isupper() or name == "splits"},
                       sort_keys=True)
+
+
+def test_bench_rows_record_the_configuration_that_ran():
+    """What benchmarks/conftest.launch_configs puts in a bench row: each
+    distinct configuration the launchers chose, heuristic or from a table,
+    rows per program included, and nothing outside the recording."""
+    from benchmarks.conftest import launch_configs
+
+    x = torch.randn(6, 40)
+    launch = lambda: softmax_kernels.softmax_forward(x, -1, False, None)  # noqa: E731
+    key = tuning.probe(launch).key
+    heuristic = softmax_kernels._row_heuristic(40, 4)
+    assert heuristic.get("ROWS", 1) > 1  # short rows come several to a program
+    twice = launch_configs(lambda: (launch(), launch()))
+    assert twice == [{"family": "softmax", "key": key, "config": heuristic, "source": "heuristic"}]
+    tuning.install("softmax", "interpreter", {key: {"BLOCK": 64, "num_warps": 2, "persistent": 1}})
+    assert launch_configs(launch) == [{"family": "softmax", "key": key, "source": "tuned",
+                                       "config": {"BLOCK": 64, "num_warps": 2, "persistent": 1}}]
+    with tuning.recording() as outer:
+        cross_entropy_kernels.cross_entropy_rows_triton(torch.randn(3, 40, 1), torch.tensor([0, 1, 2]), None, None,
+                                                        torch.ones(1), -100, 0.0)
+    assert [(r["family"], r["source"]) for r in outer] == [("cross_entropy", "heuristic")]
+    launch()
+    assert tuning._recorded is None

@@ -25,6 +25,7 @@ Table layout (``entries`` keyed by :func:`shape_key`)::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -142,6 +143,30 @@ def lookup(family: str, device: torch.device, launcher: str, dtype: torch.dtype,
     entries = table(family, arch_name)
     # The key is only formatted when there is a table to look in.
     return entries.get(shape_key(launcher, dtype, *sizes)) if entries else None
+
+
+_recorded: Optional[list] = None
+
+
+def note(family: str, launcher: str, dtype: torch.dtype, sizes: tuple, config: dict, tuned: bool) -> None:
+    """A launcher's choice, kept while :func:`recording` (else nothing: one
+    test of a global per launch)."""
+    if _recorded is not None:
+        _recorded.append({"family": family, "key": shape_key(launcher, dtype, *sizes), "config": dict(config),
+                          "source": "tuned" if tuned else "heuristic"})
+
+
+@contextlib.contextmanager
+def recording():
+    """Yields a list that gathers every configuration the launchers choose
+    inside (family, table key, config, "tuned" or "heuristic"): what a
+    benchmark row records, so a later run tells which path it timed."""
+    global _recorded
+    previous, _recorded = _recorded, []
+    try:
+        yield _recorded
+    finally:
+        _recorded = previous
 
 
 def install(family: str, arch_name: str, entries: dict) -> None:

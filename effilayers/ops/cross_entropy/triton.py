@@ -85,10 +85,11 @@ def _rows_config(logits: torch.Tensor, write_grad: bool) -> dict:
     vocabulary-chunk launchers below are linear_cross_entropy's and keep
     the heuristic.)"""
     classes = logits.shape[1]
-    found = tuning.lookup("cross_entropy", logits.device, _rows_launcher(write_grad), logits.dtype, classes)
-    if found is not None:
-        return found
-    return _rows_heuristic(classes, write_grad, logits.element_size())
+    launcher = _rows_launcher(write_grad)
+    found = tuning.lookup("cross_entropy", logits.device, launcher, logits.dtype, classes)
+    config = found if found is not None else _rows_heuristic(classes, write_grad, logits.element_size())
+    tuning.note("cross_entropy", launcher, logits.dtype, (classes,), config, found is not None)
+    return config
 
 
 def _rows_heuristic(classes: int, write_grad: bool, element_size: int) -> dict:

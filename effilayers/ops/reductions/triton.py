@@ -156,9 +156,9 @@ def _config(outer: int, reduced: int, inner: int, partial: int = 0, dtype: torch
     configuration of this launch (``_core/tuning.py``), else the heuristic.
     Any configuration is correct: the split count is what ``splits`` rows
     per split, rounded to whole tiles, come to."""
-    config = tuning.lookup("reductions", device, _launcher(partial), dtype, outer, reduced, inner)
-    if config is None:
-        config = _heuristic(outer, reduced, inner)
+    found = tuning.lookup("reductions", device, _launcher(partial), dtype, outer, reduced, inner)
+    config = found if found is not None else _heuristic(outer, reduced, inner)
+    tuning.note("reductions", _launcher(partial), dtype, (outer, reduced, inner), config, found is not None)
     block_r = config["BLOCK_R"]
     rows_per_split = triton.cdiv(triton.cdiv(reduced, config["splits"]), block_r) * block_r
     splits = triton.cdiv(reduced, rows_per_split)

@@ -547,9 +547,11 @@ def _config(launcher: str, dtype: torch.dtype, device: torch.device, *sizes: int
     heuristic. Any configuration is correct: a row or tile column takes the
     one-block path exactly when the block covers it."""
     found = tuning.lookup("softmax", device, launcher, dtype, *sizes)
-    if found is not None:
-        return found
-    return _row_heuristic(*sizes, dtype.itemsize) if launcher.startswith("row") else _tile_heuristic(*sizes)
+    config = found
+    if found is None:
+        config = _row_heuristic(*sizes, dtype.itemsize) if launcher.startswith("row") else _tile_heuristic(*sizes)
+    tuning.note("softmax", launcher, dtype, sizes, config, found is not None)
+    return config
 
 
 def tuning_candidates(launcher: str, sizes: tuple[int, ...], dtype: torch.dtype) -> list[dict]:
