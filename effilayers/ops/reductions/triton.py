@@ -50,6 +50,16 @@ TARGET_PROGRAMS = 528
 
 # Contiguous rows shorter than this are reduced 64 rows per program.
 SHORT_ROW = 64
+# Neither softmax's rows per program nor its persistent grid is added here.
+# This kernel already takes several outputs a program (BLOCK_I adjacent
+# outputs; 64 short rows through _tile_view) and sizes its grid itself when
+# outputs are few (the split, about TARGET_PROGRAMS); at the benchmark shape
+# a row is 16384 values, 32 KiB of bf16 a program, past the 16 KiB that
+# tuning.rows_per_program aims at. A persistent loop would not overlap a
+# program's next tile with its reductions: Triton keeps plain loads in such
+# loops at every num_stages (no cp.async in the PTX; softmax's persistent
+# rows in the kernel report show it). Rows of 64 to 2K values still get a
+# program each: no benchmark shape has them yet.
 
 _PARTIAL = {"sum": 0, "mean": 0, "norm": 1, "var": 2, "std": 2}
 
