@@ -233,11 +233,13 @@ PROGRAM_BYTES = 16384
 MAX_ROWS_BLOCK = 8192
 # A persistent grid (a configuration's "persistent": programs per SM) loops
 # each program over row blocks p, p + programs, ...; the value the sweep
-# tries. Not the heuristic's choice: Triton does not pipeline the loop (the
-# PTX of every num_stages has the same plain loads, no cp.async), so a
-# program's next block is not fetched during its reductions, and without
-# that the grid saves only block launches, which the GPU overlaps with the
-# running blocks; a full grid keeps more loads in flight.
+# tries. Not the heuristic's choice: Triton does not pipeline the loop
+# (softmax's persistent _row_forward, bf16 rows of 1024, compiled for sm_90
+# with num_stages 1 to 4 by Triton 3.6 and 3.9: the same plain ld.global
+# each time, no cp.async, no more shared memory), so a program's next
+# block is not fetched during its reductions, and without that the grid
+# saves only block launches, which the GPU overlaps with running blocks;
+# the loop also costs registers (the kernel report's persistent rows).
 PERSISTENT_PROGRAMS = 4
 
 

@@ -57,9 +57,8 @@ SHORT_ROW = 64
 # a row is 16384 values, 32 KiB of bf16 a program, past the 16 KiB that
 # tuning.rows_per_program aims at. A persistent loop would not overlap a
 # program's next tile with its reductions: Triton keeps plain loads in such
-# loops at every num_stages (no cp.async in the PTX; softmax's persistent
-# rows in the kernel report show it). Rows of 64 to 2K values still get a
-# program each: no benchmark shape has them yet.
+# loops (tuning.PERSISTENT_PROGRAMS says how that was seen). Rows of 64 to
+# 2K values still get a program each: no benchmark shape has them yet.
 
 _PARTIAL = {"sum": 0, "mean": 0, "norm": 1, "var": 2, "std": 2}
 
