@@ -19,6 +19,8 @@ Recorded in ``extra_info``:
   bench_softmax.py; on CUDA also ``copy_gb_per_s`` (a device-to-device copy
   of the logits, read + write, timed the same way) and ``pct_of_copy``;
 
+* the Triton rows: ``launch_configs``, each configuration the launcher
+  chose (table key, BLOCK, warps, ROWS, split; tuned or heuristic);
 * every device: ``activation_bytes`` (effilayers.memory's meter: what autograd
   keeps between forward and backward, beyond the logits' own storage) and its
   ratio to F.cross_entropy's;

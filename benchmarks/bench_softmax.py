@@ -17,7 +17,10 @@ CPU, Triton on CUDA) and Liger-Kernel's softmax when it is installed (CUDA).
   statistic; > 1 is faster than torch);
 * CUDA only: ``copy_gb_per_s`` (a device-to-device copy of x, read + write,
   timed the same way) and ``pct_of_copy`` = gb_per_s / copy_gb_per_s, the
-  issue's target being >= 90 % of copy bandwidth and >= 1.0x torch.
+  issue's target being >= 90 % of copy bandwidth and >= 1.0x torch;
+* the Triton rows: ``launch_configs``, each configuration the launchers
+  chose (table key, BLOCK, warps, ROWS, split, persistent; tuned or
+  heuristic), so results of different sessions say which path they timed.
 
 CUDA times are medians of ``triton.testing.do_bench`` (it flushes L2 between
 runs); the pytest-benchmark table around them times the same call with a
