@@ -19,6 +19,8 @@ Recorded in ``extra_info``:
   bench_softmax.py; on CUDA also ``copy_gb_per_s`` (a device-to-device copy
   of the logits, read + write, timed the same way) and ``pct_of_copy``;
 
+* the Triton rows: ``launch_configs``, each configuration the launcher
+  chose (table key, BLOCK, warps, ROWS, split; tuned or heuristic);
 * every device: ``activation_bytes`` (effilayers.memory's meter: what autograd
   keeps between forward and backward, beyond the logits' own storage) and its
   ratio to F.cross_entropy's;
@@ -47,7 +49,7 @@ import torch.nn.functional as F
 from effilayers import memory
 from effilayers.functional import cross_entropy
 
-from .conftest import copy_gb_per_s, devices, synchronize
+from .conftest import copy_gb_per_s, devices, launch_configs, synchronize
 
 CPU_SHAPES = [(512, 8192), (128, 32000)]
 GPU_SHAPES = [(16384, 131072), (8192, 32000)]
@@ -156,6 +158,9 @@ def test_forward_backward(benchmark, implementation, device, shape, dtype):
         benchmark.extra_info.update(activation_bytes=ours_saved,
                                     activation_ratio_vs_torch=ours_saved / torch_saved)
     bytes_moved = 2 * logits_bytes
+    launches = launch_configs(lambda: step(fn, fresh_logits(leaf), target))
+    if launches:  # the Triton path: which configuration ran (rows per program, split rows)
+        benchmark.extra_info.update(launch_configs=launches)
     if device == "cuda":
         peak, ms = cuda_peak_and_time(fn, leaf, target)
         torch_peak, torch_ms = cuda_peak_and_time(F.cross_entropy, leaf, target)

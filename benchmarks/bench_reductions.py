@@ -21,7 +21,7 @@ import torch
 
 import effilayers.functional as EF
 
-from .conftest import copy_gb_per_s, device_median_seconds, devices, synchronize
+from .conftest import copy_gb_per_s, device_median_seconds, devices, launch_configs, synchronize
 
 CPU_SHAPE = (2048, 4096)
 GPU_SHAPE = (16384, 16384)  # 512 MiB of bf16: fills an H100's memory system
@@ -85,7 +85,10 @@ def test_reduction(benchmark, run_with_backend, implementation, device, dtype, d
         benchmark.pedantic(run, warmup_rounds=2, rounds=rounds)
     else:
         with context:
+            launches = launch_configs(run)
             benchmark.pedantic(run, warmup_rounds=2, rounds=rounds)
+        if launches:  # the Triton path: which configuration ran
+            benchmark.extra_info["launch_configs"] = launches
     if benchmark.stats is None:  # --benchmark-disable
         return
     # CUDA: the device's own time (events), as the softmax and cross-entropy

@@ -17,7 +17,10 @@ CPU, Triton on CUDA) and Liger-Kernel's softmax when it is installed (CUDA).
   statistic; > 1 is faster than torch);
 * CUDA only: ``copy_gb_per_s`` (a device-to-device copy of x, read + write,
   timed the same way) and ``pct_of_copy`` = gb_per_s / copy_gb_per_s, the
-  issue's target being >= 90 % of copy bandwidth and >= 1.0x torch.
+  issue's target being >= 90 % of copy bandwidth and >= 1.0x torch;
+* the Triton rows: ``launch_configs``, each configuration the launchers
+  chose (table key, BLOCK, warps, ROWS, split, persistent; tuned or
+  heuristic), so results of different sessions say which path they timed.
 
 CUDA times are medians of ``triton.testing.do_bench`` (it flushes L2 between
 runs); the pytest-benchmark table around them times the same call with a
@@ -32,7 +35,7 @@ import torch
 from effilayers import memory
 from effilayers.functional import log_softmax, scaled_masked_softmax, softmax
 
-from .conftest import copy_gb_per_s, device_median_seconds, devices, synchronize
+from .conftest import copy_gb_per_s, device_median_seconds, devices, launch_configs, synchronize
 
 CPU_CASES = [((256, 4096), -1, torch.float32), ((256, 4096), -1, torch.bfloat16), ((16, 64, 32, 32), 1, torch.float32)]
 # 2**27 elements each: the 4096 x 32768 case of the issue and a sweep of row lengths.
@@ -106,7 +109,7 @@ def test_softmax(benchmark, run_with_backend, implementation, device, shape, dim
     if context is not None:
         context.__enter__()
     try:
-        run()  # compile / build outside the timing
+        launches = launch_configs(run)  # compile / build outside the timing
         benchmark.pedantic(run, warmup_rounds=2, rounds=20 if device == "cpu" else 30)
         # CPU: the fastest round, the least disturbed by other processes on
         # a shared machine (the table keeps the full distribution).
@@ -118,6 +121,8 @@ def test_softmax(benchmark, run_with_backend, implementation, device, shape, dim
     bytes_moved = (5 if backward else 2) * x.numel() * x.element_size()
     info = dict(bytes_moved=bytes_moved, gb_per_s=bytes_moved / seconds / 1e9, seconds=seconds,
                 threads=torch.get_num_threads())
+    if launches:  # the Triton path: which configuration ran
+        info["launch_configs"] = launches
     if implementation == "torch":
         _torch_medians[group] = seconds
     elif group in _torch_medians:
@@ -161,7 +166,9 @@ def test_scaled_masked_softmax(benchmark, run_with_backend, implementation, devi
         if context is not None:
             context.__enter__()
         try:
-            run()
+            launches = launch_configs(run)
+            if launches:
+                benchmark.extra_info["launch_configs"] = launches
             benchmark.pedantic(run, warmup_rounds=1, rounds=5 if device == "cpu" else 30)
         finally:
             if context is not None:

@@ -60,6 +60,23 @@ def copy_gb_per_s(like: torch.Tensor) -> float:
     return _copy_gb_per_s[key]
 
 
+def launch_configs(run) -> list[dict]:
+    """Runs ``run()`` once and returns the distinct launch configurations
+    the Triton launchers chose in it (``tuning.recording``: table key,
+    configuration, "tuned" or "heuristic"), for a row's ``extra_info``: a
+    later GPU run then tells which path each row timed (rows per program,
+    split rows, a persistent grid) from the configuration, not the date."""
+    from effilayers._core import tuning
+
+    with tuning.recording() as launches:
+        run()
+    distinct = []
+    for launch in launches:
+        if launch not in distinct:
+            distinct.append(launch)
+    return distinct
+
+
 @pytest.fixture
 def run_with_backend():
     """``run_with_backend(op_name, backend, device)`` -> context manager that

@@ -173,7 +173,7 @@ def keys(families) -> list[Key]:
         if (case.family, request.key) in seen:
             continue
         seen.add((case.family, request.key))
-        candidates = FAMILIES[case.family].tuning_candidates(request.launcher, request.sizes)
+        candidates = FAMILIES[case.family].tuning_candidates(request.launcher, request.sizes, request.dtype)
         found.append(Key(case.family, request.key, case, candidates))
     return found
 
@@ -188,8 +188,8 @@ def check_tiny(key: Key, checked: set) -> list[dict]:
     arch = tuning.arch(torch.device("cpu"))
     fresh = []
     for config in key.candidates:
-        blocks = (key.family, tiny.key,
-                  tuple(sorted((k, v) for k, v in config.items() if k.isupper() or k in ("splits", "split"))))
+        blocks = (key.family, tiny.key, tuple(sorted((k, v) for k, v in config.items()
+                                                     if k.isupper() or k in ("splits", "split", "persistent"))))
         if blocks not in checked:
             checked.add(blocks)
             fresh.append(config)

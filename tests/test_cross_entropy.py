@@ -127,6 +127,60 @@ def test_triton_split_rows(monkeypatch, block):
         assert_close(grad.double(), exp_grad, torch.float32)
 
 
+@pytest.mark.parametrize("config", [{"ROWS": 4}, {"ROWS": 2, "persistent": 1}], ids=["4-rows", "2-rows-persistent"])
+def test_triton_rows_per_program(monkeypatch, config):
+    """Rows held whole several to a program ([ROWS, BLOCK] blocks, the
+    launcher's ``ROWS``) and the persistent grid (``persistent``: programs
+    per SM, 2 interpreter SMs, so 2 programs loop over 4 row blocks) against
+    float64 torch: 7 rows (no multiple of ROWS) with an ignored target,
+    weights and label smoothing, -inf logits (an infinite target logit, a
+    row with one finite value), fp16 and bf16, a single row, the loss alone."""
+    from effilayers._core import tuning
+    from effilayers.ops.cross_entropy import triton as kernels
+
+    with required_backend(OP, "triton", "cpu"):
+        monkeypatch.setattr(kernels, "_rows_config",
+                            lambda logits, write_grad: dict({"BLOCK": 32, "num_warps": 4}, **config))
+        spy = _Spy(kernels._cross_entropy_rows_kernel)
+        monkeypatch.setattr(kernels, "_cross_entropy_rows_kernel", spy)
+        cpu = torch.device("cpu")
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            logits = make_logits((7, 20), dtype, cpu, seed=2)
+            target = torch.tensor([3, -100, 19, 0, 12, 5, 7])
+            assert_matches_torch(logits, target, dtype, reduction="mean", label_smoothing=0.1,
+                                 weight=make_weight(20, "cpu").to(dtype))
+        logits = make_logits((7, 20), torch.float32, cpu, seed=3)
+        logits[1, 5] = -math.inf  # the target: infinite loss, finite gradient
+        logits[2, :19] = -math.inf  # one finite value left in the row
+        target = torch.tensor([3, 5, 19, 0, 12, 5, 7])
+        exp_loss, exp_grad = torch_expected(logits, target, reduction="none")
+        loss, grad = ours(logits, target, reduction="none")
+        assert_close(loss.double(), exp_loss, torch.float32)
+        assert_close(grad.double(), exp_grad, torch.float32)
+        assert_matches_torch(logits[:1], target[:1], torch.float32, reduction="sum")
+        with torch.no_grad():  # the loss alone (no gradient written)
+            assert_close(cross_entropy(logits, target, reduction="none").double(), exp_loss, torch.float32)
+        launched = [(grid, kwargs) for grid, kwargs in spy.launches]
+        assert {kwargs["ROWS"] for _, kwargs in launched} == {1, config["ROWS"]}
+        assert {kwargs["WRITE_GRAD"] for _, kwargs in launched} == {True, False}
+        if config.get("persistent"):
+            assert any(kwargs["PERSISTENT"] for _, kwargs in launched)
+            assert all(grid[0] == tuning.multiprocessors(cpu) for grid, kwargs in launched if kwargs["PERSISTENT"])
+
+
+class _Spy:
+    """Stands in for a jitted kernel: records each launch's grid and keyword arguments, then launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((grid, kwargs))
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
 def test_subnormal_gradients_like_torch(ce_device):
     # softmax(x) of logits 90 and 100 below the maximum is a float32
     # subnormal (8.2e-40, 3.8e-44): torch's gradient keeps it, and so must

@@ -107,6 +107,76 @@ def test_triton_split_rows(monkeypatch, block):
     assert configs.count("row_forward") == 2 and "row_backward" in configs and "row_forward_masked" in configs
 
 
+@pytest.mark.parametrize("config", [{"ROWS": 4}, {"ROWS": 2, "persistent": 1}, {}],
+                         ids=["4-rows", "2-rows-persistent", "heuristic"])
+def test_triton_rows_per_program(monkeypatch, config):
+    """Short rows several to a program ([ROWS, BLOCK] blocks, the
+    launchers' ``ROWS``), and the persistent grid (``persistent``: programs
+    per SM, 2 interpreter SMs, so 2 programs loop over 4 row blocks), against
+    the float64 references: 7 rows (no multiple of ROWS), one of them -inf
+    throughout and one partly; a single row; fp16 and bf16; the causal mask
+    over rows of several blocks. The heuristic takes 4 rows a program here."""
+    from effilayers._core import tuning
+    from effilayers.ops.softmax import triton as kernels
+
+    activate_backend("softmax_forward", "triton", "cpu").__exit__(None, None, None)  # skips where it cannot run
+    monkeypatch.setattr(tuning, "PROGRAM_BYTES", 4 * 32 * 2)  # 4 rows of 32 16-bit values (2 of float64)
+    poisoned = kernels.output_like
+    monkeypatch.setattr(kernels, "output_like", lambda *args: poisoned(*args).fill_(math.nan))  # unwritten: fails
+    original, launched = kernels._config, []
+
+    def configured(launcher, dtype, device, *sizes):
+        found = original(launcher, dtype, device, *sizes)
+        if launcher.startswith("row") and config:
+            found = dict(found, **config)
+        launched.append(found)
+        return found
+
+    spies = {name: _Spy(getattr(kernels, name)) for name in ("_row_forward", "_row_backward")}
+    for name, spy in spies.items():
+        monkeypatch.setattr(kernels, name, spy)
+    monkeypatch.setattr(kernels, "_config", configured)
+    for dtype, shape in ((torch.float16, (7, 30)), (torch.bfloat16, (7, 30)), (torch.float64, (1, 30))):
+        x = varied(shape, dtype, seed=3)
+        if shape[0] > 1:
+            x[1] = -math.inf
+            x[3, :20] = -math.inf
+        g = varied(shape, dtype, seed=4)
+        for log in (False, True):
+            y = kernels.softmax_forward(x, 1, log, None)
+            assert_matches(y, softmax_reference.softmax_forward_reference(x.double(), 1, log, None), dtype, log)
+            finite = torch.where(torch.isfinite(y), y, torch.zeros_like(y)) if log else y
+            check_grad(kernels.softmax_backward(g, finite, 1, log, 0.5, dtype), finite, g, 1, log, dtype, scale=0.5)
+    mask = torch.ones(30, dtype=torch.bool)
+    mask[0] = False  # causal row 0 keeps nothing
+    xm = varied((2, 9, 30), torch.float16, seed=5)
+    ym = kernels.scaled_masked_softmax_forward(xm, mask, 0.7, True)
+    ref = softmax_reference.scaled_masked_softmax_forward_reference(xm.double(), mask, 0.7, True)
+    assert_matches(ym, ref, torch.float16, False)
+    assert torch.equal(ym[:, 0], torch.zeros(2, 30, dtype=torch.float16))
+    assert kernels.softmax_forward(torch.empty(0, 30), 1, False, None).shape == (0, 30)
+    rows_seen = {kwargs["ROWS"] for spy in spies.values() for _, kwargs in spy.launches}
+    persistent = [(grid, kwargs) for spy in spies.values() for grid, kwargs in spy.launches if kwargs["PERSISTENT"]]
+    assert max(rows_seen) == config.get("ROWS", 4) and 1 in rows_seen  # the single row takes a block of its own
+    if config.get("persistent"):
+        assert persistent and all(grid[0] == tuning.multiprocessors(torch.device("cpu")) for grid, _ in persistent)
+    else:
+        assert not persistent
+
+
+class _Spy:
+    """Stands in for a jitted kernel: records each launch's grid and keyword arguments, then launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((grid, kwargs))
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
 @pytest.mark.parametrize("out_dtype", [None, torch.float32])
 def test_saves_only_the_output(backend, out_dtype):
     _, device = backend

@@ -62,7 +62,7 @@ def _sum(columns):
 
 # family: (kernel module, kernel name, launch, a tuned shape, an untuned one, the table's config)
 CASES = {
-    "softmax": (softmax_kernels, "_row_forward", _softmax, 700, 3000, {"BLOCK": 256, "num_warps": 2}),
+    "softmax": (softmax_kernels, "_row_forward", _softmax, 700, 3000, {"BLOCK": 1024, "ROWS": 2, "num_warps": 2}),
     "cross_entropy": (cross_entropy_kernels, "_cross_entropy_rows_kernel", _cross_entropy, 700, 3000,
                       {"BLOCK": 128, "num_warps": 1, "num_stages": 1}),
     "reductions": (reductions_kernels, "_reduce_kernel", _sum, 700, 3000,
@@ -102,7 +102,8 @@ def test_a_merged_entry_is_launched_and_a_missing_one_falls_back(family, tmp_pat
     launch, expected = make(untuned)
     torch.testing.assert_close(launch().double(), expected, rtol=1e-5, atol=1e-6)
     grid, launched = spy.launches[-1]
-    heuristic = module.tuning_candidates(tuning.probe(launch).launcher, tuning.probe(launch).sizes)[0]
+    request = tuning.probe(launch)
+    heuristic = module.tuning_candidates(request.launcher, request.sizes, request.dtype)[0]
     assert launched["num_warps"] == heuristic["num_warps"] and "num_stages" not in launched
     assert all(launched[name] == value for name, value in heuristic.items() if name.isupper())
 
@@ -164,3 +165,27 @@ def test_every_candidate_of_the_sweep_runs_correctly(tmp_path, capsys):
 def _blocks(config: dict) -> str:
     return json.dumps({name: value for name, value in config.items() if name.isupper() or name == "splits"},
                       sort_keys=True)
+
+
+def test_bench_rows_record_the_configuration_that_ran():
+    """What benchmarks/conftest.launch_configs puts in a bench row: each
+    distinct configuration the launchers chose, heuristic or from a table,
+    rows per program included, and nothing outside the recording."""
+    from benchmarks.conftest import launch_configs
+
+    x = torch.randn(6, 40)
+    launch = lambda: softmax_kernels.softmax_forward(x, -1, False, None)  # noqa: E731
+    key = tuning.probe(launch).key
+    heuristic = softmax_kernels._row_heuristic(40, 4)
+    assert heuristic.get("ROWS", 1) > 1  # short rows come several to a program
+    twice = launch_configs(lambda: (launch(), launch()))
+    assert twice == [{"family": "softmax", "key": key, "config": heuristic, "source": "heuristic"}]
+    tuning.install("softmax", "interpreter", {key: {"BLOCK": 64, "num_warps": 2, "persistent": 1}})
+    assert launch_configs(launch) == [{"family": "softmax", "key": key, "source": "tuned",
+                                       "config": {"BLOCK": 64, "num_warps": 2, "persistent": 1}}]
+    with tuning.recording() as outer:
+        cross_entropy_kernels.cross_entropy_rows_triton(torch.randn(3, 40, 1), torch.tensor([0, 1, 2]), None, None,
+                                                        torch.ones(1), -100, 0.0)
+    assert [(r["family"], r["source"]) for r in outer] == [("cross_entropy", "heuristic")]
+    launch()
+    assert tuning._recorded is None

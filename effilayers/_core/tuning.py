@@ -25,6 +25,7 @@ Table layout (``entries`` keyed by :func:`shape_key`)::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -57,6 +58,24 @@ def arch(device: torch.device) -> Optional[str]:
     if device.type != "cuda":
         return _INTERPRETER
     return _cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
+
+
+# What a persistent grid (programs per SM) counts on the interpreter, which
+# has no SMs: few, so a test's persistent launch loops over more row blocks
+# than it has programs.
+INTERPRETER_MULTIPROCESSORS = 2
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def multiprocessors(device: torch.device) -> int:
+    """The device's SM count (INTERPRETER_MULTIPROCESSORS for CPU tensors)."""
+    if device.type != "cuda":
+        return INTERPRETER_MULTIPROCESSORS
+    return _cuda_multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def table_path(family: str, arch_name: str, ops: Optional[Path] = None) -> Path:
@@ -126,6 +145,30 @@ def lookup(family: str, device: torch.device, launcher: str, dtype: torch.dtype,
     return entries.get(shape_key(launcher, dtype, *sizes)) if entries else None
 
 
+_recorded: Optional[list] = None
+
+
+def note(family: str, launcher: str, dtype: torch.dtype, sizes: tuple, config: dict, tuned: bool) -> None:
+    """A launcher's choice, kept while :func:`recording` (else nothing: one
+    test of a global per launch)."""
+    if _recorded is not None:
+        _recorded.append({"family": family, "key": shape_key(launcher, dtype, *sizes), "config": dict(config),
+                          "source": "tuned" if tuned else "heuristic"})
+
+
+@contextlib.contextmanager
+def recording():
+    """Yields a list that gathers every configuration the launchers choose
+    inside (family, table key, config, "tuned" or "heuristic"): what a
+    benchmark row records, so a later run tells which path it timed."""
+    global _recorded
+    previous, _recorded = _recorded, []
+    try:
+        yield _recorded
+    finally:
+        _recorded = previous
+
+
 def install(family: str, arch_name: str, entries: dict) -> None:
     """Replace the loaded table (the sweep times candidates through the very
     lookup a committed table takes)."""
@@ -175,3 +218,47 @@ def around(heuristic: dict, variations: dict, elements) -> list[dict]:
                 if candidate not in found and plausible(elements(candidate), candidate["num_warps"]):
                     found.append(candidate)
     return found
+
+
+# Rows of at most SHORT_ROW values (the issue's short rows: 2K) come several
+# to a program of the row kernels (softmax, cross-entropy), a [ROWS, BLOCK]
+# block reduced along each line, until a program reads PROGRAM_BYTES: 1024
+# bf16 values (2 KiB) are 4 warps' worth of 128-bit loads, one load each,
+# too little work per program to cover its start and its reductions'
+# latency; 8 such rows are 16 KiB over 8 warps, a row per warp, so each
+# row's reduction stays inside its warp. At most MAX_ROWS_BLOCK values (32
+# per thread at 8 warps, as the longest single rows hold).
+SHORT_ROW = 2048
+PROGRAM_BYTES = 16384
+MAX_ROWS_BLOCK = 8192
+# A persistent grid (a configuration's "persistent": programs per SM) loops
+# each program over row blocks p, p + programs, ...; the value the sweep
+# tries. Not the heuristic's choice: Triton does not pipeline the loop
+# (softmax's persistent _row_forward, bf16 rows of 1024, compiled for sm_90
+# with num_stages 1 to 4 by Triton 3.6 and 3.9: the same plain ld.global
+# each time, no cp.async, no more shared memory), so a program's next
+# block is not fetched during its reductions, and without that the grid
+# saves only block launches, which the GPU overlaps with running blocks;
+# the loop also costs registers (the kernel report's persistent rows).
+PERSISTENT_PROGRAMS = 4
+
+
+def rows_per_program(block: int, element_size: int) -> int:
+    """How many whole rows of ``block`` values one program takes (the
+    heuristic's ROWS)."""
+    if block > SHORT_ROW:
+        return 1
+    wanted = 1 << (max(1, -(-PROGRAM_BYTES // (block * element_size))) - 1).bit_length()
+    return max(1, min(wanted, MAX_ROWS_BLOCK // block))
+
+
+def row_grid(config: dict, single: bool, rows: int, device: torch.device) -> tuple[int, bool, int]:
+    """(ROWS, PERSISTENT, programs) of a row kernel's launch: ROWS only
+    where a row is held whole (and no more than there are rows); a
+    persistent grid (``persistent``: programs per SM) only where there are
+    more row blocks than its programs."""
+    per_program = min(config.get("ROWS", 1), 1 << max(rows - 1, 0).bit_length()) if single else 1
+    blocks = -(-rows // per_program)
+    programs = multiprocessors(device) * config.get("persistent", 0)
+    persistent = single and 0 < programs < blocks
+    return per_program, persistent, programs if persistent else blocks

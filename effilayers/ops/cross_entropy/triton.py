@@ -85,28 +85,42 @@ def _rows_config(logits: torch.Tensor, write_grad: bool) -> dict:
     vocabulary-chunk launchers below are linear_cross_entropy's and keep
     the heuristic.)"""
     classes = logits.shape[1]
-    found = tuning.lookup("cross_entropy", logits.device, _rows_launcher(write_grad), logits.dtype, classes)
-    if found is not None:
-        return found
-    return _rows_heuristic(classes, write_grad)
+    launcher = _rows_launcher(write_grad)
+    found = tuning.lookup("cross_entropy", logits.device, launcher, logits.dtype, classes)
+    config = found if found is not None else _rows_heuristic(classes, write_grad, logits.element_size())
+    tuning.note("cross_entropy", launcher, logits.dtype, (classes,), config, found is not None)
+    return config
 
 
-def _rows_heuristic(classes: int, write_grad: bool) -> dict:
+def _rows_heuristic(classes: int, write_grad: bool, element_size: int) -> dict:
     """With a gradient, a row longer than MAX_FUSED_BLOCK is cut into
     SPLIT_BLOCK-wide pieces, one program each (``split``: each logit read
-    once); the loss alone reads each logit once walking the row."""
+    once); the loss alone reads each logit once walking the row. Short rows
+    held whole come several to a program (``ROWS``, tuning.rows_per_program),
+    with a warp per 1024 values of the block as the whole rows above take."""
     block, warps = _rows_block_and_warps(classes)
     if write_grad and classes > block and split_count(classes, SPLIT_BLOCK, 1):
         return {"BLOCK": SPLIT_BLOCK, "num_warps": max(4, min(32, SPLIT_BLOCK // 1024)), "split": True}
-    return {"BLOCK": block, "num_warps": warps}
+    rows = tuning.rows_per_program(block, element_size) if classes <= block else 1
+    if rows == 1:
+        return {"BLOCK": block, "num_warps": warps}
+    return {"BLOCK": block, "num_warps": max(warps, min(32, block * rows // 1024)), "ROWS": rows}
 
 
-def tuning_candidates(launcher: str, sizes: tuple[int, ...]) -> list[dict]:
+def _row_grid(config: dict, classes: int, rows: int, device: torch.device) -> tuple[bool, int, bool, int]:
+    """(SINGLE, ROWS, PERSISTENT, programs) of the rows kernel's launch."""
+    single = classes <= config["BLOCK"]
+    return (single, *tuning.row_grid(config, single, rows, device))
+
+
+def tuning_candidates(launcher: str, sizes: tuple[int, ...], dtype: torch.dtype) -> list[dict]:
     """What benchmarks/tune.py times for ``cross_entropy_rows_triton``: the
     heuristic and its neighbours (block halved or doubled, up to the row;
-    warps halved or doubled; 1 or 2 stages where the block loops)."""
+    warps halved or doubled; 1 or 2 stages where the block loops; rows per
+    program halved or doubled and a persistent grid where rows are held
+    whole)."""
     (classes,) = sizes
-    heuristic = _rows_heuristic(classes, launcher == _rows_launcher(True))
+    heuristic = _rows_heuristic(classes, launcher == _rows_launcher(True), dtype.itemsize)
     block, warps = heuristic["BLOCK"], heuristic["num_warps"]
     variations = {"BLOCK": [b for b in (block // 2, block * 2) if 256 <= b <= triton.next_power_of_2(classes)],
                   "num_warps": [w for w in (warps // 2, warps * 2) if 1 <= w <= 32]}
@@ -114,7 +128,11 @@ def tuning_candidates(launcher: str, sizes: tuple[int, ...]) -> list[dict]:
         variations["split"] = [False]
     elif block < classes:
         variations["num_stages"] = [1, 2]
-    return tuning.around(heuristic, variations, lambda config: config["BLOCK"])
+    else:  # rows held whole: more or fewer of them a program, and the persistent grid
+        rows = heuristic.get("ROWS", 1)
+        variations["ROWS"] = [r for r in (rows // 2, rows * 2) if r >= 1]
+        variations["persistent"] = [tuning.PERSISTENT_PROGRAMS]
+    return tuning.around(heuristic, variations, lambda config: config["BLOCK"] * config.get("ROWS", 1))
 
 
 @triton.jit
@@ -159,16 +177,110 @@ def _gradient_block(x, offsets, mask, weight_ptr, lse, coef, eps, classes, safe_
 
 
 @triton.jit
+def _whole_rows(first, n_rows, logits_ptr, target_ptr, weight_ptr, grad_ptr, loss_ptr, classes, inner,
+                outer_stride, class_stride, inner_stride, grad_outer_stride, grad_class_stride, grad_inner_stride,
+                ignore_index, eps, scale, HAS_WEIGHT: tl.constexpr, SMOOTHING: tl.constexpr,
+                WRITE_GRAD: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """Rows ``first`` to ``first + ROWS - 1`` held whole, one per line of a
+    [ROWS, BLOCK] block: each logit read once, its loss and gradient from
+    that read. A line past the last row reads the last row again and writes
+    nothing (loads without a row mask stay 128 bits wide; softmax's
+    _forward_rows says why)."""
+    neg_inf = float("-inf")
+    rows = first + tl.arange(0, ROWS).to(tl.int64)
+    live = rows < n_rows
+    read = tl.minimum(rows, n_rows - 1)
+    n = read // inner
+    i = read % inner
+    row_ptr = logits_ptr + n * outer_stride + i * inner_stride
+    target = tl.load(target_ptr + read)
+    valid = target != ignore_index
+    in_range = (target >= 0) & (target < classes)
+    safe_target = tl.where(valid & in_range, target, 0)
+    cols = tl.arange(0, BLOCK)[None, :]
+    row_mask = cols < classes
+    x = tl.load(row_ptr[:, None] + cols.to(tl.int64) * class_stride, mask=row_mask, other=neg_inf).to(ACC)
+    row_max = tl.max(x, axis=1)
+    # a row of -inf shifts by 0, so exp never sees -inf - -inf
+    shift = tl.where(row_max == neg_inf, 0.0, row_max).to(ACC)
+    sum_exp = tl.sum(tl.exp(x - shift[:, None]), axis=1)
+    lse = tl.where(row_max == neg_inf, neg_inf, row_max + tl.log(sum_exp)).to(ACC)
+    has_target = valid & in_range
+    x_t = tl.load(row_ptr + safe_target * class_stride, mask=has_target, other=0.0).to(ACC)
+    if HAS_WEIGHT:
+        w_t = tl.load(weight_ptr + safe_target, mask=has_target, other=0.0).to(ACC)
+    else:
+        w_t = tl.full([ROWS], 1.0, ACC)
+    loss = (1.0 - eps) * w_t * (lse - x_t)
+    coef = w_t
+    if SMOOTHING:
+        if HAS_WEIGHT:
+            w = tl.load(weight_ptr + cols, mask=row_mask, other=0.0).to(ACC)
+        else:
+            w = tl.where(row_mask, 1.0, 0.0).to(ACC)
+        sum_wx = tl.sum(w * tl.where(row_mask, x, 0.0), axis=1)
+        sum_w = tl.sum(w, axis=1)
+        loss += eps / classes * (sum_w * lse - sum_wx)
+        coef = (1.0 - eps) * w_t + eps / classes * sum_w
+    nan = float("nan")
+    loss = tl.where(valid, loss, 0.0)
+    tl.store(loss_ptr + rows, tl.where(valid & ~in_range, nan, loss), mask=live)
+    if WRITE_GRAD:
+        # 0 for ignored rows, NaN for bad targets, else the gradient's scale.
+        row_scale = tl.where(valid, scale, 0.0)
+        row_scale = tl.where(valid & ~in_range, nan, row_scale)
+        g = _gradient_block(x, cols, row_mask, weight_ptr, lse[:, None], coef[:, None], eps, classes,
+                            safe_target[:, None], w_t[:, None], valid[:, None], in_range[:, None], row_scale[:, None],
+                            HAS_WEIGHT, SMOOTHING, ACC)
+        grad_row_ptr = grad_ptr + (rows // inner) * grad_outer_stride + (rows % inner) * grad_inner_stride
+        tl.store(grad_row_ptr[:, None] + cols.to(tl.int64) * grad_class_stride, g.to(grad_ptr.dtype.element_ty),
+                 mask=row_mask & live[:, None])
+
+
+@triton.jit
 def _cross_entropy_rows_kernel(
     logits_ptr, target_ptr, weight_ptr, grad_ptr, grad_scale_ptr, loss_ptr,
-    classes, inner,
+    n_rows, classes, inner,
     outer_stride, class_stride, inner_stride,
     grad_outer_stride, grad_class_stride, grad_inner_stride,
     ignore_index, eps_ptr,
     HAS_WEIGHT: tl.constexpr, SMOOTHING: tl.constexpr, WRITE_GRAD: tl.constexpr, SINGLE: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
     ACC = loss_ptr.dtype.element_ty  # the losses are in the accumulation dtype
+    # label_smoothing comes from memory in the accumulation dtype: a scalar
+    # argument would be rounded to float32, too coarse for float64 logits.
+    eps = tl.load(eps_ptr)
+    scale = tl.zeros((), ACC)
+    if WRITE_GRAD:
+        scale = tl.load(grad_scale_ptr).to(ACC)
+    if SINGLE:
+        # ROWS rows a program (row block p), or under PERSISTENT (a grid of
+        # a few programs per SM) row blocks p, p + programs, ...
+        if PERSISTENT:
+            for first in range(tl.program_id(0).to(tl.int64) * ROWS, n_rows, tl.num_programs(0) * ROWS):
+                _whole_rows(first, n_rows, logits_ptr, target_ptr, weight_ptr, grad_ptr, loss_ptr, classes, inner,
+                            outer_stride, class_stride, inner_stride, grad_outer_stride, grad_class_stride,
+                            grad_inner_stride, ignore_index, eps, scale, HAS_WEIGHT, SMOOTHING, WRITE_GRAD, ACC,
+                            BLOCK, ROWS)
+        else:
+            _whole_rows(tl.program_id(0).to(tl.int64) * ROWS, n_rows, logits_ptr, target_ptr, weight_ptr, grad_ptr,
+                        loss_ptr, classes, inner, outer_stride, class_stride, inner_stride, grad_outer_stride,
+                        grad_class_stride, grad_inner_stride, ignore_index, eps, scale, HAS_WEIGHT, SMOOTHING,
+                        WRITE_GRAD, ACC, BLOCK, ROWS)
+    else:
+        _walking_row(logits_ptr, target_ptr, weight_ptr, grad_ptr, loss_ptr, classes, inner, outer_stride,
+                     class_stride, inner_stride, grad_outer_stride, grad_class_stride, grad_inner_stride,
+                     ignore_index, eps, scale, HAS_WEIGHT, SMOOTHING, WRITE_GRAD, ACC, BLOCK)
+
+
+@triton.jit
+def _walking_row(logits_ptr, target_ptr, weight_ptr, grad_ptr, loss_ptr, classes, inner, outer_stride, class_stride,
+                 inner_stride, grad_outer_stride, grad_class_stride, grad_inner_stride, ignore_index, eps, scale,
+                 HAS_WEIGHT: tl.constexpr, SMOOTHING: tl.constexpr, WRITE_GRAD: tl.constexpr, ACC: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """Row ``program_id`` walked in BLOCK-wide blocks: the online pass, then
+    (for the gradient) a second read of each block."""
     row = tl.program_id(0).to(tl.int64)
     n = row // inner
     i = row % inner
@@ -178,32 +290,21 @@ def _cross_entropy_rows_kernel(
     in_range = (target >= 0) & (target < classes)
     safe_target = tl.where(valid & in_range, target, 0)
     cols = tl.arange(0, BLOCK)
-    # label_smoothing comes from memory in the accumulation dtype: a scalar
-    # argument would be rounded to float32, too coarse for float64 logits.
-    eps = tl.load(eps_ptr)
     neg_inf = float("-inf")
 
     running_max = tl.full((), neg_inf, ACC)
     sum_exp = tl.zeros((), ACC)
     sum_wx = tl.zeros((), ACC)
     sum_w = tl.zeros((), ACC)
-    if SINGLE:
-        # the whole row, kept for the gradient below
-        row_mask = cols < classes
-        x_row = tl.load(row_ptr + cols.to(tl.int64) * class_stride, mask=row_mask, other=neg_inf).to(ACC)
-        running_max, sum_exp = _online_block(running_max, sum_exp, x_row, ACC)
+    for start in range(0, classes, BLOCK):
+        offsets = start + cols
+        mask = offsets < classes
+        x = tl.load(row_ptr + offsets.to(tl.int64) * class_stride, mask=mask, other=neg_inf).to(ACC)
+        running_max, sum_exp = _online_block(running_max, sum_exp, x, ACC)
         if SMOOTHING:
-            sum_wx, sum_w = _smoothing_block(weight_ptr, cols, row_mask, x_row, HAS_WEIGHT, ACC)
-    else:
-        for start in range(0, classes, BLOCK):
-            offsets = start + cols
-            mask = offsets < classes
-            x = tl.load(row_ptr + offsets.to(tl.int64) * class_stride, mask=mask, other=neg_inf).to(ACC)
-            running_max, sum_exp = _online_block(running_max, sum_exp, x, ACC)
-            if SMOOTHING:
-                block_wx, block_w = _smoothing_block(weight_ptr, offsets, mask, x, HAS_WEIGHT, ACC)
-                sum_wx += block_wx
-                sum_w += block_w
+            block_wx, block_w = _smoothing_block(weight_ptr, offsets, mask, x, HAS_WEIGHT, ACC)
+            sum_wx += block_wx
+            sum_w += block_w
 
     lse = tl.where(running_max == neg_inf, neg_inf, running_max + tl.log(sum_exp)).to(ACC)
     # Only a row with a valid target reads one: with 0 classes there is no
@@ -225,25 +326,18 @@ def _cross_entropy_rows_kernel(
     tl.store(loss_ptr + row, loss)
 
     if WRITE_GRAD:
-        scale = tl.load(grad_scale_ptr).to(ACC)
         # 0 for ignored rows, NaN for bad targets, else the gradient's scale.
         row_scale = tl.where(valid, scale, 0.0)
         row_scale = tl.where(valid & ~in_range, nan, row_scale)
         grad_row_ptr = grad_ptr + n * grad_outer_stride + i * grad_inner_stride
-        if SINGLE:
-            g = _gradient_block(x_row, cols, row_mask, weight_ptr, lse, coef, eps, classes, safe_target, w_t,
+        for start in range(0, classes, BLOCK):
+            offsets = start + cols
+            mask = offsets < classes
+            x = tl.load(row_ptr + offsets.to(tl.int64) * class_stride, mask=mask, other=0.0).to(ACC)
+            g = _gradient_block(x, offsets, mask, weight_ptr, lse, coef, eps, classes, safe_target, w_t,
                                 valid, in_range, row_scale, HAS_WEIGHT, SMOOTHING, ACC)
-            tl.store(grad_row_ptr + cols.to(tl.int64) * grad_class_stride, g.to(grad_ptr.dtype.element_ty),
-                     mask=row_mask)
-        else:
-            for start in range(0, classes, BLOCK):
-                offsets = start + cols
-                mask = offsets < classes
-                x = tl.load(row_ptr + offsets.to(tl.int64) * class_stride, mask=mask, other=0.0).to(ACC)
-                g = _gradient_block(x, offsets, mask, weight_ptr, lse, coef, eps, classes, safe_target, w_t,
-                                    valid, in_range, row_scale, HAS_WEIGHT, SMOOTHING, ACC)
-                tl.store(grad_row_ptr + offsets.to(tl.int64) * grad_class_stride,
-                         g.to(grad_ptr.dtype.element_ty), mask=mask)
+            tl.store(grad_row_ptr + offsets.to(tl.int64) * grad_class_stride,
+                     g.to(grad_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -366,14 +460,16 @@ def cross_entropy_rows_triton(logits, target, weight, grad, grad_scale, ignore_i
             PIECES=triton.next_power_of_2(splits), **tuning.launch_options(config),
         )
         return loss
-    _cross_entropy_rows_kernel[(rows,)](
+    single, per_program, persistent, programs = _row_grid(config, classes, rows, logits.device)
+    _cross_entropy_rows_kernel[(programs,)](
         logits, target, weight if weight is not None else logits, grad_arg, grad_scale, loss,
-        classes, n_inner,
+        rows, classes, n_inner,
         logits.stride(0), logits.stride(1), logits.stride(2),
         grad_strides[0], grad_strides[1], grad_strides[2],
         ignore_index, eps_tensor,
         HAS_WEIGHT=weight is not None, SMOOTHING=eps > 0.0, WRITE_GRAD=write_grad,
-        SINGLE=classes <= config["BLOCK"], BLOCK=config["BLOCK"], **tuning.launch_options(config),
+        SINGLE=single, BLOCK=config["BLOCK"], ROWS=per_program, PERSISTENT=persistent,
+        **tuning.launch_options(config),
     )
     return loss
 
@@ -575,8 +671,14 @@ def cross_entropy_soft_chunk_grad_triton(logits, probs, prob_weight, class_term,
 
 # -- kernel report ---------------------------------------------------------------
 
-# benchmarks/bench_cross_entropy.py's GPU shapes (rows, classes)
+# benchmarks/bench_cross_entropy.py's GPU shapes (rows, classes), and short
+# rows held whole several to a program (compiled here, not yet a GPU bench
+# shape: the bench step's budget). 1024 classes, not ImageNet's 1000:
+# Triton's launcher marks a row stride as aligned only when it is a
+# multiple of 16, so rows of 1000 classes load one element at a time in
+# this kernel, with or without ROWS.
 BENCHMARK_SHAPES = ((16384, 131072), (8192, 32000))
+SHORT_ROWS_SHAPE = (65536, 1024)
 REPORT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -596,14 +698,23 @@ _WALKING_REREAD = ("the walking path with a gradient, which a row longer than MA
                    "MAX_SPLITS pieces or under a tuned configuration without split (the benchmark rows are split): "
                    "its gradient pass reads the row again")
 _PARTIALS = "a row's per-piece partials, at most MAX_SPLITS values each: not bandwidth-bound"
+# Rows several to a program: what comes one value per row (which a single
+# row loads or stores once, from no thread in particular) is one value per
+# thread's row, below 0.01 byte per logit.
+_PER_ROW = {"target_ptr": "a row's target and the logit and class weight it picks: one element per row",
+            "loss_ptr": "one loss per row"}
 
 
-def _arguments(dtype: torch.dtype, classes: int, has_weight: bool, write_grad: bool) -> dict:
-    """The rows kernels' arguments for contiguous (rows, classes) logits seen as (rows, classes, 1)."""
+def _arguments(dtype: torch.dtype, classes: int, has_weight: bool, write_grad: bool, rows: int = 0) -> dict:
+    """The rows kernels' arguments for contiguous (rows, classes) logits seen
+    as (rows, classes, 1) (``rows``: the rows kernel's n_rows; the split
+    kernel has none)."""
     acc = accumulation_dtype(dtype)
     grad_strides = (classes, 1, 1) if write_grad else (0, 0, 0)
+    counted = dict(n_rows=rows) if rows else {}
     return dict(logits_ptr=dtype, target_ptr=torch.int64, weight_ptr=acc if has_weight else dtype, grad_ptr=dtype,
-                grad_scale_ptr=acc, loss_ptr=acc, classes=classes, inner=1, outer_stride=classes, class_stride=1,
+                grad_scale_ptr=acc, loss_ptr=acc, **counted, classes=classes, inner=1, outer_stride=classes,
+                class_stride=1,
                 inner_stride=1, grad_outer_stride=grad_strides[0], grad_class_stride=grad_strides[1],
                 grad_inner_stride=grad_strides[2], ignore_index=-100, eps_ptr=acc)
 
@@ -619,9 +730,9 @@ def kernel_specialisations():
         acc = accumulation_dtype(dtype)
         size = dtype.itemsize
         seen = set()
-        for rows, classes in BENCHMARK_SHAPES:
+        for rows, classes in (*BENCHMARK_SHAPES, SHORT_ROWS_SHAPE):
             for write_grad in (True, False):
-                config = _rows_heuristic(classes, write_grad)
+                config = _rows_heuristic(classes, write_grad, size)
                 block, warps = config["BLOCK"], config["num_warps"]
                 if config.get("split"):
                     splits = triton.cdiv(classes, block)
@@ -638,21 +749,29 @@ def kernel_specialisations():
                                                   PIECES=pieces), warps, label,
                                              *bytes_per_element(size, True, True), {"partial_ptr": _PARTIALS})
                     # the walking path of a tuned configuration without split
-                    config = _rows_heuristic(classes, False)
+                    config = _rows_heuristic(classes, False, size)
                     block, warps = config["BLOCK"], config["num_warps"]
                 single = classes <= block
-                if (block, warps, single, write_grad) in seen:
-                    continue
-                seen.add((block, warps, single, write_grad))
-                for has_weight, smoothing in _BRANCHES:
-                    label = (f"{str(dtype)[6:]} {rows}x{classes} BLOCK={block}{'' if single else ' walking'}"
-                             f"{' grad' if write_grad else ''}{' weight' if has_weight else ''}"
-                             f"{' smoothing' if smoothing else ''}")
-                    reread = _WALKING_REREAD if write_grad and not single else ""
-                    yield KernelSpec(_cross_entropy_rows_kernel, _arguments(dtype, classes, has_weight, write_grad),
-                                     dict(HAS_WEIGHT=has_weight, SMOOTHING=smoothing, WRITE_GRAD=write_grad,
-                                          SINGLE=single, BLOCK=block), warps, label,
-                                     *bytes_per_element(size, write_grad, single), reread=reread)
+                per_program = config.get("ROWS", 1)
+                # rows several to a program also as a persistent grid (the
+                # sweep's candidate), so its code is checked as well
+                for persistent in (False, True) if per_program > 1 else (False,):
+                    if (block, warps, single, write_grad, per_program, persistent) in seen:
+                        continue
+                    seen.add((block, warps, single, write_grad, per_program, persistent))
+                    for has_weight, smoothing in _BRANCHES:
+                        label = (f"{str(dtype)[6:]} {rows}x{classes} BLOCK={block}{'' if single else ' walking'}"
+                                 + (f" ROWS={per_program}" if per_program > 1 else "")
+                                 + (" persistent" if persistent else "")
+                                 + f"{' grad' if write_grad else ''}{' weight' if has_weight else ''}"
+                                 f"{' smoothing' if smoothing else ''}")
+                        reread = _WALKING_REREAD if write_grad and not single else ""
+                        yield KernelSpec(_cross_entropy_rows_kernel,
+                                         _arguments(dtype, classes, has_weight, write_grad, rows),
+                                         dict(HAS_WEIGHT=has_weight, SMOOTHING=smoothing, WRITE_GRAD=write_grad,
+                                              SINGLE=single, BLOCK=block, ROWS=per_program, PERSISTENT=persistent),
+                                         warps, label, *bytes_per_element(size, write_grad, single),
+                                         _PER_ROW if per_program > 1 else {}, reread=reread)
     yield from _chunk_specialisations()
 
 

@@ -50,6 +50,15 @@ TARGET_PROGRAMS = 528
 
 # Contiguous rows shorter than this are reduced 64 rows per program.
 SHORT_ROW = 64
+# Neither softmax's rows per program nor its persistent grid is added here.
+# This kernel already takes several outputs a program (BLOCK_I adjacent
+# outputs; 64 short rows through _tile_view) and sizes its grid itself when
+# outputs are few (the split, about TARGET_PROGRAMS); at the benchmark shape
+# a row is 16384 values, 32 KiB of bf16 a program, past the 16 KiB that
+# tuning.rows_per_program aims at. A persistent loop would not overlap a
+# program's next tile with its reductions: Triton keeps plain loads in such
+# loops (tuning.PERSISTENT_PROGRAMS says how that was seen). Rows of 64 to
+# 2K values still get a program each: no benchmark shape has them yet.
 
 _PARTIAL = {"sum": 0, "mean": 0, "norm": 1, "var": 2, "std": 2}
 
@@ -156,16 +165,16 @@ def _config(outer: int, reduced: int, inner: int, partial: int = 0, dtype: torch
     configuration of this launch (``_core/tuning.py``), else the heuristic.
     Any configuration is correct: the split count is what ``splits`` rows
     per split, rounded to whole tiles, come to."""
-    config = tuning.lookup("reductions", device, _launcher(partial), dtype, outer, reduced, inner)
-    if config is None:
-        config = _heuristic(outer, reduced, inner)
+    found = tuning.lookup("reductions", device, _launcher(partial), dtype, outer, reduced, inner)
+    config = found if found is not None else _heuristic(outer, reduced, inner)
+    tuning.note("reductions", _launcher(partial), dtype, (outer, reduced, inner), config, found is not None)
     block_r = config["BLOCK_R"]
     rows_per_split = triton.cdiv(triton.cdiv(reduced, config["splits"]), block_r) * block_r
     splits = triton.cdiv(reduced, rows_per_split)
     return block_r, config["BLOCK_I"], splits, rows_per_split, tuning.launch_options(config)
 
 
-def tuning_candidates(launcher: str, sizes: tuple[int, ...]) -> list[dict]:
+def tuning_candidates(launcher: str, sizes: tuple[int, ...], dtype: torch.dtype) -> list[dict]:
     """What benchmarks/tune.py times for ``reduce_triton`` at these (outer,
     reduced, inner) sizes (as the kernel walks them, ``_tile_view``): the
     heuristic and its neighbours (tile rows and columns, warps, and the

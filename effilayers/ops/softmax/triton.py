@@ -131,11 +131,11 @@ def _finite_shift(maximum):
 
 
 @triton.jit
-def _softmax_in_registers(z, LOG: tl.constexpr):
-    """(Log-)softmax along axis 0 of values held in registers (-inf outside the row)."""
-    shift = _finite_shift(tl.max(z, axis=0))
+def _softmax_in_registers(z, LOG: tl.constexpr, AXIS: tl.constexpr):
+    """(Log-)softmax along ``AXIS`` of values held in registers (-inf outside the row)."""
+    shift = tl.expand_dims(_finite_shift(tl.max(z, axis=AXIS)), AXIS)
     exps = tl.exp(z - shift)
-    total = tl.sum(exps, axis=0)
+    total = tl.expand_dims(tl.sum(exps, axis=AXIS), AXIS)
     safe_total = tl.where(total == 0, 1.0, total)  # no 0/0 or log(0) even in discarded lanes
     if LOG:
         result = tl.where(total == 0, float("-inf"), (z - shift) - tl.log(safe_total))
@@ -175,12 +175,12 @@ def _online_result(z, shift, total, log_total, inverse, LOG: tl.constexpr):
 
 
 @triton.jit
-def _grad_total(g, y, LOG: tl.constexpr):
-    """sum(g) for log-softmax, sum(g * y) for softmax, along axis 0."""
+def _grad_total(g, y, LOG: tl.constexpr, AXIS: tl.constexpr):
+    """sum(g) for log-softmax, sum(g * y) for softmax, along ``AXIS``."""
     if LOG:
-        total = tl.sum(g, axis=0)
+        total = tl.sum(g, axis=AXIS)
     else:
-        total = tl.sum(g * y, axis=0)
+        total = tl.sum(g * y, axis=AXIS)
     return total
 
 
@@ -219,25 +219,59 @@ def _masked_scores(x_row, mask_row, cols, n_cols, x_col_stride, mask_col_stride,
 
 
 @triton.jit
-def _row_forward(x_ptr, mask_ptr, out_ptr, size1, size2,
+def _forward_rows(first, n_rows, x_ptr, mask_ptr, out_ptr, size1, size2,
+                  sx0, sx1, sx2, sx3, sm0, sm1, sm2, sm3, so0, so1, so2, so3, n_cols, scale,
+                  MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, LOG: tl.constexpr, ACC: tl.constexpr,
+                  SECTOR: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """Rows ``first`` to ``first + ROWS - 1`` of a (size0, size1, size2,
+    n_cols) view (dim 2 is the causal row), one per line of a [ROWS, BLOCK]
+    block, each reduced along its line. A line past the last row reads the
+    last row again and writes nothing. (A row count folded into each line's
+    length, ``where(row < n_rows, n_cols, 0)``, made Triton 3.9 split every
+    access into 16-bit ones; masks and-ed with the row test stay 128 bits.)"""
+    rows = first + tl.arange(0, ROWS).to(tl.int64)
+    read = tl.minimum(rows, n_rows - 1)
+    i2 = read % size2
+    i1 = (read // size2) % size1
+    i0 = read // (size2 * size1)
+    lanes = tl.arange(0, BLOCK).to(tl.int64)[None, :]
+    z = _masked_scores((x_ptr + i0 * sx0 + i1 * sx1 + i2 * sx2)[:, None],
+                       (mask_ptr + i0 * sm0 + i1 * sm1 + i2 * sm2)[:, None], lanes, n_cols, sx3, sm3, i2[:, None],
+                       scale, MASK_KIND, CAUSAL, ACC, SECTOR)
+    result = _softmax_in_registers(z, LOG, 1)
+    out = (out_ptr + i0 * so0 + i1 * so1 + i2 * so2)[:, None] + lanes * so3
+    tl.store(out, result.to(out_ptr.dtype.element_ty), mask=(lanes < n_cols) & (rows < n_rows)[:, None])
+
+
+@triton.jit
+def _row_forward(x_ptr, mask_ptr, out_ptr, n_rows, size1, size2,
                  sx0, sx1, sx2, sx3, sm0, sm1, sm2, sm3, so0, so1, so2, so3,
                  n_cols, scale,
                  MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, LOG: tl.constexpr, SINGLE: tl.constexpr,
-                 ACC: tl.constexpr, SECTOR: tl.constexpr, BLOCK: tl.constexpr):
-    # Row pid of a (size0, size1, size2, n_cols) view; dim 2 is the causal row.
-    pid = tl.program_id(0).to(tl.int64)
-    i2 = pid % size2
-    i1 = (pid // size2) % size1
-    i0 = pid // (size2 * size1)
-    x_row = x_ptr + i0 * sx0 + i1 * sx1 + i2 * sx2
-    mask_row = mask_ptr + i0 * sm0 + i1 * sm1 + i2 * sm2
-    out_row = out_ptr + i0 * so0 + i1 * so1 + i2 * so2
-    lanes = tl.arange(0, BLOCK).to(tl.int64)
+                 ACC: tl.constexpr, SECTOR: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                 PERSISTENT: tl.constexpr):
+    # Rows held whole (SINGLE) come ROWS to a program: program p owns row
+    # block p, or under PERSISTENT (a grid of a few programs per SM) blocks
+    # p, p + programs, ... A longer row has a program of its own (ROWS 1).
     if SINGLE:
-        z = _masked_scores(x_row, mask_row, lanes, n_cols, sx3, sm3, i2, scale, MASK_KIND, CAUSAL, ACC, SECTOR)
-        result = _softmax_in_registers(z, LOG)
-        tl.store(out_row + lanes * so3, result.to(out_ptr.dtype.element_ty), mask=lanes < n_cols)
+        if PERSISTENT:
+            for first in range(tl.program_id(0).to(tl.int64) * ROWS, n_rows, tl.num_programs(0) * ROWS):
+                _forward_rows(first, n_rows, x_ptr, mask_ptr, out_ptr, size1, size2, sx0, sx1, sx2, sx3,
+                              sm0, sm1, sm2, sm3, so0, so1, so2, so3, n_cols, scale,
+                              MASK_KIND, CAUSAL, LOG, ACC, SECTOR, BLOCK, ROWS)
+        else:
+            _forward_rows(tl.program_id(0).to(tl.int64) * ROWS, n_rows, x_ptr, mask_ptr, out_ptr, size1, size2,
+                          sx0, sx1, sx2, sx3, sm0, sm1, sm2, sm3, so0, so1, so2, so3, n_cols, scale,
+                          MASK_KIND, CAUSAL, LOG, ACC, SECTOR, BLOCK, ROWS)
     else:
+        pid = tl.program_id(0).to(tl.int64)
+        i2 = pid % size2
+        i1 = (pid // size2) % size1
+        i0 = pid // (size2 * size1)
+        x_row = x_ptr + i0 * sx0 + i1 * sx1 + i2 * sx2
+        mask_row = mask_ptr + i0 * sm0 + i1 * sm1 + i2 * sm2
+        out_row = out_ptr + i0 * so0 + i1 * so1 + i2 * so2
+        lanes = tl.arange(0, BLOCK).to(tl.int64)
         lane_max = tl.full([BLOCK], float("-inf"), ACC)
         lane_sum = tl.zeros([BLOCK], ACC)
         for start in range(0, n_cols, BLOCK):
@@ -308,7 +342,7 @@ def _tile_forward(x_ptr, out_ptr, reduced, inner, inner_blocks,
     if SINGLE:
         inside = (rows[:, None] < reduced) & column_ok[None, :]
         z = tl.load(x_base + rows[:, None] * sxr, mask=inside, other=float("-inf")).to(ACC)
-        result = _softmax_in_registers(z, LOG)
+        result = _softmax_in_registers(z, LOG, 0)
         tl.store(out_base + rows[:, None] * sor, result.to(out_ptr.dtype.element_ty), mask=inside)
     else:
         lane_max = tl.full([BLOCK_R, BLOCK_I], float("-inf"), ACC)
@@ -328,21 +362,42 @@ def _tile_forward(x_ptr, out_ptr, reduced, inner, inner_blocks,
 
 
 @triton.jit
-def _row_backward(g_ptr, y_ptr, out_ptr, sgo, sgr, syo, syr, soo, sor, n_cols, scale,
-                  LOG: tl.constexpr, SINGLE: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    g_row = g_ptr + pid * sgo
-    y_row = y_ptr + pid * syo
-    out_row = out_ptr + pid * soo
-    lanes = tl.arange(0, BLOCK).to(tl.int64)
+def _backward_rows(first, n_rows, g_ptr, y_ptr, out_ptr, sgo, sgr, syo, syr, soo, sor, n_cols, scale,
+                   LOG: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """The gradient of rows ``first`` to ``first + ROWS - 1``, held whole,
+    one per line of a [ROWS, BLOCK] block (a line past the last row: as
+    _forward_rows)."""
+    rows = first + tl.arange(0, ROWS).to(tl.int64)
+    read = tl.minimum(rows, n_rows - 1)
+    lanes = tl.arange(0, BLOCK).to(tl.int64)[None, :]
+    inside = lanes < n_cols
+    g = tl.load((g_ptr + read * sgo)[:, None] + lanes * sgr, mask=inside, other=0.0).to(ACC)
+    y = tl.load((y_ptr + read * syo)[:, None] + lanes * syr, mask=inside, other=0.0).to(ACC)
+    total = tl.expand_dims(_grad_total(g, y, LOG, 1), 1)
+    result = _input_grad(g, y, total, scale, LOG)
+    tl.store((out_ptr + rows * soo)[:, None] + lanes * sor, result.to(out_ptr.dtype.element_ty),
+             mask=inside & (rows < n_rows)[:, None])
+
+
+@triton.jit
+def _row_backward(g_ptr, y_ptr, out_ptr, n_rows, sgo, sgr, syo, syr, soo, sor, n_cols, scale,
+                  LOG: tl.constexpr, SINGLE: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr,
+                  ROWS: tl.constexpr, PERSISTENT: tl.constexpr):
+    # _row_forward's scheme: ROWS whole rows a program, or a persistent grid.
     if SINGLE:
-        inside = lanes < n_cols
-        g = tl.load(g_row + lanes * sgr, mask=inside, other=0.0).to(ACC)
-        y = tl.load(y_row + lanes * syr, mask=inside, other=0.0).to(ACC)
-        total = _grad_total(g, y, LOG)
-        result = _input_grad(g, y, total, scale, LOG)
-        tl.store(out_row + lanes * sor, result.to(out_ptr.dtype.element_ty), mask=inside)
+        if PERSISTENT:
+            for first in range(tl.program_id(0).to(tl.int64) * ROWS, n_rows, tl.num_programs(0) * ROWS):
+                _backward_rows(first, n_rows, g_ptr, y_ptr, out_ptr, sgo, sgr, syo, syr, soo, sor, n_cols, scale,
+                               LOG, ACC, BLOCK, ROWS)
+        else:
+            _backward_rows(tl.program_id(0).to(tl.int64) * ROWS, n_rows, g_ptr, y_ptr, out_ptr, sgo, sgr, syo, syr,
+                           soo, sor, n_cols, scale, LOG, ACC, BLOCK, ROWS)
     else:
+        pid = tl.program_id(0).to(tl.int64)
+        g_row = g_ptr + pid * sgo
+        y_row = y_ptr + pid * syo
+        out_row = out_ptr + pid * soo
+        lanes = tl.arange(0, BLOCK).to(tl.int64)
         partial = tl.zeros([BLOCK], ACC)
         for start in range(0, n_cols, BLOCK):
             cols = start + lanes
@@ -377,7 +432,7 @@ def _row_backward_split(g_ptr, y_ptr, out_ptr, work_ptr, partial_ptr, sgo, sgr, 
     g = tl.load(g_row + cols * sgr, mask=inside, other=0.0).to(ACC)
     y = tl.load(y_row + cols * syr, mask=inside, other=0.0).to(ACC)
     partials = partial_ptr + row * splits
-    tl.store(partials + piece, _grad_total(g, y, LOG))
+    tl.store(partials + piece, _grad_total(g, y, LOG, 0))
     pieces = tl.arange(0, PIECES)
     if wait_for_pieces(work_ptr + 1 + row, splits, spin):
         sums = tl.load(partials + pieces, mask=pieces < splits, other=0.0, volatile=True)
@@ -388,7 +443,7 @@ def _row_backward_split(g_ptr, y_ptr, out_ptr, work_ptr, partial_ptr, sgo, sgr, 
             other_inside = other_cols < n_cols
             other_g = tl.load(g_row + other_cols * sgr, mask=other_inside, other=0.0).to(ACC)
             other_y = tl.load(y_row + other_cols * syr, mask=other_inside, other=0.0).to(ACC)
-            sums = tl.where(pieces == other, _grad_total(other_g, other_y, LOG), sums)
+            sums = tl.where(pieces == other, _grad_total(other_g, other_y, LOG, 0), sums)
         # the piece again, so its values need no registers during the loop
         g = tl.load(g_row + cols * sgr, mask=inside, other=0.0).to(ACC)
         y = tl.load(y_row + cols * syr, mask=inside, other=0.0).to(ACC)
@@ -409,7 +464,7 @@ def _tile_backward(g_ptr, y_ptr, out_ptr, reduced, inner, inner_blocks,
         inside = (rows[:, None] < reduced) & column_ok[None, :]
         g = tl.load(g_base + rows[:, None] * sgr, mask=inside, other=0.0).to(ACC)
         y = tl.load(y_base + rows[:, None] * syr, mask=inside, other=0.0).to(ACC)
-        total = _grad_total(g, y, LOG)
+        total = _grad_total(g, y, LOG, 0)
         result = _input_grad(g, y, total, scale, LOG)
         tl.store(out_base + rows[:, None] * sor, result.to(out_ptr.dtype.element_ty), mask=inside)
     else:
@@ -455,11 +510,19 @@ def _tile_blocks(reduced: int, inner: int) -> tuple[int, int, bool]:
     return max(1, MAX_TILE // block_i // 2), block_i, False
 
 
-def _row_heuristic(n_cols: int) -> dict:
+def _row_heuristic(n_cols: int, element_size: int) -> dict:
     block, single = _row_block(n_cols)
     if not single and split_count(n_cols, SPLIT_BLOCK, 1):
         return {"BLOCK": SPLIT_BLOCK, "num_warps": _row_warps(SPLIT_BLOCK), "split": True}
-    return {"BLOCK": block, "num_warps": _row_warps(block)}
+    rows = tuning.rows_per_program(block, element_size) if single else 1
+    config = {"BLOCK": block, "num_warps": _row_warps(block * rows)}
+    return dict(config, ROWS=rows) if rows > 1 else config
+
+
+def _row_grid(config: dict, n_cols: int, rows: int, device: torch.device) -> tuple[bool, int, bool, int]:
+    """(SINGLE, ROWS, PERSISTENT, programs) of a one-program row launch."""
+    single = n_cols <= config["BLOCK"]
+    return (single, *tuning.row_grid(config, single, rows, device))
 
 
 def _split_count(config: dict, n_cols: int, rows: int) -> int:
@@ -484,24 +547,32 @@ def _config(launcher: str, dtype: torch.dtype, device: torch.device, *sizes: int
     heuristic. Any configuration is correct: a row or tile column takes the
     one-block path exactly when the block covers it."""
     found = tuning.lookup("softmax", device, launcher, dtype, *sizes)
-    if found is not None:
-        return found
-    return _row_heuristic(*sizes) if launcher.startswith("row") else _tile_heuristic(*sizes)
+    config = found
+    if found is None:
+        config = _row_heuristic(*sizes, dtype.itemsize) if launcher.startswith("row") else _tile_heuristic(*sizes)
+    tuning.note("softmax", launcher, dtype, sizes, config, found is not None)
+    return config
 
 
-def tuning_candidates(launcher: str, sizes: tuple[int, ...]) -> list[dict]:
+def tuning_candidates(launcher: str, sizes: tuple[int, ...], dtype: torch.dtype) -> list[dict]:
     """What benchmarks/tune.py times for this launcher at these sizes: the
     heuristic and its neighbours (block halved or doubled, up to the row;
-    warps halved or doubled; 1 or 2 stages where the block loops)."""
+    rows per program halved or doubled and a persistent grid where the row
+    is held whole; warps halved or doubled; 1 or 2 stages where the block
+    loops)."""
     if launcher.startswith("row"):
         (n_cols,) = sizes
-        heuristic = _row_heuristic(n_cols)
+        heuristic = _row_heuristic(n_cols, dtype.itemsize)
         widest = triton.next_power_of_2(n_cols)
         loops = heuristic["BLOCK"] < n_cols and not heuristic.get("split")
         variations = {"BLOCK": [b for b in (heuristic["BLOCK"] // 2, heuristic["BLOCK"] * 2) if 256 <= b <= widest]}
         if heuristic.get("split"):  # the split row against the one-program two-pass path
             variations["split"] = [False]
-        elements = lambda config: config["BLOCK"]  # noqa: E731
+        elif heuristic["BLOCK"] >= n_cols:
+            rows = heuristic.get("ROWS", 1)
+            variations["ROWS"] = [r for r in (rows // 2, rows * 2) if r >= 1]
+            variations["persistent"] = [tuning.PERSISTENT_PROGRAMS]
+        elements = lambda config: config["BLOCK"] * config.get("ROWS", 1)  # noqa: E731
     else:
         reduced, inner = sizes
         heuristic = _tile_heuristic(reduced, inner)
@@ -533,11 +604,13 @@ def _launch_row_forward(x, mask, out, sizes, x_strides, mask_strides, out_stride
             BLOCK=config["BLOCK"], PIECES=triton.next_power_of_2(splits), **tuning.launch_options(config),
         )
         return
-    _row_forward[(rows,)](
-        x, mask if mask is not None else x, out, sizes[1], sizes[2],
+    single, per_program, persistent, programs = _row_grid(config, n_cols, rows, x.device)
+    _row_forward[(programs,)](
+        x, mask if mask is not None else x, out, rows, sizes[1], sizes[2],
         *x_strides, *mask_strides, *out_strides, n_cols, scale,
-        MASK_KIND=mask_kind, CAUSAL=causal, LOG=log, SINGLE=n_cols <= config["BLOCK"], ACC=acc,
-        SECTOR=_sector(x.element_size()), BLOCK=config["BLOCK"], **tuning.launch_options(config),
+        MASK_KIND=mask_kind, CAUSAL=causal, LOG=log, SINGLE=single, ACC=acc,
+        SECTOR=_sector(x.element_size()), BLOCK=config["BLOCK"], ROWS=per_program, PERSISTENT=persistent,
+        **tuning.launch_options(config),
     )
 
 
@@ -588,10 +661,11 @@ def softmax_backward(grad: torch.Tensor, output: torch.Tensor, dim: int, log: bo
                 **tuning.launch_options(config),
             )
             return out
-        _row_backward[(yg.outer,)](
-            g, y, out, gg.outer_stride, gg.reduced_stride, yg.outer_stride, yg.reduced_stride,
+        single, per_program, persistent, programs = _row_grid(config, yg.reduced, yg.outer, output.device)
+        _row_backward[(programs,)](
+            g, y, out, yg.outer, gg.outer_stride, gg.reduced_stride, yg.outer_stride, yg.reduced_stride,
             og.outer_stride, og.reduced_stride, yg.reduced, float(scale),
-            LOG=log, SINGLE=yg.reduced <= config["BLOCK"], ACC=acc, BLOCK=config["BLOCK"],
+            LOG=log, SINGLE=single, ACC=acc, BLOCK=config["BLOCK"], ROWS=per_program, PERSISTENT=persistent,
             **tuning.launch_options(config),
         )
         return out
@@ -720,7 +794,7 @@ _PARTIALS = "a row's per-piece partials, at most MAX_SPLITS values: not bandwidt
 def _split_specs(dtype: torch.dtype, n_cols: int, seen: set):
     """The split kernels for rows of ``n_cols`` (``_row_heuristic``): each
     value read once, its result written once, as a perfect kernel must."""
-    config = _row_heuristic(n_cols)
+    config = _row_heuristic(n_cols, dtype.itemsize)
     block, warps = config["BLOCK"], config["num_warps"]
     splits = triton.cdiv(n_cols, block)
     pieces = triton.next_power_of_2(splits)
@@ -745,6 +819,31 @@ def _split_specs(dtype: torch.dtype, n_cols: int, seen: set):
                          label, *bytes_per_element("backward", size, True, log), {"partial_ptr": _PARTIALS})
 
 
+def _row_specs(dtype: torch.dtype, n_cols: int, block: int, single: bool, per_program: int, persistent: bool):
+    """The one-program row kernels at rows of ``n_cols``, forward and
+    backward, softmax and log-softmax, over the bench's 2**27 values."""
+    size, acc = dtype.itemsize, _acc(dtype)
+    rows = 2**27 // n_cols
+    warps = _row_warps(block * per_program)
+    shape = f"cols={n_cols} BLOCK={block}" + (f" ROWS={per_program}" if per_program > 1 else "") + \
+        (" persistent" if persistent else "") + ("" if single else " online")
+    reread = "" if single else _ONLINE_REREAD
+    flags = dict(SINGLE=single, ACC=acc, BLOCK=block, ROWS=per_program, PERSISTENT=persistent)
+    for log in (False, True):
+        config = f"{str(dtype)[6:]} {shape}" + (" log" if log else "")
+        # a contiguous (rows, n_cols) tensor, as the launcher passes it
+        forward = dict(x_ptr=dtype, mask_ptr=dtype, out_ptr=dtype, n_rows=rows, size1=1, size2=1, sx0=n_cols,
+                       sx1=0, sx2=0, sx3=1, sm0=0, sm1=0, sm2=0, sm3=0, so0=n_cols, so1=0, so2=0, so3=1,
+                       n_cols=n_cols, scale=1.0)
+        yield KernelSpec(_row_forward, forward, dict(MASK_KIND=0, CAUSAL=False, LOG=log, SECTOR=_sector(size),
+                                                     **flags),
+                         warps, config, *bytes_per_element("forward", size, single, log), reread=reread)
+        backward = dict(g_ptr=dtype, y_ptr=dtype, out_ptr=dtype, n_rows=rows, sgo=n_cols, sgr=1, syo=n_cols, syr=1,
+                        soo=n_cols, sor=1, n_cols=n_cols, scale=1.0)
+        yield KernelSpec(_row_backward, backward, dict(LOG=log, **flags), warps, config,
+                         *bytes_per_element("backward", size, single, log), reread=reread)
+
+
 def kernel_specialisations():
     """Every (kernel, dtype, configuration) the launchers pick at the
     benchmark shapes, through the launchers' own block and warp choices
@@ -755,31 +854,19 @@ def kernel_specialisations():
         seen = set()
         for n_cols in BENCHMARK_ROWS:
             block, single = _row_block(n_cols)
-            if _row_heuristic(n_cols).get("split"):
+            if _row_heuristic(n_cols, size).get("split"):
                 yield from _split_specs(dtype, n_cols, seen)
                 # what a tuned configuration without "split" runs at this row
                 n_cols, single = ONLINE_BLOCK * 16, False
                 block = _row_block(n_cols)[0]
-            if (block, single) in seen:
-                continue
-            seen.add((block, single))
-            for log in (False, True):
-                config = f"{str(dtype)[6:]} cols={n_cols} BLOCK={block}{'' if single else ' online'}" + \
-                         (" log" if log else "")
-                # a contiguous (rows, n_cols) tensor, as the launcher passes it
-                forward = dict(x_ptr=dtype, mask_ptr=dtype, out_ptr=dtype, size1=1, size2=1, sx0=n_cols, sx1=0,
-                               sx2=0, sx3=1, sm0=0, sm1=0, sm2=0, sm3=0, so0=n_cols, so1=0, so2=0, so3=1,
-                               n_cols=n_cols, scale=1.0)
-                reread = "" if single else _ONLINE_REREAD
-                yield KernelSpec(_row_forward, forward, dict(MASK_KIND=0, CAUSAL=False, LOG=log, SINGLE=single,
-                                                             ACC=acc, SECTOR=_sector(size), BLOCK=block),
-                                 _row_warps(block), config, *bytes_per_element("forward", size, single, log),
-                                 reread=reread)
-                backward = dict(g_ptr=dtype, y_ptr=dtype, out_ptr=dtype, sgo=n_cols, sgr=1, syo=n_cols, syr=1,
-                                soo=n_cols, sor=1, n_cols=n_cols, scale=1.0)
-                yield KernelSpec(_row_backward, backward, dict(LOG=log, SINGLE=single, ACC=acc, BLOCK=block),
-                                 _row_warps(block), config, *bytes_per_element("backward", size, single, log),
-                                 reread=reread)
+            per_program = _row_heuristic(n_cols, size).get("ROWS", 1) if single else 1
+            # rows held whole several to a program also as a persistent grid
+            # (the sweep's candidate), so its code is checked as well
+            for persistent in (False, True) if per_program > 1 else (False,):
+                if (block, single, per_program, persistent) in seen:
+                    continue
+                seen.add((block, single, per_program, persistent))
+                yield from _row_specs(dtype, n_cols, block, single, per_program, persistent)
         outer, reduced, inner = BENCHMARK_TILE
         block_r, block_i, single = _tile_blocks(reduced, inner)
         inner_blocks = triton.cdiv(inner, block_i)
@@ -807,7 +894,10 @@ def kernel_specialisations():
         # are that share).
         batch, heads, length, _ = BENCHMARK_ATTENTION
         block, single = _row_block(length)
-        masked = dict(x_ptr=dtype, mask_ptr=torch.uint8, out_ptr=dtype, size1=heads, size2=length,
+        per_program = _row_heuristic(length, size).get("ROWS", 1) if single else 1
+        warps = _row_warps(block * per_program)
+        masked = dict(x_ptr=dtype, mask_ptr=torch.uint8, out_ptr=dtype, n_rows=batch * heads * length, size1=heads,
+                      size2=length,
                       sx0=heads * length * length, sx1=length * length, sx2=length, sx3=1, sm0=0, sm1=0, sm2=length,
                       sm3=1, so0=heads * length * length, so1=length * length, so2=length, so3=1, n_cols=length,
                       scale=length ** -0.5)
@@ -817,11 +907,18 @@ def kernel_specialisations():
         roofline = read * size + size + mask_once
         if not single:
             moved += read * size
-        mask_bytes = block // (32 * _row_warps(block))  # a thread's share of a row of one-byte mask values
+        # a thread's share of one row's one-byte mask values
+        mask_bytes = block * per_program // (32 * warps)
         narrow = {} if mask_bytes >= 16 else {
-            "mask_ptr": f"{mask_bytes} mask bytes per thread ({block} over {_row_warps(block)} warps): one "
+            "mask_ptr": f"{mask_bytes} mask bytes per thread ({per_program}x{block} over {warps} warps): one "
                         f"{8 * mask_bytes}-bit load is the whole share"}
+        if size == 4 and not narrow:
+            # what the report reads in the PTX: x's 128-bit loads in pairs
+            narrow = {"mask_ptr": "Triton lays a float32 row out in runs of 8 values a thread (two 128-bit loads "
+                                  "of x), so the mask of a run is one 64-bit load"}
         yield KernelSpec(_row_forward, masked, dict(MASK_KIND=1, CAUSAL=True, LOG=False, SINGLE=single, ACC=acc,
-                                                    SECTOR=_sector(size), BLOCK=block), _row_warps(block),
-                         f"{str(dtype)[6:]} causal+bool mask {'x'.join(map(str, BENCHMARK_ATTENTION))}",
+                                                    SECTOR=_sector(size), BLOCK=block, ROWS=per_program,
+                                                    PERSISTENT=False), warps,
+                         f"{str(dtype)[6:]} causal+bool mask {'x'.join(map(str, BENCHMARK_ATTENTION))}"
+                         + (f" ROWS={per_program}" if per_program > 1 else ""),
                          moved, roofline, narrow, reread="" if single else _reread("row", length, size))
