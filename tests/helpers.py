@@ -62,3 +62,17 @@ class NewStorages(TorchDispatchMode):
             if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() not in known:
                 self.allocated.append(x.untyped_storage().nbytes())
         return out
+
+
+class LaunchSpy:
+    """Stands in for a jitted Triton kernel: records each launch's grid and
+    keyword arguments, then launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((grid, kwargs))
+            return self.kernel[grid](*args, **kwargs)
+        return launch

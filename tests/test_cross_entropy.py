@@ -27,6 +27,7 @@ from .cross_entropy_cases import (
     ours,
     torch_expected,
 )
+from .helpers import LaunchSpy
 
 # --------------------------------------------------------------------------
 # Values against torch
@@ -141,7 +142,7 @@ def test_triton_rows_per_program(monkeypatch, config):
     with required_backend(OP, "triton", "cpu"):
         monkeypatch.setattr(kernels, "_rows_config",
                             lambda logits, write_grad: dict({"BLOCK": 32, "num_warps": 4}, **config))
-        spy = _Spy(kernels._cross_entropy_rows_kernel)
+        spy = LaunchSpy(kernels._cross_entropy_rows_kernel)
         monkeypatch.setattr(kernels, "_cross_entropy_rows_kernel", spy)
         cpu = torch.device("cpu")
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
@@ -167,18 +168,6 @@ def test_triton_rows_per_program(monkeypatch, config):
             assert any(kwargs["PERSISTENT"] for _, kwargs in launched)
             assert all(grid[0] == tuning.multiprocessors(cpu) for grid, kwargs in launched if kwargs["PERSISTENT"])
 
-
-class _Spy:
-    """Stands in for a jitted kernel: records each launch's grid and keyword arguments, then launches."""
-
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches.append((grid, kwargs))
-            return self.kernel[grid](*args, **kwargs)
-        return launch
 
 
 def test_subnormal_gradients_like_torch(ce_device):

@@ -14,6 +14,7 @@ from effilayers.functional import log_softmax, scaled_masked_softmax, softmax
 from effilayers.ops.softmax import reference as softmax_reference
 
 from .conftest import activate_backend, far_apart_rows, peak_rss_growth
+from .helpers import LaunchSpy
 from .softmax_cases import INTERPRETER_LIMITS, assert_matches, check_grad, expected, softmax_backend_fixture, varied
 
 backend = softmax_backend_fixture()
@@ -132,7 +133,7 @@ def test_triton_rows_per_program(monkeypatch, config):
         launched.append(found)
         return found
 
-    spies = {name: _Spy(getattr(kernels, name)) for name in ("_row_forward", "_row_backward")}
+    spies = {name: LaunchSpy(getattr(kernels, name)) for name in ("_row_forward", "_row_backward")}
     for name, spy in spies.items():
         monkeypatch.setattr(kernels, name, spy)
     monkeypatch.setattr(kernels, "_config", configured)
@@ -163,18 +164,6 @@ def test_triton_rows_per_program(monkeypatch, config):
     else:
         assert not persistent
 
-
-class _Spy:
-    """Stands in for a jitted kernel: records each launch's grid and keyword arguments, then launches."""
-
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches.append((grid, kwargs))
-            return self.kernel[grid](*args, **kwargs)
-        return launch
 
 
 @pytest.mark.parametrize("out_dtype", [None, torch.float32])

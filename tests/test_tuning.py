@@ -18,6 +18,8 @@ from effilayers.ops.cross_entropy import triton as cross_entropy_kernels
 from effilayers.ops.reductions import triton as reductions_kernels
 from effilayers.ops.softmax import triton as softmax_kernels
 
+from .helpers import LaunchSpy
+
 pytestmark = pytest.mark.skipif(tuning.arch(torch.device("cpu")) is None,
                                 reason="launches Triton kernels on the CPU: needs TRITON_INTERPRET=1")
 
@@ -28,19 +30,6 @@ def forget_tables():
     yield
     tuning.clear()
 
-
-class Spy:
-    """Stands in for a jitted kernel: records each launch's grid and keyword
-    arguments, then launches."""
-
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches.append((grid, kwargs))
-            return self.kernel[grid](*args, **kwargs)
-        return launch
 
 
 def _softmax(columns):
@@ -89,7 +78,7 @@ def test_a_merged_entry_is_launched_and_a_missing_one_falls_back(family, tmp_pat
     assert set(json.loads(table.read_text())["entries"]) == {"kept 1", key}
 
     monkeypatch.setattr(tuning, "_OPS", tmp_path)
-    spy = Spy(getattr(module, kernel))
+    spy = LaunchSpy(getattr(module, kernel))
     monkeypatch.setattr(module, kernel, spy)
     result = launch()
     torch.testing.assert_close(result.double(), expected, rtol=1e-5, atol=1e-6)
