@@ -92,29 +92,15 @@ struct ActArgs {
   Act which;
 };
 
-template <typename F>
-decltype(auto) with_transcendental(Act which, F&& f) {
-  switch (which) {
-    case Act::Silu:
-      return f(std::integral_constant<Act, Act::Silu>{});
-    case Act::Gelu:
-      return f(std::integral_constant<Act, Act::Gelu>{});
-    case Act::GeluTanh:
-      return f(std::integral_constant<Act, Act::GeluTanh>{});
-    case Act::Mish:
-      return f(std::integral_constant<Act, Act::Mish>{});
-    case Act::Sigmoid:
-      return f(std::integral_constant<Act, Act::Sigmoid>{});
-    case Act::Tanh:
-    default:
-      return f(std::integral_constant<Act, Act::Tanh>{});
-  }
+constexpr bool transcendental(Act a) {
+  return a == Act::Silu || a == Act::Gelu || a == Act::GeluTanh || a == Act::Mish || a == Act::Sigmoid ||
+         a == Act::Tanh;
 }
 
 template <Act A, typename T>
 inline T act_value(T y, T param, Act which) {
   if constexpr (A == kTranscendental) {
-    return with_transcendental(which, [&](auto a) { return activate<decltype(a)::value>(y, param); });
+    return with_activation(which, [&](auto a) { return activate<decltype(a)::value>(y, param); });
   } else {
     return activate<A>(y, param);
   }
@@ -123,38 +109,23 @@ inline T act_value(T y, T param, Act which) {
 template <Act A, typename T>
 inline T act_derivative(T y, T param, Act which) {
   if constexpr (A == kTranscendental) {
-    return with_transcendental(which, [&](auto a) { return derivative<decltype(a)::value>(y, param); });
+    return with_activation(which, [&](auto a) { return derivative<decltype(a)::value>(y, param); });
   } else {
     return derivative<A>(y, param);
   }
 }
 
-// with_activation for these kernels: the piecewise activations as
-// themselves, the transcendental ones as kTranscendental.
+// with_activation for these kernels: f sees a piecewise activation as
+// itself and every transcendental one as kTranscendental (one instantiation).
 template <typename F>
 void with_kernel_activation(Act act, F&& f) {
-  switch (act) {
-    case Act::Silu:
-    case Act::Gelu:
-    case Act::GeluTanh:
-    case Act::Mish:
-    case Act::Sigmoid:
-    case Act::Tanh:
-      return f(std::integral_constant<Act, kTranscendental>{});
-    case Act::LeakyRelu:
-      return f(std::integral_constant<Act, Act::LeakyRelu>{});
-    case Act::Elu:
-      return f(std::integral_constant<Act, Act::Elu>{});
-    case Act::Relu:
-      return f(std::integral_constant<Act, Act::Relu>{});
-    case Act::Hardswish:
-      return f(std::integral_constant<Act, Act::Hardswish>{});
-    case Act::Relu6:
-      return f(std::integral_constant<Act, Act::Relu6>{});
-    case Act::Identity:
-    default:
-      return f(std::integral_constant<Act, Act::Identity>{});
-  }
+  with_activation(act, [&](auto a) {
+    if constexpr (transcendental(decltype(a)::value)) {
+      f(std::integral_constant<Act, kTranscendental>{});
+    } else {
+      f(a);
+    }
+  });
 }
 
 template <typename T>
