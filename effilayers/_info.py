@@ -130,9 +130,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="compile every GPU kernel for sm_90 and sm_80 (no GPU needed) and report registers, "
                              "spills, shared memory and access widths; exit 1 on a failure, a spill or a narrow "
                              "access")
+    parser.add_argument("--target", action="append", choices=("sm_90", "sm_80"),
+                        help="with --kernels: compile for this target only (repeatable; default both)")
     args = parser.parse_args(argv)
     if args.failures and not args.selftest:
         parser.error("--failures goes with --selftest")
+    if args.target and not args.kernels:
+        parser.error("--target goes with --kernels")
     if args.selftest:
         from . import _selftest
 
@@ -140,7 +144,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.kernels:
         from . import _kernel_report
 
-        return _kernel_report.main(json_output=args.json)
+        targets = tuple(int(target[3:]) for target in args.target) if args.target else _kernel_report.TARGETS
+        return _kernel_report.main(json_output=args.json, targets=targets)
     if args.json:
         import json
 

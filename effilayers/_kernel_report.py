@@ -34,6 +34,7 @@ fewer arguments for it, which can fail a row but not pass a narrow one.
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import importlib
 import inspect
@@ -241,6 +242,7 @@ def _cubin_resources(cubin: bytes, ptx: str, capability: int) -> dict[str, int]:
             "spill_loads": spill_loads}
 
 
+@functools.lru_cache(maxsize=None)  # a worker process compiles many rows of one family
 def _family_specs(family: str) -> list[KernelSpec]:
     module = importlib.import_module(f"effilayers.ops.{family}.triton")
     return list(module.kernel_specialisations())
@@ -542,16 +544,20 @@ def triton_jobs(families: Optional[tuple[str, ...]] = None) -> list[tuple[str, i
             for index in range(len(_family_specs(family)))]
 
 
-def collect(jobs: int = 0, families: Optional[tuple[str, ...]] = None, cuda: bool = True) -> list[dict[str, Any]]:
-    """Every row of the report. ``jobs`` processes compile in parallel
-    (0: the CPU count, at most 8)."""
+def collect(jobs: int = 0, families: Optional[tuple[str, ...]] = None, cuda: bool = True,
+            targets: tuple[int, ...] = TARGETS) -> list[dict[str, Any]]:
+    """Every row of the report, for ``targets`` (compute capabilities).
+    ``jobs`` processes compile in parallel (0: the CPU count, at most 8)."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("the kernel report compiles real GPU code: run it without TRITON_INTERPRET=1")
     specs = {family: _family_specs(family) for family in (families or TRITON_FAMILIES)}
-    work = [(family, index, capability) for family, index in triton_jobs(families) for capability in TARGETS
+    unknown = set(targets) - set(TARGETS)
+    if unknown or not targets:
+        raise ValueError(f"targets must be a non-empty selection of {TARGETS}, got {targets}")
+    work = [(family, index, capability) for family, index in triton_jobs(families) for capability in targets
             if specs[family][index].targets is None or capability in specs[family][index].targets]
     workers = jobs or min(8, os.cpu_count() or 1)
-    cuda_targets = TARGETS if cuda else ()
+    cuda_targets = targets if cuda else ()
     if workers > 1:
         import multiprocessing
 
@@ -628,10 +634,10 @@ def summary(rows: list[dict[str, Any]]) -> str:
             f"{len(failing)} rows failing")
 
 
-def main(json_output: bool = False, jobs: int = 0) -> int:
+def main(json_output: bool = False, jobs: int = 0, targets: tuple[int, ...] = TARGETS) -> int:
     """Prints the report; 1 when a row fails it, 2 when it cannot run here."""
     try:
-        rows = collect(jobs=jobs)
+        rows = collect(jobs=jobs, targets=targets)
     except RuntimeError as error:
         print(f"python -m effilayers.info --kernels: {error}", file=sys.stderr)
         return 2

@@ -175,7 +175,7 @@ def test_exit_status_and_json(monkeypatch, capsys):
     spilling = dict(good, kernel="spiller", spill_stores=16, spill_loads=16)
 
     def fake_collect(rows):
-        def collect(jobs=0):
+        def collect(jobs=0, targets=_kernel_report.TARGETS):
             for row in rows:
                 row["problems"] = _kernel_report.problems(row)
             return rows
@@ -262,3 +262,12 @@ def test_cuda_compiles_are_kept_in_the_build_cache_by_their_sources(tmp_path, mo
     (csrc / "common" / "h.h").write_text("// two\n")
     assert _kernel_report._compile_cuda(flags, csrc, source) == first
     assert calls.read_text().count("run") == 2
+
+
+def test_target_selection_is_checked():
+    from effilayers._info import main
+
+    with pytest.raises(ValueError, match="non-empty selection"):
+        _kernel_report.collect(targets=(70,))
+    with pytest.raises(SystemExit):
+        main(["--target", "sm_90"])  # without --kernels
