@@ -27,11 +27,45 @@ REQUIRE_COMPILED = os.environ.get("EFFILAYERS_REQUIRE_COMPILED", "0") == "1"
 HAS_CUDA = torch.cuda.is_available()
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--each-value-once", action="store_true",
+        help="run each test function on a sample of its parametrizations: the fewest rows, taken in order, "
+             "in which every value of every parameter appears at least once with each backend (CI's torch 2.11 "
+             "environment, which checks the code against older torch and Triton APIs; the whole matrix runs "
+             "in the newest environment)")
+
+
 def pytest_collection_modifyitems(config, items):
+    if config.getoption("each_value_once"):
+        kept = _each_value_once(items)
+        if len(kept) < len(items):
+            config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+            items[:] = [item for item in items if item in kept]
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
+
+
+def _each_value_once(items) -> set:
+    """The rows that cover, per test function and backend param, every
+    (parameter, value) pair: a row is kept when it brings a pair not yet
+    seen. Deterministic, in collection order."""
+    seen, kept = set(), set()
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is None:
+            kept.add(item)
+            continue
+        backend = next((value for value in callspec.params.values()
+                        if isinstance(value, tuple) and len(value) == 2 and value[0] in RUNS_ON), None)
+        function = (item.path, item.originalname, repr(backend))
+        pairs = {(function, name, repr(value)) for name, value in callspec.params.items()}
+        if not pairs <= seen:
+            seen |= pairs
+            kept.add(item)
+    return kept
 
 
 # Where each backend's kernels run, in the order tests list them. Triton

@@ -398,6 +398,37 @@ def test_backend_params_list_no_kernel_an_op_lacks():
         backend_names("batch_stats", "cpu", without=["triton"])
 
 
+def test_each_value_once_keeps_every_value_of_every_parameter_per_backend():
+    """CI's torch 2.11 environment runs `--each-value-once`: per test function
+    and backend, the rows in which every parameter value appears once."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from .conftest import _each_value_once
+
+    class Row:  # a collected item's attributes the sampling reads (pytest items hash by identity)
+        def __init__(self, name, **params):
+            self.path, self.originalname = Path("test_x.py"), name
+            if params:
+                self.callspec = SimpleNamespace(params=params)
+
+
+    grid = [Row("test_a", device=backend, dtype=dtype, shape=shape)
+            for backend in (("cpp", "cpu"), ("reference", "cpu")) for dtype in ("f32", "f16")
+            for shape in (1, 2, 3)]
+    plain = Row("test_b")  # not parametrized: always kept
+    kept = _each_value_once([*grid, plain])
+    assert plain in kept
+    for backend in (("cpp", "cpu"), ("reference", "cpu")):
+        rows = [r for r in grid if r in kept and r.callspec.params["device"] == backend]
+        assert {r.callspec.params["dtype"] for r in rows} == {"f32", "f16"}
+        assert {r.callspec.params["shape"] for r in rows} == {1, 2, 3}
+        # (f32, 1), (f32, 2), (f32, 3) bring a new shape each, (f16, 1) brings f16
+        assert [(r.callspec.params["dtype"], r.callspec.params["shape"]) for r in rows] == [
+            ("f32", 1), ("f32", 2), ("f32", 3), ("f16", 1)]
+    assert len(kept) == 2 * 4 + 1
+
+
 def test_an_effilayers_warning_no_test_expects_fails_it():
     """pyproject's filterwarnings makes effilayers' own warnings errors in the
     suite (third-party ones are filtered there, each with its reason), so a
