@@ -33,9 +33,9 @@ def implementations():
     return names
 
 
-def cases():
+def cases(cpu_shapes=CPU_SHAPES):
     for device in devices():
-        shapes = CPU_SHAPES if device == "cpu" else GPU_SHAPES
+        shapes = cpu_shapes if device == "cpu" else GPU_SHAPES
         dtypes = [torch.float32] if device == "cpu" else [torch.float32, torch.bfloat16]
         for shape in shapes:
             for dtype in dtypes:
@@ -44,26 +44,27 @@ def cases():
                                        id=f"{device}-{'x'.join(map(str, shape))}-{str(dtype)[6:]}-{layout}")
 
 
-def build(implementation, channels):
+def build(implementation, channels, activation="leaky_relu"):
+    param = 0.01 if activation == "leaky_relu" else 0.0
     if implementation == "torch":
-        return nn.Sequential(nn.BatchNorm2d(channels), nn.LeakyReLU(0.01))
+        torch_activation = {"leaky_relu": nn.LeakyReLU(0.01), "silu": nn.SiLU()}[activation]
+        return nn.Sequential(nn.BatchNorm2d(channels), torch_activation)
     if implementation == "effilayers-inplace":
-        return InPlaceABN(channels, activation="leaky_relu", activation_param=0.01)
+        return InPlaceABN(channels, activation=activation, activation_param=param)
     if implementation == "effilayers-abn":
-        return ABN(channels, activation="leaky_relu", activation_param=0.01)
+        return ABN(channels, activation=activation, activation_param=param)
     import inplace_abn
 
-    return inplace_abn.InPlaceABN(channels, activation="leaky_relu", activation_param=0.01)
+    return inplace_abn.InPlaceABN(channels, activation=activation, activation_param=param)
 
 
-@pytest.mark.parametrize("device, shape, dtype, layout", list(cases()))
-@pytest.mark.parametrize("implementation", implementations())
-def test_forward_backward(benchmark, implementation, device, shape, dtype, layout):
-    module = build(implementation, shape[1]).to(device)
+def time_forward_backward(benchmark, implementation, activation, device, shape, dtype, layout):
+    module = build(implementation, shape[1], activation).to(device)
     memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
     source = torch.randn(shape, device=device, dtype=dtype).contiguous(memory_format=memory_format)
     grad = torch.randn_like(source)
-    benchmark.group = f"abn {device} {'x'.join(map(str, shape))} {str(dtype)[6:]} {layout}"
+    name = "abn" if activation == "leaky_relu" else f"abn {activation}"
+    benchmark.group = f"{name} {device} {'x'.join(map(str, shape))} {str(dtype)[6:]} {layout}"
 
     # The layer's input is the output of a previous layer (a convolution, in a
     # network): every variant gets a fresh non-leaf copy, timed alike.
@@ -73,10 +74,25 @@ def test_forward_backward(benchmark, implementation, device, shape, dtype, layou
         synchronize(device)
 
     saved = memory.activation_bytes(lambda t: module(t * 1), source, exclude=module)
-    plain = build("torch", shape[1]).to(device)
+    plain = build("torch", shape[1], activation).to(device)
     saved_plain = memory.activation_bytes(lambda t: plain(t * 1), source, exclude=plain)
     benchmark.extra_info.update(activation_bytes=saved, activation_bytes_ratio=saved / saved_plain)
     benchmark.pedantic(step, warmup_rounds=3, rounds=30 if device == "cpu" else 50)
+
+
+@pytest.mark.parametrize("device, shape, dtype, layout", list(cases()))
+@pytest.mark.parametrize("implementation", implementations())
+def test_forward_backward(benchmark, implementation, device, shape, dtype, layout):
+    time_forward_backward(benchmark, implementation, "leaky_relu", device, shape, dtype, layout)
+
+
+# A smooth activation takes the kernels' transcendental path (SiLU, GELU,
+# Mish, sigmoid, tanh share one instantiation and pick their formula at run
+# time). ABN only: it is not invertible, so InPlaceABN refuses it.
+@pytest.mark.parametrize("device, shape, dtype, layout", list(cases(CPU_SHAPES[:1])))
+@pytest.mark.parametrize("implementation", ["torch", "effilayers-abn"])
+def test_forward_backward_smooth(benchmark, implementation, device, shape, dtype, layout):
+    time_forward_backward(benchmark, implementation, "silu", device, shape, dtype, layout)
 
 
 # Named like the layer benchmarks' implementations, so tables line up.
