@@ -245,9 +245,18 @@ def test_a_language_model_gets_fit_and_every_block_checkpointed(tmp_path, monkey
     assert fitted["activation_bytes"] <= 0.6 * plain["activation_bytes"]
     assert every["activation_bytes"] < plain["activation_bytes"]
     assert "blocks.0, blocks.1, blocks.2" in " ".join(every["notes"])
+    # torch's checkpoint around whole blocks of the ModuleList, in fit's order, until fit's bytes: fit made
+    # its blocks selective, which torch's checkpoint has no counterpart of
+    torch_runs = results[budget.TORCH_CHECKPOINT]
+    notes = " ".join(torch_runs["notes"])
+    assert torch_runs["activation_bytes"] <= fitted["activation_bytes"] and "reaches" in notes
+    assert "what fit recomputes whole (nothing)" in notes and "of the 3 units whole (blocks." in notes
+    assert "selective units have no counterpart" in notes and "BatchNorm" not in notes
     compiled = results["torch.compile budget 0.6"]
     assert fitted["gradients_match"] is True and every["gradients_match"] is True
-    assert fitted["gradient_max_rel_diff"] == every["gradient_max_rel_diff"] == 0  # the same kernels, same masks
+    assert torch_runs["gradients_match"] is True
+    # the same kernels, same masks
+    assert fitted["gradient_max_rel_diff"] == every["gradient_max_rel_diff"] == torch_runs["gradient_max_rel_diff"] == 0
     assert compiled["gradients_match"] is False and compiled["gradient_max_rel_diff"] > 0.1
     assert "gradients differ from plain PyTorch's" in " ".join(compiled["notes"])
     table = capsys.readouterr().out

@@ -185,6 +185,56 @@ def test_fitted_model_computes_the_plain_outputs_gradients_and_cache_with_dropou
     assert [type(module) for module in fitted.modules()] == classes
 
 
+@pytest.mark.parametrize("name", ["gpt2", "transformer_encoder"])
+def test_torch_checkpoint_reaches_fit_bytes_on_the_units_fit_finds(name):
+    """The bench's "torch checkpoint (to fit's bytes)" row on a ModuleList of
+    blocks: torch's own checkpoint around whole units, fit's first, then more
+    in fit's order, until the plain model keeps no more than fit's bytes;
+    its gradients are plain's with dropout drawing."""
+    from effilayers.bench import budget
+
+    build, make_inputs = MODELS[name]
+    torch.manual_seed(0)
+    plain = build().train()
+    inputs = make_inputs()
+    if name == "gpt2":
+        # torch's checkpoint would write HF's KV cache again when it recomputes (fit copies it).
+        inputs["use_cache"] = False
+    fitted = copy.deepcopy(plain)
+    report = effilayers.fit(fitted, inputs, 0.3)
+    fit_whole = [unit.target for unit in report.units if unit.mode == "full"]
+    assert fit_whole and "selective" in {unit.mode for unit in report.units}
+    keys = list(plain.state_dict())
+    first = {path: [(0, 1)] for path in fit_whole}
+    segments, reached = fit_module.checkpoint_runs_to(plain, inputs, report.measured_bytes, first,
+                                                      unit=budget._torch_checkpoint_unit)
+    # fit's whole units first, then more: fit's selective units keep less than torch's checkpoint can without
+    # recomputing a block whole
+    assert set(fit_whole) < set(segments) and all(runs == [(0, 1)] for runs in segments.values())
+    assert reached <= report.measured_bytes
+    # left as it was
+    assert not any("forward" in module.__dict__ for module in plain.modules())
+    assert memory.activation_bytes(plain, **inputs) == report.before_bytes
+    # fit's own class swap by default: the same walk
+    assert fit_module.checkpoint_runs_to(plain, inputs, report.measured_bytes, first) == (segments, reached)
+    torched = budget._with_torch_runs(copy.deepcopy(plain), segments)
+    assert list(torched.state_dict()) == keys
+    assert sum("forward" in module.__dict__ for module in torched.modules()) == len(segments)
+    assert memory.activation_bytes(torched, **inputs) == reached
+
+    def step(model):
+        torch.manual_seed(1)
+        out = _output(model(**inputs))
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        return out
+
+    torch.testing.assert_close(step(torched), step(plain))
+    for (key, parameter), reference in zip(torched.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(parameter.grad, reference.grad, msg=key)
+    with pytest.raises(ValueError, match=r"\] = \[\(0, 2\)\] has a run outside its 1 member.*\[\(0, 1\)\] for a unit"):
+        fit_module.checkpoint_runs_to(plain, inputs, 1, {fit_whole[0]: [(0, 2)]})
+
+
 def test_keyword_only_units_with_dict_outputs_and_revert():
     torch.manual_seed(0)
     plain = _Net().train()
