@@ -354,8 +354,8 @@ def test_the_headline_table_of_a_budget_run_shows_tokens_and_the_gradient_check(
 
     def result(variant, match, worst):
         return {"model": "m:lm", "variant": variant, "activation_bytes": 2**20, "cuda_peak_bytes": None,
-                "step_time_s": 0.5, "images_per_s": 4.0, "ratios": {}, "gradients_match": match,
-                "gradient_max_rel_diff": worst}
+                "step_time_s": 0.5, "step_time_min_s": 0.25, "step_time_max_s": 0.75, "images_per_s": 4.0,
+                "ratios": {}, "gradients_match": match, "gradient_max_rel_diff": worst}
 
     report = {"command": "python -m effilayers.bench --tokens 8", "environment": {"device": "cpu"},
               "settings": {"device": "cpu", "batch": 2, "size": 64, "tokens": 8, "dtype": "float32", "steps": 3},
@@ -363,5 +363,7 @@ def test_the_headline_table_of_a_budget_run_shows_tokens_and_the_gradient_check(
                           result("torch.compile budget 0.35", False, 0.93)]}
     lines = headline.table(report, "r.json").splitlines()
     assert "batch 2, 8 tokens, float32" in lines[0] and "64×64" not in lines[0]
-    assert lines[2].endswith("| sequences/s | grads = plain |")
+    assert lines[2].endswith("| step ms | step ms min–max | sequences/s | grads = plain |")
+    # the spread of the timed steps beside their median: the time ratios are read against it
+    assert all("| 500.0 | 250.0–750.0 | 4.0 |" in line for line in lines[4:])
     assert [line.rsplit("|", 2)[1].strip() for line in lines[4:]] == ["reference", "yes", "no (9.3e-01)"]
