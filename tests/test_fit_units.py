@@ -235,6 +235,31 @@ def test_torch_checkpoint_reaches_fit_bytes_on_the_units_fit_finds(name):
         fit_module.checkpoint_runs_to(plain, inputs, 1, {fit_whole[0]: [(0, 2)]})
 
 
+def test_torch_checkpoint_rows_take_repeated_blocks_and_module_dict_members():
+    """Both torch-checkpoint rows of the bench on blocks held as attributes and
+    in a ModuleDict, called with keywords only and returning dicts."""
+    from effilayers.bench import budget
+
+    torch.manual_seed(0)
+    plain = _Net().train()
+    x = torch.randn(4, 8)
+    before = memory.activation_bytes(plain, x)
+    segments, reached = fit_module.checkpoint_runs_to(plain, x, 1, unit=budget._torch_checkpoint_unit)
+    assert set(segments) <= {"a", "b", "heads.main"} and {"a", "b"} <= set(segments) and reached < before
+    every, blocks = budget.checkpoint_every_block(copy.deepcopy(plain))
+    assert blocks == ["a", "b", "heads.main"]
+    for model in (budget._with_torch_runs(copy.deepcopy(plain), segments), every):
+        assert memory.activation_bytes(model, x) < before
+        grads = []
+        for candidate in (plain, model):
+            candidate.zero_grad(set_to_none=True)
+            torch.manual_seed(3)  # dropout drawing: replayed by torch's checkpoint
+            candidate(x).square().sum().backward()
+            grads.append([parameter.grad for parameter in candidate.parameters()])
+        for got, expected in zip(grads[1], grads[0]):
+            torch.testing.assert_close(got, expected)
+
+
 def test_keyword_only_units_with_dict_outputs_and_revert():
     torch.manual_seed(0)
     plain = _Net().train()
