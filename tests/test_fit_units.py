@@ -9,6 +9,7 @@ hooks, pickling; dry runs; errors and notes that say why."""
 import copy
 import importlib
 import io
+import json
 
 import pytest
 import torch
@@ -419,6 +420,26 @@ def test_fsdp2_fully_shard_of_the_fitted_blocks_trains_as_the_plain_sharded_mode
         assert fitted.layers[0].__dict__[fit_module._UNIT_OFF_ATTR]
     finally:
         distributed.destroy_process_group()
+
+
+def test_the_budget_step_times_script_times_the_eager_rows_and_projects_the_protocol(tmp_path, capsys):
+    from benchmarks import budget_step_times
+
+    threads = torch.get_num_threads()
+    try:
+        assert budget_step_times.main(["--model", "benchmarks.transformer_models:gpt2_tiny", "--tokens", "8",
+                                       "--steps", "2", "--runs", "3", "--json", str(tmp_path / "t.json")]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    result = json.loads((tmp_path / "t.json").read_text())
+    assert list(result["rows"]) == ["as given", "fit(0.35)", "torch checkpoint (to fit's bytes)",
+                                    "torch checkpoint (every block)"]
+    assert all(len(row["steps_s"]) == 2 and min(row["steps_s"]) > 0 for row in result["rows"].values())
+    medians = [sum(row["steps_s"]) / 2 for row in result["rows"].values()]
+    # three runs of the planning and five rows of 100 steps and 2 + 1/3 more each (compile's counted as plain's)
+    expected = 3 * (result["planning_cpu_s"] + (100 + 2 + 1 / 3) * (sum(medians) + medians[0]))
+    assert result["projected_cpu_s"] == pytest.approx(expected)
+    assert "minutes of one core" in capsys.readouterr().out
 
 
 def test_the_bench_runs_a_hugging_face_language_model_with_tokens(tmp_path):
