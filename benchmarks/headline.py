@@ -61,9 +61,11 @@ def table(report: dict, source: str) -> str:
     trained = any(r.get("loss_tolerance") is not None for r in results)
     # --budget's gradient check (reports from before it have no such field)
     gradients = any(r.get("gradients_match") is not None for r in results)
+    # --budget runs: their time ratios are the targets, read against the spread of the timed steps
+    spread = gradients and any(r.get("step_time_min_s") is not None for r in results)
     tokens = settings.get("tokens")
-    header = ["model", "variant", "activation MiB", "CUDA peak MiB", "step ms",
-              "sequences/s" if tokens else "images/s"]
+    header = ["model", "variant", "activation MiB", "CUDA peak MiB", "step ms"] + \
+        (["step ms min–max"] if spread else []) + ["sequences/s" if tokens else "images/s"]
     if max_batch:
         header.append("max batch")
     if gradients:
@@ -86,6 +88,9 @@ def table(report: dict, source: str) -> str:
         cells = measured_cells(r)
         row = [r["model"], r["variant"]] + [_with_ratio(cell, ratios.get(key)) for cell, key in zip(
             cells, ("activation_bytes", "cuda_peak_bytes", "step_time", "images_per_s"))]
+        if spread:
+            row.insert(5, "n/a" if r.get("step_time_min_s") is None else
+                       f"{r['step_time_min_s'] * 1e3:.1f}–{r['step_time_max_s'] * 1e3:.1f}")
         if max_batch:
             row.append(_with_ratio(str(r.get("max_batch")), ratios.get("max_batch")))
         if gradients:

@@ -1188,32 +1188,47 @@ def _offload_plan(model: nn.Module, call: _Call, parts: list[_Part], profile: _P
     return sorted(chosen, key=lambda item: (-kept_by[item[0]], item[0]))
 
 
-def checkpoint_runs_to(model: nn.Module, example_input: Union[torch.Tensor, tuple], target_bytes: int,
+def checkpoint_runs_to(model: nn.Module, example_input: Union[torch.Tensor, tuple, dict], target_bytes: int,
                        first: Optional[dict[str, list[tuple[int, int]]]] = None,
-                       sequential: type = CheckpointedSequential) -> tuple[dict[str, list[tuple[int, int]]], int]:
-    """The checkpoint segments, per path of the model's sequential parts, with
-    which ``model`` keeps at most ``target_bytes`` activation bytes: the
-    segments in ``first`` (e.g. a fitted model's ``_fit_segments``), then
-    runs of children in ``fit``'s own order (``_plan`` on a profile of
-    ``model`` as it is) until the measured bytes are within the target; a
-    step is measured only where its lower bound could be. Parts run as
-    ``sequential`` (a :class:`CheckpointedSequential` whose
-    ``_checkpoint_segment`` may call another checkpoint) while measured,
-    and ``model`` is left as it was. Returns ``(segments, measured bytes)``:
-    bytes above the target are the least every run reached."""
+                       sequential: type = CheckpointedSequential,
+                       unit: Optional[Callable[[nn.Module], Callable[[], None]]] = None,
+                       ) -> tuple[dict[str, list[tuple[int, int]]], int]:
+    """The checkpoint segments, per path of the model's parts (the ones
+    ``fit`` finds: plain sequential parts and units), with which ``model``
+    keeps at most ``target_bytes`` activation bytes: the segments in
+    ``first`` (e.g. a fitted model's ``_fit_segments``, and ``[(0, 1)]`` for
+    each unit it recomputes whole), then whole checkpoints of units and runs
+    of children in ``fit``'s own order (``_plan`` on a profile of ``model``
+    as it is) until the measured bytes are within the target; a step is
+    measured only where its lower bound could be. While measured, parts run
+    as ``sequential`` (a :class:`CheckpointedSequential` whose
+    ``_checkpoint_segment`` may call another checkpoint) and each unit
+    checkpointed whole by ``unit(module)``, which returns what puts it back
+    (fit's own class swap when None); ``model`` is left as it was. Returns
+    ``(segments, measured bytes)``, a unit's segments ``[(0, 1)]``: bytes
+    above the target are the least every run reached."""
     call = _as_call(example_input)
-    parts = _checkpoint_parts(model, units=False)
+    parts = _checkpoint_parts(model)
     paths = [part.path for part in parts]
     unknown = sorted(set(first or ()) - set(paths))
     if unknown:
-        raise ValueError(f"checkpoint_runs_to: {', '.join(unknown)} is not a plain nn.Sequential part of the model "
-                         f"(parts: {', '.join(paths) or 'none'})")
+        raise ValueError(f"checkpoint_runs_to: {', '.join(unknown)} is not a part fit checkpoints, a plain "
+                         f"nn.Sequential or a unit (parts: {', '.join(paths) or 'none'})")
+    for part in parts:
+        runs = (first or {}).get(part.path, ())
+        if any(not 0 <= start < end <= len(part.members) for start, end in runs):
+            raise ValueError(f"checkpoint_runs_to: first[{part.path!r}] = {runs} has a run outside its "
+                             f"{len(part.members)} member(s); each run is (start, end) with "
+                             f"0 <= start < end <= {len(part.members)}" + (", [(0, 1)] for a unit" if part.unit
+                                                                           else ""))
     state = tuple(frozenset(index for start, end in (first or {}).get(path, ()) for index in range(start, end))
                   for path in paths)
     profile = _profile(model, call, parts)
+    checkpoint_unit = unit or _checkpoint_unit
 
     def measure(state: tuple[frozenset, ...]) -> int:
-        undo = [_set_segments(part.module, profile.segments(index, state[index]), sequential)
+        undo = [checkpoint_unit(part.module) if part.unit
+                else _set_segments(part.module, profile.segments(index, state[index]), sequential)
                 for index, part in enumerate(parts) if state[index]]
         try:
             return _measure(model, call)

@@ -245,9 +245,18 @@ def test_a_language_model_gets_fit_and_every_block_checkpointed(tmp_path, monkey
     assert fitted["activation_bytes"] <= 0.6 * plain["activation_bytes"]
     assert every["activation_bytes"] < plain["activation_bytes"]
     assert "blocks.0, blocks.1, blocks.2" in " ".join(every["notes"])
+    # torch's checkpoint around whole blocks of the ModuleList, in fit's order, until fit's bytes: fit made
+    # its blocks selective, which torch's checkpoint has no counterpart of
+    torch_runs = results[budget.TORCH_CHECKPOINT]
+    notes = " ".join(torch_runs["notes"])
+    assert torch_runs["activation_bytes"] <= fitted["activation_bytes"] and "reaches" in notes
+    assert "what fit recomputes whole (nothing)" in notes and "of the 3 units whole (blocks." in notes
+    assert "selective units have no counterpart" in notes and "BatchNorm" not in notes
     compiled = results["torch.compile budget 0.6"]
     assert fitted["gradients_match"] is True and every["gradients_match"] is True
-    assert fitted["gradient_max_rel_diff"] == every["gradient_max_rel_diff"] == 0  # the same kernels, same masks
+    assert torch_runs["gradients_match"] is True
+    # the same kernels, same masks
+    assert fitted["gradient_max_rel_diff"] == every["gradient_max_rel_diff"] == torch_runs["gradient_max_rel_diff"] == 0
     assert compiled["gradients_match"] is False and compiled["gradient_max_rel_diff"] > 0.1
     assert "gradients differ from plain PyTorch's" in " ".join(compiled["notes"])
     table = capsys.readouterr().out
@@ -345,8 +354,8 @@ def test_the_headline_table_of_a_budget_run_shows_tokens_and_the_gradient_check(
 
     def result(variant, match, worst):
         return {"model": "m:lm", "variant": variant, "activation_bytes": 2**20, "cuda_peak_bytes": None,
-                "step_time_s": 0.5, "images_per_s": 4.0, "ratios": {}, "gradients_match": match,
-                "gradient_max_rel_diff": worst}
+                "step_time_s": 0.5, "step_time_min_s": 0.25, "step_time_max_s": 0.75, "images_per_s": 4.0,
+                "ratios": {}, "gradients_match": match, "gradient_max_rel_diff": worst}
 
     report = {"command": "python -m effilayers.bench --tokens 8", "environment": {"device": "cpu"},
               "settings": {"device": "cpu", "batch": 2, "size": 64, "tokens": 8, "dtype": "float32", "steps": 3},
@@ -354,5 +363,7 @@ def test_the_headline_table_of_a_budget_run_shows_tokens_and_the_gradient_check(
                           result("torch.compile budget 0.35", False, 0.93)]}
     lines = headline.table(report, "r.json").splitlines()
     assert "batch 2, 8 tokens, float32" in lines[0] and "64×64" not in lines[0]
-    assert lines[2].endswith("| sequences/s | grads = plain |")
+    assert lines[2].endswith("| step ms | step ms min–max | sequences/s | grads = plain |")
+    # the spread of the timed steps beside their median: the time ratios are read against it
+    assert all("| 500.0 | 250.0–750.0 | 4.0 |" in line for line in lines[4:])
     assert [line.rsplit("|", 2)[1].strip() for line in lines[4:]] == ["reference", "yes", "no (9.3e-01)"]

@@ -212,8 +212,10 @@ def test_checkpoint_runs_to_reaches_fit_bytes_from_fit_runs_in_fit_order():
     # below reach: every run of the plan, and the least it keeps
     segments, reached = fit_module.checkpoint_runs_to(plain, x, 1)
     assert report.measured_bytes > reached > 1 and len(segments[""]) > len(fitted._fit_segments)
-    with pytest.raises(ValueError, match="layer9 is not a plain nn.Sequential part"):
+    with pytest.raises(ValueError, match="layer9 is not a part fit checkpoints, a plain nn.Sequential or a unit"):
         fit_module.checkpoint_runs_to(plain, x, 1, {"layer9": [(0, 1)]})
+    with pytest.raises(ValueError, match=r"first\[''\] = \[\(3, 2\)\] has a run outside its"):
+        fit_module.checkpoint_runs_to(plain, x, 1, {"": [(3, 2)]})
 
 
 def _conv_norm_relu():

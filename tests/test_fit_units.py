@@ -9,6 +9,7 @@ hooks, pickling; dry runs; errors and notes that say why."""
 import copy
 import importlib
 import io
+import json
 
 import pytest
 import torch
@@ -185,6 +186,81 @@ def test_fitted_model_computes_the_plain_outputs_gradients_and_cache_with_dropou
     assert [type(module) for module in fitted.modules()] == classes
 
 
+@pytest.mark.parametrize("name", ["gpt2", "transformer_encoder"])
+def test_torch_checkpoint_reaches_fit_bytes_on_the_units_fit_finds(name):
+    """The bench's "torch checkpoint (to fit's bytes)" row on a ModuleList of
+    blocks: torch's own checkpoint around whole units, fit's first, then more
+    in fit's order, until the plain model keeps no more than fit's bytes;
+    its gradients are plain's with dropout drawing."""
+    from effilayers.bench import budget
+
+    build, make_inputs = MODELS[name]
+    torch.manual_seed(0)
+    plain = build().train()
+    inputs = make_inputs()
+    if name == "gpt2":
+        # torch's checkpoint would write HF's KV cache again when it recomputes (fit copies it).
+        inputs["use_cache"] = False
+    fitted = copy.deepcopy(plain)
+    report = effilayers.fit(fitted, inputs, 0.3)
+    fit_whole = [unit.target for unit in report.units if unit.mode == "full"]
+    assert fit_whole and "selective" in {unit.mode for unit in report.units}
+    keys = list(plain.state_dict())
+    first = {path: [(0, 1)] for path in fit_whole}
+    segments, reached = fit_module.checkpoint_runs_to(plain, inputs, report.measured_bytes, first,
+                                                      unit=budget._torch_checkpoint_unit)
+    # fit's whole units first, then more: fit's selective units keep less than torch's checkpoint can without
+    # recomputing a block whole
+    assert set(fit_whole) < set(segments) and all(runs == [(0, 1)] for runs in segments.values())
+    assert reached <= report.measured_bytes
+    # left as it was
+    assert not any("forward" in module.__dict__ for module in plain.modules())
+    assert memory.activation_bytes(plain, **inputs) == report.before_bytes
+    # fit's own class swap by default: the same walk
+    assert fit_module.checkpoint_runs_to(plain, inputs, report.measured_bytes, first) == (segments, reached)
+    torched = budget._with_torch_runs(copy.deepcopy(plain), segments)
+    assert list(torched.state_dict()) == keys
+    assert sum("forward" in module.__dict__ for module in torched.modules()) == len(segments)
+    assert memory.activation_bytes(torched, **inputs) == reached
+
+    def step(model):
+        torch.manual_seed(1)
+        out = _output(model(**inputs))
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        return out
+
+    torch.testing.assert_close(step(torched), step(plain))
+    for (key, parameter), reference in zip(torched.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(parameter.grad, reference.grad, msg=key)
+    with pytest.raises(ValueError, match=r"\] = \[\(0, 2\)\] has a run outside its 1 member.*\[\(0, 1\)\] for a unit"):
+        fit_module.checkpoint_runs_to(plain, inputs, 1, {fit_whole[0]: [(0, 2)]})
+
+
+def test_torch_checkpoint_rows_take_repeated_blocks_and_module_dict_members():
+    """Both torch-checkpoint rows of the bench on blocks held as attributes and
+    in a ModuleDict, called with keywords only and returning dicts."""
+    from effilayers.bench import budget
+
+    torch.manual_seed(0)
+    plain = _Net().train()
+    x = torch.randn(4, 8)
+    before = memory.activation_bytes(plain, x)
+    segments, reached = fit_module.checkpoint_runs_to(plain, x, 1, unit=budget._torch_checkpoint_unit)
+    assert set(segments) <= {"a", "b", "heads.main"} and {"a", "b"} <= set(segments) and reached < before
+    every, blocks = budget.checkpoint_every_block(copy.deepcopy(plain))
+    assert blocks == ["a", "b", "heads.main"]
+    for model in (budget._with_torch_runs(copy.deepcopy(plain), segments), every):
+        assert memory.activation_bytes(model, x) < before
+        grads = []
+        for candidate in (plain, model):
+            candidate.zero_grad(set_to_none=True)
+            torch.manual_seed(3)  # dropout drawing: replayed by torch's checkpoint
+            candidate(x).square().sum().backward()
+            grads.append([parameter.grad for parameter in candidate.parameters()])
+        for got, expected in zip(grads[1], grads[0]):
+            torch.testing.assert_close(got, expected)
+
+
 def test_keyword_only_units_with_dict_outputs_and_revert():
     torch.manual_seed(0)
     plain = _Net().train()
@@ -344,6 +420,26 @@ def test_fsdp2_fully_shard_of_the_fitted_blocks_trains_as_the_plain_sharded_mode
         assert fitted.layers[0].__dict__[fit_module._UNIT_OFF_ATTR]
     finally:
         distributed.destroy_process_group()
+
+
+def test_the_budget_step_times_script_times_the_eager_rows_and_projects_the_protocol(tmp_path, capsys):
+    from benchmarks import budget_step_times
+
+    threads = torch.get_num_threads()
+    try:
+        assert budget_step_times.main(["--model", "benchmarks.transformer_models:gpt2_tiny", "--tokens", "8",
+                                       "--steps", "2", "--runs", "3", "--json", str(tmp_path / "t.json")]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    result = json.loads((tmp_path / "t.json").read_text())
+    assert list(result["rows"]) == ["as given", "fit(0.35)", "torch checkpoint (to fit's bytes)",
+                                    "torch checkpoint (every block)"]
+    assert all(len(row["steps_s"]) == 2 and min(row["steps_s"]) > 0 for row in result["rows"].values())
+    medians = [sum(row["steps_s"]) / 2 for row in result["rows"].values()]
+    # three runs of the planning and five rows of 100 steps and 2 + 1/3 more each (compile's counted as plain's)
+    expected = 3 * (result["planning_cpu_s"] + (100 + 2 + 1 / 3) * (sum(medians) + medians[0]))
+    assert result["projected_cpu_s"] == pytest.approx(expected)
+    assert "minutes of one core" in capsys.readouterr().out
 
 
 def test_the_bench_runs_a_hugging_face_language_model_with_tokens(tmp_path):

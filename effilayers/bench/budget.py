@@ -12,11 +12,16 @@ fraction of the plain model's activation bytes or bytes (``2GiB``, issue 33).
   checkpointing, over the model's outermost sequential parts (the row's
   name says which);
 * torch's ``torch.utils.checkpoint.checkpoint`` (``use_reentrant=False``)
-  on the plain model over runs of children: the runs ``fit`` checkpointed,
-  then more in ``fit``'s own order until the plain model keeps no more
-  bytes than ``fit``'s (:func:`effilayers.fit.checkpoint_runs_to`), so its
-  time is the price of the same bytes with torch's checkpoint alone; where
-  no run gets there, its note says what it reached;
+  on the plain model over the parts ``fit`` finds: the runs of children
+  ``fit`` checkpointed and the units it recomputes whole (a transformer's
+  blocks, by a forward set on the instance), then more runs and whole
+  units in ``fit``'s own order until the plain model keeps no more bytes
+  than ``fit``'s (:func:`effilayers.fit.checkpoint_runs_to`), so its time is
+  the price of the same bytes with torch's checkpoint alone, and its note
+  says how many units a user checkpoints by hand for them (``fit``'s
+  selective units have no counterpart here: torch's checkpoint keeps a
+  block's input or all it saves); where no run gets there, its note says
+  what it reached;
 * torch's ``torch.utils.checkpoint.checkpoint`` (``use_reentrant=False``)
   around every block, what users write by hand: each unit ``fit`` can
   checkpoint (the members of a ``ModuleList``/``ModuleDict``, the repeated
@@ -58,6 +63,7 @@ from .. import memory
 from ..checkpoint import sqrt_segments
 from ..fit import (
     CheckpointedSequential,
+    FitReport,
     _checkpoint_parts,
     _run_in_order,
     _sequential_parts,
@@ -143,29 +149,68 @@ class TorchCheckpointedRuns(CheckpointedSequential):
         return torch_checkpoint(_run_in_order(modules), input, use_reentrant=False)
 
 
+def _torch_checkpoint_unit(unit: nn.Module) -> Callable[[], None]:
+    """``unit`` run whole under torch's checkpoint by a forward set on the
+    instance (state-dict keys stay); returns what takes it off again."""
+    unit.forward = functools.partial(_checkpointed_forward, unit.forward)
+    return functools.partial(unit.__dict__.pop, "forward")
+
+
 def _with_torch_runs(model: nn.Module, segments: dict[str, list[tuple[int, int]]]) -> nn.Module:
+    """``model`` (in place) with torch's checkpoint over ``segments``, as
+    :func:`~effilayers.fit.checkpoint_runs_to` returns them: runs of a
+    sequential part's children, or a unit whole."""
+    parts = {part.path: part for part in _checkpoint_parts(model)}
     for path, runs in segments.items():
-        _set_segments(model.get_submodule(path), runs, TorchCheckpointedRuns)
+        if parts[path].unit:
+            _torch_checkpoint_unit(parts[path].module)
+        else:
+            _set_segments(parts[path].module, runs, TorchCheckpointedRuns)
     return model
 
 
-def _torch_checkpoint_row(plain: Variant, fitted: nn.Module, fit_bytes: int, images: torch.Tensor,
+def _shown(names: list[str], limit: int = 4) -> str:
+    return ", ".join(names[:limit]) + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def _torch_checkpoint_row(plain: Variant, fitted: nn.Module, report: FitReport, images: torch.Tensor,
                           prepare: Callable[[nn.Module], nn.Module], autocast: Callable[[], Any]) -> Variant:
-    """The plain model with torch's checkpoint over fit's runs and, while it
-    keeps more bytes than fit's model, more runs in fit's order."""
+    """The plain model with torch's checkpoint over fit's runs and the units
+    fit recomputes whole and, while it keeps more bytes than fit's model,
+    more runs and whole units in fit's order: how many blocks a user
+    checkpoints by hand with torch to keep fit's bytes."""
+    fit_bytes = report.measured_bytes
     first = {path: list(module._fit_segments) for path, module in fitted.named_modules()
              if isinstance(module, CheckpointedSequential)}
+    first.update({unit.target: [(0, 1)] for unit in report.units if unit.mode == "full"})
     with autocast():
-        segments, reached = checkpoint_runs_to(prepare(plain.build()), images, fit_bytes, first,
-                                               TorchCheckpointedRuns)
-    runs = "; ".join(f"{path or 'the model'} checkpoints children {runs}" for path, runs in segments.items()) \
-        or "nothing checkpointed"
+        model = prepare(plain.build())
+        parts = _checkpoint_parts(model)
+        segments, reached = checkpoint_runs_to(model, images, fit_bytes, first, TorchCheckpointedRuns,
+                                               _torch_checkpoint_unit)
+    units = [part.path for part in parts if part.unit]
+    whole = [path for path in units if path in segments]
+    by_fit = [path for path in units if path in first]
+    selective = [unit.target for unit in report.units if unit.mode == "selective"]
+    fit_runs = [f"{path or 'the model'} children {runs}" for path, runs in first.items() if path not in units]
+    if by_fit:
+        fit_runs.append(f"{len(by_fit)} unit{'s' * (len(by_fit) != 1)}: {_shown(by_fit)}")
+    done = [f"{path or 'the model'} checkpoints children {runs}" for path, runs in segments.items()
+            if path not in units]
+    if units:
+        done.append(f"{len(whole)} of the {len(units)} units whole" + (f" ({_shown(whole)})" if whole else ""))
     reach = f"reaches {reached} bytes, fit's {fit_bytes}" if reached <= fit_bytes else \
         f"cannot reach fit's {fit_bytes} bytes: every run of fit's plan keeps {reached}"
+    notes = [f"torch.utils.checkpoint.checkpoint, use_reentrant=False, on the plain model: what fit recomputes "
+             f"whole ({'; '.join(fit_runs) or 'nothing'}), then more in fit's order", "; ".join(done) or
+             "nothing checkpointed", reach]
+    if selective:
+        notes.append(f"fit's {len(selective)} selective unit{'s' * (len(selective) != 1)} have no counterpart in "
+                     "torch's checkpoint, which keeps a block's input or everything it saves")
+    if any(isinstance(module, nn.modules.batchnorm._BatchNorm) for module in model.modules()):
+        notes.append("torch's BatchNorm running statistics move twice per step")
     return Variant(plain.model, TORCH_CHECKPOINT, lambda: _with_torch_runs(plain.build(), segments),
-                   note=f"torch.utils.checkpoint.checkpoint, use_reentrant=False, on the plain model: fit's runs "
-                        f"{first or 'none'}, then more in fit's order; {runs}; {reach} (torch's BatchNorm running "
-                        "statistics move twice per step)")
+                   note="; ".join(notes))
 
 
 def _checkpoint_with_torch(model: nn.Module, segments: dict[str, int]) -> nn.Module:
@@ -196,7 +241,7 @@ def checkpoint_every_block(model: nn.Module) -> tuple[nn.Module, list[str]]:
                                                for name in part.module._modules]
         blocks += zip(names, part.members)
     for _, block in blocks:
-        block.forward = functools.partial(_checkpointed_forward, block.forward)
+        _torch_checkpoint_unit(block)
     return model, [name for name, _ in blocks]
 
 
@@ -301,7 +346,7 @@ def budget_variants(variants: list[Variant], budget: Union[float, int], example:
                             note=f"fit steps: {steps}{checkpointed}; predicted extra compute "
                                  f"{report.extra_compute:.3f} of a training step (recomputed convolution and "
                                  "matmul FLOPs)"))
-        torch_row = _torch_checkpoint_row(plain, fitted, report.measured_bytes, images, prepare, autocast)
+        torch_row = _torch_checkpoint_row(plain, fitted, report, images, prepare, autocast)
         segments = _fitted_segments(fitted)
         label = "fit's parts"
         if not segments:
@@ -319,7 +364,7 @@ def budget_variants(variants: list[Variant], budget: Union[float, int], example:
         rows.append(torch_row)
     _, blocks = checkpoint_every_block(plain.build())
     if blocks:
-        shown = ", ".join(blocks[:4]) + (f", ... ({len(blocks)} in all)" if len(blocks) > 4 else "")
+        shown = _shown(blocks)
         rows.append(Variant(model_name, EVERY_BLOCK, lambda: checkpoint_every_block(plain.build())[0],
                             note=f"torch.utils.checkpoint.checkpoint, use_reentrant=False, around every block of "
                                  f"the plain model: {shown}"))
