@@ -47,19 +47,6 @@ constexpr const char* kAbnBackward =
     "Tensor? residual, str activation, float activation_param, float weight_eps, bool saved_is_output, int count, "
     "bool need_sums, bool need_elemt, bool want_residual_grad) -> (Tensor, Tensor, Tensor, Tensor)";
 
-// The DenseNet bottleneck conv(relu(batch_norm(cat(features))), padding) with
-// given statistics, and its gradients (of the concatenation, BatchNorm's bias
-// and weight, the convolution weight; empty where not asked for)
-// (effilayers/ops/densenet/).
-constexpr const char* kDenseBottleneckForward =
-    "dense_bottleneck_forward(Tensor[] features, Tensor mean, Tensor invstd, Tensor weight, Tensor bias, "
-    "Tensor conv_weight, int padding) -> Tensor";
-
-constexpr const char* kDenseBottleneckBackward =
-    "dense_bottleneck_backward(Tensor grad_out, Tensor[] features, Tensor mean, Tensor invstd, Tensor weight, "
-    "Tensor bias, Tensor conv_weight, bool batch_stats, bool need_input, bool need_conv, int padding) "
-    "-> (Tensor, Tensor, Tensor, Tensor)";
-
 // Fused Adam/AdamW update of a run of parameters whose states lie end to end
 // in flat buffers (effilayers/ops/adam/ describes the arguments).
 constexpr const char* kAdamStep =

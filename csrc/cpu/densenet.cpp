@@ -1,10 +1,13 @@
-// The DenseNet bottleneck on CPU: effilayers_cpu::dense_bottleneck_forward and
-// dense_bottleneck_backward, the math of effilayers/ops/densenet/reference.py.
+// The DenseNet bottleneck on CPU: the CPU kernels of effilayers::dense_bottleneck_forward
+// and dense_bottleneck_backward, the math of effilayers/ops/densenet/reference.py.
 //
 // Each is one call from Python: the concatenation, ABN's kernels (abn.cpp)
 // for BatchNorm+ReLU and its backward, and ATen's convolution. A dense
 // layer's tensors are small, so what a chain of Python-level calls would add
-// per layer is comparable to the work itself.
+// per layer is comparable to the work itself. ABN's kernels are called as the
+// C++ functions they are, not through the dispatcher: the bottleneck's kernel
+// is then the same code whatever a use_backend block registers on the abn
+// ops' CPU key.
 //
 // Layouts follow effilayers/ops/densenet/contract.py: every 4-D result takes
 // layout_of(the first map), the rule the fake kernels use too.
@@ -23,7 +26,6 @@
 #include <vector>
 
 #include "common/batch_norm.h"
-#include "common/schemas.h"
 #include "cpu/abn.h"
 
 namespace effilayers {
@@ -113,9 +115,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dense_bottleneck_back
 }  // namespace
 }  // namespace effilayers
 
-TORCH_LIBRARY_FRAGMENT(effilayers_cpu, m) {
-  m.def(effilayers::schema::kDenseBottleneckForward,
-        torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(effilayers::dense_bottleneck_forward_cpu)));
-  m.def(effilayers::schema::kDenseBottleneckBackward,
-        torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(effilayers::dense_bottleneck_backward_cpu)));
+// The ops are declared once, in Python (effilayers/ops/densenet/op.py).
+TORCH_LIBRARY_IMPL(effilayers, CPU, m) {
+  m.impl("dense_bottleneck_forward", &effilayers::dense_bottleneck_forward_cpu);
+  m.impl("dense_bottleneck_backward", &effilayers::dense_bottleneck_backward_cpu);
 }

@@ -40,8 +40,8 @@ statistics are the same in every later layer that normalises it, so the block
 computes them once per new feature map and passes them in
 (``batch_statistics=``); only each layer's ``weight`` and ``bias`` differ.
 
-Kernels (custom ops ``effilayers::dense_bottleneck_forward`` / ``_backward``,
-any stride-1 convolution given its padding): on CPU one C++ call each
+Kernels (the declared ops ``effilayers::dense_bottleneck_forward`` /
+``_backward``, any stride-1 convolution given its padding): on CPU one C++ call each
 (``csrc/cpu/densenet.cpp``), where ABN's kernels normalise and activate the
 recomputed concatenation in one pass (in place in the forward) and compute
 the BatchNorm+ReLU backward, around ATen's convolution; on CUDA, Triton virtual-concatenation GEMMs for the 1x1 case
@@ -89,12 +89,14 @@ def _backward_like(grad_out, features, mean, invstd, weight, bias, conv_weight, 
 
 # conv(relu(batch_norm(cat(features))), padding) with given statistics (stride
 # 1), and its gradients (of the concatenation, BatchNorm's bias and weight,
-# the convolution weight; entries not asked for are empty). No autograd of
-# their own: the Function below differentiates the forward with the backward.
-_forward_op = registry.define(
+# the convolution weight; entries not asked for are empty). Declared once
+# here; csrc/cpu/densenet.cpp adds the CPU kernels, the registry the Triton
+# and reference ones. No autograd of their own: the Function below
+# differentiates the forward with the backward.
+_forward_op = registry.declare(
     "dense_bottleneck_forward", "(Tensor[] features, Tensor mean, Tensor invstd, Tensor weight, Tensor bias, "
     "Tensor conv_weight, int padding) -> Tensor", _forward_like)
-_backward_op = registry.define(
+_backward_op = registry.declare(
     "dense_bottleneck_backward", "(Tensor grad_out, Tensor[] features, Tensor mean, Tensor invstd, Tensor weight, "
     "Tensor bias, Tensor conv_weight, bool batch_stats, bool need_input, bool need_conv, int padding) "
     "-> (Tensor, Tensor, Tensor, Tensor)", _backward_like)
@@ -119,8 +121,7 @@ class _Bottleneck(torch.autograd.Function):
             shared=None if shared_mean is None else (shared_mean, shared_var))
         vectors = reference.affine_vectors(weight, bias, mean)
         first = features[0]
-        out = registry.dispatch("dense_bottleneck_forward", first)(
-            list(features), mean, invstd, *vectors, as_dtype(conv_weight, first.dtype), padding)
+        out = _forward_op(list(features), mean, invstd, *vectors, as_dtype(conv_weight, first.dtype), padding)
         ctx.padding = padding
         ctx.use_batch_stats = use_batch_stats
         ctx.num_features = len(features)
@@ -142,7 +143,7 @@ class _Bottleneck(torch.autograd.Function):
         need_conv = ctx.needs_input_grad[5]
         in_dtype = features[0].dtype
         vectors = reference.affine_vectors(weight, bias, mean)
-        grad_input, grad_bias, grad_weight, grad_conv = registry.dispatch("dense_bottleneck_backward", grad_out)(
+        grad_input, grad_bias, grad_weight, grad_conv = _backward_op(
             grad_out, features, mean, invstd, *vectors, as_dtype(conv_weight, in_dtype), ctx.use_batch_stats,
             need_input, need_conv, ctx.padding)
         grad_conv = as_dtype(grad_conv, conv_weight.dtype) if need_conv else None
