@@ -67,39 +67,6 @@ constexpr const char* kSoftmaxBackward =
 constexpr const char* kScaledMaskedSoftmaxForward =
     "scaled_masked_softmax_forward(Tensor x, Tensor? mask, float scale, bool causal) -> Tensor";
 
-// Row-wise cross-entropy over an (N, C, I) view of the logits: per-row losses,
-// and the reduction-scaled gradient written into `grad` (which may be the
-// logits themselves) when given (effilayers/ops/cross_entropy/).
-constexpr const char* kCrossEntropyRows =
-    "cross_entropy_rows(Tensor logits, Tensor target, Tensor? weight, Tensor(a!)? grad, Tensor grad_scale, "
-    "int ignore_index, float label_smoothing) -> Tensor";
-
-// One vocabulary chunk of wider rows ((rows, classes) logits, classes
-// contiguous, starting at class `class_offset`): the online statistics
-// updated in place in `stats` (4, rows), then, given the final log-sum-exp
-// and scales in `row_terms` (4, rows), the gradient written over the logits
-// (effilayers/ops/cross_entropy/, used by linear_cross_entropy).
-constexpr const char* kCrossEntropyChunkStats =
-    "cross_entropy_chunk_stats_(Tensor logits, Tensor target, Tensor? weight, Tensor(a!) stats, int class_offset, "
-    "int ignore_index, bool smoothing) -> ()";
-
-constexpr const char* kCrossEntropyChunkGrad =
-    "cross_entropy_chunk_grad_(Tensor(a!) logits, Tensor target, Tensor? class_term, Tensor row_terms, "
-    "int class_offset, int ignore_index) -> ()";
-
-// The same two passes for rows with class-probability targets `probs` (the
-// chunk's classes, (rows, classes), any floating dtype and strides), each probability
-// weighted as q_c = p_c * prob_weight_c + class_term_c: `stats` (4, rows)
-// gains sum_c q_c z_c and sum_c q_c; `row_terms` (3, rows) is the final
-// log-sum-exp, sum_c q_c over the whole row, and the gradient's scale.
-constexpr const char* kCrossEntropySoftChunkStats =
-    "cross_entropy_soft_chunk_stats_(Tensor logits, Tensor probs, Tensor? prob_weight, Tensor? class_term, "
-    "Tensor(a!) stats) -> ()";
-
-constexpr const char* kCrossEntropySoftChunkGrad =
-    "cross_entropy_soft_chunk_grad_(Tensor(a!) logits, Tensor probs, Tensor? prob_weight, Tensor? class_term, "
-    "Tensor row_terms) -> ()";
-
 // Sum / mean / var / std / vector 2-norm over the middle dimension of an
 // (outer, reduced, inner) strided view into a contiguous (outer, inner) out
 // of the result dtype (effilayers/ops/reductions/).

@@ -1,4 +1,4 @@
-// Row-wise cross-entropy on CPU: effilayers_cpu::cross_entropy_rows, and the
+// Row-wise cross-entropy on CPU: the kernel of effilayers::cross_entropy, and the
 // two passes of one vocabulary chunk of a wider row (cross_entropy_chunk_stats_,
 // cross_entropy_chunk_grad_, and their cross_entropy_soft_chunk_* forms for
 // probability targets; see the end of this file).
@@ -40,7 +40,6 @@
 #include <utility>
 
 #include "common/checks.h"
-#include "common/schemas.h"
 #include "cpu/vec.h"
 #include "cpu/vec_math.h"
 
@@ -536,16 +535,10 @@ void cross_entropy_soft_chunk_grad_cpu(const at::Tensor& logits, const at::Tenso
 }  // namespace
 }  // namespace effilayers
 
-TORCH_LIBRARY_FRAGMENT(effilayers_cpu, m) {
-  m.def(effilayers::schema::kCrossEntropyRows);
-  m.def(effilayers::schema::kCrossEntropyChunkStats);
-  m.def(effilayers::schema::kCrossEntropyChunkGrad);
-  m.def(effilayers::schema::kCrossEntropySoftChunkStats);
-  m.def(effilayers::schema::kCrossEntropySoftChunkGrad);
-}
-
-TORCH_LIBRARY_IMPL(effilayers_cpu, CPU, m) {
-  m.impl("cross_entropy_rows", &effilayers::cross_entropy_rows_cpu);
+// The ops are declared once, in effilayers/ops/cross_entropy/op.py; torch checks
+// these kernels against those schemas when the library loads.
+TORCH_LIBRARY_IMPL(effilayers, CPU, m) {
+  m.impl("cross_entropy", &effilayers::cross_entropy_rows_cpu);
   m.impl("cross_entropy_chunk_stats_", &effilayers::cross_entropy_chunk_stats_cpu);
   m.impl("cross_entropy_chunk_grad_", &effilayers::cross_entropy_chunk_grad_cpu);
   m.impl("cross_entropy_soft_chunk_stats_", &effilayers::cross_entropy_soft_chunk_stats_cpu);

@@ -454,18 +454,28 @@ def _first_call(op_name: str, op, args):
     return resolved.kernel(*args)
 
 
-def declare(name: str, schema: str, fake: Optional[Callable] = None, *, tags=()):
+def declare(name: str, schema: str, fake: Optional[Callable] = None, *, composition: Optional[Callable] = None,
+            tags=()):
     """Declare the op ``effilayers::<name>`` from its schema (``"(Tensor x,
     ...) -> Tensor"``), once: ``fake`` is its shape function for
     torch.compile and torch.export; its kernels come from the compiled
     libraries (registered on the CPU / CUDA keys from C++) or from this
     registry (:func:`register` names them), chosen on its first call on a
     device. Returns the op's overload; its autograd, if any, is registered
-    on it with ``torch.library.register_autograd``."""
+    on it with ``torch.library.register_autograd``.
+
+    ``composition``: the op is a Python composition of other ops (a chunk
+    loop over the kernels, say), the same on every device, so there is no
+    backend to choose: it is the op's one kernel. Declaring it keeps a
+    traced graph to one node with ``fake``'s shapes, instead of the
+    composition unrolled."""
     _LIBRARY.define(name + schema, tags=tags)
     if fake is not None:
         torch.library.register_fake(f"effilayers::{name}", fake, lib=_LIBRARY)
     op = getattr(torch.ops.effilayers, name).default
+    if composition is not None:
+        _LIBRARY.impl(name, composition, "CompositeExplicitAutograd")
+        return op
 
     def first_call(*args):
         return _first_call(name, op, args)

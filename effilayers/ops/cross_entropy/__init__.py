@@ -67,7 +67,7 @@ What is saved for backward
     use it when nothing else needs them (the usual ``loss =
     cross_entropy(lm_head(h), target)``). The logits' version counter is
     bumped (``torch.autograd.graph.increment_version`` in eager mode; under
-    ``torch.compile`` by the dispatcher, because
+    ``torch.compile`` by the dispatcher, because the op
     ``effilayers::cross_entropy_forward_`` declares ``logits`` mutated),
     so any other autograd node that saved the logits
     (``logits.sin()`` used elsewhere, say) raises at backward instead of
@@ -114,10 +114,10 @@ Autocast
 
 Backends: a C++ CPU kernel (``csrc/cpu/cross_entropy.cpp``), a Triton GPU
 kernel (``effilayers/ops/cross_entropy/triton.py``) and the chunked PyTorch
-reference (``reference.py``); all implement one row-wise kernel,
-``cross_entropy_rows(logits3, target, weight, grad3, grad_scale,
-ignore_index, label_smoothing) -> loss_rows``, on an ``(N, C, I)`` strided
-view of the logits.
+reference (``reference.py``); all implement one row-wise op,
+``effilayers::cross_entropy(logits3, target, weight, grad3, grad_scale,
+ignore_index, label_smoothing) -> loss_rows`` (declared in ``op.py``), on an
+``(N, C, I)`` strided view of the logits.
 """
 
 from .contract import REDUCTIONS

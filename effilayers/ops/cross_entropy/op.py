@@ -1,5 +1,5 @@
-"""The cross-entropy custom ops, the autograd Function over them and the
-public function (see the package docstring for numerics and contracts)."""
+"""The cross-entropy ops, the autograd Function over them and the public
+function (see the package docstring for numerics and contracts)."""
 
 from __future__ import annotations
 
@@ -22,30 +22,8 @@ from .reference import (
 )
 
 registry.register(registry.OpKernels(name="cross_entropy", reference=cross_entropy_rows_reference,
-                                     cpp="cross_entropy_rows",
+                                     cpp="cross_entropy",
                                      triton="effilayers.ops.cross_entropy.triton:cross_entropy_rows_triton"))
-
-# The two passes over one vocabulary chunk of rows too wide to walk whole
-# (linear_cross_entropy's vocabulary chunks; csrc/common/schemas.h describes
-# them): in-place custom ops, so a traced graph holds them with their fake
-# kernels (nothing to compute: they return nothing).
-registry.define(
-    "cross_entropy_chunk_stats_",
-    "(Tensor logits, Tensor target, Tensor? weight, Tensor(a!) stats, int class_offset, int ignore_index, "
-    "bool smoothing) -> ()", lambda *args: None, mutates_args=("stats",))
-registry.define(
-    "cross_entropy_chunk_grad_",
-    "(Tensor(a!) logits, Tensor target, Tensor? class_term, Tensor row_terms, int class_offset, int ignore_index) "
-    "-> ()", lambda *args: None, mutates_args=("logits",))
-# The same two passes for rows with probability targets.
-registry.define(
-    "cross_entropy_soft_chunk_stats_",
-    "(Tensor logits, Tensor probs, Tensor? prob_weight, Tensor? class_term, Tensor(a!) stats) -> ()",
-    lambda *args: None, mutates_args=("stats",))
-registry.define(
-    "cross_entropy_soft_chunk_grad_",
-    "(Tensor(a!) logits, Tensor probs, Tensor? prob_weight, Tensor? class_term, Tensor row_terms) -> ()",
-    lambda *args: None, mutates_args=("logits",))
 for _name, _reference in (("cross_entropy_chunk_stats_", cross_entropy_chunk_stats_reference),
                           ("cross_entropy_chunk_grad_", cross_entropy_chunk_grad_reference),
                           ("cross_entropy_soft_chunk_stats_", cross_entropy_soft_chunk_stats_reference),
@@ -54,8 +32,51 @@ for _name, _reference in (("cross_entropy_chunk_stats_", cross_entropy_chunk_sta
                                          triton=f"effilayers.ops.cross_entropy.triton:{_name[:-1]}_triton"))
 
 
+# --------------------------------------------------------------------------- kernel ops
+# Declared once here; csrc/cpu/cross_entropy.cpp adds the CPU kernels, the
+# registry the Triton and reference ones where those are the choice.
+
+# The row kernel over an (N, C, I) view of the logits: per-row losses in the
+# accumulation dtype, and the reduction-scaled gradient written into `grad`
+# (which may be the logits themselves) when given.
+rows_op = registry.declare(
+    "cross_entropy",
+    "(Tensor logits, Tensor target, Tensor? weight, Tensor(a!)? grad, Tensor grad_scale, int ignore_index, "
+    "float label_smoothing) -> Tensor",
+    lambda logits, *args: logits.new_empty((logits.shape[0] * logits.shape[2],),
+                                           dtype=accumulation_dtype(logits.dtype)))
+
+# The two passes over one vocabulary chunk of rows too wide to walk whole
+# (linear_cross_entropy's vocabulary chunks): (rows, classes) logits, classes
+# contiguous, starting at class `class_offset`; the online statistics updated
+# in place in `stats` (4, rows), then, from the final log-sum-exp and scales
+# in `row_terms` (4, rows), the gradient written over the logits. In place,
+# so a traced graph holds them with fake kernels that compute nothing.
+chunk_stats_op = registry.declare(
+    "cross_entropy_chunk_stats_",
+    "(Tensor logits, Tensor target, Tensor? weight, Tensor(a!) stats, int class_offset, int ignore_index, "
+    "bool smoothing) -> ()", lambda *args: None)
+chunk_grad_op = registry.declare(
+    "cross_entropy_chunk_grad_",
+    "(Tensor(a!) logits, Tensor target, Tensor? class_term, Tensor row_terms, int class_offset, int ignore_index) "
+    "-> ()", lambda *args: None)
+# The same two passes for rows with class-probability targets `probs` (any
+# floating dtype and strides), each probability weighted as q_c = p_c *
+# prob_weight_c + class_term_c: `stats` (4, rows) gains sum_c q_c z_c and
+# sum_c q_c; `row_terms` (3, rows) is the final log-sum-exp, sum_c q_c over
+# the whole row, and the gradient's scale.
+soft_chunk_stats_op = registry.declare(
+    "cross_entropy_soft_chunk_stats_",
+    "(Tensor logits, Tensor probs, Tensor? prob_weight, Tensor? class_term, Tensor(a!) stats) -> ()",
+    lambda *args: None)
+soft_chunk_grad_op = registry.declare(
+    "cross_entropy_soft_chunk_grad_",
+    "(Tensor(a!) logits, Tensor probs, Tensor? prob_weight, Tensor? class_term, Tensor row_terms) -> ()",
+    lambda *args: None)
+
+
 # ---------------------------------------------------------------------------
-# Shapes, buffers, reductions: the forward both custom ops run
+# Shapes, buffers, reductions: the forward both composition ops run
 # ---------------------------------------------------------------------------
 
 
@@ -122,7 +143,7 @@ def _run(logits, target, weight, ignore_index, label_smoothing, reduction, grad,
         if grad is not None and grad3 is None:
             copied_grad = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
             grad3 = three_view(copied_grad, (1,))
-        loss_rows = registry.kernel("cross_entropy", logits.device)(
+        loss_rows = rows_op(
             rows3, target_rows, weight, grad3, grad_scale, ignore_index, float(label_smoothing)
         )
         if copied_grad is not None:
@@ -136,7 +157,7 @@ def _run(logits, target, weight, ignore_index, label_smoothing, reduction, grad,
 
 
 # ---------------------------------------------------------------------------
-# Custom ops
+# Composition ops
 # ---------------------------------------------------------------------------
 
 # What both forward ops take after the logits (one schema, written once).
@@ -158,26 +179,25 @@ def _forward_(logits, target, weight, ignore_index, label_smoothing, reduction, 
     return _run(logits, target, weight, ignore_index, label_smoothing, reduction, logits, loss_dtype)
 
 
-_cross_entropy_forward = torch.library.custom_op(
-    "effilayers::cross_entropy_forward", _forward, mutates_args=(),
-    schema=f"(Tensor logits, {_ARGUMENTS}, bool compute_grad, ScalarType loss_dtype) -> (Tensor, Tensor)",
-)
-_cross_entropy_forward_ = torch.library.custom_op(
-    "effilayers::cross_entropy_forward_", _forward_, mutates_args=("logits",),
-    schema=f"(Tensor(a0!) logits, {_ARGUMENTS}, ScalarType loss_dtype) -> Tensor",
-)
-
-
-@_cross_entropy_forward.register_fake
-def _(logits, target, weight, ignore_index, label_smoothing, reduction, compute_grad, loss_dtype):
+def _forward_fake(logits, target, weight, ignore_index, label_smoothing, reduction, compute_grad, loss_dtype):
     loss = logits.new_empty(_loss_shape(logits, reduction), dtype=loss_dtype)
     grad = _grad_buffer(logits) if compute_grad else logits.new_empty((0,))
     return loss, grad
 
 
-@_cross_entropy_forward_.register_fake
-def _(logits, target, weight, ignore_index, label_smoothing, reduction, loss_dtype):
+def _forward_fake_(logits, target, weight, ignore_index, label_smoothing, reduction, loss_dtype):
     return logits.new_empty(_loss_shape(logits, reduction), dtype=loss_dtype)
+
+
+# Compositions over the row op: a traced graph holds one of these, not the
+# reshapes, weights and reductions around the kernel.
+_cross_entropy_forward = registry.declare(
+    "cross_entropy_forward",
+    f"(Tensor logits, {_ARGUMENTS}, bool compute_grad, ScalarType loss_dtype) -> (Tensor, Tensor)",
+    _forward_fake, composition=_forward)
+_cross_entropy_forward_ = registry.declare(
+    "cross_entropy_forward_", f"(Tensor(a0!) logits, {_ARGUMENTS}, ScalarType loss_dtype) -> Tensor",
+    _forward_fake_, composition=_forward_)
 
 
 class _CrossEntropyFunction(torch.autograd.Function):
@@ -193,7 +213,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
         if compute_grad and inplace_backward:
             if registry.runs_eagerly(logits):
                 loss = _forward_(logits, *arguments, loss_dtype)
-                # What the custom op's mutation of logits does through the
+                # What the op's mutation of logits does through the
                 # dispatcher: other nodes that saved the logits now raise.
                 torch.autograd.graph.increment_version(logits)
             else:

@@ -480,7 +480,7 @@ def cross_entropy_rows_triton(logits, target, weight, grad, grad_scale, ignore_i
 # chunk's logits, classes contiguous, starting at class `class_offset`. One
 # program per row, blocks of BLOCK classes as above (_block_and_warps of the
 # chunk's width). Rows whose target is ignore_index are skipped by the
-# statistics and get a zero gradient. csrc/common/schemas.h and
+# statistics and get a zero gradient. The ops' declarations (op.py) and
 # reference.py's cross_entropy_chunk_*_reference give the contracts.
 
 

@@ -10,9 +10,9 @@ reduction=...)``, with optional per-token weights, over chunks of tokens
 How it runs
     For each chunk of ``chunk_size`` tokens: ``logits = x W^T + b`` (torch's
     matmul: MKL/oneDNN on CPU, cuBLAS on GPU), then one call of the
-    cross_entropy family's row kernel (``effilayers_cpu::cross_entropy_rows``
-    on CPU, the Triton ``cross_entropy_rows`` kernel on GPU, taken from the
-    registry as ``cross_entropy`` is) which accumulates the log-sum-exp in
+    cross_entropy family's row op (``effilayers::cross_entropy``: its C++
+    kernel on CPU, the Triton ``cross_entropy_rows`` kernel on GPU, as for
+    ``cross_entropy``) which accumulates the log-sum-exp in
     float32 and writes d loss / d logits over the chunk's logits; then
     ``grad_input[chunk] = dlogits @ W``, ``grad_weight += dlogits^T x`` and
     ``grad_bias += sum(dlogits)``, the last two in float32 accumulators

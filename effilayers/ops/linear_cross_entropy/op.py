@@ -1,4 +1,4 @@
-"""The chunked pass, its two custom ops, the autograd Function over them and
+"""The chunked pass, its two composition ops, the autograd Function over them and
 the public function (see the package docstring for numerics and contracts)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from ..._core import registry
 from ..._core.dtypes import accumulation_dtype
 from ..._core.layout import refuse_forward_ad
 
-# Importing the family registers the "cross_entropy" row kernels this op runs on each chunk.
-from ..cross_entropy import op as _cross_entropy_op  # noqa: F401
+# The cross_entropy family's row op, run on each chunk of logits.
+from ..cross_entropy.op import rows_op
 from .contract import INPUT_DTYPES, OP, check_arguments, check_target_range
 from .reference import class_index_grads_reference, class_index_stats_reference
 from .vocab_chunks import (
@@ -300,8 +300,6 @@ def _chunks(input, weight, target, bias, class_weight, ignore_index, label_smoot
         return loss_rows, grad_input, grad_weight, grad_bias
     if soft:
         terms = probability_terms(kernel_weight, label_smoothing, classes, acc, device)
-    else:
-        rows_kernel = registry.kernel("cross_entropy", device)
     # One logits buffer for every chunk: a fresh chunk-sized allocation per
     # chunk costs page faults each time on CPU, and glibc keeps some of the
     # freed chunks (its mmap threshold rises to their size), which grew the
@@ -320,7 +318,7 @@ def _chunks(input, weight, target, bias, class_weight, ignore_index, label_smoot
             rows = whole_probability_rows(logits, target[start:stop], terms, grad_scale, write_grad)
         else:
             view = logits.view(stop - start, classes, 1)
-            rows = rows_kernel(view, target[start:stop], kernel_weight, view if write_grad else None, grad_scale,
+            rows = rows_op(view, target[start:stop], kernel_weight, view if write_grad else None, grad_scale,
                                ignore_index, label_smoothing)
         if keep_rows:
             loss_rows[start:stop] = rows
@@ -367,7 +365,7 @@ def _nothing(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------
-# Custom ops: the forward pass (with the gradients, for the chunked path's
+# Composition ops: the forward pass (with the gradients, for the chunked path's
 # mean and sum) and the deferred backward pass (the fused path, every
 # reduction="none", and fp16 on the chunked path)
 # ---------------------------------------------------------------------------
@@ -460,22 +458,8 @@ def _backward_deferred(grad_output, input, weight, target, bias, class_weight, t
             gb if gb is not None else _nothing(input, input.dtype))
 
 
-_linear_cross_entropy_forward = torch.library.custom_op(
-    "effilayers::linear_cross_entropy_forward", _forward, mutates_args=(),
-    schema=f"({_ARGUMENTS}, str reduction, {_WANTS}, ScalarType loss_dtype, bool fused) "
-           "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
-)
-_linear_cross_entropy_backward = torch.library.custom_op(
-    "effilayers::linear_cross_entropy_backward", _backward_deferred, mutates_args=(),
-    schema=f"(Tensor grad_output, {_ARGUMENTS[:_ARGUMENTS.index(', SymInt')]}, Tensor terms, "
-           f"SymInt ignore_index, float label_smoothing, str reduction, {_WANTS}, bool fused) "
-           "-> (Tensor, Tensor, Tensor)",
-)
-
-
-@_linear_cross_entropy_forward.register_fake
-def _(input, weight, target, bias, class_weight, token_weight, ignore_index, label_smoothing, reduction, chunk_size,
-      grad_input, grad_weight, grad_bias, compute_dtype, filter_eps, loss_dtype, fused):
+def _forward_fake(input, weight, target, bias, class_weight, token_weight, ignore_index, label_smoothing, reduction,
+                  chunk_size, grad_input, grad_weight, grad_bias, compute_dtype, filter_eps, loss_dtype, fused):
     acc = accumulation_dtype(compute_dtype)
     loss = input.new_empty((input.shape[0],) if reduction == "none" else (), dtype=loss_dtype)
     gi = input.new_empty(input.shape) if grad_input else _nothing(input, input.dtype)
@@ -485,13 +469,27 @@ def _(input, weight, target, bias, class_weight, token_weight, ignore_index, lab
     return loss, gi, gw, gb, terms
 
 
-@_linear_cross_entropy_backward.register_fake
-def _(grad_output, input, weight, target, bias, class_weight, token_weight, terms, ignore_index, label_smoothing,
-      reduction, chunk_size, grad_input, grad_weight, grad_bias, compute_dtype, filter_eps, fused):
+def _backward_fake(grad_output, input, weight, target, bias, class_weight, token_weight, terms, ignore_index,
+                   label_smoothing, reduction, chunk_size, grad_input, grad_weight, grad_bias, compute_dtype,
+                   filter_eps, fused):
     gi = input.new_empty(input.shape) if grad_input else _nothing(input, input.dtype)
     gw = weight.new_empty(weight.shape) if grad_weight else _nothing(input, weight.dtype)
     gb = bias.new_empty(bias.shape) if grad_bias and bias is not None else _nothing(input, input.dtype)
     return gi, gw, gb
+
+
+# Compositions (chunk loops over matmuls and the row kernels): a traced graph
+# holds one op each way, with the shapes of the fake kernels above.
+_linear_cross_entropy_forward = registry.declare(
+    "linear_cross_entropy_forward",
+    f"({_ARGUMENTS}, str reduction, {_WANTS}, ScalarType loss_dtype, bool fused) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    _forward_fake, composition=_forward)
+_linear_cross_entropy_backward = registry.declare(
+    "linear_cross_entropy_backward",
+    f"(Tensor grad_output, {_ARGUMENTS[:_ARGUMENTS.index(', SymInt')]}, Tensor terms, "
+    f"SymInt ignore_index, float label_smoothing, str reduction, {_WANTS}, bool fused) -> (Tensor, Tensor, Tensor)",
+    _backward_fake, composition=_backward_deferred)
 
 
 class _LinearCrossEntropyFunction(torch.autograd.Function):

@@ -4,7 +4,7 @@ classes are walked in chunks twice, each vocabulary chunk's logits
 compute dtype, as ``F.linear`` rounds them).
 
 Class-index targets (the common case) run the cross_entropy family's two
-chunk kernels, taken from the registry (C++ on CPU, Triton on GPU):
+chunk ops (``effilayers::``, their kernels C++ on CPU, Triton on GPU):
 
 * ``cross_entropy_chunk_stats_`` folds each chunk into per-row running
   statistics in the accumulation dtype (float32, float64 for float64): an
@@ -40,7 +40,7 @@ import math
 
 import torch
 
-from ..._core import registry
+from ..cross_entropy.op import chunk_grad_op, chunk_stats_op, soft_chunk_grad_op, soft_chunk_stats_op
 
 
 def vocab_chunk_bytes(compute_dtype: torch.dtype, acc: torch.dtype, wide_copy: bool) -> int:
@@ -200,7 +200,7 @@ def _class_index_rows(x, w, b, target, class_weight, ignore_index, eps, scale, s
     smoothing = eps > 0
     stats = new_stats(rows_n, acc, x.device)
     buffer = torch.empty(rows_n * min(step, classes), dtype=x.dtype, device=x.device)
-    stats_kernel = registry.dispatch("cross_entropy_chunk_stats_", x)
+    stats_kernel = chunk_stats_op
     for start, z in _chunk_logits(x, w, b, step, buffer):
         chunk_weight = None if class_weight is None or not smoothing else class_weight[start:start + z.shape[1]]
         stats_kernel(z, target, chunk_weight, stats, start, ignore_index, smoothing)
@@ -209,7 +209,7 @@ def _class_index_rows(x, w, b, target, class_weight, ignore_index, eps, scale, s
         return rows
     row_terms = torch.cat((terms, scale[None]))
     class_term = smoothing_term(class_weight, eps, classes, acc, x.device) if smoothing else None
-    grad_kernel = registry.dispatch("cross_entropy_chunk_grad_", x)
+    grad_kernel = chunk_grad_op
     grads.walk(b, step, buffer, lambda z, start, stop: grad_kernel(
         z, target, None if class_term is None else class_term[start:stop], row_terms, start, ignore_index))
     return rows
@@ -255,11 +255,11 @@ def whole_probability_rows(logits, probs, terms, scale, write_grad):
     written over the logits."""
     rows_n = logits.shape[0]
     stats = new_stats(rows_n, scale.dtype, logits.device)  # the scale is in the accumulation dtype
-    registry.dispatch("cross_entropy_soft_chunk_stats_", logits)(logits, probs, *terms, stats)
+    soft_chunk_stats_op(logits, probs, *terms, stats)
     rows, lse, mass = probability_loss(stats)
     if write_grad:
         row_terms = torch.stack((lse, mass, scale.expand(rows_n)))
-        registry.dispatch("cross_entropy_soft_chunk_grad_", logits)(logits, probs, *terms, row_terms)
+        soft_chunk_grad_op(logits, probs, *terms, row_terms)
     return rows
 
 
@@ -270,7 +270,7 @@ def _probability_rows(x, w, b, probs, class_weight, eps, scale, step, acc, grads
     terms = probability_terms(class_weight, eps, classes, acc, device)
     stats = new_stats(rows_n, acc, device)
     buffer = torch.empty(rows_n * min(step, classes), dtype=x.dtype, device=device)
-    stats_kernel = registry.dispatch("cross_entropy_soft_chunk_stats_", x)
+    stats_kernel = soft_chunk_stats_op
     for start, z in _chunk_logits(x, w, b, step, buffer):
         stop = start + z.shape[1]
         stats_kernel(z, probs[:, start:stop], *_sliced(terms, start, stop), stats)
@@ -278,7 +278,7 @@ def _probability_rows(x, w, b, probs, class_weight, eps, scale, step, acc, grads
     if grads is None:
         return rows
     row_terms = torch.stack((lse, mass, scale))
-    grad_kernel = registry.dispatch("cross_entropy_soft_chunk_grad_", x)
+    grad_kernel = soft_chunk_grad_op
     grads.walk(b, step, buffer, lambda z, start, stop: grad_kernel(
         z, probs[:, start:stop], *_sliced(terms, start, stop), row_terms))
     return rows

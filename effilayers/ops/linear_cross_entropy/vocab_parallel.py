@@ -34,8 +34,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..._core import registry
 from ..._core.dtypes import accumulation_dtype
+from ..cross_entropy.op import chunk_grad_op, chunk_stats_op
 from .contract import OP
 from .vocab_chunks import class_index_loss, new_stats, smoothing_term
 
@@ -94,8 +94,8 @@ class _VocabParallelFunction(torch.autograd.Function):
         loss_sum = torch.zeros((), dtype=acc, device=device)
         w_acc = weight.to(acc)
         smoothing = eps > 0
-        stats_kernel = registry.dispatch("cross_entropy_chunk_stats_", input)
-        grad_kernel = registry.dispatch("cross_entropy_chunk_grad_", input)
+        stats_kernel = chunk_stats_op
+        grad_kernel = chunk_grad_op
         class_term = None
         if smoothing and any(needs):
             class_term = smoothing_term(w_local, eps, classes, acc, device, count=local_classes)
