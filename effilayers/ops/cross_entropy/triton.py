@@ -177,6 +177,52 @@ def _gradient_block(x, offsets, mask, weight_ptr, lse, coef, eps, classes, safe_
 
 
 @triton.jit
+def _row_start(base_ptr, row, inner, outer_stride, inner_stride):
+    """Where row ``row = n * inner + i`` of an ``(N, C, inner)`` view starts."""
+    return base_ptr + (row // inner) * outer_stride + (row % inner) * inner_stride
+
+
+@triton.jit
+def _row_target(target_ptr, row, ignore_index, classes):
+    """A row's target: whether the row counts (not ``ignore_index``),
+    whether its target names a class, and a class safe to read (0 where
+    it names none)."""
+    target = tl.load(target_ptr + row)
+    valid = target != ignore_index
+    in_range = (target >= 0) & (target < classes)
+    return valid, in_range, tl.where(valid & in_range, target, 0)
+
+
+@triton.jit
+def _target_weight(weight_ptr, safe_target, has_target, HAS_WEIGHT: tl.constexpr, ACC: tl.constexpr):
+    """The class weight of each row's target (1 without weights)."""
+    w_t = tl.full(safe_target.shape, 1.0, ACC)
+    if HAS_WEIGHT:
+        w_t = tl.load(weight_ptr + safe_target, mask=has_target, other=0.0).to(ACC)
+    return w_t
+
+
+@triton.jit
+def _row_loss(lse, x_t, w_t, sum_wx, sum_w, eps, classes, valid, in_range, SMOOTHING: tl.constexpr):
+    """A row's loss (0 where ignored, NaN for a bad target) and the weight
+    of its softmax in the gradient."""
+    loss = (1.0 - eps) * w_t * (lse - x_t)
+    coef = w_t
+    if SMOOTHING:
+        loss += eps / classes * (sum_w * lse - sum_wx)
+        coef = (1.0 - eps) * w_t + eps / classes * sum_w
+    loss = tl.where(valid, loss, 0.0)
+    return tl.where(valid & ~in_range, float("nan"), loss), coef
+
+
+@triton.jit
+def _row_scale(scale, valid, in_range):
+    """The gradient's scale of a row: 0 where ignored, NaN for a bad target."""
+    row_scale = tl.where(valid, scale, 0.0)
+    return tl.where(valid & ~in_range, float("nan"), row_scale)
+
+
+@triton.jit
 def _whole_rows(first, n_rows, logits_ptr, target_ptr, weight_ptr, grad_ptr, loss_ptr, classes, inner,
                 outer_stride, class_stride, inner_stride, grad_outer_stride, grad_class_stride, grad_inner_stride,
                 ignore_index, eps, scale, HAS_WEIGHT: tl.constexpr, SMOOTHING: tl.constexpr,
@@ -190,13 +236,8 @@ def _whole_rows(first, n_rows, logits_ptr, target_ptr, weight_ptr, grad_ptr, los
     rows = first + tl.arange(0, ROWS).to(tl.int64)
     live = rows < n_rows
     read = tl.minimum(rows, n_rows - 1)
-    n = read // inner
-    i = read % inner
-    row_ptr = logits_ptr + n * outer_stride + i * inner_stride
-    target = tl.load(target_ptr + read)
-    valid = target != ignore_index
-    in_range = (target >= 0) & (target < classes)
-    safe_target = tl.where(valid & in_range, target, 0)
+    row_ptr = _row_start(logits_ptr, read, inner, outer_stride, inner_stride)
+    valid, in_range, safe_target = _row_target(target_ptr, read, ignore_index, classes)
     cols = tl.arange(0, BLOCK)[None, :]
     row_mask = cols < classes
     x = tl.load(row_ptr[:, None] + cols.to(tl.int64) * class_stride, mask=row_mask, other=neg_inf).to(ACC)
@@ -207,12 +248,9 @@ def _whole_rows(first, n_rows, logits_ptr, target_ptr, weight_ptr, grad_ptr, los
     lse = tl.where(row_max == neg_inf, neg_inf, row_max + tl.log(sum_exp)).to(ACC)
     has_target = valid & in_range
     x_t = tl.load(row_ptr + safe_target * class_stride, mask=has_target, other=0.0).to(ACC)
-    if HAS_WEIGHT:
-        w_t = tl.load(weight_ptr + safe_target, mask=has_target, other=0.0).to(ACC)
-    else:
-        w_t = tl.full([ROWS], 1.0, ACC)
-    loss = (1.0 - eps) * w_t * (lse - x_t)
-    coef = w_t
+    w_t = _target_weight(weight_ptr, safe_target, has_target, HAS_WEIGHT, ACC)
+    sum_wx = tl.zeros([ROWS], ACC)
+    sum_w = tl.zeros([ROWS], ACC)
     if SMOOTHING:
         if HAS_WEIGHT:
             w = tl.load(weight_ptr + cols, mask=row_mask, other=0.0).to(ACC)
@@ -220,19 +258,14 @@ def _whole_rows(first, n_rows, logits_ptr, target_ptr, weight_ptr, grad_ptr, los
             w = tl.where(row_mask, 1.0, 0.0).to(ACC)
         sum_wx = tl.sum(w * tl.where(row_mask, x, 0.0), axis=1)
         sum_w = tl.sum(w, axis=1)
-        loss += eps / classes * (sum_w * lse - sum_wx)
-        coef = (1.0 - eps) * w_t + eps / classes * sum_w
-    nan = float("nan")
-    loss = tl.where(valid, loss, 0.0)
-    tl.store(loss_ptr + rows, tl.where(valid & ~in_range, nan, loss), mask=live)
+    loss, coef = _row_loss(lse, x_t, w_t, sum_wx, sum_w, eps, classes, valid, in_range, SMOOTHING)
+    tl.store(loss_ptr + rows, loss, mask=live)
     if WRITE_GRAD:
-        # 0 for ignored rows, NaN for bad targets, else the gradient's scale.
-        row_scale = tl.where(valid, scale, 0.0)
-        row_scale = tl.where(valid & ~in_range, nan, row_scale)
+        row_scale = _row_scale(scale, valid, in_range)
         g = _gradient_block(x, cols, row_mask, weight_ptr, lse[:, None], coef[:, None], eps, classes,
                             safe_target[:, None], w_t[:, None], valid[:, None], in_range[:, None], row_scale[:, None],
                             HAS_WEIGHT, SMOOTHING, ACC)
-        grad_row_ptr = grad_ptr + (rows // inner) * grad_outer_stride + (rows % inner) * grad_inner_stride
+        grad_row_ptr = _row_start(grad_ptr, rows, inner, grad_outer_stride, grad_inner_stride)
         tl.store(grad_row_ptr[:, None] + cols.to(tl.int64) * grad_class_stride, g.to(grad_ptr.dtype.element_ty),
                  mask=row_mask & live[:, None])
 
@@ -282,13 +315,8 @@ def _walking_row(logits_ptr, target_ptr, weight_ptr, grad_ptr, loss_ptr, classes
     """Row ``program_id`` walked in BLOCK-wide blocks: the online pass, then
     (for the gradient) a second read of each block."""
     row = tl.program_id(0).to(tl.int64)
-    n = row // inner
-    i = row % inner
-    row_ptr = logits_ptr + n * outer_stride + i * inner_stride
-    target = tl.load(target_ptr + row)
-    valid = target != ignore_index
-    in_range = (target >= 0) & (target < classes)
-    safe_target = tl.where(valid & in_range, target, 0)
+    row_ptr = _row_start(logits_ptr, row, inner, outer_stride, inner_stride)
+    valid, in_range, safe_target = _row_target(target_ptr, row, ignore_index, classes)
     cols = tl.arange(0, BLOCK)
     neg_inf = float("-inf")
 
@@ -311,25 +339,13 @@ def _walking_row(logits_ptr, target_ptr, weight_ptr, grad_ptr, loss_ptr, classes
     # element to read (an unmasked load of "class 0" went out of bounds).
     has_target = valid & in_range
     x_t = tl.load(row_ptr + safe_target * class_stride, mask=has_target, other=0.0).to(ACC)
-    if HAS_WEIGHT:
-        w_t = tl.load(weight_ptr + safe_target, mask=has_target, other=0.0).to(ACC)
-    else:
-        w_t = tl.full((), 1.0, ACC)
-    loss = (1.0 - eps) * w_t * (lse - x_t)
-    coef = w_t
-    if SMOOTHING:
-        loss += eps / classes * (sum_w * lse - sum_wx)
-        coef = (1.0 - eps) * w_t + eps / classes * sum_w
-    nan = float("nan")
-    loss = tl.where(valid, loss, 0.0)
-    loss = tl.where(valid & ~in_range, nan, loss)
+    w_t = _target_weight(weight_ptr, safe_target, has_target, HAS_WEIGHT, ACC)
+    loss, coef = _row_loss(lse, x_t, w_t, sum_wx, sum_w, eps, classes, valid, in_range, SMOOTHING)
     tl.store(loss_ptr + row, loss)
 
     if WRITE_GRAD:
-        # 0 for ignored rows, NaN for bad targets, else the gradient's scale.
-        row_scale = tl.where(valid, scale, 0.0)
-        row_scale = tl.where(valid & ~in_range, nan, row_scale)
-        grad_row_ptr = grad_ptr + n * grad_outer_stride + i * grad_inner_stride
+        row_scale = _row_scale(scale, valid, in_range)
+        grad_row_ptr = _row_start(grad_ptr, row, inner, grad_outer_stride, grad_inner_stride)
         for start in range(0, classes, BLOCK):
             offsets = start + cols
             mask = offsets < classes
@@ -355,13 +371,8 @@ def _cross_entropy_split_kernel(
     # sum w*x and sum w); each piece then writes its gradient, piece 0 the loss.
     ACC = loss_ptr.dtype.element_ty
     row, piece = split_piece(work_ptr, splits)
-    n = row // inner
-    i = row % inner
-    row_ptr = logits_ptr + n * outer_stride + i * inner_stride
-    target = tl.load(target_ptr + row)
-    valid = target != ignore_index
-    in_range = (target >= 0) & (target < classes)
-    safe_target = tl.where(valid & in_range, target, 0)
+    row_ptr = _row_start(logits_ptr, row, inner, outer_stride, inner_stride)
+    valid, in_range, safe_target = _row_target(target_ptr, row, ignore_index, classes)
     eps = tl.load(eps_ptr)
     neg_inf = float("-inf")
     cols = piece * BLOCK + tl.arange(0, BLOCK)
@@ -409,27 +420,16 @@ def _cross_entropy_split_kernel(
     sum_wx = tl.sum(sums_wx, axis=0)
     sum_w = tl.sum(sums_w, axis=0)
     has_target = valid & in_range
-    if HAS_WEIGHT:
-        w_t = tl.load(weight_ptr + safe_target, mask=has_target, other=0.0).to(ACC)
-    else:
-        w_t = tl.full((), 1.0, ACC)
-    coef = w_t
-    if SMOOTHING:
-        coef = (1.0 - eps) * w_t + eps / classes * sum_w
-    nan = float("nan")
+    w_t = _target_weight(weight_ptr, safe_target, has_target, HAS_WEIGHT, ACC)
+    # Only piece 0 reads the target's logit, for the loss it alone writes.
+    x_t = tl.load(row_ptr + safe_target * class_stride, mask=has_target & (piece == 0), other=0.0).to(ACC)
+    loss, coef = _row_loss(lse, x_t, w_t, sum_wx, sum_w, eps, classes, valid, in_range, SMOOTHING)
     if piece == 0:
-        x_t = tl.load(row_ptr + safe_target * class_stride, mask=has_target, other=0.0).to(ACC)
-        loss = (1.0 - eps) * w_t * (lse - x_t)
-        if SMOOTHING:
-            loss += eps / classes * (sum_w * lse - sum_wx)
-        loss = tl.where(valid, loss, 0.0)
-        tl.store(loss_ptr + row, tl.where(valid & ~in_range, nan, loss))
-    scale = tl.load(grad_scale_ptr).to(ACC)
-    row_scale = tl.where(valid, scale, 0.0)
-    row_scale = tl.where(valid & ~in_range, nan, row_scale)
+        tl.store(loss_ptr + row, loss)
+    row_scale = _row_scale(tl.load(grad_scale_ptr).to(ACC), valid, in_range)
     g = _gradient_block(x, cols, mask, weight_ptr, lse, coef, eps, classes, safe_target, w_t, valid, in_range,
                         row_scale, HAS_WEIGHT, SMOOTHING, ACC)
-    grad_row_ptr = grad_ptr + n * grad_outer_stride + i * grad_inner_stride
+    grad_row_ptr = _row_start(grad_ptr, row, inner, grad_outer_stride, grad_inner_stride)
     tl.store(grad_row_ptr + cols.to(tl.int64) * grad_class_stride, g.to(grad_ptr.dtype.element_ty), mask=mask)
 
 
@@ -579,94 +579,85 @@ def cross_entropy_chunk_grad_triton(logits, target, class_term, row_terms, class
 
 
 @triton.jit
-def _soft_weights(probs_row_ptr, probs_class_stride, prob_weight_ptr, class_term_ptr, offsets, mask,
-                  HAS_PROB_WEIGHT: tl.constexpr, HAS_CLASS_TERM: tl.constexpr, ACC: tl.constexpr):
-    """One block's weighted probabilities q_c (0 past the row's end). A
-    class stride of 1 is specialised by Triton's launcher: contiguous
-    probabilities get vector loads."""
+def _soft_block(row_ptr, probs_row_ptr, probs_class_stride, prob_weight_ptr, class_term_ptr, offsets, classes,
+                HAS_PROB_WEIGHT: tl.constexpr, HAS_CLASS_TERM: tl.constexpr, ACC: tl.constexpr):
+    """One block of a row: its logits (-inf past the row's end), their
+    weighted probabilities q_c (0 there), and the mask. A class stride of 1
+    is specialised by Triton's launcher: contiguous probabilities get
+    vector loads."""
+    mask = offsets < classes
+    x = tl.load(row_ptr + offsets, mask=mask, other=float("-inf")).to(ACC)
     q = tl.load(probs_row_ptr + offsets.to(tl.int64) * probs_class_stride, mask=mask, other=0.0).to(ACC)
     if HAS_PROB_WEIGHT:
         q *= tl.load(prob_weight_ptr + offsets, mask=mask, other=0.0).to(ACC)
     if HAS_CLASS_TERM:
         q += tl.load(class_term_ptr + offsets, mask=mask, other=0.0).to(ACC)
-    return q
+    return x, q, mask
 
 
 @triton.jit
-def _soft_chunk_stats_kernel(
-    logits_ptr, probs_ptr, prob_weight_ptr, class_term_ptr, stats_ptr,
-    classes, row_stride, probs_row_stride, probs_class_stride, stats_stride,
-    HAS_PROB_WEIGHT: tl.constexpr, HAS_CLASS_TERM: tl.constexpr, BLOCK: tl.constexpr,
+def _soft_chunk_kernel(
+    logits_ptr, probs_ptr, prob_weight_ptr, class_term_ptr, per_row_ptr,
+    classes, row_stride, probs_row_stride, probs_class_stride, per_row_stride,
+    HAS_PROB_WEIGHT: tl.constexpr, HAS_CLASS_TERM: tl.constexpr, GRAD: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    ACC = stats_ptr.dtype.element_ty
+    # One pass of the two over a row (one program each): the statistics
+    # (per_row: stats), or the gradient over the logits (per_row: row_terms).
+    ACC = per_row_ptr.dtype.element_ty
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * row_stride
     probs_row_ptr = probs_ptr + row * probs_row_stride
     cols = tl.arange(0, BLOCK)
-    running_max = tl.load(stats_ptr + row)
-    sum_exp = tl.load(stats_ptr + stats_stride + row)
-    sum_qz = tl.zeros((), ACC)
-    sum_q = tl.zeros((), ACC)
-    for start in range(0, classes, BLOCK):
-        offsets = start + cols
-        mask = offsets < classes
-        x = tl.load(row_ptr + offsets, mask=mask, other=float("-inf")).to(ACC)
-        running_max, sum_exp = _online_block(running_max, sum_exp, x, ACC)
-        q = _soft_weights(probs_row_ptr, probs_class_stride, prob_weight_ptr, class_term_ptr, offsets, mask,
-                          HAS_PROB_WEIGHT, HAS_CLASS_TERM, ACC)
-        # Past the row's end x is -inf and q is 0: read x as 0 there, as 0 * -inf is NaN.
-        sum_qz += tl.sum(q * tl.where(mask, x, 0.0), axis=0)
-        sum_q += tl.sum(q, axis=0)
-    tl.store(stats_ptr + row, running_max)
-    tl.store(stats_ptr + stats_stride + row, sum_exp)
-    tl.store(stats_ptr + 2 * stats_stride + row, tl.load(stats_ptr + 2 * stats_stride + row) + sum_qz)
-    tl.store(stats_ptr + 3 * stats_stride + row, tl.load(stats_ptr + 3 * stats_stride + row) + sum_q)
+    if GRAD:
+        lse = tl.load(per_row_ptr + row)
+        mass = tl.load(per_row_ptr + per_row_stride + row)
+        scale = tl.load(per_row_ptr + 2 * per_row_stride + row)
+        for start in range(0, classes, BLOCK):
+            offsets = start + cols
+            x, q, mask = _soft_block(row_ptr, probs_row_ptr, probs_class_stride, prob_weight_ptr, class_term_ptr,
+                                     offsets, classes, HAS_PROB_WEIGHT, HAS_CLASS_TERM, ACC)
+            g = (mass * tl.exp(x - lse) - q) * scale
+            tl.store(row_ptr + offsets, g.to(logits_ptr.dtype.element_ty), mask=mask)
+    else:
+        running_max = tl.load(per_row_ptr + row)
+        sum_exp = tl.load(per_row_ptr + per_row_stride + row)
+        sum_qz = tl.zeros((), ACC)
+        sum_q = tl.zeros((), ACC)
+        for start in range(0, classes, BLOCK):
+            offsets = start + cols
+            x, q, mask = _soft_block(row_ptr, probs_row_ptr, probs_class_stride, prob_weight_ptr, class_term_ptr,
+                                     offsets, classes, HAS_PROB_WEIGHT, HAS_CLASS_TERM, ACC)
+            running_max, sum_exp = _online_block(running_max, sum_exp, x, ACC)
+            # Past the row's end x is -inf and q is 0: read x as 0 there, as 0 * -inf is NaN.
+            sum_qz += tl.sum(q * tl.where(mask, x, 0.0), axis=0)
+            sum_q += tl.sum(q, axis=0)
+        tl.store(per_row_ptr + row, running_max)
+        tl.store(per_row_ptr + per_row_stride + row, sum_exp)
+        qz_ptr = per_row_ptr + 2 * per_row_stride + row
+        tl.store(qz_ptr, tl.load(qz_ptr) + sum_qz)
+        tl.store(qz_ptr + per_row_stride, tl.load(qz_ptr + per_row_stride) + sum_q)
 
 
-@triton.jit
-def _soft_chunk_grad_kernel(
-    logits_ptr, probs_ptr, prob_weight_ptr, class_term_ptr, row_terms_ptr,
-    classes, row_stride, probs_row_stride, probs_class_stride, terms_stride,
-    HAS_PROB_WEIGHT: tl.constexpr, HAS_CLASS_TERM: tl.constexpr, BLOCK: tl.constexpr,
-):
-    ACC = row_terms_ptr.dtype.element_ty
-    row = tl.program_id(0).to(tl.int64)
-    lse = tl.load(row_terms_ptr + row)
-    mass = tl.load(row_terms_ptr + terms_stride + row)
-    scale = tl.load(row_terms_ptr + 2 * terms_stride + row)
-    row_ptr = logits_ptr + row * row_stride
-    probs_row_ptr = probs_ptr + row * probs_row_stride
-    cols = tl.arange(0, BLOCK)
-    for start in range(0, classes, BLOCK):
-        offsets = start + cols
-        mask = offsets < classes
-        x = tl.load(row_ptr + offsets, mask=mask, other=0.0).to(ACC)
-        q = _soft_weights(probs_row_ptr, probs_class_stride, prob_weight_ptr, class_term_ptr, offsets, mask,
-                          HAS_PROB_WEIGHT, HAS_CLASS_TERM, ACC)
-        g = (mass * tl.exp(x - lse) - q) * scale
-        tl.store(row_ptr + offsets, g.to(logits_ptr.dtype.element_ty), mask=mask)
-
-
-def _soft_chunk_launch(kernel, logits, probs, prob_weight, class_term, per_row):
+def _soft_chunk_launch(logits, probs, prob_weight, class_term, per_row, grad):
     rows, classes = logits.shape
     if rows == 0:
         return
     block, warps = _block_and_warps(classes)
-    kernel[(rows,)](logits, probs, prob_weight if prob_weight is not None else per_row,
-                    class_term if class_term is not None else per_row, per_row,
-                    classes, logits.stride(0), probs.stride(0), probs.stride(1), per_row.stride(0),
-                    HAS_PROB_WEIGHT=prob_weight is not None, HAS_CLASS_TERM=class_term is not None,
-                    BLOCK=block, num_warps=warps)
+    _soft_chunk_kernel[(rows,)](logits, probs, prob_weight if prob_weight is not None else per_row,
+                                class_term if class_term is not None else per_row, per_row,
+                                classes, logits.stride(0), probs.stride(0), probs.stride(1), per_row.stride(0),
+                                HAS_PROB_WEIGHT=prob_weight is not None, HAS_CLASS_TERM=class_term is not None,
+                                GRAD=grad, BLOCK=block, num_warps=warps)
 
 
 def cross_entropy_soft_chunk_stats_triton(logits, probs, prob_weight, class_term, stats):
     """Same contract as ``effilayers.ops.cross_entropy.cross_entropy_soft_chunk_stats_reference``."""
-    _soft_chunk_launch(_soft_chunk_stats_kernel, logits, probs, prob_weight, class_term, stats)
+    _soft_chunk_launch(logits, probs, prob_weight, class_term, stats, grad=False)
 
 
 def cross_entropy_soft_chunk_grad_triton(logits, probs, prob_weight, class_term, row_terms):
     """Same contract as ``effilayers.ops.cross_entropy.cross_entropy_soft_chunk_grad_reference``."""
-    _soft_chunk_launch(_soft_chunk_grad_kernel, logits, probs, prob_weight, class_term, row_terms)
+    _soft_chunk_launch(logits, probs, prob_weight, class_term, row_terms, grad=True)
 
 
 # -- kernel report ---------------------------------------------------------------
@@ -809,12 +800,12 @@ def _chunk_specialisations():
         # each pass also reads them.
         for probs_dtype in (dtype, torch.float32) if dtype == torch.bfloat16 else (dtype,):
             soft = dict(logits_ptr=dtype, probs_ptr=probs_dtype, prob_weight_ptr=acc, class_term_ptr=acc,
-                        classes=classes, row_stride=classes, probs_row_stride=classes, probs_class_stride=1)
+                        per_row_ptr=acc, classes=classes, row_stride=classes, probs_row_stride=classes,
+                        probs_class_stride=1, per_row_stride=rows)
             read = size + probs_dtype.itemsize
             for weighted in (False, True):
                 flags = dict(HAS_PROB_WEIGHT=weighted, HAS_CLASS_TERM=weighted, BLOCK=block)
                 label = f"{name} soft {str(probs_dtype)[6:]}{' weighted' if weighted else ''}"
-                yield KernelSpec(_soft_chunk_stats_kernel, dict(soft, stats_ptr=acc, stats_stride=rows), flags, warps,
-                                 f"{label} stats", read, read)
-                yield KernelSpec(_soft_chunk_grad_kernel, dict(soft, row_terms_ptr=acc, terms_stride=rows), flags,
-                                 warps, f"{label} grad", read + size, read + size)
+                yield KernelSpec(_soft_chunk_kernel, soft, dict(flags, GRAD=False), warps, f"{label} stats", read, read)
+                yield KernelSpec(_soft_chunk_kernel, soft, dict(flags, GRAD=True), warps, f"{label} grad",
+                                 read + size, read + size)
