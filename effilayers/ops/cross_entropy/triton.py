@@ -204,15 +204,21 @@ def _target_weight(weight_ptr, safe_target, has_target, HAS_WEIGHT: tl.constexpr
 
 @triton.jit
 def _row_loss(lse, x_t, w_t, sum_wx, sum_w, eps, classes, valid, in_range, SMOOTHING: tl.constexpr):
-    """A row's loss (0 where ignored, NaN for a bad target) and the weight
-    of its softmax in the gradient."""
+    """A row's loss: 0 where ignored, NaN for a bad target."""
     loss = (1.0 - eps) * w_t * (lse - x_t)
-    coef = w_t
     if SMOOTHING:
         loss += eps / classes * (sum_w * lse - sum_wx)
-        coef = (1.0 - eps) * w_t + eps / classes * sum_w
     loss = tl.where(valid, loss, 0.0)
-    return tl.where(valid & ~in_range, float("nan"), loss), coef
+    return tl.where(valid & ~in_range, float("nan"), loss)
+
+
+@triton.jit
+def _softmax_weight(w_t, sum_w, eps, classes, SMOOTHING: tl.constexpr):
+    """The weight of a row's softmax in its gradient."""
+    coef = w_t
+    if SMOOTHING:
+        coef = (1.0 - eps) * w_t + eps / classes * sum_w
+    return coef
 
 
 @triton.jit
@@ -258,7 +264,8 @@ def _whole_rows(first, n_rows, logits_ptr, target_ptr, weight_ptr, grad_ptr, los
             w = tl.where(row_mask, 1.0, 0.0).to(ACC)
         sum_wx = tl.sum(w * tl.where(row_mask, x, 0.0), axis=1)
         sum_w = tl.sum(w, axis=1)
-    loss, coef = _row_loss(lse, x_t, w_t, sum_wx, sum_w, eps, classes, valid, in_range, SMOOTHING)
+    loss = _row_loss(lse, x_t, w_t, sum_wx, sum_w, eps, classes, valid, in_range, SMOOTHING)
+    coef = _softmax_weight(w_t, sum_w, eps, classes, SMOOTHING)
     tl.store(loss_ptr + rows, loss, mask=live)
     if WRITE_GRAD:
         row_scale = _row_scale(scale, valid, in_range)
@@ -340,7 +347,8 @@ def _walking_row(logits_ptr, target_ptr, weight_ptr, grad_ptr, loss_ptr, classes
     has_target = valid & in_range
     x_t = tl.load(row_ptr + safe_target * class_stride, mask=has_target, other=0.0).to(ACC)
     w_t = _target_weight(weight_ptr, safe_target, has_target, HAS_WEIGHT, ACC)
-    loss, coef = _row_loss(lse, x_t, w_t, sum_wx, sum_w, eps, classes, valid, in_range, SMOOTHING)
+    loss = _row_loss(lse, x_t, w_t, sum_wx, sum_w, eps, classes, valid, in_range, SMOOTHING)
+    coef = _softmax_weight(w_t, sum_w, eps, classes, SMOOTHING)
     tl.store(loss_ptr + row, loss)
 
     if WRITE_GRAD:
@@ -421,11 +429,10 @@ def _cross_entropy_split_kernel(
     sum_w = tl.sum(sums_w, axis=0)
     has_target = valid & in_range
     w_t = _target_weight(weight_ptr, safe_target, has_target, HAS_WEIGHT, ACC)
-    # Only piece 0 reads the target's logit, for the loss it alone writes.
-    x_t = tl.load(row_ptr + safe_target * class_stride, mask=has_target & (piece == 0), other=0.0).to(ACC)
-    loss, coef = _row_loss(lse, x_t, w_t, sum_wx, sum_w, eps, classes, valid, in_range, SMOOTHING)
+    coef = _softmax_weight(w_t, sum_w, eps, classes, SMOOTHING)
     if piece == 0:
-        tl.store(loss_ptr + row, loss)
+        x_t = tl.load(row_ptr + safe_target * class_stride, mask=has_target, other=0.0).to(ACC)
+        tl.store(loss_ptr + row, _row_loss(lse, x_t, w_t, sum_wx, sum_w, eps, classes, valid, in_range, SMOOTHING))
     row_scale = _row_scale(tl.load(grad_scale_ptr).to(ACC), valid, in_range)
     g = _gradient_block(x, cols, mask, weight_ptr, lse, coef, eps, classes, safe_target, w_t, valid, in_range,
                         row_scale, HAS_WEIGHT, SMOOTHING, ACC)
