@@ -586,85 +586,94 @@ def cross_entropy_chunk_grad_triton(logits, target, class_term, row_terms, class
 
 
 @triton.jit
-def _soft_block(row_ptr, probs_row_ptr, probs_class_stride, prob_weight_ptr, class_term_ptr, offsets, classes,
-                HAS_PROB_WEIGHT: tl.constexpr, HAS_CLASS_TERM: tl.constexpr, ACC: tl.constexpr):
-    """One block of a row: its logits (-inf past the row's end), their
-    weighted probabilities q_c (0 there), and the mask. A class stride of 1
-    is specialised by Triton's launcher: contiguous probabilities get
-    vector loads."""
-    mask = offsets < classes
-    x = tl.load(row_ptr + offsets, mask=mask, other=float("-inf")).to(ACC)
+def _soft_weights(probs_row_ptr, probs_class_stride, prob_weight_ptr, class_term_ptr, offsets, mask,
+                  HAS_PROB_WEIGHT: tl.constexpr, HAS_CLASS_TERM: tl.constexpr, ACC: tl.constexpr):
+    """One block's weighted probabilities q_c (0 past the row's end). A
+    class stride of 1 is specialised by Triton's launcher: contiguous
+    probabilities get vector loads."""
     q = tl.load(probs_row_ptr + offsets.to(tl.int64) * probs_class_stride, mask=mask, other=0.0).to(ACC)
     if HAS_PROB_WEIGHT:
         q *= tl.load(prob_weight_ptr + offsets, mask=mask, other=0.0).to(ACC)
     if HAS_CLASS_TERM:
         q += tl.load(class_term_ptr + offsets, mask=mask, other=0.0).to(ACC)
-    return x, q, mask
+    return q
 
 
 @triton.jit
-def _soft_chunk_kernel(
-    logits_ptr, probs_ptr, prob_weight_ptr, class_term_ptr, per_row_ptr,
-    classes, row_stride, probs_row_stride, probs_class_stride, per_row_stride,
-    HAS_PROB_WEIGHT: tl.constexpr, HAS_CLASS_TERM: tl.constexpr, GRAD: tl.constexpr, BLOCK: tl.constexpr,
+def _soft_chunk_stats_kernel(
+    logits_ptr, probs_ptr, prob_weight_ptr, class_term_ptr, stats_ptr,
+    classes, row_stride, probs_row_stride, probs_class_stride, stats_stride,
+    HAS_PROB_WEIGHT: tl.constexpr, HAS_CLASS_TERM: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    # One pass of the two over a row (one program each): the statistics
-    # (per_row: stats), or the gradient over the logits (per_row: row_terms).
-    ACC = per_row_ptr.dtype.element_ty
+    ACC = stats_ptr.dtype.element_ty
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * row_stride
     probs_row_ptr = probs_ptr + row * probs_row_stride
     cols = tl.arange(0, BLOCK)
-    if GRAD:
-        lse = tl.load(per_row_ptr + row)
-        mass = tl.load(per_row_ptr + per_row_stride + row)
-        scale = tl.load(per_row_ptr + 2 * per_row_stride + row)
-        for start in range(0, classes, BLOCK):
-            offsets = start + cols
-            x, q, mask = _soft_block(row_ptr, probs_row_ptr, probs_class_stride, prob_weight_ptr, class_term_ptr,
-                                     offsets, classes, HAS_PROB_WEIGHT, HAS_CLASS_TERM, ACC)
-            g = (mass * tl.exp(x - lse) - q) * scale
-            tl.store(row_ptr + offsets, g.to(logits_ptr.dtype.element_ty), mask=mask)
-    else:
-        running_max = tl.load(per_row_ptr + row)
-        sum_exp = tl.load(per_row_ptr + per_row_stride + row)
-        sum_qz = tl.zeros((), ACC)
-        sum_q = tl.zeros((), ACC)
-        for start in range(0, classes, BLOCK):
-            offsets = start + cols
-            x, q, mask = _soft_block(row_ptr, probs_row_ptr, probs_class_stride, prob_weight_ptr, class_term_ptr,
-                                     offsets, classes, HAS_PROB_WEIGHT, HAS_CLASS_TERM, ACC)
-            running_max, sum_exp = _online_block(running_max, sum_exp, x, ACC)
-            # Past the row's end x is -inf and q is 0: read x as 0 there, as 0 * -inf is NaN.
-            sum_qz += tl.sum(q * tl.where(mask, x, 0.0), axis=0)
-            sum_q += tl.sum(q, axis=0)
-        tl.store(per_row_ptr + row, running_max)
-        tl.store(per_row_ptr + per_row_stride + row, sum_exp)
-        qz_ptr = per_row_ptr + 2 * per_row_stride + row
-        tl.store(qz_ptr, tl.load(qz_ptr) + sum_qz)
-        tl.store(qz_ptr + per_row_stride, tl.load(qz_ptr + per_row_stride) + sum_q)
+    running_max = tl.load(stats_ptr + row)
+    sum_exp = tl.load(stats_ptr + stats_stride + row)
+    sum_qz = tl.zeros((), ACC)
+    sum_q = tl.zeros((), ACC)
+    for start in range(0, classes, BLOCK):
+        offsets = start + cols
+        mask = offsets < classes
+        x = tl.load(row_ptr + offsets, mask=mask, other=float("-inf")).to(ACC)
+        running_max, sum_exp = _online_block(running_max, sum_exp, x, ACC)
+        q = _soft_weights(probs_row_ptr, probs_class_stride, prob_weight_ptr, class_term_ptr, offsets, mask,
+                          HAS_PROB_WEIGHT, HAS_CLASS_TERM, ACC)
+        # Past the row's end x is -inf and q is 0: read x as 0 there, as 0 * -inf is NaN.
+        sum_qz += tl.sum(q * tl.where(mask, x, 0.0), axis=0)
+        sum_q += tl.sum(q, axis=0)
+    tl.store(stats_ptr + row, running_max)
+    tl.store(stats_ptr + stats_stride + row, sum_exp)
+    tl.store(stats_ptr + 2 * stats_stride + row, tl.load(stats_ptr + 2 * stats_stride + row) + sum_qz)
+    tl.store(stats_ptr + 3 * stats_stride + row, tl.load(stats_ptr + 3 * stats_stride + row) + sum_q)
 
 
-def _soft_chunk_launch(logits, probs, prob_weight, class_term, per_row, grad):
+@triton.jit
+def _soft_chunk_grad_kernel(
+    logits_ptr, probs_ptr, prob_weight_ptr, class_term_ptr, row_terms_ptr,
+    classes, row_stride, probs_row_stride, probs_class_stride, terms_stride,
+    HAS_PROB_WEIGHT: tl.constexpr, HAS_CLASS_TERM: tl.constexpr, BLOCK: tl.constexpr,
+):
+    ACC = row_terms_ptr.dtype.element_ty
+    row = tl.program_id(0).to(tl.int64)
+    lse = tl.load(row_terms_ptr + row)
+    mass = tl.load(row_terms_ptr + terms_stride + row)
+    scale = tl.load(row_terms_ptr + 2 * terms_stride + row)
+    row_ptr = logits_ptr + row * row_stride
+    probs_row_ptr = probs_ptr + row * probs_row_stride
+    cols = tl.arange(0, BLOCK)
+    for start in range(0, classes, BLOCK):
+        offsets = start + cols
+        mask = offsets < classes
+        x = tl.load(row_ptr + offsets, mask=mask, other=0.0).to(ACC)
+        q = _soft_weights(probs_row_ptr, probs_class_stride, prob_weight_ptr, class_term_ptr, offsets, mask,
+                          HAS_PROB_WEIGHT, HAS_CLASS_TERM, ACC)
+        g = (mass * tl.exp(x - lse) - q) * scale
+        tl.store(row_ptr + offsets, g.to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+def _soft_chunk_launch(kernel, logits, probs, prob_weight, class_term, per_row):
     rows, classes = logits.shape
     if rows == 0:
         return
     block, warps = _block_and_warps(classes)
-    _soft_chunk_kernel[(rows,)](logits, probs, prob_weight if prob_weight is not None else per_row,
-                                class_term if class_term is not None else per_row, per_row,
-                                classes, logits.stride(0), probs.stride(0), probs.stride(1), per_row.stride(0),
-                                HAS_PROB_WEIGHT=prob_weight is not None, HAS_CLASS_TERM=class_term is not None,
-                                GRAD=grad, BLOCK=block, num_warps=warps)
+    kernel[(rows,)](logits, probs, prob_weight if prob_weight is not None else per_row,
+                    class_term if class_term is not None else per_row, per_row,
+                    classes, logits.stride(0), probs.stride(0), probs.stride(1), per_row.stride(0),
+                    HAS_PROB_WEIGHT=prob_weight is not None, HAS_CLASS_TERM=class_term is not None,
+                    BLOCK=block, num_warps=warps)
 
 
 def cross_entropy_soft_chunk_stats_triton(logits, probs, prob_weight, class_term, stats):
     """Same contract as ``effilayers.ops.cross_entropy.cross_entropy_soft_chunk_stats_reference``."""
-    _soft_chunk_launch(logits, probs, prob_weight, class_term, stats, grad=False)
+    _soft_chunk_launch(_soft_chunk_stats_kernel, logits, probs, prob_weight, class_term, stats)
 
 
 def cross_entropy_soft_chunk_grad_triton(logits, probs, prob_weight, class_term, row_terms):
     """Same contract as ``effilayers.ops.cross_entropy.cross_entropy_soft_chunk_grad_reference``."""
-    _soft_chunk_launch(logits, probs, prob_weight, class_term, row_terms, grad=True)
+    _soft_chunk_launch(_soft_chunk_grad_kernel, logits, probs, prob_weight, class_term, row_terms)
 
 
 # -- kernel report ---------------------------------------------------------------
@@ -807,12 +816,12 @@ def _chunk_specialisations():
         # each pass also reads them.
         for probs_dtype in (dtype, torch.float32) if dtype == torch.bfloat16 else (dtype,):
             soft = dict(logits_ptr=dtype, probs_ptr=probs_dtype, prob_weight_ptr=acc, class_term_ptr=acc,
-                        per_row_ptr=acc, classes=classes, row_stride=classes, probs_row_stride=classes,
-                        probs_class_stride=1, per_row_stride=rows)
+                        classes=classes, row_stride=classes, probs_row_stride=classes, probs_class_stride=1)
             read = size + probs_dtype.itemsize
             for weighted in (False, True):
                 flags = dict(HAS_PROB_WEIGHT=weighted, HAS_CLASS_TERM=weighted, BLOCK=block)
                 label = f"{name} soft {str(probs_dtype)[6:]}{' weighted' if weighted else ''}"
-                yield KernelSpec(_soft_chunk_kernel, soft, dict(flags, GRAD=False), warps, f"{label} stats", read, read)
-                yield KernelSpec(_soft_chunk_kernel, soft, dict(flags, GRAD=True), warps, f"{label} grad",
-                                 read + size, read + size)
+                yield KernelSpec(_soft_chunk_stats_kernel, dict(soft, stats_ptr=acc, stats_stride=rows), flags, warps,
+                                 f"{label} stats", read, read)
+                yield KernelSpec(_soft_chunk_grad_kernel, dict(soft, row_terms_ptr=acc, terms_stride=rows), flags,
+                                 warps, f"{label} grad", read + size, read + size)
