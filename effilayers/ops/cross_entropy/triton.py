@@ -177,6 +177,58 @@ def _gradient_block(x, offsets, mask, weight_ptr, lse, coef, eps, classes, safe_
 
 
 @triton.jit
+def _row_start(base_ptr, row, inner, outer_stride, inner_stride):
+    """Where row ``row = n * inner + i`` of an ``(N, C, inner)`` view starts."""
+    return base_ptr + (row // inner) * outer_stride + (row % inner) * inner_stride
+
+
+@triton.jit
+def _row_target(target_ptr, row, ignore_index, classes):
+    """A row's target: whether the row counts (not ``ignore_index``),
+    whether its target names a class, and a class safe to read (0 where
+    it names none)."""
+    target = tl.load(target_ptr + row)
+    valid = target != ignore_index
+    in_range = (target >= 0) & (target < classes)
+    return valid, in_range, tl.where(valid & in_range, target, 0)
+
+
+@triton.jit
+def _target_weight(weight_ptr, safe_target, has_target, HAS_WEIGHT: tl.constexpr, ACC: tl.constexpr):
+    """The class weight of each row's target (1 without weights)."""
+    w_t = tl.full(safe_target.shape, 1.0, ACC)
+    if HAS_WEIGHT:
+        w_t = tl.load(weight_ptr + safe_target, mask=has_target, other=0.0).to(ACC)
+    return w_t
+
+
+@triton.jit
+def _row_loss(lse, x_t, w_t, sum_wx, sum_w, eps, classes, valid, in_range, SMOOTHING: tl.constexpr):
+    """A row's loss: 0 where ignored, NaN for a bad target."""
+    loss = (1.0 - eps) * w_t * (lse - x_t)
+    if SMOOTHING:
+        loss += eps / classes * (sum_w * lse - sum_wx)
+    loss = tl.where(valid, loss, 0.0)
+    return tl.where(valid & ~in_range, float("nan"), loss)
+
+
+@triton.jit
+def _softmax_weight(w_t, sum_w, eps, classes, SMOOTHING: tl.constexpr):
+    """The weight of a row's softmax in its gradient."""
+    coef = w_t
+    if SMOOTHING:
+        coef = (1.0 - eps) * w_t + eps / classes * sum_w
+    return coef
+
+
+@triton.jit
+def _row_scale(scale, valid, in_range):
+    """The gradient's scale of a row: 0 where ignored, NaN for a bad target."""
+    row_scale = tl.where(valid, scale, 0.0)
+    return tl.where(valid & ~in_range, float("nan"), row_scale)
+
+
+@triton.jit
 def _whole_rows(first, n_rows, logits_ptr, target_ptr, weight_ptr, grad_ptr, loss_ptr, classes, inner,
                 outer_stride, class_stride, inner_stride, grad_outer_stride, grad_class_stride, grad_inner_stride,
                 ignore_index, eps, scale, HAS_WEIGHT: tl.constexpr, SMOOTHING: tl.constexpr,
@@ -190,13 +242,8 @@ def _whole_rows(first, n_rows, logits_ptr, target_ptr, weight_ptr, grad_ptr, los
     rows = first + tl.arange(0, ROWS).to(tl.int64)
     live = rows < n_rows
     read = tl.minimum(rows, n_rows - 1)
-    n = read // inner
-    i = read % inner
-    row_ptr = logits_ptr + n * outer_stride + i * inner_stride
-    target = tl.load(target_ptr + read)
-    valid = target != ignore_index
-    in_range = (target >= 0) & (target < classes)
-    safe_target = tl.where(valid & in_range, target, 0)
+    row_ptr = _row_start(logits_ptr, read, inner, outer_stride, inner_stride)
+    valid, in_range, safe_target = _row_target(target_ptr, read, ignore_index, classes)
     cols = tl.arange(0, BLOCK)[None, :]
     row_mask = cols < classes
     x = tl.load(row_ptr[:, None] + cols.to(tl.int64) * class_stride, mask=row_mask, other=neg_inf).to(ACC)
@@ -207,12 +254,9 @@ def _whole_rows(first, n_rows, logits_ptr, target_ptr, weight_ptr, grad_ptr, los
     lse = tl.where(row_max == neg_inf, neg_inf, row_max + tl.log(sum_exp)).to(ACC)
     has_target = valid & in_range
     x_t = tl.load(row_ptr + safe_target * class_stride, mask=has_target, other=0.0).to(ACC)
-    if HAS_WEIGHT:
-        w_t = tl.load(weight_ptr + safe_target, mask=has_target, other=0.0).to(ACC)
-    else:
-        w_t = tl.full([ROWS], 1.0, ACC)
-    loss = (1.0 - eps) * w_t * (lse - x_t)
-    coef = w_t
+    w_t = _target_weight(weight_ptr, safe_target, has_target, HAS_WEIGHT, ACC)
+    sum_wx = tl.zeros([ROWS], ACC)
+    sum_w = tl.zeros([ROWS], ACC)
     if SMOOTHING:
         if HAS_WEIGHT:
             w = tl.load(weight_ptr + cols, mask=row_mask, other=0.0).to(ACC)
@@ -220,19 +264,15 @@ def _whole_rows(first, n_rows, logits_ptr, target_ptr, weight_ptr, grad_ptr, los
             w = tl.where(row_mask, 1.0, 0.0).to(ACC)
         sum_wx = tl.sum(w * tl.where(row_mask, x, 0.0), axis=1)
         sum_w = tl.sum(w, axis=1)
-        loss += eps / classes * (sum_w * lse - sum_wx)
-        coef = (1.0 - eps) * w_t + eps / classes * sum_w
-    nan = float("nan")
-    loss = tl.where(valid, loss, 0.0)
-    tl.store(loss_ptr + rows, tl.where(valid & ~in_range, nan, loss), mask=live)
+    loss = _row_loss(lse, x_t, w_t, sum_wx, sum_w, eps, classes, valid, in_range, SMOOTHING)
+    coef = _softmax_weight(w_t, sum_w, eps, classes, SMOOTHING)
+    tl.store(loss_ptr + rows, loss, mask=live)
     if WRITE_GRAD:
-        # 0 for ignored rows, NaN for bad targets, else the gradient's scale.
-        row_scale = tl.where(valid, scale, 0.0)
-        row_scale = tl.where(valid & ~in_range, nan, row_scale)
+        row_scale = _row_scale(scale, valid, in_range)
         g = _gradient_block(x, cols, row_mask, weight_ptr, lse[:, None], coef[:, None], eps, classes,
                             safe_target[:, None], w_t[:, None], valid[:, None], in_range[:, None], row_scale[:, None],
                             HAS_WEIGHT, SMOOTHING, ACC)
-        grad_row_ptr = grad_ptr + (rows // inner) * grad_outer_stride + (rows % inner) * grad_inner_stride
+        grad_row_ptr = _row_start(grad_ptr, rows, inner, grad_outer_stride, grad_inner_stride)
         tl.store(grad_row_ptr[:, None] + cols.to(tl.int64) * grad_class_stride, g.to(grad_ptr.dtype.element_ty),
                  mask=row_mask & live[:, None])
 
@@ -282,13 +322,8 @@ def _walking_row(logits_ptr, target_ptr, weight_ptr, grad_ptr, loss_ptr, classes
     """Row ``program_id`` walked in BLOCK-wide blocks: the online pass, then
     (for the gradient) a second read of each block."""
     row = tl.program_id(0).to(tl.int64)
-    n = row // inner
-    i = row % inner
-    row_ptr = logits_ptr + n * outer_stride + i * inner_stride
-    target = tl.load(target_ptr + row)
-    valid = target != ignore_index
-    in_range = (target >= 0) & (target < classes)
-    safe_target = tl.where(valid & in_range, target, 0)
+    row_ptr = _row_start(logits_ptr, row, inner, outer_stride, inner_stride)
+    valid, in_range, safe_target = _row_target(target_ptr, row, ignore_index, classes)
     cols = tl.arange(0, BLOCK)
     neg_inf = float("-inf")
 
@@ -311,25 +346,14 @@ def _walking_row(logits_ptr, target_ptr, weight_ptr, grad_ptr, loss_ptr, classes
     # element to read (an unmasked load of "class 0" went out of bounds).
     has_target = valid & in_range
     x_t = tl.load(row_ptr + safe_target * class_stride, mask=has_target, other=0.0).to(ACC)
-    if HAS_WEIGHT:
-        w_t = tl.load(weight_ptr + safe_target, mask=has_target, other=0.0).to(ACC)
-    else:
-        w_t = tl.full((), 1.0, ACC)
-    loss = (1.0 - eps) * w_t * (lse - x_t)
-    coef = w_t
-    if SMOOTHING:
-        loss += eps / classes * (sum_w * lse - sum_wx)
-        coef = (1.0 - eps) * w_t + eps / classes * sum_w
-    nan = float("nan")
-    loss = tl.where(valid, loss, 0.0)
-    loss = tl.where(valid & ~in_range, nan, loss)
+    w_t = _target_weight(weight_ptr, safe_target, has_target, HAS_WEIGHT, ACC)
+    loss = _row_loss(lse, x_t, w_t, sum_wx, sum_w, eps, classes, valid, in_range, SMOOTHING)
+    coef = _softmax_weight(w_t, sum_w, eps, classes, SMOOTHING)
     tl.store(loss_ptr + row, loss)
 
     if WRITE_GRAD:
-        # 0 for ignored rows, NaN for bad targets, else the gradient's scale.
-        row_scale = tl.where(valid, scale, 0.0)
-        row_scale = tl.where(valid & ~in_range, nan, row_scale)
-        grad_row_ptr = grad_ptr + n * grad_outer_stride + i * grad_inner_stride
+        row_scale = _row_scale(scale, valid, in_range)
+        grad_row_ptr = _row_start(grad_ptr, row, inner, grad_outer_stride, grad_inner_stride)
         for start in range(0, classes, BLOCK):
             offsets = start + cols
             mask = offsets < classes
@@ -355,13 +379,8 @@ def _cross_entropy_split_kernel(
     # sum w*x and sum w); each piece then writes its gradient, piece 0 the loss.
     ACC = loss_ptr.dtype.element_ty
     row, piece = split_piece(work_ptr, splits)
-    n = row // inner
-    i = row % inner
-    row_ptr = logits_ptr + n * outer_stride + i * inner_stride
-    target = tl.load(target_ptr + row)
-    valid = target != ignore_index
-    in_range = (target >= 0) & (target < classes)
-    safe_target = tl.where(valid & in_range, target, 0)
+    row_ptr = _row_start(logits_ptr, row, inner, outer_stride, inner_stride)
+    valid, in_range, safe_target = _row_target(target_ptr, row, ignore_index, classes)
     eps = tl.load(eps_ptr)
     neg_inf = float("-inf")
     cols = piece * BLOCK + tl.arange(0, BLOCK)
@@ -409,27 +428,15 @@ def _cross_entropy_split_kernel(
     sum_wx = tl.sum(sums_wx, axis=0)
     sum_w = tl.sum(sums_w, axis=0)
     has_target = valid & in_range
-    if HAS_WEIGHT:
-        w_t = tl.load(weight_ptr + safe_target, mask=has_target, other=0.0).to(ACC)
-    else:
-        w_t = tl.full((), 1.0, ACC)
-    coef = w_t
-    if SMOOTHING:
-        coef = (1.0 - eps) * w_t + eps / classes * sum_w
-    nan = float("nan")
+    w_t = _target_weight(weight_ptr, safe_target, has_target, HAS_WEIGHT, ACC)
+    coef = _softmax_weight(w_t, sum_w, eps, classes, SMOOTHING)
     if piece == 0:
         x_t = tl.load(row_ptr + safe_target * class_stride, mask=has_target, other=0.0).to(ACC)
-        loss = (1.0 - eps) * w_t * (lse - x_t)
-        if SMOOTHING:
-            loss += eps / classes * (sum_w * lse - sum_wx)
-        loss = tl.where(valid, loss, 0.0)
-        tl.store(loss_ptr + row, tl.where(valid & ~in_range, nan, loss))
-    scale = tl.load(grad_scale_ptr).to(ACC)
-    row_scale = tl.where(valid, scale, 0.0)
-    row_scale = tl.where(valid & ~in_range, nan, row_scale)
+        tl.store(loss_ptr + row, _row_loss(lse, x_t, w_t, sum_wx, sum_w, eps, classes, valid, in_range, SMOOTHING))
+    row_scale = _row_scale(tl.load(grad_scale_ptr).to(ACC), valid, in_range)
     g = _gradient_block(x, cols, mask, weight_ptr, lse, coef, eps, classes, safe_target, w_t, valid, in_range,
                         row_scale, HAS_WEIGHT, SMOOTHING, ACC)
-    grad_row_ptr = grad_ptr + n * grad_outer_stride + i * grad_inner_stride
+    grad_row_ptr = _row_start(grad_ptr, row, inner, grad_outer_stride, grad_inner_stride)
     tl.store(grad_row_ptr + cols.to(tl.int64) * grad_class_stride, g.to(grad_ptr.dtype.element_ty), mask=mask)
 
 

@@ -6,25 +6,15 @@ through the registry like its compiled kernels."""
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 
 
-def linear_cross_entropy_reference(
-    input: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    bias: Optional[torch.Tensor] = None,
-    ignore_index: int = -100,
-    label_smoothing: float = 0.0,
-    reduction: str = "mean",
-    class_weight: Optional[torch.Tensor] = None,
-    token_weight: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
+def linear_cross_entropy_reference(input, weight, target, bias=None, ignore_index=-100, label_smoothing=0.0,
+                                   reduction="mean", class_weight=None, token_weight=None) -> torch.Tensor:
     """``F.cross_entropy(F.linear(input, weight, bias), target, ...)`` with
-    per-token weights ``s``::
+    per-token weights ``s``, taking ``linear_cross_entropy``'s arguments
+    (names and defaults) less its chunking ones::
 
         none: s_i * l_i        sum: sum_i s_i * l_i        mean: sum_i s_i * l_i / sum_i s_i * d_i
 

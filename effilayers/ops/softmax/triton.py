@@ -219,6 +219,17 @@ def _masked_scores(x_row, mask_row, cols, n_cols, x_col_stride, mask_col_stride,
 
 
 @triton.jit
+def _row_starts(row, size1, size2, x_ptr, sx0, sx1, sx2, mask_ptr, sm0, sm1, sm2, out_ptr, so0, so1, so2):
+    """Where row ``row`` of the (size0, size1, size2) rows starts in x, the
+    mask and the output, and its index along size2 (a causal mask's query)."""
+    i2 = row % size2
+    i1 = (row // size2) % size1
+    i0 = row // (size2 * size1)
+    return (x_ptr + i0 * sx0 + i1 * sx1 + i2 * sx2, mask_ptr + i0 * sm0 + i1 * sm1 + i2 * sm2,
+            out_ptr + i0 * so0 + i1 * so1 + i2 * so2, i2)
+
+
+@triton.jit
 def _forward_rows(first, n_rows, x_ptr, mask_ptr, out_ptr, size1, size2,
                   sx0, sx1, sx2, sx3, sm0, sm1, sm2, sm3, so0, so1, so2, so3, n_cols, scale,
                   MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, LOG: tl.constexpr, ACC: tl.constexpr,
@@ -231,15 +242,13 @@ def _forward_rows(first, n_rows, x_ptr, mask_ptr, out_ptr, size1, size2,
     access into 16-bit ones; masks and-ed with the row test stay 128 bits.)"""
     rows = first + tl.arange(0, ROWS).to(tl.int64)
     read = tl.minimum(rows, n_rows - 1)
-    i2 = read % size2
-    i1 = (read // size2) % size1
-    i0 = read // (size2 * size1)
+    x_rows, mask_rows, out_rows, i2 = _row_starts(read, size1, size2, x_ptr, sx0, sx1, sx2, mask_ptr, sm0, sm1, sm2,
+                                                  out_ptr, so0, so1, so2)
     lanes = tl.arange(0, BLOCK).to(tl.int64)[None, :]
-    z = _masked_scores((x_ptr + i0 * sx0 + i1 * sx1 + i2 * sx2)[:, None],
-                       (mask_ptr + i0 * sm0 + i1 * sm1 + i2 * sm2)[:, None], lanes, n_cols, sx3, sm3, i2[:, None],
+    z = _masked_scores(x_rows[:, None], mask_rows[:, None], lanes, n_cols, sx3, sm3, i2[:, None],
                        scale, MASK_KIND, CAUSAL, ACC, SECTOR)
     result = _softmax_in_registers(z, LOG, 1)
-    out = (out_ptr + i0 * so0 + i1 * so1 + i2 * so2)[:, None] + lanes * so3
+    out = out_rows[:, None] + lanes * so3
     tl.store(out, result.to(out_ptr.dtype.element_ty), mask=(lanes < n_cols) & (rows < n_rows)[:, None])
 
 
@@ -264,13 +273,8 @@ def _row_forward(x_ptr, mask_ptr, out_ptr, n_rows, size1, size2,
                           sx0, sx1, sx2, sx3, sm0, sm1, sm2, sm3, so0, so1, so2, so3, n_cols, scale,
                           MASK_KIND, CAUSAL, LOG, ACC, SECTOR, BLOCK, ROWS)
     else:
-        pid = tl.program_id(0).to(tl.int64)
-        i2 = pid % size2
-        i1 = (pid // size2) % size1
-        i0 = pid // (size2 * size1)
-        x_row = x_ptr + i0 * sx0 + i1 * sx1 + i2 * sx2
-        mask_row = mask_ptr + i0 * sm0 + i1 * sm1 + i2 * sm2
-        out_row = out_ptr + i0 * so0 + i1 * so1 + i2 * so2
+        x_row, mask_row, out_row, i2 = _row_starts(tl.program_id(0).to(tl.int64), size1, size2, x_ptr, sx0, sx1, sx2,
+                                                   mask_ptr, sm0, sm1, sm2, out_ptr, so0, so1, so2)
         lanes = tl.arange(0, BLOCK).to(tl.int64)
         lane_max = tl.full([BLOCK], float("-inf"), ACC)
         lane_sum = tl.zeros([BLOCK], ACC)
@@ -296,12 +300,8 @@ def _row_forward_split(x_ptr, mask_ptr, out_ptr, work_ptr, partial_ptr, size1, s
     # registers from its one read to its write: the pieces' (max, sum of
     # exp) are merged as _online_totals merges lanes.
     row, piece = split_piece(work_ptr, splits)
-    i2 = row % size2
-    i1 = (row // size2) % size1
-    i0 = row // (size2 * size1)
-    x_row = x_ptr + i0 * sx0 + i1 * sx1 + i2 * sx2
-    mask_row = mask_ptr + i0 * sm0 + i1 * sm1 + i2 * sm2
-    out_row = out_ptr + i0 * so0 + i1 * so1 + i2 * so2
+    x_row, mask_row, out_row, i2 = _row_starts(row, size1, size2, x_ptr, sx0, sx1, sx2, mask_ptr, sm0, sm1, sm2,
+                                               out_ptr, so0, so1, so2)
     lanes = tl.arange(0, BLOCK).to(tl.int64)
     cols = piece * BLOCK + lanes
     z = _masked_scores(x_row, mask_row, cols, n_cols, sx3, sm3, i2, scale, MASK_KIND, CAUSAL, ACC, SECTOR)
