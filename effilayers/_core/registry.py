@@ -112,6 +112,9 @@ class _State:
         # Ops declared in the ``effilayers`` namespace by :func:`declare`:
         # the dispatcher routes their calls, these libraries only say where.
         self.declared: dict[str, torch._ops.OpOverload] = {}
+        # A declared op's argument checks, run before the Python kernels
+        # registered on its keys (the compiled kernels check for themselves).
+        self.checks: dict[str, Callable] = {}
         # Python kernels registered on a device's dispatch key for declared
         # ops: what the first call chose where no compiled kernel registers
         # itself (Triton, the reference), or, under a forced preference,
@@ -383,6 +386,19 @@ def _device_type(args) -> str:
     raise RuntimeError("effilayers: an op was called without a tensor argument")
 
 
+def _checked(op_name: str, implementation: Callable) -> Callable:
+    """``implementation`` behind the op's argument checks, if it declared any."""
+    check = _state.checks.get(op_name)
+    if check is None:
+        return implementation
+
+    def checked(*args):
+        check(*args)
+        return implementation(*args)
+
+    return checked
+
+
 def _register_python_kernel(op_name: str, device_type: str, implementation: Callable) -> None:
     if _state.registered is None:
         _state.registered = torch.library.Library("effilayers", "IMPL")
@@ -390,7 +406,7 @@ def _register_python_kernel(op_name: str, device_type: str, implementation: Call
         # Over a compiled kernel on the same key, torch warns once that it is
         # overridden: that is what a forced preference means here.
         warnings.simplefilter("ignore")
-        _state.registered.impl(op_name, implementation, _DISPATCH_KEY[device_type])
+        _state.registered.impl(op_name, _checked(op_name, implementation), _DISPATCH_KEY[device_type])
 
 
 def _failing(message: str) -> Callable:
@@ -451,17 +467,23 @@ def _first_call(op_name: str, op, args):
     if device_type in _DISPATCH_KEY:
         with _state.lock:
             _register_python_kernel(op_name, device_type, resolved.kernel)
-    return resolved.kernel(*args)
+    return _checked(op_name, resolved.kernel)(*args)
 
 
-def declare(name: str, schema: str, fake: Optional[Callable] = None, *, tags=()):
+def declare(name: str, schema: str, fake: Optional[Callable] = None, *, check: Optional[Callable] = None, tags=()):
     """Declare the op ``effilayers::<name>`` from its schema (``"(Tensor x,
     ...) -> Tensor"``), once: ``fake`` is its shape function for
     torch.compile and torch.export; its kernels come from the compiled
     libraries (registered on the CPU / CUDA keys from C++) or from this
     registry (:func:`register` names them), chosen on its first call on a
-    device. Returns the op's overload; its autograd, if any, is registered
-    on it with ``torch.library.register_autograd``."""
+    device. ``check``, given the op's arguments, raises on what its
+    kernels cannot take: it runs before the Python kernels (Triton, the
+    reference) when the op calls them, as the compiled kernels check for
+    themselves; :func:`kernel` returns them unchecked, for callers that
+    checked already. Returns the op's overload; its autograd, if any, is
+    registered on it with ``torch.library.register_autograd``."""
+    if check is not None:
+        _state.checks[name] = check
     _LIBRARY.define(name + schema, tags=tags)
     if fake is not None:
         torch.library.register_fake(f"effilayers::{name}", fake, lib=_LIBRARY)
