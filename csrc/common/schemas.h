@@ -60,14 +60,6 @@ constexpr const char* kDenseBottleneckBackward =
     "Tensor bias, Tensor conv_weight, bool batch_stats, bool need_input, bool need_conv, int padding) "
     "-> (Tensor, Tensor, Tensor, Tensor)";
 
-// Fused Adam/AdamW update of a run of parameters whose states lie end to end
-// in flat buffers (effilayers/ops/adam/ describes the arguments).
-constexpr const char* kAdamStep =
-    "adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
-    "Tensor(d!)? max_exp_avg_sq, Tensor(e!)? master, Tensor step, Tensor? grad_scale, Tensor? found_inf, "
-    "float lr, float beta1, float beta2, float eps, float weight_decay, bool decoupled_weight_decay, "
-    "bool maximize) -> ()";
-
 // Softmax family (effilayers/ops/softmax/): output dtype `dtype` (None: x's),
 // gradient in `input_dtype`; the scaled/masked forward's backward is
 // softmax_backward over the last dim with its scale.
@@ -117,15 +109,6 @@ constexpr const char* kCrossEntropySoftChunkGrad =
 // (outer, reduced, inner) strided view into a contiguous (outer, inner) out
 // of the result dtype (effilayers/ops/reductions/).
 constexpr const char* kReduce = "reduce_(Tensor x, Tensor(a!) out, str kind, float correction) -> ()";
-
-// The same update with 8-bit block-quantized states: int8 / uint8 codes and
-// one float32 absmax per block of 256 (effilayers/ops/adam/).
-constexpr const char* kAdamStep8bit =
-    "adam_step_8bit_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!) exp_avg, Tensor(c!) exp_avg_absmax, "
-    "Tensor(d!) exp_avg_sq, Tensor(e!) exp_avg_sq_absmax, Tensor(f!)? max_exp_avg_sq, "
-    "Tensor(g!)? max_exp_avg_sq_absmax, Tensor(h!)? master, Tensor step, Tensor? grad_scale, Tensor? found_inf, "
-    "float lr, float beta1, float beta2, float eps, float weight_decay, bool decoupled_weight_decay, "
-    "bool maximize) -> ()";
 
 }  // namespace schema
 }  // namespace effilayers
