@@ -488,7 +488,7 @@ def test_declared_ops_have_one_schema_and_the_library_kernels():
     declared = {name for name in registry._state.declared if registry._state.ops[name].cpp == name}
     assert {"softmax_forward", "softmax_backward", "scaled_masked_softmax_forward", "batch_stats",
             "normalizing_statistics", "finish_statistics", "abn_forward", "abn_forward_", "abn_backward_reduce",
-            "abn_backward_elemt", "abn_backward"} <= declared
+            "abn_backward_elemt", "abn_backward", "reduce", "adam_step_", "adam_step_8bit_"} <= declared
     for name in declared:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"effilayers::{name}", "CPU"), name
         assert not hasattr(torch.ops.effilayers_cpu, name), name

@@ -105,10 +105,5 @@ constexpr const char* kCrossEntropySoftChunkGrad =
     "cross_entropy_soft_chunk_grad_(Tensor(a!) logits, Tensor probs, Tensor? prob_weight, Tensor? class_term, "
     "Tensor row_terms) -> ()";
 
-// Sum / mean / var / std / vector 2-norm over the middle dimension of an
-// (outer, reduced, inner) strided view into a contiguous (outer, inner) out
-// of the result dtype (effilayers/ops/reductions/).
-constexpr const char* kReduce = "reduce_(Tensor x, Tensor(a!) out, str kind, float correction) -> ()";
-
 }  // namespace schema
 }  // namespace effilayers
