@@ -521,12 +521,16 @@ def test_kernel_rejects_bad_arguments():
                         step, hyper=hyper)
     with pytest.raises(ValueError, match="master must be a 1-D float32 tensor of 256"):
         adam_step_8bit_(params, grads, m, m_absmax, v, v_absmax, None, None, torch.zeros(12), step, hyper=hyper)
+    with effilayers.use_backend("reference"):  # the op checks before its Python kernels
+        with pytest.raises(ValueError, match="exp_avg_sq_absmax must be a contiguous 1-D float32 tensor of 1"):
+            torch.ops.effilayers.adam_step_8bit_(params, grads, m, m_absmax, v, torch.zeros(3), None, None, None,
+                                                 step, None, None, 1e-3, 0.9, 0.999, 1e-8, 0.0, False, False)
     with effilayers.use_backend("cpp"):
         if effilayers.backends.choice("adam_step_8bit_", "cpu").kernel is not None:
             with pytest.raises(ValueError, match="exp_avg_sq_absmax must be a contiguous 1-D float32 CPU tensor"):
-                torch.ops.effilayers_cpu.adam_step_8bit_(params, grads, m, m_absmax, v, torch.zeros(3), None, None,
-                                                          None, step, None, None, 1e-3, 0.9, 0.999, 1e-8, 0.0,
-                                                          False, False)
+                torch.ops.effilayers.adam_step_8bit_(params, grads, m, m_absmax, v, torch.zeros(3), None, None,
+                                                     None, step, None, None, 1e-3, 0.9, 0.999, 1e-8, 0.0,
+                                                     False, False)
 
 
 def test_compile_fullgraph_matches_eager():

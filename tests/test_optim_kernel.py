@@ -144,12 +144,16 @@ def test_kernel_rejects_bad_arguments():
         adam_step_(params, [grads[0].double()], state.clone(), state.clone(), None, None, step, hyper=hyper)
     with pytest.raises(ValueError, match="grads\\[0\\] must have its strides"):
         adam_step_([torch.randn(4, 3).t()], grads, state.clone(), state.clone(), None, None, step, hyper=hyper)
-    # the compiled kernel checks for itself when called directly
+    # the op checks before its Python kernels, as the compiled one checks for itself
+    with effilayers.use_backend("reference"):
+        with pytest.raises(ValueError, match="exp_avg must be a contiguous 1-D tensor of 12"):
+            torch.ops.effilayers.adam_step_(params, grads, torch.zeros(11), state.clone(), None, None, step,
+                                            None, None, 1e-3, 0.9, 0.999, 1e-8, 0.0, False, False)
     with effilayers.use_backend("cpp"):
         if effilayers.backends.choice("adam_step_", "cpu").kernel is not None:
             with pytest.raises(ValueError, match="states must be contiguous 1-D CPU tensors of 12"):
-                torch.ops.effilayers_cpu.adam_step_(params, grads, torch.zeros(11), state.clone(), None, None, step,
-                                                     None, None, 1e-3, 0.9, 0.999, 1e-8, 0.0, False, False)
+                torch.ops.effilayers.adam_step_(params, grads, torch.zeros(11), state.clone(), None, None, step,
+                                                None, None, 1e-3, 0.9, 0.999, 1e-8, 0.0, False, False)
 
 
 @pytest.mark.gpu

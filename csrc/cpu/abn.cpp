@@ -34,7 +34,6 @@
 #include "common/activation.h"
 #include "common/batch_norm.h"
 #include "common/checks.h"
-#include "common/schemas.h"
 #include "cpu/abn.h"
 #include "cpu/vec.h"
 

@@ -1,4 +1,4 @@
-// Fused Adam/AdamW update on CPU: effilayers_cpu::adam_step_.
+// Fused Adam/AdamW update on CPU: the CPU kernel of effilayers::adam_step_.
 //
 // One pass over a run of parameters: each element's param, grad, exp_avg and
 // exp_avg_sq (and max_exp_avg_sq, fp32 master) are read once and the new
@@ -36,8 +36,6 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
-
-#include "common/schemas.h"
 
 namespace effilayers {
 namespace {
@@ -341,7 +339,7 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, const at::Tensor
 }
 
 // ---------------------------------------------------------------------------
-// 8-bit block-quantized states: effilayers_cpu::adam_step_8bit_.
+// 8-bit block-quantized states: the CPU kernel of effilayers::adam_step_8bit_.
 //
 // Each block of kQuantBlock state elements belongs to one parameter (the
 // states are padded per parameter). A block is decoded into three small
@@ -592,12 +590,9 @@ void adam_step_8bit_cpu(at::TensorList params, at::TensorList grads, const at::T
 }  // namespace
 }  // namespace effilayers
 
-TORCH_LIBRARY_FRAGMENT(effilayers_cpu, m) {
-  m.def(effilayers::schema::kAdamStep);
-  m.def(effilayers::schema::kAdamStep8bit);
-}
-
-TORCH_LIBRARY_IMPL(effilayers_cpu, CPU, m) {
+// The ops are declared once, in Python (effilayers/ops/adam/op.py); this
+// library only gives them their CPU kernels.
+TORCH_LIBRARY_IMPL(effilayers, CPU, m) {
   m.impl("adam_step_", &effilayers::adam_step_cpu);
   m.impl("adam_step_8bit_", &effilayers::adam_step_8bit_cpu);
 }

@@ -1,8 +1,10 @@
-// Reductions (sum, mean, var, std, vector 2-norm) on CPU: effilayers_cpu::reduce.
+// Reductions (sum, mean, var, std, vector 2-norm) on CPU: the CPU kernel of
+// effilayers::reduce (effilayers/ops/reductions/).
 //
-// The Python op (effilayers/ops/reductions/) hands over a 3-D strided view
-// (outer, reduced, inner) of the input and a contiguous (outer, inner) output
-// of the result dtype. Every output element reduces `reduced` values.
+// The input is viewed as (outer, reduced, inner) (cpu/layout.h, the same
+// view as the Python kernels' contract.as_three) and reduced into a
+// contiguous (outer, inner) output of the result dtype. Every output element
+// reduces `reduced` values.
 //
 // Numerics. The reduced range is cut into blocks of at most kBlock values
 // (fixed by the shape, never by the thread count: results are bitwise
@@ -48,7 +50,7 @@
 #endif
 
 #include "common/checks.h"
-#include "common/schemas.h"
+#include "cpu/layout.h"
 #include "cpu/vec.h"
 
 namespace effilayers {
@@ -240,15 +242,10 @@ inline out_t narrow(double value) {
   }
 }
 
-struct Geometry {
-  int64_t outer, reduced, inner;
-  int64_t outer_stride, reduced_stride, inner_stride;
-};
-
 // One task per (output, block of the reduced range), each block copied into
 // an L1 buffer (sequential when the reduced stride is 1).
 template <typename scalar_t, typename acc_t>
-void reduce_rows(const scalar_t* x, const Geometry& g, Partial partial, std::vector<BlockResult>& parts,
+void reduce_rows(const scalar_t* x, const Groups& g, Partial partial, std::vector<BlockResult>& parts,
                  int64_t& blocks, int64_t& block_rows) {
   block_rows = kBlock;
   const int64_t R = g.reduced, rs = g.reduced_stride;
@@ -344,7 +341,7 @@ void tile_block(const scalar_t* base, int64_t row_stride, int64_t column_stride,
 
 // Reduced stride != 1: tasks are (group, column tile, row block).
 template <typename scalar_t, typename acc_t>
-void reduce_columns(const scalar_t* x, const Geometry& g, Partial partial, std::vector<BlockResult>& parts,
+void reduce_columns(const scalar_t* x, const Groups& g, Partial partial, std::vector<BlockResult>& parts,
                     int64_t& blocks, int64_t& block_rows) {
   // Columns are the outputs adjacent in memory: the inner index, or the
   // outer one when there is no inner index.
@@ -407,7 +404,7 @@ void reduce_columns(const scalar_t* x, const Geometry& g, Partial partial, std::
 }
 
 template <typename scalar_t, typename acc_t, typename out_t>
-void reduce_kernel(const scalar_t* x, const Geometry& g, Kind kind, double correction, out_t* out) {
+void reduce_kernel(const scalar_t* x, const Groups& g, Kind kind, double correction, out_t* out) {
   const Partial partial = partial_of(kind);
   const int64_t outputs = g.outer * g.inner;
   if (g.reduced == 0) {
@@ -439,19 +436,13 @@ void reduce_kernel(const scalar_t* x, const Geometry& g, Kind kind, double corre
   });
 }
 
-void reduce_cpu(const at::Tensor& x, const at::Tensor& out, const std::string& kind_name, double correction) {
-  check_floating_input(x, "reduce");
-  TORCH_CHECK_VALUE(x.dim() == 3, "reduce (cpu kernel): x must be the (outer, reduced, inner) view, got ", x.dim(),
-                    " dimensions");
-  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu(), "reduce (cpu kernel): x and out must be CPU tensors, got ",
-              x.device(), " and ", out.device());
-  const Kind kind = parse_kind(kind_name);
+// The reduction of the (outer, reduced, inner) view x over dim 1 into the
+// contiguous (outer, inner) out, whose dtype is the result's.
+void reduce_into(const at::Tensor& x, const at::Tensor& out, Kind kind, double correction) {
   const at::ScalarType out_type = out.scalar_type();
-  TORCH_CHECK_TYPE(is_floating_type(out_type), "reduce: out dtype must be float16, bfloat16, float32 or float64, got ", out_type);
-  const Geometry g{x.size(0), x.size(1), x.size(2), x.stride(0), x.stride(1), x.stride(2)};
-  TORCH_CHECK_VALUE(out.dim() == 2 && out.size(0) == g.outer && out.size(1) == g.inner && out.is_contiguous(),
-                    "reduce (cpu kernel): out must be a contiguous (", g.outer, ", ", g.inner, ") tensor, got ",
-                    out.sizes());
+  TORCH_CHECK_TYPE(is_floating_type(out_type), "reduce: dtype must be float16, bfloat16, float32 or float64, got ",
+                   out_type);
+  const Groups g{x.size(0), x.size(1), x.size(2), x.stride(0), x.stride(1), x.stride(2)};
   if (out.numel() == 0) return;
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "reduce_cpu", [&] {
@@ -464,9 +455,70 @@ void reduce_cpu(const at::Tensor& x, const at::Tensor& out, const std::string& k
   });
 }
 
+// x as the (outer, reduced, inner) strided tensor whose reduction over dim 1,
+// laid out (outer, inner), is the reduction over dims (sorted, distinct) in
+// the order of the kept dims: a view where the dims are a run and each group
+// merges, else one input-sized copy with the reduced dims moved last. A full
+// reduction of a dense tensor reads it in memory order (contract.as_three).
+at::Tensor as_three(const at::Tensor& x, at::IntArrayRef dims) {
+  const int64_t rank = x.dim();
+  if (static_cast<int64_t>(dims.size()) == rank) {
+    if (x.is_contiguous() || (x.numel() > 0 && is_dense(x))) {
+      return x.as_strided({1, x.numel(), 1}, {0, 1, 0}, x.storage_offset());
+    }
+    return x.contiguous().view({1, x.numel(), 1});
+  }
+  const int64_t first = dims.empty() ? rank : dims.front();
+  const int64_t last = dims.empty() ? rank : dims.back() + 1;
+  at::Tensor t = x;
+  std::optional<Groups> g;
+  if (last - first == static_cast<int64_t>(dims.size())) g = three_groups(x, first, last);
+  if (!g) {
+    std::vector<int64_t> order;
+    for (int64_t d = 0; d < rank; ++d) {
+      if (std::find(dims.begin(), dims.end(), d) == dims.end()) order.push_back(d);
+    }
+    const int64_t kept = static_cast<int64_t>(order.size());
+    order.insert(order.end(), dims.begin(), dims.end());
+    t = x.permute(order).contiguous();
+    g = three_groups(t, kept, rank);
+  }
+  return t.as_strided({g->outer, g->reduced, g->inner}, {g->outer_stride, g->reduced_stride, g->inner_stride},
+                      t.storage_offset());
+}
+
+// effilayers::reduce: the reduction of x over dims (sorted, distinct; the
+// Python functions normalise torch's dim arguments) as a new contiguous
+// tensor of dtype (None: x's).
+at::Tensor reduce_cpu(const at::Tensor& x, at::IntArrayRef dims, const std::string& kind_name, double correction,
+                      bool keepdim, std::optional<at::ScalarType> dtype) {
+  check_floating_input(x, "reduce");
+  TORCH_CHECK(x.device().is_cpu(), "reduce (cpu kernel): x must be a CPU tensor, got ", x.device());
+  const Kind kind = parse_kind(kind_name);
+  const int64_t rank = x.dim();
+  for (size_t i = 0; i < dims.size(); ++i) {
+    TORCH_CHECK_VALUE(dims[i] >= 0 && dims[i] < std::max<int64_t>(rank, 1) && (i == 0 || dims[i - 1] < dims[i]),
+                      "reduce: dims must be distinct dims of x in increasing order, got ", dims, " for a ", rank,
+                      "-dimensional x");
+  }
+  const at::Tensor three = as_three(x, rank == 0 ? at::IntArrayRef() : dims);
+  at::Tensor out = at::empty({three.size(0), three.size(2)}, x.options().dtype(dtype.value_or(x.scalar_type())));
+  reduce_into(three, out, kind, correction);
+  std::vector<int64_t> shape;
+  for (int64_t d = 0; d < rank; ++d) {
+    const bool reduced = std::find(dims.begin(), dims.end(), d) != dims.end();
+    if (!reduced) {
+      shape.push_back(x.size(d));
+    } else if (keepdim) {
+      shape.push_back(1);
+    }
+  }
+  return out.view(shape);
+}
+
 }  // namespace
 }  // namespace effilayers
 
-TORCH_LIBRARY_FRAGMENT(effilayers_cpu, m) { m.def(effilayers::schema::kReduce); }
-
-TORCH_LIBRARY_IMPL(effilayers_cpu, CPU, m) { m.impl("reduce_", &effilayers::reduce_cpu); }
+// The op is declared once, in Python (effilayers/ops/reductions/op.py); this
+// library only gives it its CPU kernel.
+TORCH_LIBRARY_IMPL(effilayers, CPU, m) { m.impl("reduce", &effilayers::reduce_cpu); }

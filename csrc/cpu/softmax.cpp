@@ -1,8 +1,8 @@
 // Softmax, log-softmax and scaled/masked softmax on CPU:
-//   effilayers_cpu::softmax_forward, softmax_backward, scaled_masked_softmax_forward.
+//   the CPU kernels of effilayers::softmax_forward, softmax_backward, scaled_masked_softmax_forward.
 //
 // The tensor is walked as (outer, reduced, inner) problems, the same merge
-// of dimensions as effilayers/_core/layout.py (three_groups): each group of
+// of dimensions as effilayers/_core/layout.py (cpu/layout.h): each group of
 // dimensions collapses to one strided index where its strides nest. When one
 // does not, the kernel copies the tensor to contiguous first (the one case
 // that costs an input-sized buffer); the output then is contiguous too.
@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "common/checks.h"
+#include "cpu/layout.h"
 #include "cpu/vec.h"
 #include "cpu/vec_math.h"
 
@@ -69,47 +70,11 @@ constexpr int64_t kScratchElements = 1 << 20;
 constexpr int64_t kMaxBufferedRows = 16;
 static_assert(kInnerBlock <= kMaxBufferedRows && 8 <= kMaxBufferedRows, "rows a work item buffers");
 
-struct Groups {
-  int64_t outer = 1, reduced = 1, inner = 1;
-  int64_t outer_stride = 1, reduced_stride = 1, inner_stride = 1;
-};
-
-// One index over dims [lo, hi) of t, or false when the strides do not nest.
-bool merge_dims(const at::Tensor& t, int64_t lo, int64_t hi, int64_t& size, int64_t& stride) {
-  size = 1;
-  stride = 1;
-  bool first = true;
-  for (int64_t d = hi - 1; d >= lo; --d) {
-    const int64_t s = t.size(d);
-    if (s == 1) continue;
-    if (first) {
-      size = s;
-      stride = t.stride(d);
-      first = false;
-    } else if (t.stride(d) != stride * size) {
-      return false;
-    } else {
-      size *= s;
-    }
-  }
-  return true;
-}
-
-std::optional<Groups> three_groups(const at::Tensor& t, int64_t dim) {
-  Groups g;
-  if (t.dim() == 0) return g;
-  if (merge_dims(t, 0, dim, g.outer, g.outer_stride) && merge_dims(t, dim, dim + 1, g.reduced, g.reduced_stride) &&
-      merge_dims(t, dim + 1, t.dim(), g.inner, g.inner_stride)) {
-    return g;
-  }
-  return std::nullopt;
-}
-
 // The tensor and its groups, copying to contiguous when they do not merge.
 std::pair<at::Tensor, Groups> readable(const at::Tensor& t, int64_t dim) {
-  if (auto g = three_groups(t, dim)) return {t, *g};
+  if (auto g = three_groups(t, dim, dim + 1)) return {t, *g};
   at::Tensor copy = t.contiguous();
-  return {copy, *three_groups(copy, dim)};
+  return {copy, *three_groups(copy, dim, dim + 1)};
 }
 
 // The output every kernel of this family allocates, and the fake kernels
@@ -118,7 +83,7 @@ std::pair<at::Tensor, Groups> readable(const at::Tensor& t, int64_t dim) {
 // even for a kernel that could read t in place: the layout must not depend
 // on the backend, or a compiled graph's stride assertions fail.
 at::Tensor output_like(const at::Tensor& t, int64_t dim, at::ScalarType dtype) {
-  if (!three_groups(t, dim)) return at::empty(t.sizes(), t.options().dtype(dtype));
+  if (!three_groups(t, dim, dim + 1)) return at::empty(t.sizes(), t.options().dtype(dtype));
   return at::empty_like(t, t.options().dtype(dtype));
 }
 
@@ -613,7 +578,7 @@ at::Tensor softmax_forward_cpu(const at::Tensor& x_arg, int64_t dim, bool log, s
   auto [x, xg] = readable(x_arg, dim);
   at::Tensor out = output_like(x_arg, dim, out_type);
   if (x.numel() == 0) return out;
-  const Groups og = *three_groups(out, dim);
+  const Groups og = *three_groups(out, dim, dim + 1);
   if (x.scalar_type() == at::kDouble || out_type == at::kDouble) {
     softmax_forward_impl<double>(x, xg, out, og, log);
   } else {
@@ -688,7 +653,7 @@ at::Tensor softmax_backward_cpu(const at::Tensor& grad_arg, const at::Tensor& ou
   auto [grad, gg] = readable(grad_arg, dim);
   at::Tensor out = output_like(output_arg, dim, input_dtype);
   if (y.numel() == 0) return out;
-  const Groups og = *three_groups(out, dim);
+  const Groups og = *three_groups(out, dim, dim + 1);
   const bool wide = grad.scalar_type() == at::kDouble || y.scalar_type() == at::kDouble || input_dtype == at::kDouble;
   if (wide) {
     softmax_backward_impl<double>(grad, gg, y, yg, out, og, log, scale);

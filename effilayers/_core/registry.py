@@ -112,6 +112,9 @@ class _State:
         # Ops declared in the ``effilayers`` namespace by :func:`declare`:
         # the dispatcher routes their calls, these libraries only say where.
         self.declared: dict[str, torch._ops.OpOverload] = {}
+        # A declared op's argument checks, run before the Python kernels
+        # registered on its keys (the compiled kernels check for themselves).
+        self.checks: dict[str, Callable] = {}
         # Python kernels registered on a device's dispatch key for declared
         # ops: what the first call chose where no compiled kernel registers
         # itself (Triton, the reference), or, under a forced preference,
@@ -302,66 +305,25 @@ def kernel(op_name: str, device: torch.device) -> Callable:
     return resolved.kernel
 
 
-def dispatch(op_name: str, like: torch.Tensor) -> Callable:
-    """What an autograd Function calls to run ``op_name`` on ``like``'s device.
-
-    In eager mode, on plain tensors, that is the chosen kernel itself (a
-    compiled op is one dispatcher hop), not the ``effilayers::`` custom op
-    whose Python body would look up the same kernel: the custom-op wrapper
-    is most of a small layer's host time. While torch.compile or
-    torch.export trace, and for tensor subclasses (fake, functional, DTensor),
-    it is the custom op, so graphs hold ``effilayers::<op>`` with its fake
-    kernel and subclasses dispatch as they expect. It is the custom op too
-    while autograd records (a backward run with ``create_graph=True``): the
-    op's autograd node then refuses a double backward, where the plain
-    kernel would be differentiated silently, or not at all.
-    """
-    declared = _state.declared.get(op_name)
-    if declared is not None:
-        return declared
-    return eager(op_name, like) or getattr(torch.ops.effilayers, op_name).default
+def op(op_name: str):
+    """The declared op ``effilayers::<op_name>`` (its default overload)."""
+    return _state.declared[op_name]
 
 
 def runs_eagerly(like: torch.Tensor) -> bool:
-    """Whether a call on ``like`` may skip the custom op and run the kernel
-    itself: a plain tensor, outside torch.compile/export, with autograd not
-    recording. Anything else (tracing, tensor subclasses such as DTensor,
-    ``create_graph=True``) must go through the op."""
+    """Whether a call on ``like`` may take an eager-only path (a composition
+    with no fake kernel, a kernel called below autograd): a plain tensor,
+    outside torch.compile/export, with autograd not recording. Anything else
+    (tracing, tensor subclasses such as DTensor, ``create_graph=True``) must
+    go through the traceable ops."""
     return type(like) is torch.Tensor and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
 
 
 def eager(op_name: str, like: torch.Tensor) -> Optional[Callable]:
-    """The kernel :func:`dispatch` would call directly, or None where it
-    would call the custom op (see :func:`runs_eagerly`); for kernels that
-    have no custom op, used only in eager mode."""
-    declared = _state.declared.get(op_name)
-    if declared is not None:
-        # The dispatcher finds its kernel; eager-only callers still need the
-        # answer to whether they may skip the traceable composition.
-        return declared if runs_eagerly(like) else None
-    if runs_eagerly(like):
-        # is_cpu / is_cuda are flags; building ``like.device`` costs more than
-        # the rest of this lookup.
-        device_type = "cpu" if like.is_cpu else "cuda" if like.is_cuda else like.device.type
-        resolved = _state.choices.get((op_name, device_type))
-        return resolved.kernel if resolved is not None and resolved.kernel is not None else kernel(op_name, like.device)
-    return None
-
-
-def define(name: str, schema: str, fake: Callable, *, device_arg: int = 0, mutates_args=(), tags=()):
-    """Declare the custom op ``effilayers::<name>`` from its schema: its body
-    runs the kernel this registry picks for the device of argument
-    ``device_arg`` (the first tensor of it when that argument is a list),
-    and ``fake`` is its shape function for torch.compile and torch.export.
-    Returns the op, callable like a function."""
-
-    def body(*args):
-        on = args[device_arg]
-        return kernel(name, (on[0] if isinstance(on, (list, tuple)) else on).device)(*args)
-
-    op = torch.library.custom_op(f"effilayers::{name}", body, mutates_args=mutates_args, schema=schema, tags=tags)
-    op.register_fake(fake)
-    return op
+    """The declared op ``op_name`` where its caller may take it on ``like``
+    (see :func:`runs_eagerly`; for the eager-only ops, which have no fake
+    kernel), else None, where the caller composes the traceable ops."""
+    return _state.declared[op_name] if runs_eagerly(like) else None
 
 
 # --------------------------------------------------------------------------- declared ops
@@ -383,6 +345,19 @@ def _device_type(args) -> str:
     raise RuntimeError("effilayers: an op was called without a tensor argument")
 
 
+def _checked(op_name: str, implementation: Callable) -> Callable:
+    """``implementation`` behind the op's argument checks, if it declared any."""
+    check = _state.checks.get(op_name)
+    if check is None:
+        return implementation
+
+    def checked(*args):
+        check(*args)
+        return implementation(*args)
+
+    return checked
+
+
 def _register_python_kernel(op_name: str, device_type: str, implementation: Callable) -> None:
     if _state.registered is None:
         _state.registered = torch.library.Library("effilayers", "IMPL")
@@ -390,7 +365,7 @@ def _register_python_kernel(op_name: str, device_type: str, implementation: Call
         # Over a compiled kernel on the same key, torch warns once that it is
         # overridden: that is what a forced preference means here.
         warnings.simplefilter("ignore")
-        _state.registered.impl(op_name, implementation, _DISPATCH_KEY[device_type])
+        _state.registered.impl(op_name, _checked(op_name, implementation), _DISPATCH_KEY[device_type])
 
 
 def _failing(message: str) -> Callable:
@@ -451,24 +426,30 @@ def _first_call(op_name: str, op, args):
     if device_type in _DISPATCH_KEY:
         with _state.lock:
             _register_python_kernel(op_name, device_type, resolved.kernel)
-    return resolved.kernel(*args)
+    return _checked(op_name, resolved.kernel)(*args)
 
 
-def declare(name: str, schema: str, fake: Optional[Callable] = None, *, composition: Optional[Callable] = None,
-            tags=()):
+def declare(name: str, schema: str, fake: Optional[Callable] = None, *, check: Optional[Callable] = None,
+            composition: Optional[Callable] = None, tags=()):
     """Declare the op ``effilayers::<name>`` from its schema (``"(Tensor x,
     ...) -> Tensor"``), once: ``fake`` is its shape function for
     torch.compile and torch.export; its kernels come from the compiled
     libraries (registered on the CPU / CUDA keys from C++) or from this
     registry (:func:`register` names them), chosen on its first call on a
-    device. Returns the op's overload; its autograd, if any, is registered
-    on it with ``torch.library.register_autograd``.
+    device. ``check``, given the op's arguments, raises on what its
+    kernels cannot take: it runs before the Python kernels (Triton, the
+    reference) when the op calls them, as the compiled kernels check for
+    themselves; :func:`kernel` returns them unchecked, for callers that
+    checked already. Returns the op's overload; its autograd, if any, is
+    registered on it with ``torch.library.register_autograd``.
 
     ``composition``: the op is a Python composition of other ops (a chunk
     loop over the kernels, say), the same on every device, so there is no
     backend to choose: it is the op's one kernel. Declaring it keeps a
     traced graph to one node with ``fake``'s shapes, instead of the
     composition unrolled."""
+    if check is not None:
+        _state.checks[name] = check
     _LIBRARY.define(name + schema, tags=tags)
     if fake is not None:
         torch.library.register_fake(f"effilayers::{name}", fake, lib=_LIBRARY)

@@ -29,7 +29,7 @@ def distributed(group) -> bool:
 
 def channel_stats(x: torch.Tensor):
     """``batch_stats(x)`` without its checks (the callers checked ``x``)."""
-    op = registry.dispatch("batch_stats", x)
+    op = registry.op("batch_stats")
     if registry.runs_eagerly(x):
         # Autograd is not recording (an autograd Function's forward): the
         # op's Python autograd kernel would only pass the call on.
@@ -199,7 +199,7 @@ def backward_passes(reduce: Union[str, Callable], elemt: Union[str, Callable], g
     if fused is not None and not distributed(group):
         return fused(grad, saved, *args, count, need_sums, need_elemt, want_residual_grad)
     if isinstance(reduce, str):
-        reduce, elemt = registry.dispatch(reduce, saved), registry.dispatch(elemt, saved)
+        reduce, elemt = registry.op(reduce), registry.op(elemt)
     local_dy = local_dy_xhat = None
     mean = args[0]
     if need_sums:

@@ -19,8 +19,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .._core import registry
 from ..ops.adam import AdamHyperParams, check_adam_8bit_arguments, check_adam_arguments
+from ..ops.adam.op import call
 
 __all__ = ["chunked_adam", "chunked_adam_8bit"]
 
@@ -74,25 +74,10 @@ def _call_op(name: str, params: Sequence[torch.Tensor], grads: Sequence[torch.Te
              grad_scale: Optional[torch.Tensor], found_inf: Optional[torch.Tensor], hyper: AdamHyperParams) -> None:
     """The op boundary: advance ``steps``, then run op ``name`` on states in
     its order, unchecked, with the record unpacked into the op's scalars
-    (the one place it is unpacked).
-
-    Eager steps call the kernel the op would run (``registry.kernel``)
-    directly and bump the version counters of what it wrote in one call, as
-    the op's ADInplaceOrView step does: the custom op's Python-level dispatch
-    (a version bump per tensor, alias checks) costs more than the update of
-    a small tensor (bench_optim.py, ``step overhead``). Where
-    ``registry.runs_eagerly`` says no (torch.compile, tensor subclasses,
-    autograd recording) the op itself is called."""
+    (the one place it is unpacked), through ``ops.adam.call``."""
     _advance_steps(steps, found_inf)
     device = states[0].device
     args = (params, grads, *states, master, steps[:1],
             None if grad_scale is None else grad_scale.to(device, torch.float32),
             None if found_inf is None else found_inf.to(device, torch.float32), *hyper.values)
-    if not registry.runs_eagerly(states[0]):
-        getattr(torch.ops.effilayers, name)(*args)
-        return
-    registry.kernel(name, device)(*args)
-    written = [*params, *(t for t in states if t is not None)]
-    if master is not None:
-        written.append(master)
-    torch.autograd.graph.increment_version(written)
+    call(name, args, [*params, *states, master])

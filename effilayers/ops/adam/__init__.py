@@ -3,7 +3,8 @@ and, on 8-bit block-quantized states, ``effilayers::adam_step_8bit_``.
 
 contract.py: the arguments, the :class:`AdamHyperParams` record and the checks;
 reference.py: the math, the 8-bit codes and the pure-PyTorch kernels;
-triton.py: the Triton kernels (imported on first use); op.py: the custom ops.
+triton.py: the Triton kernels (imported on first use); op.py: the declared ops
+and ``call``, the one way into them.
 """
 
 from .contract import (

@@ -97,7 +97,7 @@ bytes for fp16/bf16.
 """
 
 # op.py's sum/mean/... shadow the builtins inside this package, which uses none of them.
-# as_three and the custom op _reduce_op are imported from here by the tests.
+# as_three and the op _reduce_op (effilayers::reduce) are imported from here by the tests.
 from .contract import KINDS, as_three  # noqa: F401
 from .op import _reduce_op, mean, norm, std, sum, var  # noqa: F401
 from .reference import reduce_reference, reduce_three_reference

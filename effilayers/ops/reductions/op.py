@@ -1,4 +1,4 @@
-"""The ``effilayers::reduce`` custom op, its autograd and the public
+"""The ``effilayers::reduce`` op, its autograd and the public
 functions (see the package docstring for the contract and the methods)."""
 
 from __future__ import annotations
@@ -19,27 +19,28 @@ from .contract import (
     norm_order,
     output_shape,
     reduced_dims,
-    run_three,
     variance_arguments,
 )
-from .reference import reduce_three_reference
+from .reference import reduce_op_reference
 
-# Every backend's kernel has the signature of reduce_three_reference:
-# (x viewed as (outer, reduced, inner), out (outer, inner), kind, correction).
-registry.register(registry.OpKernels(name="reduce", reference=reduce_three_reference, cpp="reduce_",
-                                     triton="effilayers.ops.reductions.triton:reduce_triton"))
+# Every backend's kernel takes the op's arguments; the Python ones run
+# contract.run_three over their (outer, reduced, inner) kernel, the C++ one
+# the same view (csrc/cpu/layout.h).
+registry.register(registry.OpKernels(name="reduce", reference=reduce_op_reference, cpp="reduce",
+                                     triton="effilayers.ops.reductions.triton:reduce_op_triton"))
 
 
-@torch.library.custom_op("effilayers::reduce", mutates_args=())
-def _reduce_op(x: torch.Tensor, dims: list[int], kind: str, correction: float, keepdim: bool,
-               dtype: Optional[torch.dtype]) -> torch.Tensor:
+def _kind_checked(x, dims, kind, correction, keepdim, dtype) -> None:
     check_kind(kind)
-    return run_three(registry.kernel("reduce", x.device), x, dims, kind, correction, keepdim, dtype)
 
 
-@_reduce_op.register_fake
-def _(x, dims, kind, correction, keepdim, dtype):
-    return x.new_empty(output_shape(x.shape, dims, keepdim), dtype=x.dtype if dtype is None else dtype)
+# Declared once here; csrc/cpu/reductions.cpp adds the CPU kernel, the
+# registry the Triton and reference ones where those are the choice.
+_reduce_op = registry.declare(
+    "reduce", "(Tensor x, int[] dims, str kind, float correction, bool keepdim, ScalarType? dtype) -> Tensor",
+    lambda x, dims, kind, correction, keepdim, dtype: x.new_empty(
+        output_shape(x.shape, dims, keepdim), dtype=x.dtype if dtype is None else dtype),
+    check=_kind_checked)
 
 
 def _setup_context(ctx, inputs, output):
@@ -56,11 +57,7 @@ def _setup_context(ctx, inputs, output):
 
 def _mean(x: torch.Tensor, dims, acc: torch.dtype) -> torch.Tensor:
     """The overflow-free mean over ``dims`` (kept) in ``acc``, for var/std's
-    backward: the kernel itself where registry.eager allows it, otherwise the
-    custom op, which traces and has a derivative (create_graph=True)."""
-    kernel = registry.eager("reduce", x)
-    if kernel is not None:
-        return run_three(kernel, x, dims, "mean", 0.0, True, acc)
+    backward: the op, which traces and has a derivative (create_graph=True)."""
     return _reduce_op(x, list(dims), "mean", 0.0, True, acc)
 
 
@@ -96,7 +93,7 @@ def _backward(ctx, grad):
     return grad_x.to(ctx.input_dtype), None, None, None, None, None
 
 
-_reduce_op.register_autograd(_backward, setup_context=_setup_context)
+torch.library.register_autograd(_reduce_op, _backward, setup_context=_setup_context)
 
 
 # CUDA autocast runs torch.sum, torch.linalg.vector_norm and torch.norm in

@@ -30,7 +30,13 @@ def reduce_three_reference(x: torch.Tensor, out: torch.Tensor, kind: str, correc
     out.copy_(result)
 
 
+def reduce_op_reference(x: torch.Tensor, dims: list[int], kind: str, correction: float, keepdim: bool,
+                        dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """``effilayers::reduce`` in PyTorch ops (the registry's reference kernel)."""
+    return run_three(reduce_three_reference, x, dims, kind, correction, keepdim, dtype)
+
+
 def reduce_reference(x: torch.Tensor, dim=None, kind: str = "sum", correction: float = 1.0, keepdim: bool = False,
                      dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Whole-op reference (float64 inside): the test oracle."""
-    return run_three(reduce_three_reference, x, reduced_dims(kind, x, dim), kind, correction, keepdim, dtype)
+    return reduce_op_reference(x, list(reduced_dims(kind, x, dim)), kind, correction, keepdim, dtype)

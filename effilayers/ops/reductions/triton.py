@@ -1,7 +1,8 @@
-"""Triton kernel for ``effilayers::reduce_`` (sum, mean, var, std, 2-norm).
+"""Triton kernel for ``effilayers::reduce`` (sum, mean, var, std, 2-norm).
 
-The op hands over an (outer, reduced, inner) strided view and a contiguous
-(outer, inner) output. A program owns one outer index and a tile of
+``reduce_op_triton`` is the op's kernel: it views the input as (outer,
+reduced, inner) (``contract.as_three``) and hands the view and a contiguous
+(outer, inner) output to ``reduce_triton``, the launcher. A program owns one outer index and a tile of
 ``BLOCK_I`` adjacent inner indices (``BLOCK_I == 1`` when the reduced values
 of one output are what is contiguous) and walks its share of the reduced
 range in ``[BLOCK_R, BLOCK_I]`` tiles, accumulating in float32 per column.
@@ -35,6 +36,7 @@ import triton.language as tl
 from ..._core import tuning
 from ..._core.dtypes import accumulation_dtype
 from ..._core.kernel_spec import KernelSpec
+from .contract import run_three
 
 # One tile holds at most 4096 values: 16 KiB of float32 spread over 4 warps
 # (32 values per thread), enough loads in flight to keep a memory-bound loop
@@ -208,7 +210,14 @@ def _tile_view(outer: int, reduced: int, inner: int, strides) -> tuple[int, int,
     return outer, inner, (stride_o, stride_r, stride_i)
 
 
+def reduce_op_triton(x: torch.Tensor, dims: list[int], kind: str, correction: float, keepdim: bool,
+                     dtype) -> torch.Tensor:
+    """``effilayers::reduce`` on this backend."""
+    return run_three(reduce_triton, x, dims, kind, correction, keepdim, dtype)
+
+
 def reduce_triton(x: torch.Tensor, out: torch.Tensor, kind: str, correction: float) -> None:
+    """The (outer, reduced, inner) view ``x`` reduced over dim 1 into ``out``."""
     outer, reduced, inner = x.shape
     if out.numel() == 0:
         return
