@@ -1,13 +1,13 @@
-"""Compiles a representative part of the kernel report, and two toy kernels,
-for tests/test_kernel_report.py: one spec of every launched Triton kernel at
-sm_90 and sm_80 (the full sweep is ``python -m effilayers.info --kernels``,
-which CI runs), and a toy copy kernel with a unit stride (128-bit accesses)
-and with a run-time stride (one 32-bit access per element), so the width
-check is seen to pass and to fail.
+"""Compiles a representative part of the kernel report for
+tests/test_kernel_report.py: one spec of every launched Triton kernel at
+sm_90 and sm_80 (the full sweep is ``python -m effilayers.info --kernels``;
+CI runs it for sm_90); with ``--toys`` instead, a toy copy kernel with a
+unit stride (128-bit accesses) and with a run-time stride (one 32-bit
+access per element), so the width check is seen to pass and to fail.
 
 Run in a process without ``TRITON_INTERPRET`` (the interpreter replaces the
-kernels by Python functions): ``python -m tests.kernel_report_checks``
-prints the rows as JSON.
+kernels by Python functions): ``python -m tests.kernel_report_checks
+[--toys]`` prints the rows as JSON.
 """
 
 from __future__ import annotations
@@ -33,21 +33,25 @@ def toy_spec(stride: int):
                       dict(BLOCK=1024), 4, f"stride={stride}", 8, 8)
 
 
-def main() -> None:
+def main(toys: bool = False) -> None:
     from effilayers import _kernel_report
 
-    rows, seen = [], set()
-    for family, spec in _kernel_report.iter_specs():
-        if (spec.name, spec.targets) in seen:  # a kernel with a tile table per architecture: one spec of each
-            continue
-        seen.add((spec.name, spec.targets))
-        rows.extend(_kernel_report.spec_row(family, spec, capability) for capability in _kernel_report.TARGETS
-                    if spec.targets is None or capability in spec.targets)
-    toys = [_kernel_report.spec_row("toy", toy_spec(stride), 90) for stride in (1, 3)]
-    for row in rows + toys:
+    if toys:
+        rows = [_kernel_report.spec_row("toy", toy_spec(stride), 90) for stride in (1, 3)]
+    else:
+        rows, seen = [], set()
+        for family, spec in _kernel_report.iter_specs():
+            if (spec.name, spec.targets) in seen:  # a kernel with a tile table per architecture: one spec of each
+                continue
+            seen.add((spec.name, spec.targets))
+            rows.extend(_kernel_report.spec_row(family, spec, capability) for capability in _kernel_report.TARGETS
+                        if spec.targets is None or capability in spec.targets)
+    for row in rows:
         row["problems"] = _kernel_report.problems(row)
-    print(json.dumps({"rows": rows, "toys": toys}))
+    print(json.dumps({"toys" if toys else "rows": rows}))
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(toys=sys.argv[1:] == ["--toys"])
