@@ -548,12 +548,12 @@ def collect(jobs: int = 0, families: Optional[tuple[str, ...]] = None, cuda: boo
             targets: tuple[int, ...] = TARGETS) -> list[dict[str, Any]]:
     """Every row of the report, for ``targets`` (compute capabilities).
     ``jobs`` processes compile in parallel (0: the CPU count, at most 8)."""
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        raise RuntimeError("the kernel report compiles real GPU code: run it without TRITON_INTERPRET=1")
-    specs = {family: _family_specs(family) for family in (families or TRITON_FAMILIES)}
     unknown = set(targets) - set(TARGETS)
     if unknown or not targets:
         raise ValueError(f"targets must be a non-empty selection of {TARGETS}, got {targets}")
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("the kernel report compiles real GPU code: run it without TRITON_INTERPRET=1")
+    specs = {family: _family_specs(family) for family in (families or TRITON_FAMILIES)}
     work = [(family, index, capability) for family, index in triton_jobs(families) for capability in targets
             if specs[family][index].targets is None or capability in specs[family][index].targets]
     workers = jobs or min(8, os.cpu_count() or 1)
