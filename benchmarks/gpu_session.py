@@ -15,8 +15,9 @@ ledger (``benchmarks/ledger.py``) run first and get their time first
     benchmarks/gpu_session.sh STEP ...          # some steps only (a rerun)
 
 ``prebuild`` compiles both compiled libraries against the GPU image's torch
-and fills a Triton cache for sm_90 (every configuration of the kernel report),
-so the GPU's minutes are not spent compiling: ``all`` places the libraries
+and fills a Triton cache for sm_90 through the full kernel report (every
+configuration, failing on a row that fails; CI compiles them pairwise), so
+the GPU's minutes are not spent compiling: ``all`` places the libraries
 in its build cache when their stamp matches the sources there, else builds
 them, and reports how many Triton kernels it still had to compile.
 
@@ -371,10 +372,11 @@ def prebuild(directory: Path) -> int:
     shutil.rmtree(cache, ignore_errors=True)
     env = {**os.environ, "TRITON_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT)}
     # Every configuration the kernel report knows (what the launchers pick
-    # at the benchmark shapes), compiled for sm_90 as the JIT would there.
-    compile_all = ("from effilayers import _kernel_report as report\n"
-                   "for _, spec in report.iter_specs(): report.compile_triton(spec, 90)\n")
-    subprocess.run([sys.executable, "-c", compile_all], cwd=ROOT, env=env, check=True)
+    # at the benchmark shapes), compiled for sm_90 as the JIT would there:
+    # the full report, which CI compiles only pairwise (--pairwise), so a
+    # failing row stops the prebuild here, before the GPU's time is spent.
+    subprocess.run([sys.executable, "-m", "effilayers.info", "--kernels", "--target", "sm_90"], cwd=ROOT, env=env,
+                   check=True)
     for entry in cache.iterdir():
         # A cache hit reads the metadata and the cubin; the compiler's
         # intermediate forms would make the call's working tree too large.

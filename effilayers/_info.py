@@ -132,11 +132,17 @@ def main(argv: Optional[list[str]] = None) -> int:
                              "access")
     parser.add_argument("--target", action="append", choices=("sm_90", "sm_80"),
                         help="with --kernels: compile for this target only (repeatable; default both)")
+    parser.add_argument("--pairwise", action="store_true",
+                        help="with --kernels: of each Triton kernel's configurations, only enough that every "
+                             "setting (constexpr value, num_warps, ...) is compiled with every dtype it is used "
+                             "with, instead of every configuration")
     args = parser.parse_args(argv)
     if args.failures and not args.selftest:
         parser.error("--failures goes with --selftest")
     if args.target and not args.kernels:
         parser.error("--target goes with --kernels")
+    if args.pairwise and not args.kernels:
+        parser.error("--pairwise goes with --kernels")
     if args.selftest:
         from . import _selftest
 
@@ -145,7 +151,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         from . import _kernel_report
 
         targets = tuple(int(target[3:]) for target in args.target) if args.target else _kernel_report.TARGETS
-        return _kernel_report.main(json_output=args.json, targets=targets)
+        return _kernel_report.main(json_output=args.json, targets=targets, pairwise_only=args.pairwise)
     if args.json:
         import json
 

@@ -544,18 +544,62 @@ def triton_jobs(families: Optional[tuple[str, ...]] = None) -> list[tuple[str, i
             for index in range(len(_family_specs(family)))]
 
 
+def _settings(spec: KernelSpec) -> tuple[tuple, frozenset]:
+    """(pointer dtypes, settings) of one spec as the compiler sees it: the
+    Triton types of its pointer arguments, and every other thing a compile
+    is specialised on (constexpr values, scalar argument types, the
+    arguments marked divisible by 16, num_warps, num_stages)."""
+    signature, constexprs, divisible = specialise(spec)
+    dtypes = tuple(sorted({kind for kind in signature.values() if kind.startswith("*")}))
+    settings = {("constexpr", name, repr(value)) for name, value in constexprs.items()}
+    settings |= {("argument", name, kind) for name, kind in signature.items()
+                 if kind != "constexpr" and not kind.startswith("*")}
+    settings |= {("divisible", name) for name in divisible}
+    settings |= {("num_warps", spec.num_warps), ("num_stages", spec.num_stages)}
+    return dtypes, frozenset(settings)
+
+
+def pairwise(specs: list[KernelSpec]) -> list[int]:
+    """Indices of a subset of ``specs`` in which, per kernel, every setting
+    (``_settings``) appears with every pointer-dtype combination it appears
+    with in the whole list: the rows that bring the most missing pairs,
+    first index on a tie, until none is missing. What it leaves out is the
+    interaction of two settings besides the dtype (a tile size with a
+    layout flag, say), which the full sweep compiles."""
+    by_kernel: dict[str, list[tuple[int, frozenset]]] = {}
+    for index, spec in enumerate(specs):
+        dtypes, settings = _settings(spec)
+        pairs = frozenset((dtypes, setting) for setting in settings) | {(dtypes, None)}
+        by_kernel.setdefault(spec.name, []).append((index, pairs))
+    chosen = []
+    for rows in by_kernel.values():
+        missing = set().union(*(pairs for _, pairs in rows))
+        while missing:
+            index, pairs = max(rows, key=lambda row: (len(row[1] & missing), -row[0]))
+            missing -= pairs
+            chosen.append(index)
+    return sorted(chosen)
+
+
 def collect(jobs: int = 0, families: Optional[tuple[str, ...]] = None, cuda: bool = True,
-            targets: tuple[int, ...] = TARGETS) -> list[dict[str, Any]]:
-    """Every row of the report, for ``targets`` (compute capabilities).
-    ``jobs`` processes compile in parallel (0: the CPU count, at most 8)."""
+            targets: tuple[int, ...] = TARGETS, pairwise_only: bool = False) -> list[dict[str, Any]]:
+    """Every row of the report, for ``targets`` (compute capabilities);
+    with ``pairwise_only``, of the Triton specs only those ``pairwise``
+    picks per family and target. ``jobs`` processes compile in parallel
+    (0: the CPU count, at most 8)."""
     unknown = set(targets) - set(TARGETS)
     if unknown or not targets:
         raise ValueError(f"targets must be a non-empty selection of {TARGETS}, got {targets}")
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("the kernel report compiles real GPU code: run it without TRITON_INTERPRET=1")
-    specs = {family: _family_specs(family) for family in (families or TRITON_FAMILIES)}
-    work = [(family, index, capability) for family, index in triton_jobs(families) for capability in targets
-            if specs[family][index].targets is None or capability in specs[family][index].targets]
+    work = []
+    for family in families or TRITON_FAMILIES:
+        for capability in targets:
+            indices = [index for index, spec in enumerate(_family_specs(family))
+                       if spec.targets is None or capability in spec.targets]
+            if pairwise_only:
+                indices = [indices[i] for i in pairwise([_family_specs(family)[index] for index in indices])]
+            work.extend((family, index, capability) for index in indices)
     workers = jobs or min(8, os.cpu_count() or 1)
     cuda_targets = targets if cuda else ()
     if workers > 1:
@@ -634,10 +678,11 @@ def summary(rows: list[dict[str, Any]]) -> str:
             f"{len(failing)} rows failing")
 
 
-def main(json_output: bool = False, jobs: int = 0, targets: tuple[int, ...] = TARGETS) -> int:
+def main(json_output: bool = False, jobs: int = 0, targets: tuple[int, ...] = TARGETS,
+         pairwise_only: bool = False) -> int:
     """Prints the report; 1 when a row fails it, 2 when it cannot run here."""
     try:
-        rows = collect(jobs=jobs, targets=targets)
+        rows = collect(jobs=jobs, targets=targets, pairwise_only=pairwise_only)
     except RuntimeError as error:
         print(f"python -m effilayers.info --kernels: {error}", file=sys.stderr)
         return 2

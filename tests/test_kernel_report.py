@@ -182,7 +182,7 @@ def test_exit_status_and_json(monkeypatch, capsys):
     spilling = dict(good, kernel="spiller", spill_stores=16, spill_loads=16)
 
     def fake_collect(rows):
-        def collect(jobs=0, targets=_kernel_report.TARGETS):
+        def collect(jobs=0, targets=_kernel_report.TARGETS, pairwise_only=False):
             for row in rows:
                 row["problems"] = _kernel_report.problems(row)
             return rows
@@ -278,3 +278,51 @@ def test_target_selection_is_checked():
         _kernel_report.collect(targets=(70,))
     with pytest.raises(SystemExit):
         main(["--target", "sm_90"])  # without --kernels
+    with pytest.raises(SystemExit):
+        main(["--pairwise"])
+
+
+def _pairs(specs):
+    pairs = set()
+    for spec in specs:
+        dtypes, settings = _kernel_report._settings(spec)
+        pairs |= {(spec.name, dtypes, setting) for setting in (*settings, None)}
+    return pairs
+
+
+@pytest.mark.parametrize("family", _kernel_report.TRITON_FAMILIES)
+def test_pairwise_keeps_every_setting_with_every_dtype_of_each_kernel(family):
+    specs = _kernel_report._family_specs(family)
+    chosen = _kernel_report.pairwise(specs)
+    assert chosen == sorted(set(chosen)) and chosen == _kernel_report.pairwise(specs)  # deterministic
+    subset = [specs[index] for index in chosen]
+    assert {spec.name for spec in subset} == {spec.name for spec in specs}
+    assert _pairs(subset) == _pairs(specs)
+    if len(specs) > 20:
+        assert len(subset) < len(specs)
+
+
+def test_pairwise_selection_drops_a_configuration_whose_pairs_are_covered():
+    """Three block sizes, each used with two dtypes: every (block, dtype)
+    pair is in one row only, so all six stay. With one dtype, a repeated
+    configuration brings nothing new and goes."""
+    import torch
+
+    from tests.kernel_report_checks import toy_spec
+
+    base = toy_spec(1)
+    specs = [base._replace(arguments=dict(base.arguments, x_ptr=dtype, y_ptr=dtype), constexprs=dict(BLOCK=block))
+             for block in (256, 512, 1024) for dtype in (torch.float32, torch.float16)]
+    assert _kernel_report.pairwise(specs) == list(range(6))
+    float32_only = [*specs[::2], specs[0]]
+    assert _kernel_report.pairwise(float32_only) == [0, 1, 2]
+
+
+def test_collect_compiles_only_the_pairwise_rows_when_asked(monkeypatch):
+    compiled = []
+    monkeypatch.setattr(_kernel_report, "triton_row", lambda family, index, capability: compiled.append(
+        (family, index, capability)) or dict(kind="triton", family=family, kernel="k", target=f"sm_{capability}",
+                                             config="", error="not compiled here"))
+    _kernel_report.collect(jobs=1, families=("reductions",), cuda=False, targets=(90,), pairwise_only=True)
+    specs = _kernel_report._family_specs("reductions")
+    assert compiled == [("reductions", index, 90) for index in _kernel_report.pairwise(specs)]
