@@ -21,6 +21,14 @@ from effilayers.nn import ABN, InPlaceABN
 
 from .conftest import devices, synchronize
 
+# This family's row in the GPU ledger and its step in the GPU session (benchmarks/ledger.py reads it
+# without importing this file; see ledger.op_families).
+LEDGER = {"family": "abn", "kernels": ("effilayers/ops/abn", "effilayers/ops/stats", "effilayers/ops/_batchnorm.py",
+                                   "effilayers/ops/_activation.py", "csrc/cuda/abn*", "csrc/cuda/stats*",
+                                   "csrc/cpu/abn*", "csrc/cpu/stats.cpp", "csrc/common"),
+          "prefix": "abn", "target": "InPlaceABN fwd+bwd <= 0.9x cuDNN BN + LeakyReLU", "ours": "effilayers-inplace",
+          "met": (("time_ratio", 0.9),), "cases": 4, "gpu_seconds": 15}
+
 CPU_SHAPES = [(32, 64, 56, 56), (32, 256, 14, 14)]
 GPU_SHAPES = [(32, 256, 56, 56)]  # issue 28's: a ResNet stage-2 map, 100 MB in fp32
 HAS_INPLACE_ABN = importlib.util.find_spec("inplace_abn") is not None

@@ -51,6 +51,12 @@ from effilayers.functional import cross_entropy
 
 from .conftest import copy_gb_per_s, devices, launch_configs, synchronize
 
+# This family's row in the GPU ledger and its step in the GPU session (benchmarks/ledger.py reads it
+# without importing this file; see ledger.op_families).
+LEDGER = {"family": "cross_entropy", "kernels": ("effilayers/ops/cross_entropy", "csrc/cpu/cross_entropy.cpp"),
+          "prefix": "cross_entropy", "target": "fwd+bwd <= 1.0x torch eager", "met": (("time_ratio", 1.0),),
+          "cases": 3, "gpu_seconds": 40}
+
 CPU_SHAPES = [(512, 8192), (128, 32000)]
 GPU_SHAPES = [(16384, 131072), (8192, 32000)]
 IMPLEMENTATIONS = ["torch", "torch-compile", "effilayers", "effilayers-inplace", "liger"]

@@ -48,6 +48,14 @@ from effilayers.ops.densenet import bottleneck
 
 from .conftest import copy_gb_per_s, device_median_seconds, devices, synchronize
 
+# This family's row in the GPU ledger and its step in the GPU session (benchmarks/ledger.py reads it
+# without importing this file; see ledger.op_families).
+LEDGER = {"family": "densenet", "kernels": ("effilayers/ops/densenet", "csrc/cpu/densenet.cpp",
+                                        "effilayers/models/densenet.py"),
+          "prefix": "densenet", "target": "step <= 1.05x naive at <= 0.33x activation bytes",
+          "baseline": "torch-naive", "met": (("time_ratio", 1.05), ("activation_bytes_ratio", 0.33)), "cases": 2,
+          "gpu_seconds": 35}
+
 VARIANTS = ["torch-naive", "torch-checkpoint", "effilayers", "effilayers-inplace"]
 STEP_SHAPE = {"cpu": (4, 3, 64, 64), "cuda": (64, 3, 224, 224)}
 

@@ -59,6 +59,14 @@ from effilayers.ops.linear_cross_entropy import chunk_tokens
 
 from .conftest import devices, synchronize
 
+# This family's row in the GPU ledger and its step in the GPU session (benchmarks/ledger.py reads it
+# without importing this file; see ledger.op_families).
+LEDGER = {"family": "linear_cross_entropy", "kernels": ("effilayers/ops/linear_cross_entropy",),
+          "prefix": "linear_cross_entropy",
+          "target": "fwd+bwd <= 1.0x torch.compile of the unfused pair; peak <= 1.1x the gradients' bytes",
+          "baseline": "torch-compile", "met": (("time_ratio", 1.0), ("peak_ratio_vs_lower_bound", 1.1)),
+          "cases": 2, "gpu_seconds": 90}
+
 # (tokens, hidden, classes)
 CPU_SHAPES = [(1024, 128, 32768), (4096, 128, 32768)]
 GPU_SHAPES = [(8192, 2304, 256000), (8192, 4096, 128256)]

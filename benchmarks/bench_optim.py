@@ -32,6 +32,13 @@ from effilayers.optim import ChunkedAdamW
 
 from .conftest import devices, synchronize
 
+# This family's row in the GPU ledger and its step in the GPU session (benchmarks/ledger.py reads it
+# without importing this file; see ledger.op_families).
+LEDGER = {"family": "adam", "kernels": ("effilayers/ops/adam", "effilayers/optim", "csrc/cpu/adam.cpp"),
+          "prefix": "optim",
+          "target": ">= 90% of 28 B/param floor, <= 1.0x torch fused", "baseline": "torch-fused",
+          "met": (("time_ratio", 1.0),), "cases": 2, "gpu_seconds": 40}
+
 SIZES = {"cpu": [100_000_000, 4_000_000], "cuda": [100_000_000, 1_000_000_000]}
 IMPLEMENTATIONS = ["torch-foreach", "torch-fused", "effilayers", "effilayers-bf16-states", "effilayers-8bit-states",
                    "effilayers-offload", "deepspeed-cpu-adam"]

@@ -22,6 +22,10 @@ from effilayers.nn import MaxPool2d
 
 from .conftest import devices, synchronize
 
+# This family's row in the GPU ledger and its step in the GPU session (benchmarks/ledger.py reads it
+# without importing this file; see ledger.op_families).
+LEDGER = {"family": "pooling", "kernels": ("effilayers/nn/pooling.py",), "prefix": "pooling", "target": "no target"}
+
 # (shape, window): the ResNet stem pool (3x3, stride 2, padding 1) and a
 # VGG-style 2x2 pool.
 STEM = dict(kernel_size=3, stride=2, padding=1)

@@ -23,6 +23,12 @@ import effilayers.functional as EF
 
 from .conftest import copy_gb_per_s, device_median_seconds, devices, launch_configs, synchronize
 
+# This family's row in the GPU ledger and its step in the GPU session (benchmarks/ledger.py reads it
+# without importing this file; see ledger.op_families).
+LEDGER = {"family": "reductions", "kernels": ("effilayers/ops/reductions", "csrc/cpu/reductions.cpp"),
+          "prefix": "reductions", "target": ">= 90% of copy bandwidth", "met": (("pct_of_copy", 90, True),),
+          "cases": 27, "gpu_seconds": 40}
+
 CPU_SHAPE = (2048, 4096)
 GPU_SHAPE = (16384, 16384)  # 512 MiB of bf16: fills an H100's memory system
 DIMS = {"rows": -1, "columns": 0, "all": None}

@@ -37,6 +37,12 @@ from effilayers.functional import log_softmax, scaled_masked_softmax, softmax
 
 from .conftest import copy_gb_per_s, device_median_seconds, devices, launch_configs, synchronize
 
+# This family's row in the GPU ledger and its step in the GPU session (benchmarks/ledger.py reads it
+# without importing this file; see ledger.op_families).
+LEDGER = {"family": "softmax", "kernels": ("effilayers/ops/softmax", "csrc/cpu/softmax.cpp"), "prefix": "softmax",
+          "target": ">= 1.0x torch eager 1K-256K columns; >= 90% of copy bandwidth",
+          "met": (("time_ratio", 1.0), ("pct_of_copy", 90, True)), "cases": 33, "gpu_seconds": 60}
+
 CPU_CASES = [((256, 4096), -1, torch.float32), ((256, 4096), -1, torch.bfloat16), ((16, 64, 32, 32), 1, torch.float32)]
 # 2**27 elements each: the 4096 x 32768 case of the issue and a sweep of row lengths.
 GPU_CASES = [((4096, 32768), -1, torch.float16), ((4096, 32768), -1, torch.bfloat16)] + [

@@ -71,6 +71,8 @@ class Step:
 
 def plan(device: str, date: str, results: str) -> list[Step]:
     """Every step, in the issue's order, with ``{...}`` filled in."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.ledger import op_families  # the standard library only
 
     def bench(family: str, path: str, selection: str) -> str:
         return (f"python3 -m pytest {path} -k {selection!r} -q -p no:cacheprovider --benchmark-group-by=group "
@@ -95,18 +97,14 @@ def plan(device: str, date: str, results: str) -> list[Step]:
             f"--junitxml={results}/gpu_tests_failed_before-{device}-{date}.xml",
             f"python3 -m pytest -m gpu tests -q -rfEs -p no:cacheprovider -n 8 --timeout=120 "
             f"--junitxml={results}/gpu_tests-{device}-{date}.xml")),
-        Step("abn", 15, (bench("abn", "benchmarks/bench_abn.py", "cuda"),), family="abn"),
-        Step("densenet", 35, (bench("densenet", "benchmarks/bench_densenet.py", "cuda"),), family="densenet"),
-        Step("adam", 40, (bench("optim", "benchmarks/bench_optim.py", "cuda"),), family="adam"),
+        # Each op family's cuda cases, with the seconds its bench file
+        # declares (LEDGER; ledger.op_families finds them), the shortest
+        # first: among stale families, one session then measures the most.
+        *(Step(family.name, family.gpu_seconds, (bench(family.prefixes[0], family.bench, "cuda"),),
+               family=family.name)
+          for family in sorted(op_families(), key=lambda family: family.gpu_seconds) if family.gpu_seconds),
         Step("max_batch", 180, (effilayers_bench("bench", "--max-batch --model resnet50 --model densenet121"),),
              family="max_batch"),
-        Step("softmax", 60, (bench("softmax", "benchmarks/bench_softmax.py", "cuda"),), family="softmax"),
-        Step("cross_entropy", 40, (bench("cross_entropy", "benchmarks/bench_cross_entropy.py", "cuda"),),
-             family="cross_entropy"),
-        Step("reductions", 40, (bench("reductions", "benchmarks/bench_reductions.py", "cuda"),), family="reductions"),
-        Step("linear_cross_entropy", 90,
-             (bench("linear_cross_entropy", "benchmarks/bench_linear_cross_entropy.py", "cuda"),),
-             family="linear_cross_entropy"),
         # torch.compile under the budget compiles the model once: most of a
         # minute on the H200 for ResNet-50 (2026-11-28), longer for
         # DenseNet-121's many layers. One family each, so that one session's

@@ -22,6 +22,7 @@ commit alone. Without git history every family is stale.
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime
 import difflib
 import json
@@ -49,44 +50,63 @@ class Family:
     # EFFILAYERS_BENCH_COLLECT_CUDA=1; tests/test_gpu_ledger.py checks): a
     # result with fewer, from a run cut short, cannot meet the target.
     cases: int = 0
+    # An op family's pytest-benchmark file, and the seconds the GPU session
+    # gives its cuda cases (benchmarks/gpu_session.py; 0: no step).
+    bench: str = ""
+    gpu_seconds: int = 0
 
 
-# One entry per family: name, kernel pathspecs, result prefixes, target, then
-# the keywords. fit's results carry the model and budget before the
-# device (budget-resnet50-0.35-<device>-<date>.json): one family per model,
-# each with its own target and GPU session step. max_batch's prefix is exactly `bench` so that
-# bench-densenet121-... and bench-densenet264-... runs (no max-batch search) do not count.
-FAMILIES: tuple[Family, ...] = (
-    Family("softmax", ("effilayers/ops/softmax", "csrc/cpu/softmax.cpp"), ("softmax",),
-           ">= 1.0x torch eager 1K-256K columns; >= 90% of copy bandwidth",
-           met=lambda f: _all(f, 'time_ratio', 1.0) and _all(f, 'pct_of_copy', 90, above=True), cases=33),
-    Family("cross_entropy", ("effilayers/ops/cross_entropy", "csrc/cpu/cross_entropy.cpp"), ("cross_entropy",),
-           "fwd+bwd <= 1.0x torch eager",
-           met=lambda f: _all(f, 'time_ratio', 1.0), cases=3),
-    Family("reductions", ("effilayers/ops/reductions", "csrc/cpu/reductions.cpp"), ("reductions",),
-           ">= 90% of copy bandwidth",
-           met=lambda f: _all(f, 'pct_of_copy', 90, above=True), cases=27),
-    Family("linear_cross_entropy", ("effilayers/ops/linear_cross_entropy",), ("linear_cross_entropy",),
-           "fwd+bwd <= 1.0x torch.compile of the unfused pair; peak <= 1.1x the gradients' bytes",
-           baseline="torch-compile",
-           met=lambda f: _all(f, 'time_ratio', 1.0) and _all(f, 'peak_ratio_vs_lower_bound', 1.1), cases=2),
-    Family("abn", ("effilayers/ops/abn", "effilayers/ops/stats", "effilayers/ops/_batchnorm.py",
-                   "effilayers/ops/_activation.py", "csrc/cuda/abn*", "csrc/cuda/stats*", "csrc/cpu/abn*",
-                   "csrc/cpu/stats.cpp", "csrc/common"), ("abn",),
-           "InPlaceABN fwd+bwd <= 0.9x cuDNN BN + LeakyReLU",
-           ours="effilayers-inplace",
-           met=lambda f: _all(f, 'time_ratio', 0.9), cases=4),
-    Family("densenet", ("effilayers/ops/densenet", "csrc/cpu/densenet.cpp", "effilayers/models/densenet.py"),
-           ("densenet",),
-           "step <= 1.05x naive at <= 0.33x activation bytes",
-           baseline="torch-naive",
-           met=lambda f: _all(f, 'time_ratio', 1.05) and _all(f, 'activation_bytes_ratio', 0.33), cases=2),
-    Family("adam", ("effilayers/ops/adam", "effilayers/optim", "csrc/cpu/adam.cpp"), ("optim",),
-           ">= 90% of 28 B/param floor, <= 1.0x torch fused",
-           baseline="torch-fused",
-           met=lambda f: _all(f, 'time_ratio', 1.0), cases=2),
-    Family("max_batch", ("effilayers/max_batch.py", "effilayers/bench", "effilayers/nn", "effilayers/models"),
-           ("bench",),
+def _literal(path: Path, name: str):
+    """The literal assigned to ``name`` at the top of ``path`` (None when
+    absent): read with ``ast``, so that listing the families imports no
+    benchmark."""
+    for node in ast.parse(path.read_text()).body:
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                and node.targets[0].id == name):
+            return ast.literal_eval(node.value)
+    return None
+
+
+def _all_of(terms: tuple) -> Callable[[dict], Optional[bool]]:
+    """A ``met`` from (figure, bound[, above]) terms: each must hold (see
+    _all); the first term that does not hold, or has no figures, decides."""
+    def met(figures: dict) -> Optional[bool]:
+        for term in terms:
+            verdict = _all(figures, *term)
+            if verdict is not True:
+                return verdict
+        return True
+    return met
+
+
+def op_families(directory: Path = Path(__file__).resolve().parent) -> tuple[Family, ...]:
+    """The families whose pytest-benchmark file declares ``LEDGER``: a dict
+    of ``family`` (the name), ``kernels`` (pathspecs), ``prefix`` (of its
+    result files), ``target``, ``met`` ((figure, bound[, above]) terms),
+    ``cases``, ``gpu_seconds`` and, where they differ from the defaults,
+    ``ours`` / ``baseline``. A new family is listed by its bench file alone."""
+    found = []
+    for path in sorted(directory.glob("bench_*.py")):
+        declared = _literal(path, "LEDGER")
+        if declared is None:
+            continue
+        declared = dict(declared)
+        terms = declared.pop("met", None)
+        found.append(Family(name=declared.pop("family"), prefixes=(declared.pop("prefix"),),
+                            kernels=tuple(declared.pop("kernels")), met=_all_of(terms) if terms else None,
+                            bench=f"benchmarks/{path.name}", **declared))
+    return tuple(found)
+
+
+# The op families (each declared in its bench file), then the tools'.
+# fit's results carry the model and budget before the device
+# (budget-resnet50-0.35-<device>-<date>.json): one family per model, each
+# with its own target and GPU session step. max_batch's prefix is exactly
+# `bench` so that bench-densenet121-... and bench-densenet264-... runs (no
+# max-batch search) do not count.
+FAMILIES: tuple[Family, ...] = op_families() + (
+    Family("max_batch", ("effilayers/max_batch.py", "effilayers/bench", "effilayers/nn", "effilayers/ops/abn/module.py",
+                         "effilayers/models"), ("bench",),
            "largest batch >= 1.6x plain (ResNet-50 InPlaceABN), >= 3x (DenseNet-121)"),
     Family("fit_resnet50", ("effilayers/fit.py", "effilayers/checkpoint.py"), ("budget-resnet50-0.35",),
            "ResNet-50 within a 0.35 budget on CUDA peak bytes at <= 1.15x plain's step"),
@@ -95,7 +115,6 @@ FAMILIES: tuple[Family, ...] = (
     Family("offload", ("effilayers/optim/offload.py", "effilayers/optim/sharded.py"), ("fsdp_offload",),
            "<= 0.35x GPU memory at <= 1.5x step time",
            met=lambda f: _offload_met(f, 'chunked_adamw', peak=0.35, time=1.5)),
-    Family("pooling", ("effilayers/nn/pooling.py",), ("pooling",), "no target"),
 )
 
 RESULTS = Path("benchmarks") / "results"

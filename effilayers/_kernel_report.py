@@ -15,7 +15,8 @@ and loads (bytes), shared memory, the widths of the global loads and stores
 in the PTX, and the bytes the kernel moves per element against the family's
 roofline (what a perfect kernel must move). The exit status is non-zero on a
 compile failure, on any spill, on a kernel at the 255-register cap, on a
-row of a memory-bound family (``MEMORY_BOUND``) that moves more bytes per
+row of a memory-bound family (every family whose ``triton.py`` does not
+declare ``COMPUTE_BOUND = True``; every CUDA kernel) that moves more bytes per
 element than its roofline without a reason in its spec (``reread``; one
 marked "pending:" fails too), and on a per-thread global access narrower
 than 128 bits in a kernel whose layout allows 128-bit accesses (a row that
@@ -57,11 +58,6 @@ from ._core.families import OPS, family_names
 from ._core.kernel_spec import KernelSpec, specialise
 
 TARGETS = (90, 80)
-# Families whose kernels are bound by memory traffic: a row of theirs that
-# moves more bytes per element than its roofline fails the report unless its
-# spec says why (``KernelSpec.reread``). linear_cross_entropy's kernels are
-# GEMMs, bound by their arithmetic; their bytes are reported, not held.
-MEMORY_BOUND = ("softmax", "cross_entropy", "reductions", "stats", "abn", "densenet", "adam")
 # The families with Triton kernels, found on disk: each one's triton.py
 # declares kernel_specialisations(), which must cover its launched kernels.
 TRITON_FAMILIES = tuple(family for family in family_names() if (OPS / family / "triton.py").is_file())
@@ -271,7 +267,7 @@ def spec_row(family: str, spec: KernelSpec, capability: int) -> dict[str, Any]:
     accesses = global_accesses(compiled["ptx"])
     parameters = compiled["parameters"]
     row["loads"], row["stores"] = _widths(accesses, "ld"), _widths(accesses, "st")
-    row["reductions"] = _widths(accesses, "red")  # atomic adds into global memory
+    row["atomics"] = _widths(accesses, "red")  # atomic adds into global memory (red.global)
     narrow = [] if "*" in spec.narrow else \
         _narrow(accesses, {parameters.index(name) for name in spec.narrow if name in parameters})
     # named by the pointer arguments their addresses derive from
@@ -507,10 +503,24 @@ def _ptxas_usage(log: str) -> dict[str, dict[str, int]]:
 
 # -- the report --------------------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=None)
+def compute_bound(family: str) -> bool:
+    """Whether ``family`` declares its Triton kernels bound by arithmetic
+    (``COMPUTE_BOUND = True`` in its ``triton.py``: linear_cross_entropy's
+    GEMMs), so that their bytes are reported, not held to the roofline.
+    Every other family is memory-bound, a new one included."""
+    if not (OPS / family / "triton.py").is_file():
+        return False
+    return bool(getattr(importlib.import_module(f"effilayers.ops.{family}.triton"), "COMPUTE_BOUND", False))
+
+
 def memory_bound(row: dict[str, Any]) -> bool:
-    """Whether the row's kernel belongs to a memory-bound family (a CUDA
-    row's family is its source file, ``stats.cu``)."""
-    return row.get("family", "").removesuffix(".cu") in MEMORY_BOUND
+    """Whether the row's kernel is held to its roofline in bytes: a row
+    that moves more bytes per element fails unless its spec says why
+    (``KernelSpec.reread``). A CUDA row's family is its source file
+    (``stats.cu``); every CUDA kernel is memory-bound."""
+    family = row.get("family", "")
+    return family.endswith(".cu") or not compute_bound(family)
 
 
 def above_roofline(row: dict[str, Any]) -> bool:

@@ -3,7 +3,7 @@ small inputs, against its pure-PyTorch reference, on this machine.
 
 The ops and their backends come from the op registry, so a new op is
 enumerated without touching this file; its inputs come from its family's
-``ops/<family>/selftest.py`` (``CASES``, one entry per op; see
+``ops/<family>/selftest.py`` or ``op.py`` (``CASES``, one entry per op; see
 ``_core/selftest.py``), and an op without one is reported as a failure,
 never skipped. Each row runs one backend (``cpp``, ``cuda``, ``triton``) of one op
 in one dtype and compares every tensor it returns or writes with the
@@ -33,13 +33,14 @@ f64, f32, f16, bf16 = torch.float64, torch.float32, torch.float16, torch.bfloat1
 
 
 def _family_declarations() -> tuple[dict[str, Case], dict, dict]:
-    """Every family's ``ops/<family>/selftest.py``: its cases, tolerance
-    tiers and scaled tiers, merged; two families naming the same op or
-    tier is an error, not an override."""
+    """Every family's cases, tolerance tiers and scaled tiers, from its
+    ``ops/<family>/selftest.py`` or, in a small family, its ``op.py``,
+    merged; two declarations of the same op or tier is an error, not an
+    override."""
     cases: dict[str, Case] = {}
     tiers: dict = {"default": TOLERANCES}
     scaled: dict = {}
-    for module in family_modules("selftest"):
+    for module in family_modules("selftest") + family_modules("op"):
         for name, mapping in (("CASES", cases), ("TIERS", tiers), ("SCALED", scaled)):
             declared = getattr(module, name, {})
             clash = sorted(set(declared) & set(mapping))

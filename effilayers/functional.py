@@ -1,13 +1,15 @@
-"""Functional forms of effilayers ops (``import effilayers.functional as EF``)."""
+"""Functional forms of effilayers ops (``import effilayers.functional as EF``).
 
-from .ops.abn import abn, inplace_abn
-from .ops.cross_entropy import cross_entropy
-from .ops.linear_cross_entropy import linear_cross_entropy
+Each op family names the functions it exports here in its ``op.py``
+(``FUNCTIONAL``); the families are found on disk (``_core/families.py``), so
+a new family is exported by being there.
+"""
 
-# These shadow the builtins sum/... inside this module (which uses none of them).
-from .ops.reductions import mean, norm, std, sum, var
-from .ops.softmax import log_softmax, scaled_masked_softmax, softmax
-from .ops.stats import batch_stats, combine_batch_stats
+from ._core.families import family_modules
 
-__all__ = ["abn", "inplace_abn", "batch_stats", "combine_batch_stats", "softmax", "log_softmax",
-           "scaled_masked_softmax", "cross_entropy", "linear_cross_entropy", "sum", "mean", "var", "std", "norm"]
+__all__: list[str] = []
+for _op in family_modules("op"):
+    # reductions' sum/mean/... shadow the builtins inside this module, which uses none of them
+    globals().update({name: getattr(_op, name) for name in getattr(_op, "FUNCTIONAL", ())})
+    __all__ += getattr(_op, "FUNCTIONAL", ())
+del _op

@@ -39,8 +39,18 @@ def _nav_pages() -> list[str]:
     return re.findall(r"^\s*- (?:[^:\n]+: )?([\w/.-]+\.md)\s*$", nav, flags=re.M)
 
 
+def _hooks():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_hooks", DOCS / "hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_navigation_names_every_page_once():
     named = _nav_pages()
+    named += _hooks().guide_pages(named)  # the guide pages mkdocs.yml leaves to docs/hooks.py
     on_disk = sorted(path.relative_to(DOCS).as_posix() for path in DOCS.rglob("*.md"))
     assert sorted(named) == on_disk, (sorted(set(on_disk) - set(named)), sorted(set(named) - set(on_disk)))
     assert len(named) == len(set(named))
@@ -54,6 +64,27 @@ def test_every_feature_has_a_guide_page_and_an_api_page():
     for module in ("effilayers.nn", "effilayers.functional", "effilayers.optim", "effilayers.memory",
                    "effilayers.checkpoint", "effilayers.models", "effilayers.fit", "effilayers.max_batch"):
         assert f"::: {module}\n" in api, module
+
+
+def test_api_pages_list_what_nn_and_functional_export():
+    """docs/hooks.py reads the families' export lists without importing
+    them; what it finds is what the modules export when imported."""
+    import effilayers.functional
+    import effilayers.nn
+
+    hooks = _hooks()
+    for module in (effilayers.nn, effilayers.functional):
+        entries = hooks.api_entries(module.__name__)
+        assert sorted(name for _, name in entries) == sorted(module.__all__)
+        for defining, name in entries:
+            assert getattr(module, name).__module__ == defining, (defining, name)
+    # a guide page the nav does not name is added, after the named ones
+    on_disk = sorted(f"guide/{path.name}" for path in (DOCS / "guide").glob("*.md"))
+    assert hooks.guide_pages(["guide/abn.md"]) == [page for page in on_disk if page != "guide/abn.md"]
+    config = {"nav": [{"Home": "index.md"}, {"User guide": ["guide/bench.md", {"ABN": "guide/abn.md"}]}]}
+    pages = hooks.on_config(config)["nav"][1]["User guide"]
+    assert pages[:2] == ["guide/bench.md", {"ABN": "guide/abn.md"}] and sorted(pages[2:]) == [
+        page for page in on_disk if page not in ("guide/bench.md", "guide/abn.md")]
 
 
 def test_readme_links_the_docs_and_the_gpu_ledger():

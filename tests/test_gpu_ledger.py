@@ -61,7 +61,9 @@ def _tree(root: Path) -> None:
     the rest must not count (CPU, a '-before-' baseline, a qualifier where
     the device goes, another family's prefix)."""
     (root / "benchmarks").mkdir()
-    shutil.copy(ROOT / "benchmarks" / "ledger.py", root / "benchmarks" / "ledger.py")
+    # the script, and the bench files whose LEDGER entries it reads
+    for script in [ROOT / "benchmarks" / "ledger.py", *(ROOT / "benchmarks").glob("bench_*.py")]:
+        shutil.copy(script, root / "benchmarks" / script.name)
     for kernel in ("effilayers/ops/softmax/kernel.py", "effilayers/ops/cross_entropy/kernel.py",
                    "effilayers/nn/pooling.py"):
         _write(root, kernel, "# kernel\n")
@@ -216,9 +218,8 @@ def test_case_counts_are_the_benches_gpu_cases():
         "pytest.main([*FILES, '-k', 'cuda and not deepspeed', '--collect-only', '-q', '-p', 'no:cacheprovider'],"
         " plugins=[Count()])\n"
     )
-    benches = {"softmax": "bench_softmax.py", "cross_entropy": "bench_cross_entropy.py",
-               "reductions": "bench_reductions.py", "linear_cross_entropy": "bench_linear_cross_entropy.py",
-               "abn": "bench_abn.py", "densenet": "bench_densenet.py", "adam": "bench_optim.py"}
+    benches = {family.name: Path(family.bench).name for family in ledger.op_families() if family.gpu_seconds}
+    assert {"softmax", "cross_entropy", "reductions", "linear_cross_entropy", "abn", "densenet", "adam"} <= set(benches)
     files = [f"benchmarks/{name}" for name in benches.values()]
     done = subprocess.run([sys.executable, "-c", code.replace("FILES", repr(files))], cwd=ROOT, capture_output=True,
                           text=True, env={**os.environ, "EFFILAYERS_BENCH_COLLECT_CUDA": "1", "PYTHONPATH": str(ROOT)})

@@ -67,6 +67,38 @@ def test_packages_and_tuned_tables_are_found_not_listed():
     assert found in (ROOT / "setup.py").read_text()
 
 
+# Where the tools that go over every family would keep a list of them: each
+# finds the families on disk instead (effilayers/_core/families.py, or the
+# bench files' LEDGER for the two benchmark scripts).
+FAMILY_FINDERS = ("effilayers/functional.py", "effilayers/nn/__init__.py", "effilayers/_selftest.py",
+                  "effilayers/_kernel_report.py", "benchmarks/ledger.py", "benchmarks/gpu_session.py", "docs/hooks.py",
+                  "mkdocs.yml")
+
+
+def test_no_central_list_names_an_op_family():
+    """A new family is found by being in its folders: no string in the
+    places that go over every family names one (mkdocs.yml's navigation
+    names guide pages, which docs/hooks.py completes, not families)."""
+    import ast
+
+    from effilayers._core.families import family_names
+
+    families = set(family_names())
+    assert {"softmax", "abn", "adam"} <= families
+    for path in FAMILY_FINDERS:
+        text = (ROOT / path).read_text()
+        if path.endswith(".py"):
+            # the elements of literal collections: a list of families would be one
+            strings = {element.value for node in ast.walk(ast.parse(text))
+                       if isinstance(node, (ast.Tuple, ast.List, ast.Set, ast.Dict))
+                       for element in (node.keys + node.values if isinstance(node, ast.Dict) else node.elts)
+                       if isinstance(element, ast.Constant) and isinstance(element.value, str)}
+        else:
+            strings = set(text.replace(":", " ").split())
+        named = sorted(s for s in strings if s in families or s.removeprefix("effilayers.ops.") in families)
+        assert not named, (path, named)
+
+
 def test_no_build_artifact_is_committed():
     # A wheel once landed at the repository root by accident (issue 30): packages and
     # compiled objects are built, never committed.

@@ -26,7 +26,7 @@ from .. import models
 from ..convert import convert, revert
 from ..models.densenet import DenseLayer
 from ..models.resnet import INPLACE_SLOPE, _ResidualBlock
-from ..nn import ABN
+from ..ops.abn.module import ABN
 
 __all__ = ["BenchError", "Variant", "compiled_twin", "PLAIN", "AS_GIVEN", "LEAKY", "builtin_models", "variants_for",
            "peer_inplace_abn_resnet", "CheckpointedDenseLayer", "checkpointed_densenet", "torchvision_densenet"]

@@ -141,8 +141,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..models import resnet
-from ..nn import ABN, InPlaceABN, MaxPool2d
-from ..nn.fused import PLAIN_TYPE_ATTR, FusedActivation
+from ..nn.pooling import MaxPool2d
+from ..ops.abn.module import ABN, PLAIN_TYPE_ATTR, FusedActivation, InPlaceABN
 from . import timm_blocks, timm_densenet
 from .patterns import (
     SUPPORTED_ACTIVATIONS,

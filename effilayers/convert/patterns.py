@@ -15,9 +15,8 @@ from torch.nn.modules.conv import _ConvNd
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.utils import parametrize
 
-from ..nn import ABN
-from ..nn.fused import PLAIN_TYPE_ATTR, fused_norm
 from ..ops.abn import DEFAULT_WEIGHT_EPS, INVERTIBLE_ACTIVATIONS
+from ..ops.abn.module import ABN, PLAIN_TYPE_ATTR, fused_norm
 
 _STATE_PARAMETERS = ("weight", "bias")
 _STATE_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")

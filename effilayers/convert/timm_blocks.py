@@ -31,8 +31,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..nn import ABN
-from ..nn.fused import BASE_TYPE_ATTR, WITH_BASE_ATTR, FusedActivation
+from ..ops.abn.module import ABN, BASE_TYPE_ATTR, WITH_BASE_ATTR, FusedActivation
 from .patterns import Activation, activation_module, activation_of_fused, has_hooks
 
 _TIMM_RESNET = "timm.models.resnet"

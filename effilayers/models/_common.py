@@ -8,7 +8,8 @@ from typing import Any, Optional, Sequence
 
 from torch import nn
 
-from ..nn import FusedActivation, MaxPool2d, fused_norm
+from ..nn.pooling import MaxPool2d
+from ..ops.abn.module import FusedActivation, fused_norm
 
 # The leaky_relu slope of norm_act="inplace": ReLU is not invertible.
 INPLACE_SLOPE = 0.01

@@ -77,7 +77,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..nn import ABN
+from ..ops.abn.module import ABN
 from ..ops.densenet import layout_of, norm_relu_conv
 from ..ops.stats import batch_stats
 from ._common import (

@@ -31,7 +31,7 @@ identity :class:`~effilayers.nn.InPlaceABN` written over its 1x1 convolution's
 output (the fused sum keeps the shortcut anyway, so nothing else is kept),
 and the stem pool is :class:`effilayers.nn.MaxPool2d`, which recomputes its
 argmax in backward instead of keeping int64 indices. In fused modes the
-stem's ``relu`` is a pass-through :class:`effilayers.nn.FusedActivation`
+stem's ``relu`` is a pass-through :class:`effilayers.ops.abn.module.FusedActivation`
 (``bn1`` applies the activation) and the blocks have no ``relu``; none of
 these hold state, so the keys do not change.
 
@@ -62,7 +62,7 @@ from typing import Any, Optional, Sequence, Type, Union
 import torch
 from torch import nn
 
-from ..nn import ABN, fused_norm
+from ..ops.abn.module import ABN, fused_norm
 from ._common import (
     INPLACE_SLOPE as INPLACE_SLOPE,  # re-exported: effilayers.bench reads it here
     activated_norm,

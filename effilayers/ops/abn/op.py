@@ -47,6 +47,9 @@ from .contract import (
 
 __all__ = ["abn", "inplace_abn", "activated_batch_norm"]
 
+# The functions effilayers.functional exports from this family (effilayers/functional.py finds them here).
+FUNCTIONAL = ("abn", "inplace_abn")
+
 _KERNEL_ARGS = ("Tensor mean, Tensor invstd, Tensor? weight, Tensor? bias, Tensor? residual, str activation, "
                 "float activation_param, float weight_eps")
 

@@ -21,6 +21,9 @@ from .reference import (
     cross_entropy_soft_chunk_stats_reference,
 )
 
+# The functions effilayers.functional exports from this family (effilayers/functional.py finds them here).
+FUNCTIONAL = ("cross_entropy",)
+
 registry.register(registry.OpKernels(name="cross_entropy", reference=cross_entropy_rows_reference,
                                      cpp="cross_entropy",
                                      triton="effilayers.ops.cross_entropy.triton:cross_entropy_rows_triton"))

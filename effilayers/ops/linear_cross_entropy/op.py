@@ -28,6 +28,9 @@ from .vocab_chunks import (
 )
 from .vocab_parallel import is_sharded, runs_vocab_parallel, vocab_parallel_linear_cross_entropy
 
+# The functions effilayers.functional exports from this family (effilayers/functional.py finds them here).
+FUNCTIONAL = ("linear_cross_entropy",)
+
 # A chunk of logits takes at most this many bytes, or the input's own size
 # when that is larger: a large input (many tokens, a wide hidden size) gets
 # taller chunks and fewer trips through the loop, while a chunk stays no

@@ -42,6 +42,10 @@ from ..._core.dtypes import accumulation_dtype
 from ..._core.kernel_spec import KernelSpec
 from .vocab_chunks import gradient_chunk
 
+# GEMMs, bound by their arithmetic: the kernel report gives their bytes per
+# element without holding them to a roofline.
+COMPUTE_BOUND = True
+
 # Tile shapes per compute dtype, (BLOCK_M tokens, BLOCK_N classes, BLOCK_K
 # hidden, warps), per architecture: the largest whose registers stay clear
 # of the 255 cap (`python -m effilayers.info --kernels` compiles each table

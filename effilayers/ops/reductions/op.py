@@ -23,6 +23,9 @@ from .contract import (
 )
 from .reference import reduce_op_reference
 
+# The functions effilayers.functional exports from this family (effilayers/functional.py finds them here).
+FUNCTIONAL = ("sum", "mean", "var", "std", "norm")
+
 # Every backend's kernel takes the op's arguments; the Python ones run
 # contract.run_three over their (outer, reduced, inner) kernel, the C++ one
 # the same view (csrc/cpu/layout.h).

@@ -13,6 +13,9 @@ from ..._core.layout import refuse_forward_ad
 from .contract import check_dim, check_dtype, check_masked_arguments, floating_input, output_like, wrap_dim
 from .reference import scaled_masked_softmax_forward_reference, softmax_backward_reference, softmax_forward_reference
 
+# The functions effilayers.functional exports from this family (effilayers/functional.py finds them here).
+FUNCTIONAL = ("softmax", "log_softmax", "scaled_masked_softmax")
+
 registry.register(registry.OpKernels(name="softmax_forward", reference=softmax_forward_reference,
                                      cpp="softmax_forward", triton="effilayers.ops.softmax.triton:softmax_forward"))
 registry.register(registry.OpKernels(name="softmax_backward", reference=softmax_backward_reference,

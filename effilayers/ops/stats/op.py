@@ -38,6 +38,10 @@ from .reference import batch_stats_reference
 
 __all__ = ["batch_stats", "combine_batch_stats"]
 
+# The functions effilayers.functional exports from this family (effilayers/functional.py finds them here).
+FUNCTIONAL = ("batch_stats", "combine_batch_stats")
+
+
 def _batch_stats_fake(input, correction):
     acc = accumulation_dtype(input.dtype)
     channels = input.shape[1]

@@ -1,4 +1,4 @@
-"""``nn.Softmax`` / ``nn.LogSoftmax`` drop-ins on effilayers' softmax ops.
+"""``nn.Softmax`` / ``nn.LogSoftmax`` drop-ins on effilayers' softmax ops (``effilayers.nn``).
 
 Same constructor, state dict (none) and ``repr`` as the torch modules (they
 subclass them, so ``isinstance(m, torch.nn.Softmax)`` still holds); the
@@ -18,7 +18,7 @@ import warnings
 import torch
 from torch import nn
 
-from ..ops.softmax import log_softmax, softmax
+from .op import log_softmax, softmax
 
 __all__ = ["Softmax", "LogSoftmax"]
 

@@ -1,4 +1,4 @@
-"""Activated BatchNorm modules: drop-ins for ``BatchNorm{1,2,3}d`` + activation.
+"""Activated BatchNorm modules (``effilayers.nn``): drop-ins for ``BatchNorm{1,2,3}d`` + activation.
 
 ``ABN``            act(BN(x)) fused, not in place; any activation, relu and the
                    smooth ones (silu, gelu, ...) included. It keeps only
@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..ops.abn.contract import (
+from .contract import (
     DEFAULT_WEIGHT_EPS,
     check_activation,
     check_eps,
@@ -50,10 +50,11 @@ from ..ops.abn.contract import (
     check_momentum,
     check_weight_eps,
 )
-from ..ops.abn.op import activated_batch_norm
+from .op import activated_batch_norm
 
-__all__ = ["ABN", "InPlaceABN", "InPlaceABNSync", "FusedActivation", "fused_norm", "PLAIN_TYPE_ATTR", "BASE_TYPE_ATTR",
-           "WITH_BASE_ATTR"]
+# What effilayers.nn exports; FusedActivation, fused_norm and the *_ATTR
+# names are for effilayers.convert and effilayers.models.
+__all__ = ["ABN", "InPlaceABN", "InPlaceABNSync"]
 
 # Where a fused module remembers the BatchNorm class it replaced, for revert.
 PLAIN_TYPE_ATTR = "_effilayers_plain_type"
