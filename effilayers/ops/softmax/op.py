@@ -105,6 +105,41 @@ def _backward_backward(ctx, grad_of_grad_x):
 torch.library.register_autograd(_softmax_backward_op, _backward_backward, setup_context=_backward_setup_context)
 
 
+# --------------------------------------------------------------------------- the eager path
+
+
+def _eager(x: torch.Tensor) -> bool:
+    """An eager call on a plain tensor, outside torch.compile and functorch's
+    transforms: it may skip the op's Python autograd kernel (torch.library's,
+    a wrapper and two re-dispatches per call, which on small rows costs more
+    host time than the kernel) for the Function below."""
+    return (type(x) is torch.Tensor and not torch.compiler.is_compiling()
+            and not torch._C._are_functorch_transforms_active())
+
+
+class _EagerSoftmax(torch.autograd.Function):
+    """softmax / log_softmax on the eager path: the same two ops, called
+    below the Autograd key, saving only the output as the registered
+    autograd does. With ``create_graph=True`` backward calls the backward op
+    with its own registered derivative."""
+
+    @staticmethod
+    def forward(ctx, x, dim, log, dtype):
+        with torch._C._AutoDispatchBelowAutograd():
+            output = _softmax_forward_op(x, dim, log, dtype)
+        ctx.dim, ctx.log, ctx.input_dtype = dim, log, x.dtype
+        ctx.save_for_backward(output)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad):
+        (output,) = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            return _run_backward(grad, output, ctx.dim, ctx.log, 1.0, ctx.input_dtype), None, None, None
+        with torch._C._AutoDispatchBelowAutograd():
+            return _softmax_backward_op(grad, output, ctx.dim, ctx.log, 1.0, ctx.input_dtype), None, None, None
+
+
 # --------------------------------------------------------------------------- public functions
 
 
@@ -112,7 +147,13 @@ def _softmax(op: str, x, dim, log: bool, dtype) -> torch.Tensor:
     check_dtype(dtype, op)
     x = floating_input(x, dtype, op)
     refuse_forward_ad(op, x)
-    return _softmax_forward_op(x, check_dim(dim, x.dim(), op), log, dtype)
+    dim = check_dim(dim, x.dim(), op)
+    if _eager(x):
+        if x.requires_grad and torch.is_grad_enabled():
+            return _EagerSoftmax.apply(x, dim, log, dtype)
+        with torch._C._AutoDispatchBelowAutograd():
+            return _softmax_forward_op(x, dim, log, dtype)
+    return _softmax_forward_op(x, dim, log, dtype)
 
 
 def softmax(x: torch.Tensor, dim: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
