@@ -549,11 +549,6 @@ def problems(row: dict[str, Any]) -> list[str]:
     return found
 
 
-def triton_jobs(families: Optional[tuple[str, ...]] = None) -> list[tuple[str, int]]:
-    return [(family, index) for family in (families or TRITON_FAMILIES)
-            for index in range(len(_family_specs(family)))]
-
-
 def _settings(spec: KernelSpec) -> tuple[tuple, frozenset]:
     """(pointer dtypes, settings) of one spec as the compiler sees it: the
     Triton types of its pointer arguments, and every other thing a compile
