@@ -5,11 +5,10 @@ Each op family names the functions it exports here in its ``op.py``
 a new family is exported by being there.
 """
 
-from ._core.families import family_modules
+from ._core.families import family_exports
 
-__all__: list[str] = []
-for _op in family_modules("op"):
-    # reductions' sum/mean/... shadow the builtins inside this module, which uses none of them
-    globals().update({name: getattr(_op, name) for name in getattr(_op, "FUNCTIONAL", ())})
-    __all__ += getattr(_op, "FUNCTIONAL", ())
-del _op
+_exports = family_exports("op", "FUNCTIONAL")
+# reductions' sum/mean/... shadow the builtins inside this module, which uses none of them
+globals().update(_exports)
+__all__: list[str] = list(_exports)
+del _exports

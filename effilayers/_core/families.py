@@ -24,3 +24,11 @@ def family_modules(role: str) -> list[ModuleType]:
     """``effilayers.ops.<family>.<role>`` of every family that has one."""
     return [importlib.import_module(f"effilayers.ops.{family}.{role}")
             for family in family_names() if (OPS / family / f"{role}.py").is_file()]
+
+
+def family_exports(role: str, names: str) -> dict[str, object]:
+    """The objects every family's ``<role>.py`` lists in its attribute
+    ``names`` (``module.py``'s ``__all__``, ``op.py``'s ``FUNCTIONAL``), by
+    name, in family order: what ``effilayers.nn`` and
+    ``effilayers.functional`` export."""
+    return {name: getattr(module, name) for module in family_modules(role) for name in getattr(module, names, ())}
