@@ -7,9 +7,9 @@ Each test times its variants interleaved (blocks of calls taken in turn, so
 load from other processes falls on all of them alike), records the median
 time per call of each and the ratio to the PyTorch peer in ``extra_info``,
 and hands the effilayers variant to pytest-benchmark for its table. Targets
-(issue "Architecture"): InPlaceABN forward+backward on a small tensor <= 1.3x
-BatchNorm2d + LeakyReLU; ABN <= 1.0x BatchNorm2d + LeakyReLU in both layouts
-at the layer benchmark's shape.
+(issue "Architecture, second step"): InPlaceABN forward+backward on a small
+tensor <= 1.1x BatchNorm2d + LeakyReLU; ABN <= 1.0x BatchNorm2d + LeakyReLU in
+both layouts at the layer benchmark's shape.
 """
 
 from __future__ import annotations

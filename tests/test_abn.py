@@ -9,11 +9,12 @@ from torch import nn
 
 import effilayers
 from effilayers import memory
+from effilayers._core import registry
 from effilayers.functional import abn, inplace_abn
 from effilayers.nn import ABN, InPlaceABN, InPlaceABNSync
 
 from .accuracy import assert_close, tolerance
-from .conftest import activate_backend, backend_names, backend_params, forced_backend
+from .conftest import REQUIRE_COMPILED, activate_backend, backend_names, backend_params, forced_backend
 from .distributed_cases import gloo, run_ranks, save
 from .helpers import channel_varied, to_layout
 
@@ -517,8 +518,92 @@ def test_double_backward_through_parameters_raises(device):
     module = ABN(3).to(device=device, dtype=torch.float64)
     x = torch.randn(8, 5, dtype=torch.float64, device=device, requires_grad=True)
     (grad,) = torch.autograd.grad(module(first(x)).pow(2).sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="activated BatchNorm has no double backward"):
         torch.autograd.grad(grad.pow(2).sum(), [first.weight])
+
+
+# The C++ autograd (csrc/common/abn_autograd.h) serves eager calls on one
+# rank when the compiled library is loaded; the Python Function serves the
+# rest. The `device` rows above run both: "cpp" the C++ one, "reference" the
+# Python one. These check that the choice is the one meant and that the
+# two agree on everything the layer does.
+
+def _compiled_autograd_or_skip():
+    if not registry.compiled_autograd("activated_batch_norm", torch.empty(1, 1)):
+        if REQUIRE_COMPILED:
+            pytest.fail(f"the C++ autograd of activated BatchNorm is not registered: {registry.library_report()}")
+        pytest.skip("the compiled CPU library is not loaded")
+
+
+def test_eager_calls_take_the_compiled_autograd():
+    _compiled_autograd_or_skip()
+    x = channel_varied((2, 3, 4), torch.float64).requires_grad_()
+    assert "ActivatedBatchNorm<true>" in InPlaceABN(3).double()(x.clone()).grad_fn.name()
+    assert "ActivatedBatchNorm<false>" in ABN(3).double()(x).grad_fn.name()
+    with effilayers.use_backend("reference"):
+        assert type(ABN(3).double()(x).grad_fn).__name__ == "_ActivatedBatchNormBackward"
+
+
+def _python_function_call(module, x, residual):
+    """What module(x, residual) computes, through the Python Function."""
+    from effilayers.ops.abn.op import _ActivatedBatchNorm
+
+    tracked = module.num_batches_tracked if module.training else None
+    settings = (module.training, module.momentum, module.eps, module.activation, module.activation_param,
+                module._weight_eps(), None, module._inplace)
+    return _ActivatedBatchNorm.apply(x, module.weight, module.bias, residual, module.running_mean, module.running_var,
+                                     tracked, settings)
+
+
+@pytest.mark.parametrize("inplace", [True, False])
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_compiled_and_python_autograd_agree(inplace, affine, with_residual, training, momentum):
+    _compiled_autograd_or_skip()
+    kind = InPlaceABN if inplace else ABN
+    results = []
+    for path in ("compiled", "python"):
+        torch.manual_seed(0)
+        module = kind(3, affine=affine, momentum=momentum, activation="leaky_relu", activation_param=0.1).double()
+        if affine:
+            with torch.no_grad():
+                module.weight.copy_(torch.tensor([0.7, -1.3, 2.0]))
+                module.bias.copy_(torch.tensor([0.1, -0.2, 0.3]))
+        module.train(training)
+        x = channel_varied((4, 3, 5), torch.float64, seed=1).requires_grad_()
+        residual = torch.randn(4, 3, 5, dtype=torch.float64, requires_grad=True) if with_residual else None
+        grad = torch.randn(4, 3, 5, dtype=torch.float64)
+        with memory.ActivationMeter() as meter:
+            source = x.clone()
+            out = module(source, residual) if path == "compiled" else _python_function_call(module, source, residual)
+        kept = meter.bytes
+        out.backward(grad)
+        params = [p.grad for p in module.parameters()]
+        results.append((out.detach(), x.grad, residual.grad if with_residual else None, params, kept,
+                        [b.clone() for b in module.buffers()]))
+    compiled, python = results
+    torch.testing.assert_close(compiled, python, rtol=0, atol=0)
+
+
+def test_compiled_autograd_create_graph_and_inference_mode():
+    _compiled_autograd_or_skip()
+    module = InPlaceABN(3).double()
+    x = channel_varied((4, 3, 5), torch.float64).requires_grad_()
+    grad = torch.randn(4, 3, 5, dtype=torch.float64)
+    plain = torch.autograd.grad(module(x.clone()), (x, module.weight), grad)
+    # create_graph=True: the same first-order gradients, tied to a node that
+    # refuses a second backward.
+    graphed = torch.autograd.grad(module(x.clone()), (x, module.weight), grad, create_graph=True)
+    torch.testing.assert_close(graphed, plain)
+    with pytest.raises(RuntimeError, match="activated BatchNorm has no double backward"):
+        graphed[0].sum().backward()
+    module.eval()
+    with torch.no_grad():
+        expected = module(x.detach().clone())
+    with torch.inference_mode():
+        torch.testing.assert_close(module(x.detach().clone()), expected, rtol=0, atol=0)
 
 
 def test_sync_only_communicates_while_training(tmp_path):

@@ -126,6 +126,9 @@ class _State:
         # could start a build).
         self.pending = self.preference is not None
         self.applying = False
+        # (op, device type) -> whether the op's C++ autograd kernel serves
+        # eager calls there (:func:`compiled_autograd`).
+        self.compiled_autograd: dict[tuple[str, str], bool] = {}
 
 
 _state = _State()
@@ -467,6 +470,46 @@ def declare(name: str, schema: str, fake: Optional[Callable] = None, *, check: O
     return op
 
 
+def declare_autograd(name: str, schema: str):
+    """Declare ``effilayers::<name>``, an op whose kernels, autograd
+    included, come from the compiled libraries alone: each registers them on
+    its device's Autograd key and plain key (the latter for inference mode).
+    It has no fake kernel and no Python kernel; callers take it only where
+    :func:`compiled_autograd` says it serves, and otherwise run the Python
+    autograd Function that does the same traceably. Returns the op's overload."""
+    _LIBRARY.define(name + schema)
+    return getattr(torch.ops.effilayers, name).default
+
+
+def compiled_autograd(op_name: str, like: torch.Tensor) -> bool:
+    """Whether an eager call on ``like`` may take ``op_name``'s C++ autograd
+    kernel (:func:`declare_autograd`): a plain tensor, outside
+    torch.compile/export and functorch transforms, on a device whose
+    compiled library is loaded (this loads it, as an op's first call would)
+    and registers the kernel, under a preference that allows that library.
+    A forced ``reference`` (or ``triton``) preference keeps the Python
+    Function, whose path those tests then cover."""
+    if type(like) is not torch.Tensor or torch.compiler.is_compiling() \
+            or torch._C._are_functorch_transforms_active():
+        return False
+    key = (op_name, like.device.type)
+    served = _state.compiled_autograd.get(key)
+    if served is None:
+        with _state.lock:
+            served = _state.compiled_autograd[key] = _serves_compiled_autograd(op_name, like.device.type)
+    return served
+
+
+def _serves_compiled_autograd(op_name: str, device_type: str) -> bool:
+    backend = {"cpu": "cpp", "cuda": "cuda"}.get(device_type)
+    if backend is None or (_state.preference is not None and backend not in _state.preference):
+        return False
+    if device_type == "cuda" and not torch.cuda.is_available():
+        return False
+    return _library_status(device_type) is None and torch._C._dispatch_has_kernel_for_dispatch_key(
+        f"effilayers::{op_name}", "Autograd" + _DISPATCH_KEY[device_type])
+
+
 def current_preference() -> Optional[tuple[str, ...]]:
     return _state.preference
 
@@ -489,6 +532,7 @@ def use_backend(preference: Optional[str]) -> Iterator[None]:
         _state.preference = parsed
         _state.preference_source = "use_backend"
         _state.choices.clear()
+        _state.compiled_autograd.clear()
         _state.pending = False
         _apply_preference()
     try:
@@ -498,6 +542,7 @@ def use_backend(preference: Optional[str]) -> Iterator[None]:
             _state.preference, _state.preference_source, choices = saved
             _state.choices.clear()
             _state.choices.update(choices)
+            _state.compiled_autograd.clear()
             _apply_preference()
 
 

@@ -82,7 +82,7 @@ def update_running_stats(running_mean, running_var, num_batches_tracked, mean, v
         running_var.mul_(1 - factor).add_(as_dtype(var * (count / (count - 1)), running_var.dtype), alpha=factor)
 
 
-def _too_few_values(parts: Sequence[torch.Tensor], where: str, group) -> ValueError:
+def too_few_values(parts: Sequence[torch.Tensor], where: str, group) -> ValueError:
     first = parts[0]
     size = (first.shape[0], sum(p.shape[1] for p in parts), *first.shape[2:])
     # torch's wording, which effilayers-bench recognises.
@@ -159,7 +159,7 @@ def normalizing_statistics(parts: Sequence[torch.Tensor], running_mean, running_
     if len(parts) == 1 and shared is None and not distributed(group):
         count = values_per_channel(parts[0])
         if count == 1:
-            raise _too_few_values(parts, where, group)
+            raise too_few_values(parts, where, group)
         fused = fused_statistics(parts[0], running_mean, running_var, num_batches_tracked, momentum, eps)
         if fused is not None:
             return (*fused, count)
@@ -168,7 +168,7 @@ def normalizing_statistics(parts: Sequence[torch.Tensor], running_mean, running_
     else:
         mean, var, count = batch_statistics(parts, group)
     if count == 1:
-        raise _too_few_values(parts, where, group)
+        raise too_few_values(parts, where, group)
     fused = registry.eager("finish_statistics", mean)
     if fused is not None:
         return mean, fused(mean, var, count, running_mean, running_var, num_batches_tracked,

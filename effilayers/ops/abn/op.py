@@ -95,6 +95,16 @@ def _backward_reference(grad, saved, *args_count_and_needs):
                                       want_residual_grad=want_residual_grad)
 
 
+# The whole layer, autograd included, for an eager call on one rank: the
+# compiled libraries register it (csrc/common/abn_autograd.h); elsewhere
+# _ActivatedBatchNorm below does the same in Python.
+_EAGER_ARGS = ("Tensor? weight, Tensor? bias, Tensor? residual, Tensor(b!)? running_mean, Tensor(c!)? running_var, "
+               "Tensor(d!)? num_batches_tracked, bool use_batch_stats, float momentum, bool cumulative, float eps, "
+               "str activation, float activation_param, float weight_eps")
+_eager_abn = registry.declare_autograd("activated_batch_norm", f"(Tensor x, {_EAGER_ARGS}) -> Tensor")
+_eager_inplace_abn = registry.declare_autograd("activated_batch_norm_", f"(Tensor(a!) x, {_EAGER_ARGS}) -> Tensor(a!)")
+
+
 for _name, _reference in (("abn_forward", reference.forward), ("abn_forward_", reference.forward_),
                           ("abn_backward_reduce", reference.backward_reduce),
                           ("abn_backward_elemt", reference.backward_elemt), ("abn_backward", _backward_reference)):
@@ -183,6 +193,12 @@ def activated_batch_norm(x, weight, bias, residual, running_mean, running_var, n
                          weight_eps: float, group, inplace: bool) -> torch.Tensor:
     """The unchecked entry the modules call (they check their configuration
     once, when built, and the input on each call)."""
+    if (group is None or not _batchnorm.distributed(group)) and registry.compiled_autograd("activated_batch_norm", x):
+        if use_batch_stats and x.numel() == x.shape[1]:
+            raise _batchnorm.too_few_values((x,), "inplace_abn" if inplace else "abn", group)
+        return (_eager_inplace_abn if inplace else _eager_abn)(
+            x, weight, bias, residual, running_mean, running_var, num_batches_tracked, use_batch_stats,
+            0.0 if momentum is None else momentum, momentum is None, eps, activation, activation_param, weight_eps)
     return _ActivatedBatchNorm.apply(x, weight, bias, residual, running_mean, running_var, num_batches_tracked,
                                      (use_batch_stats, momentum, eps, activation, activation_param, weight_eps,
                                       group, inplace))
