@@ -159,10 +159,11 @@ def test_activation_names_agree_across_languages():
     header = (Path(__file__).resolve().parent.parent / "csrc" / "common" / "activation.h").read_text()
     names = re.findall(r'"(\w+)"', header.split("kActivationNames[kActivationCount] = {")[1].split("};")[0])
     assert tuple(names) == _kernel_report._ACTIVATIONS and set(names) == set(TABLE)
-    enum = re.findall(r"^  (\w+) = (\d+),$", header, flags=re.M)
-    assert [int(value) for _, value in enum] == list(range(len(names)))
+    # The enum numbers its members from 0 in order: each is its name in CamelCase.
+    enum = re.findall(r"\w+", header.split("enum class Activation : int {")[1].split("}")[0])
+    assert enum == ["".join(part.capitalize() for part in name.split("_")) for name in names]
     invertible = header.split("constexpr bool invertible(Activation a) {")[1].split("}")[0]
-    assert {names[int(value)] for name, value in enum if f"Activation::{name}" in invertible} == set(
+    assert {names[value] for value, name in enumerate(enum) if f"Activation::{name}" in invertible} == set(
         INVERTIBLE_ACTIVATIONS)
 
 

@@ -20,22 +20,10 @@
 
 namespace effilayers {
 
-// The Python table's names, in enum order (kActivationNames).
-enum class Activation : int {
-  Identity = 0,
-  LeakyRelu = 1,
-  Elu = 2,
-  Relu = 3,
-  Silu = 4,
-  Gelu = 5,
-  GeluTanh = 6,
-  Hardswish = 7,
-  Mish = 8,
-  Relu6 = 9,
-  Sigmoid = 10,
-  Tanh = 11,
-};
-constexpr int kActivationCount = 12;
+// Numbered from 0 in this order, the order of kActivationNames (the Python
+// side passes the names).
+enum class Activation : int { Identity, LeakyRelu, Elu, Relu, Silu, Gelu, GeluTanh, Hardswish, Mish, Relu6, Sigmoid, Tanh };
+constexpr int kActivationCount = static_cast<int>(Activation::Tanh) + 1;
 constexpr const char* kActivationNames[kActivationCount] = {
     "identity", "leaky_relu", "elu", "relu", "silu", "gelu", "gelu_tanh", "hardswish", "mish", "relu6", "sigmoid",
     "tanh"};
@@ -57,26 +45,17 @@ struct Lane {
   using Scalar = T;
   static constexpr int kWidth = 1;
   static EFFILAYERS_HOST_DEVICE T splat(T v) { return v; }
-  static EFFILAYERS_HOST_DEVICE T exp(T v) {
-    if constexpr (kFloat) return ::expf(v);
-    else return ::exp(v);
+#define EFFILAYERS_LANE_FUNCTION(name)     \
+  static EFFILAYERS_HOST_DEVICE T name(T v) { \
+    if constexpr (kFloat) return ::name##f(v); \
+    else return ::name(v);                     \
   }
-  static EFFILAYERS_HOST_DEVICE T expm1(T v) {
-    if constexpr (kFloat) return ::expm1f(v);
-    else return ::expm1(v);
-  }
-  static EFFILAYERS_HOST_DEVICE T log1p(T v) {
-    if constexpr (kFloat) return ::log1pf(v);
-    else return ::log1p(v);
-  }
-  static EFFILAYERS_HOST_DEVICE T tanh(T v) {
-    if constexpr (kFloat) return ::tanhf(v);
-    else return ::tanh(v);
-  }
-  static EFFILAYERS_HOST_DEVICE T erfc(T v) {
-    if constexpr (kFloat) return ::erfcf(v);
-    else return ::erfc(v);
-  }
+  EFFILAYERS_LANE_FUNCTION(exp)
+  EFFILAYERS_LANE_FUNCTION(expm1)
+  EFFILAYERS_LANE_FUNCTION(log1p)
+  EFFILAYERS_LANE_FUNCTION(tanh)
+  EFFILAYERS_LANE_FUNCTION(erfc)
+#undef EFFILAYERS_LANE_FUNCTION
   // torch.finfo(T).eps (std::numeric_limits is host-only in CUDA).
   static EFFILAYERS_HOST_DEVICE T epsilon() { return kFloat ? FLT_EPSILON : DBL_EPSILON; }
 };

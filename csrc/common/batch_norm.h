@@ -14,6 +14,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/util/Exception.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <optional>
@@ -137,6 +138,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> abn_backward(
                                                 mean_dy_xhat, want_residual_grad);
   }
   return {grad_input, grad_residual, sum_dy, sum_dy_xhat};
+}
+
+// ---- registration ---------------------------------------------------------------
+
+// Each library binds its kernels to the ops (declared once, in Python:
+// ops/stats/op.py, ops/_batchnorm.py, ops/abn/op.py) through these, so the
+// compositions above are put together the same way on every device and a
+// library names only its own kernels.
+template <BatchStats batch_stats, FinishStatistics finish>
+void register_statistics_kernels(torch::Library& m) {
+  m.impl("batch_stats", batch_stats);
+  m.impl("normalizing_statistics", &normalizing_statistics<batch_stats, finish>);
+  m.impl("finish_statistics", &checked_finish<finish>);
+}
+
+template <auto forward, auto forward_inplace, AbnBackwardReduce reduce, AbnBackwardElemt elemt>
+void register_abn_kernels(torch::Library& m) {
+  m.impl("abn_forward", forward);
+  m.impl("abn_forward_", forward_inplace);
+  m.impl("abn_backward_reduce", reduce);
+  m.impl("abn_backward_elemt", elemt);
+  m.impl("abn_backward", &abn_backward<reduce, elemt>);
 }
 
 }  // namespace effilayers

@@ -96,22 +96,22 @@ constexpr bool transcendental(Act a) {
          a == Act::Tanh;
 }
 
+// f(the activation as a type): A itself, or the run-time `which` when A is
+// kTranscendental.
+template <Act A, typename F>
+inline decltype(auto) on_activation(Act which, F&& f) {
+  if constexpr (A == kTranscendental) return with_activation(which, f);
+  else return f(std::integral_constant<Act, A>{});
+}
+
 template <Act A, typename T>
 inline T act_value(T y, T param, Act which) {
-  if constexpr (A == kTranscendental) {
-    return with_activation(which, [&](auto a) { return activate<decltype(a)::value>(y, param); });
-  } else {
-    return activate<A>(y, param);
-  }
+  return on_activation<A>(which, [&](auto a) { return activate<decltype(a)::value>(y, param); });
 }
 
 template <Act A, typename T>
 inline T act_derivative(T y, T param, Act which) {
-  if constexpr (A == kTranscendental) {
-    return with_activation(which, [&](auto a) { return derivative<decltype(a)::value>(y, param); });
-  } else {
-    return derivative<A>(y, param);
-  }
+  return on_activation<A>(which, [&](auto a) { return derivative<decltype(a)::value>(y, param); });
 }
 
 // with_activation for these kernels: f sees a piecewise activation as
@@ -601,12 +601,7 @@ std::tuple<at::Tensor, at::Tensor> abn_backward_elemt_cpu(
 
 }  // namespace effilayers
 
-// The ops are declared once, in Python (effilayers/ops/abn/op.py).
 TORCH_LIBRARY_IMPL(effilayers, CPU, m) {
-  m.impl("abn_forward", &effilayers::abn_forward_cpu);
-  m.impl("abn_forward_", &effilayers::abn_forward_inplace_cpu);
-  m.impl("abn_backward_reduce", &effilayers::abn_backward_reduce_cpu);
-  m.impl("abn_backward_elemt", &effilayers::abn_backward_elemt_cpu);
-  m.impl("abn_backward", &effilayers::abn_backward<&effilayers::abn_backward_reduce_cpu,
-                                                   &effilayers::abn_backward_elemt_cpu>);
+  effilayers::register_abn_kernels<&effilayers::abn_forward_cpu, &effilayers::abn_forward_inplace_cpu,
+                                   &effilayers::abn_backward_reduce_cpu, &effilayers::abn_backward_elemt_cpu>(m);
 }

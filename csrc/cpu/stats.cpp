@@ -319,11 +319,6 @@ at::Tensor finish_statistics_cpu(const at::Tensor& mean, const at::Tensor& var, 
 }  // namespace
 }  // namespace effilayers
 
-// The stats kernel and the statistics with BatchNorm's running update built on it (common/batch_norm.h),
-// on the ops effilayers/ops/stats/op.py and ops/_batchnorm.py declare.
 TORCH_LIBRARY_IMPL(effilayers, CPU, m) {
-  m.impl("batch_stats", &effilayers::batch_stats_cpu);
-  m.impl("normalizing_statistics",
-         &effilayers::normalizing_statistics<&effilayers::batch_stats_cpu, &effilayers::finish_statistics_cpu>);
-  m.impl("finish_statistics", &effilayers::checked_finish<&effilayers::finish_statistics_cpu>);
+  effilayers::register_statistics_kernels<&effilayers::batch_stats_cpu, &effilayers::finish_statistics_cpu>(m);
 }

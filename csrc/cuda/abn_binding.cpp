@@ -198,12 +198,7 @@ std::tuple<at::Tensor, at::Tensor> abn_backward_elemt_cuda(
 }  // namespace
 }  // namespace effilayers
 
-// The ops are declared once, in Python (effilayers/ops/abn/op.py).
 TORCH_LIBRARY_IMPL(EFFILAYERS_KERNEL_LIBRARY, EFFILAYERS_KERNEL_DISPATCH_KEY, m) {
-  m.impl("abn_forward", &effilayers::abn_forward_cuda);
-  m.impl("abn_forward_", &effilayers::abn_forward_inplace_cuda);
-  m.impl("abn_backward_reduce", &effilayers::abn_backward_reduce_cuda);
-  m.impl("abn_backward_elemt", &effilayers::abn_backward_elemt_cuda);
-  m.impl("abn_backward", &effilayers::abn_backward<&effilayers::abn_backward_reduce_cuda,
-                                                   &effilayers::abn_backward_elemt_cuda>);
+  effilayers::register_abn_kernels<&effilayers::abn_forward_cuda, &effilayers::abn_forward_inplace_cuda,
+                                   &effilayers::abn_backward_reduce_cuda, &effilayers::abn_backward_elemt_cuda>(m);
 }

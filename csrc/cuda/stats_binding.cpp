@@ -43,11 +43,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_stats_cuda(const at::Tensor
 }  // namespace
 }  // namespace effilayers
 
-// The stats kernel and the statistics with BatchNorm's running update built on it (common/batch_norm.h),
-// on the ops effilayers/ops/stats/op.py and ops/_batchnorm.py declare.
 TORCH_LIBRARY_IMPL(EFFILAYERS_KERNEL_LIBRARY, EFFILAYERS_KERNEL_DISPATCH_KEY, m) {
-  m.impl("batch_stats", &effilayers::batch_stats_cuda);
-  m.impl("normalizing_statistics",
-         &effilayers::normalizing_statistics<&effilayers::batch_stats_cuda, &effilayers::finish_statistics_aten>);
-  m.impl("finish_statistics", &effilayers::checked_finish<&effilayers::finish_statistics_aten>);
+  effilayers::register_statistics_kernels<&effilayers::batch_stats_cuda, &effilayers::finish_statistics_aten>(m);
 }
