@@ -133,6 +133,21 @@ def test_bad_environment_variable_fails_at_import(tmp_path):
 
 
 @pytest.mark.slow
+def test_build_optimisation_level_comes_from_the_environment(monkeypatch):
+    from effilayers._core import build
+
+    monkeypatch.delenv(build.OPT_LEVEL_VAR, raising=False)
+    assert "-O3" in build.cflags("cpu")
+    default_key = build._fingerprint("cpu", build.sources("cpu"))
+    monkeypatch.setenv(build.OPT_LEVEL_VAR, "1")
+    assert "-O1" in build.cflags("cpu") and "-O3" not in build.cflags("cuda")
+    # the flags are part of the cache key, so the two builds never share a directory
+    assert build._fingerprint("cpu", build.sources("cpu")) != default_key
+    monkeypatch.setenv(build.OPT_LEVEL_VAR, "fast")
+    with pytest.raises(ValueError, match="EFFILAYERS_OPT_LEVEL must be 0, 1, 2 or 3"):
+        build.cflags("cpu")
+
+
 def test_two_processes_building_at_once(tmp_path):
     """Both processes get a working library from one build into a cache that
     holds only an older build, and that build seeds the new one: ninja links

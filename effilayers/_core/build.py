@@ -94,12 +94,27 @@ def _cpu_isa_flags() -> list[str]:
     return []
 
 
+OPT_LEVEL_VAR = "EFFILAYERS_OPT_LEVEL"
+
+
+def _host_optimisation() -> str:
+    """The C++ compiler's -O level for the libraries' host code: 3 (their
+    kernels' speed depends on it: -O2 made some bf16 kernels 2-3x slower),
+    or what ``EFFILAYERS_OPT_LEVEL`` says, for a build whose speed does
+    not matter (CI's torch 2.11 environment, which checks API compatibility:
+    abn.cpp compiles about 2.5x faster at -O1)."""
+    level = os.environ.get(OPT_LEVEL_VAR, "3").strip()
+    if level not in ("0", "1", "2", "3"):
+        raise ValueError(f"{OPT_LEVEL_VAR} must be 0, 1, 2 or 3 (the C++ compiler's -O level), got {level!r}")
+    return f"-O{level}"
+
+
 def cflags(kind: str) -> list[str]:
     if kind == "emulated":
         # -O1: the emulated kernels run small test shapes, and the many
         # instantiations of abn.cu compile much faster than at -O3.
         return ["-O1", "-DNDEBUG", "-DEFFILAYERS_SIMT_EMULATION"]
-    flags = ["-O3", "-fopenmp", "-DNDEBUG"]
+    flags = [_host_optimisation(), "-fopenmp", "-DNDEBUG"]
     if kind == "cpu":
         flags += _cpu_isa_flags()
     return flags
