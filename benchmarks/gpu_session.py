@@ -117,6 +117,14 @@ def plan(device: str, date: str, results: str) -> list[Step]:
             effilayers_bench("budget-densenet121-0.25",
                              "--model densenet121 --budget 0.25 --batch 32 --size 224 --dtype bfloat16 --steps 5"),),
              family="fit_densenet121"),
+        # GPT-2 small from transformers (on the GPU image) at a training
+        # shape: fit within 0.35 beside torch's checkpointing and compile
+        # budget, then within 0.25 with offloading to host memory allowed.
+        Step("fit_gpt2", 240, tuple(
+            effilayers_bench(f"budget-gpt2_small-{budget}",
+                             f"--model benchmarks.transformer_models:gpt2_small --tokens 1024 --batch 8 "
+                             f"--dtype bfloat16 --budget {budget.split('-')[0]}{options} --steps 5")
+            for budget, options in (("0.35", ""), ("0.25-offload", " --offload"))), family="fit_gpt2"),
         # A quarter of the script's default tokens and half its layers: the
         # offloaded steps run Adam on the CPU (13 s in all on the H200).
         # The launch-configuration sweep (benchmarks/tune.py): its own

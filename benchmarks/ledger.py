@@ -112,6 +112,10 @@ FAMILIES: tuple[Family, ...] = op_families() + (
            "ResNet-50 within a 0.35 budget on CUDA peak bytes at <= 1.15x plain's step"),
     Family("fit_densenet121", ("effilayers/fit.py", "effilayers/checkpoint.py"), ("budget-densenet121-0.25",),
            "DenseNet-121 within a 0.25 budget on CUDA peak bytes at <= 1.3x plain's step"),
+    Family("fit_gpt2", ("effilayers/fit.py", "effilayers/checkpoint.py"),
+           ("budget-gpt2_small-0.35", "budget-gpt2_small-0.25-offload"),
+           "GPT-2 small (batch 8, 1024 tokens, bf16) within 0.35 at <= 1.25x plain's step and under torch's "
+           "every-block checkpoint; with offload, 0.25 at <= 1.15x"),
     Family("offload", ("effilayers/optim/offload.py", "effilayers/optim/sharded.py"), ("fsdp_offload",),
            "<= 0.35x GPU memory at <= 1.5x step time",
            met=lambda f: _offload_met(f, 'chunked_adamw', peak=0.35, time=1.5)),

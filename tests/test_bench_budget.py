@@ -3,6 +3,7 @@ torch.compile under an activation memory budget, side by side."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import pytest
@@ -156,6 +157,29 @@ def test_bad_budget_forms_are_argparse_errors_naming_the_argument(text, message,
 def test_a_budget_with_compile_exits_2(capsys):
     assert bench.main(["--budget", "0.5", "--compile"]) == 2
     assert "run it without --compile" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arguments", [["--offload"], ["--offload", "--budget", "0.5", "--device", "cpu"]])
+def test_offload_without_a_cuda_budget_exits_2(capsys, arguments):
+    assert bench.main(arguments) == 2
+    assert "--offload goes with --budget on --device cuda" in capsys.readouterr().err
+
+
+def test_offload_reaches_fit_and_names_the_row(monkeypatch):
+    from effilayers.bench.variants import variants_for
+
+    _no_auto_sac(monkeypatch)
+    asked = []
+    real_fit = budget.fit
+    monkeypatch.setattr(budget, "fit", lambda *args, **kwargs: asked.append(kwargs) or real_fit(*args, **kwargs))
+    # Not the point here, and it measures the plain model under torch's checkpoint, run by run.
+    monkeypatch.setattr(budget, "_torch_checkpoint_row", lambda plain, *args: plain)
+    variants, _ = variants_for(MODEL)
+    rows, _ = budget.budget_variants(variants[:1], 0.5, example=lambda: torch.randn(2, 3, 16, 16),
+                                     prepare=lambda model: model.train(), autocast=contextlib.nullcontext,
+                                     offload=True)
+    assert asked == [{"offload": True}]
+    assert rows[0].name == "fit(0.5, offload)"
 
 
 def test_help_documents_budget(capsys):

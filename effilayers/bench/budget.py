@@ -300,12 +300,13 @@ def _fitted_segments(model: nn.Module) -> dict[str, int]:
 
 def budget_variants(variants: list[Variant], budget: Union[float, int], example: Callable[[], torch.Tensor],
                     prepare: Callable[[nn.Module], nn.Module], autocast: Callable[[], Any],
-                    ) -> tuple[list[Variant], list[str]]:
+                    offload: bool = False) -> tuple[list[Variant], list[str]]:
     """The --budget rows of one model (``variants[0]`` is its plain form)
     and one line per row dropped. ``budget``: as :func:`budget_argument`
     returns it, a fraction (float) or bytes (int). ``example()``: the
     bench's first batch of images on its device; ``prepare``: moves a model
-    there in training mode; ``autocast()``: the bench's --dtype context.
+    there in training mode; ``autocast()``: the bench's --dtype context;
+    ``offload``: fit may offload saved tensors (``fit(..., offload=True)``).
     ``fit`` runs here, once, so that a budget below reach is known before
     the measurements."""
     plain = variants[0]
@@ -317,18 +318,19 @@ def budget_variants(variants: list[Variant], budget: Union[float, int], example:
     fitted = prepare(plain.build())
     images = example()
     budget_name = budget_label(budget)
+    fit_name = FIT.format(budget_name + (", offload" if offload else ""))
     with autocast():
         # torch.compile's budget is a fraction only: bytes over the plain
         # model's, at most 1 (a budget above them asks for no recomputation).
         fraction = budget if isinstance(budget, float) else \
             min(1.0, budget / max(1, memory.activation_bytes(fitted, images)))
         try:
-            report = fit(fitted, images, budget)
+            report = fit(fitted, images, budget, offload=offload)
         except ValueError as error:
             if "smallest reachable" not in str(error):
                 raise
             fitted = None
-            dropped = f"{model_name} / {FIT.format(budget_name)}: dropped, {error}"
+            dropped = f"{model_name} / {fit_name}: dropped, {error}"
     rows: list[Variant] = []
     lines: list[str] = []
     if fitted is None:
@@ -342,7 +344,7 @@ def budget_variants(variants: list[Variant], budget: Union[float, int], example:
                                for path, module in fitted.named_modules()
                                if isinstance(module, CheckpointedSequential))
         fitted = fitted.to("cpu")
-        rows.append(Variant(model_name, FIT.format(budget_name), lambda: copy.deepcopy(fitted),
+        rows.append(Variant(model_name, fit_name, lambda: copy.deepcopy(fitted),
                             note=f"fit steps: {steps}{checkpointed}; predicted extra compute "
                                  f"{report.extra_compute:.3f} of a training step (recomputed convolution and "
                                  "matmul FLOPs)"))

@@ -133,6 +133,10 @@ def _parser() -> argparse.ArgumentParser:
                              "drawing, equal the plain model's; BUDGET: a fraction in (0, 1] of the "
                              "plain activation bytes (0.35) or bytes as fit takes them (123456, 2GiB, 512MiB, "
                              "1.5GB); not with --compile")
+    parser.add_argument("--offload", action="store_true",
+                        help="with --budget on CUDA: fit(..., offload=True), whose plan may move the saved tensors "
+                             "of units whose compute hides the copy to pinned host memory (the meter counts them "
+                             "as host bytes, the budget does not)")
     parser.add_argument("--json", metavar="FILE", help="write all results, the environment and the command here")
     parser.add_argument("--plot", metavar="FILE.png",
                         help="bar charts with ratios (and loss curves with --train); needs matplotlib")
@@ -164,6 +168,9 @@ def _setup(args: argparse.Namespace) -> Setup:
         raise BenchError("--check-train needs --train N (N >= 1)")
     if args.budget is not None and args.compile:
         raise BenchError("--budget adds its own torch.compile row; run it without --compile")
+    if args.offload and (args.budget is None or not on_cuda):
+        raise BenchError("--offload goes with --budget on --device cuda (it moves saved tensors from GPU memory to "
+                         "pinned host memory; on the CPU it would save nothing)")
     if args.max_batch_limit is not None and not args.max_batch:
         raise BenchError("--max-batch-limit needs --max-batch")
     if args.clock != "wall" and on_cuda:
@@ -219,11 +226,12 @@ def _compiled_random_like_eager(setup: Setup) -> ContextManager:
     return torch._inductor.config.patch(fallback_random=True)
 
 
-def _budget_rows(variants: list, budget: Union[float, int], setup: Setup) -> tuple[list, list[str]]:
+def _budget_rows(variants: list, budget: Union[float, int], setup: Setup, offload: bool) -> tuple[list, list[str]]:
     # The images of the bench's first batch (drawn before the labels, so the
     # number of classes does not change them): fit's example input.
     return budget_variants(variants, budget, example=lambda: setup.data(setup.batch, 1, SEED)[0],
-                           prepare=lambda model: model.to(setup.device).train(), autocast=setup.autocast)
+                           prepare=lambda model: model.to(setup.device).train(), autocast=setup.autocast,
+                           offload=offload)
 
 
 def _load_kernels(device_type: str) -> None:
@@ -260,7 +268,7 @@ def _run_with(args: argparse.Namespace, argv: list[str], setup: Setup) -> int:
         if args.compile:
             variants += [compiled_twin(variant) for variant in variants]
         if args.budget is not None:
-            rows, dropped = _budget_rows(variants, args.budget, setup)
+            rows, dropped = _budget_rows(variants, args.budget, setup, args.offload)
             variants += rows
             skipped += dropped
         variants_per_model.append(variants)
