@@ -193,7 +193,9 @@ def activated_batch_norm(x, weight, bias, residual, running_mean, running_var, n
                          weight_eps: float, group, inplace: bool) -> torch.Tensor:
     """The unchecked entry the modules call (they check their configuration
     once, when built, and the input on each call)."""
-    if (group is None or not _batchnorm.distributed(group)) and registry.compiled_autograd("activated_batch_norm", x):
+    # Normalising with running statistics, the C++ kernel reads both without checking them.
+    if (group is None or not _batchnorm.distributed(group)) and registry.compiled_autograd("activated_batch_norm", x) \
+            and (use_batch_stats or (running_mean is not None and running_var is not None)):
         if use_batch_stats and x.numel() == x.shape[1]:
             raise _batchnorm.too_few_values((x,), "inplace_abn" if inplace else "abn", group)
         return (_eager_inplace_abn if inplace else _eager_abn)(
