@@ -4,7 +4,7 @@
 // for what this cannot see: traced calls (torch.compile, export, functorch,
 // tensor subclasses) and statistics synchronised over a process group. The
 // reason for two: a Python Function costs host time on every call of a small
-// layer (ARCHITECTURE.md, "Speed of the call path", has the measurement).
+// layer (ARCHITECTURE.md, "One call, from Module to kernel", has the measurement).
 //
 // Each library registers these for its own device (cpu/abn_autograd.cpp on
 // AutogradCPU and CPU, cuda/abn_autograd.cpp on AutogradCUDA and CUDA; the
@@ -74,7 +74,8 @@ NodePointer error_node(torch::autograd::edge_list&& next_edges) {
 inline void refuse_double_backward(variable_list& grads, const variable_list& sources) {
   if (!torch::autograd::any_variable_requires_grad(sources)) return;
   using NodePointer = decltype(torch::autograd::Edge::function);
-  auto node = error_node<NodePointer, torch::autograd::Error>(torch::autograd::collect_next_edges(at::ArrayRef<Tensor>(sources)));
+  auto node = error_node<NodePointer, torch::autograd::Error>(
+      torch::autograd::collect_next_edges(at::ArrayRef<Tensor>(sources)));
   for (auto& grad : grads) {
     if (grad.defined()) torch::autograd::create_gradient_edge(grad, node);
   }

@@ -481,16 +481,22 @@ def declare_autograd(name: str, schema: str):
     return getattr(torch.ops.effilayers, name).default
 
 
+def eager_call(like: torch.Tensor) -> bool:
+    """An eager call on a plain tensor, outside torch.compile/export and
+    functorch's transforms: one that may take a path no tracer or tensor
+    subclass sees (a Python Function over the ops, a C++ autograd kernel)."""
+    return type(like) is torch.Tensor and not torch.compiler.is_compiling() \
+        and not torch._C._are_functorch_transforms_active()
+
+
 def compiled_autograd(op_name: str, like: torch.Tensor) -> bool:
     """Whether an eager call on ``like`` may take ``op_name``'s C++ autograd
-    kernel (:func:`declare_autograd`): a plain tensor, outside
-    torch.compile/export and functorch transforms, on a device whose
+    kernel (:func:`declare_autograd`): an :func:`eager_call`, on a device whose
     compiled library is loaded (this loads it, as an op's first call would)
     and registers the kernel, under a preference that allows that library.
     A forced ``reference`` (or ``triton``) preference keeps the Python
     Function, whose path those tests then cover."""
-    if type(like) is not torch.Tensor or torch.compiler.is_compiling() \
-            or torch._C._are_functorch_transforms_active():
+    if not eager_call(like):
         return False
     key = (op_name, like.device.type)
     served = _state.compiled_autograd.get(key)
@@ -501,10 +507,8 @@ def compiled_autograd(op_name: str, like: torch.Tensor) -> bool:
 
 
 def _serves_compiled_autograd(op_name: str, device_type: str) -> bool:
-    backend = {"cpu": "cpp", "cuda": "cuda"}.get(device_type)
+    backend = next((name for name, kind in _COMPILED_KIND.items() if kind == device_type), None)
     if backend is None or (_state.preference is not None and backend not in _state.preference):
-        return False
-    if device_type == "cuda" and not torch.cuda.is_available():
         return False
     return _library_status(device_type) is None and torch._C._dispatch_has_kernel_for_dispatch_key(
         f"effilayers::{op_name}", "Autograd" + _DISPATCH_KEY[device_type])

@@ -196,6 +196,7 @@ def activated_batch_norm(x, weight, bias, residual, running_mean, running_var, n
     # Normalising with running statistics, the C++ kernel reads both without checking them.
     if (group is None or not _batchnorm.distributed(group)) and registry.compiled_autograd("activated_batch_norm", x) \
             and (use_batch_stats or (running_mean is not None and running_var is not None)):
+        # values_per_channel(x) == 1, read from numel: slicing and multiplying the shape is host time here.
         if use_batch_stats and x.numel() == x.shape[1]:
             raise _batchnorm.too_few_values((x,), "inplace_abn" if inplace else "abn", group)
         return (_eager_inplace_abn if inplace else _eager_abn)(

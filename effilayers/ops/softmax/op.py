@@ -108,15 +108,6 @@ torch.library.register_autograd(_softmax_backward_op, _backward_backward, setup_
 # --------------------------------------------------------------------------- the eager path
 
 
-def _eager(x: torch.Tensor) -> bool:
-    """An eager call on a plain tensor, outside torch.compile and functorch's
-    transforms: it may skip the op's Python autograd kernel (torch.library's,
-    a wrapper and two re-dispatches per call, which on small rows costs more
-    host time than the kernel) for the Function below."""
-    return (type(x) is torch.Tensor and not torch.compiler.is_compiling()
-            and not torch._C._are_functorch_transforms_active())
-
-
 class _EagerSoftmax(torch.autograd.Function):
     """softmax / log_softmax on the eager path: the same two ops, called
     below the Autograd key, saving only the output as the registered
@@ -148,7 +139,9 @@ def _softmax(op: str, x, dim, log: bool, dtype) -> torch.Tensor:
     x = floating_input(x, dtype, op)
     refuse_forward_ad(op, x)
     dim = check_dim(dim, x.dim(), op)
-    if _eager(x):
+    # An eager call skips the op's Python autograd kernel (torch.library's, a wrapper and two
+    # re-dispatches per call, more host time than the kernel on small rows) for the Function above.
+    if registry.eager_call(x):
         if x.requires_grad and torch.is_grad_enabled():
             return _EagerSoftmax.apply(x, dim, log, dtype)
         with torch._C._AutoDispatchBelowAutograd():
