@@ -182,6 +182,54 @@ def test_offload_reaches_fit_and_names_the_row(monkeypatch):
     assert rows[0].name == "fit(0.5, offload)"
 
 
+def test_budget_rows_runs_only_the_rows_asked_for(tmp_path, monkeypatch):
+    # Were they built, these would fail the run: the rows not asked for are not.
+    monkeypatch.setattr(budget, "plan_auto_sac", None)
+    monkeypatch.setattr(budget, "_torch_checkpoint_row", None)
+    monkeypatch.setattr(budget, "compile_under_budget", None)
+    report = run_bench(tmp_path, "--model", MODEL, "--size", "32", "--steps", "1", "--budget", "0.5",
+                       "--budget-rows", "fit, checkpoint-every-block")
+    # The model's own rows stay (convert: it has BatchNorm + ReLU); of --budget's, only those asked for.
+    assert [result["variant"] for result in report["results"]] == [
+        "as given", "effilayers convert(inplace)", "fit(0.5)", budget.EVERY_BLOCK]
+    # Nothing reads as dropped: the other rows were not asked for.
+    assert not any(budget.AUTO_SAC in line or "checkpoint_sequential" in line for line in report["skipped"])
+    results = by_variant(report)
+    assert results["fit(0.5)"]["ratios"]["activation_bytes"] <= 0.5
+    assert results[budget.EVERY_BLOCK]["gradients_match"] is True
+
+
+def test_budget_rows_without_the_fit_row_still_plans_for_the_torch_rows(monkeypatch):
+    from effilayers.bench.variants import variants_for
+
+    planned = []
+    real_fit = budget.fit
+    monkeypatch.setattr(budget, "fit", lambda *args, **kwargs: planned.append(True) or real_fit(*args, **kwargs))
+    variants, _ = variants_for(MODEL)
+    rows, lines = budget.budget_variants(variants[:1], 0.5, example=lambda: torch.randn(2, 3, 16, 16),
+                                         prepare=lambda model: model.train(), autocast=contextlib.nullcontext,
+                                         only=frozenset({"checkpoint-sequential"}))
+    assert planned == [True] and lines == []
+    assert [row.name for row in rows] == ["checkpoint_sequential (fit's parts)"]
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--budget-rows", "fit"], "--budget-rows chooses among --budget's rows; give --budget too"),
+])
+def test_budget_rows_without_a_budget_exits_2(capsys, arguments, message):
+    assert bench.main(arguments) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_an_unknown_budget_row_is_an_argparse_error_listing_the_rows(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--budget", "0.5", "--budget-rows", "fit,every-block"])
+    assert exit_info.value.code == 2
+    err = " ".join(capsys.readouterr().err.split())
+    rows = ", ".join(budget.BUDGET_ROWS)
+    assert f"argument --budget-rows: 'every-block': not a --budget row; the rows are {rows}" in err
+
+
 def test_help_documents_budget(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--help"])

@@ -77,7 +77,7 @@ from .variants import BenchError, Variant
 
 __all__ = ["budget_argument", "budget_label", "budget_variants", "TorchCheckpointedSequential", "TorchCheckpointedRuns",
            "compile_under_budget", "checkpoint_every_block", "FIT", "CHECKPOINT_SEQUENTIAL", "TORCH_CHECKPOINT",
-           "EVERY_BLOCK", "COMPILE_BUDGET", "AUTO_SAC", "auto_sac_row"]
+           "EVERY_BLOCK", "COMPILE_BUDGET", "AUTO_SAC", "auto_sac_row", "BUDGET_ROWS", "budget_rows_argument"]
 
 FIT = "fit({})"
 CHECKPOINT_SEQUENTIAL = "checkpoint_sequential ({})"
@@ -85,6 +85,9 @@ TORCH_CHECKPOINT = "torch checkpoint (to fit's bytes)"
 EVERY_BLOCK = "torch checkpoint (every block)"
 COMPILE_BUDGET = "torch.compile budget {:.3g}"
 AUTO_SAC = "torch auto-SAC"
+# --budget-rows: each row's name on the command line, in the order the rows run.
+BUDGET_ROWS = ("fit", "checkpoint-sequential", "checkpoint-to-fit", "checkpoint-every-block", "compile-budget",
+               "auto-sac")
 
 
 def budget_argument(text: str) -> Union[float, int]:
@@ -112,6 +115,17 @@ def budget_argument(text: str) -> Union[float, int]:
     except ValueError as error:
         raise argparse.ArgumentTypeError(f"{str(error).removeprefix('fit: ')}; or a fraction in (0, 1] of the "
                                          "plain model's activation bytes, e.g. 0.35") from None
+
+
+def budget_rows_argument(text: str) -> frozenset[str]:
+    """argparse type of ``--budget-rows``: comma-separated names from
+    :data:`BUDGET_ROWS`."""
+    names = [name.strip() for name in text.split(",")]
+    unknown = [name for name in names if name not in BUDGET_ROWS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"{', '.join(map(repr, unknown))}: not a --budget row; the rows are "
+                                         f"{', '.join(BUDGET_ROWS)} (comma-separated)")
+    return frozenset(names)
 
 
 def budget_label(budget: Union[float, int]) -> str:
@@ -300,15 +314,21 @@ def _fitted_segments(model: nn.Module) -> dict[str, int]:
 
 def budget_variants(variants: list[Variant], budget: Union[float, int], example: Callable[[], torch.Tensor],
                     prepare: Callable[[nn.Module], nn.Module], autocast: Callable[[], Any],
-                    offload: bool = False) -> tuple[list[Variant], list[str]]:
+                    offload: bool = False, only: Optional[frozenset[str]] = None
+                    ) -> tuple[list[Variant], list[str]]:
     """The --budget rows of one model (``variants[0]`` is its plain form)
     and one line per row dropped. ``budget``: as :func:`budget_argument`
     returns it, a fraction (float) or bytes (int). ``example()``: the
     bench's first batch of images on its device; ``prepare``: moves a model
     there in training mode; ``autocast()``: the bench's --dtype context;
-    ``offload``: fit may offload saved tensors (``fit(..., offload=True)``).
-    ``fit`` runs here, once, so that a budget below reach is known before
-    the measurements."""
+    ``offload``: fit may offload saved tensors (``fit(..., offload=True)``);
+    ``only``: the rows to build, names from :data:`BUDGET_ROWS` (None: all;
+    the plain row is not one of them and always runs). ``fit`` runs here,
+    once, whichever rows are asked for (the torch rows follow its plan), so
+    that a budget below reach is known before the measurements."""
+    def wanted(row: str) -> bool:
+        return only is None or row in only
+
     plain = variants[0]
     # The reference of the rows' gradient check.
     plain.check_gradients = True
@@ -344,44 +364,48 @@ def budget_variants(variants: list[Variant], budget: Union[float, int], example:
                                for path, module in fitted.named_modules()
                                if isinstance(module, CheckpointedSequential))
         fitted = fitted.to("cpu")
-        rows.append(Variant(model_name, fit_name, lambda: copy.deepcopy(fitted),
-                            note=f"fit steps: {steps}{checkpointed}; predicted extra compute "
-                                 f"{report.extra_compute:.3f} of a training step (recomputed convolution and "
-                                 "matmul FLOPs)"))
-        torch_row = _torch_checkpoint_row(plain, fitted, report, images, prepare, autocast)
+        if wanted("fit"):
+            rows.append(Variant(model_name, fit_name, lambda: copy.deepcopy(fitted),
+                                note=f"fit steps: {steps}{checkpointed}; predicted extra compute "
+                                     f"{report.extra_compute:.3f} of a training step (recomputed convolution and "
+                                     "matmul FLOPs)"))
+        if wanted("checkpoint-to-fit"):
+            torch_row = _torch_checkpoint_row(plain, fitted, report, images, prepare, autocast)
         segments = _fitted_segments(fitted)
         label = "fit's parts"
         if not segments:
             segments, label = _sqrt_segments(fitted), "sqrt(n) segments; fit had none"
-    if segments:
+    if wanted("checkpoint-sequential") and segments:
         parts = ", ".join(f"{path or 'the model'} in {count}" for path, count in segments.items())
         rows.append(Variant(model_name, CHECKPOINT_SEQUENTIAL.format(label),
                             lambda: _checkpoint_with_torch(plain.build(), segments),
                             note=f"torch.utils.checkpoint.checkpoint_sequential, use_reentrant=False: {parts} "
                                  "segments (torch's BatchNorm running statistics move twice per step)"))
-    else:
+    elif wanted("checkpoint-sequential"):
         lines.append(f"{model_name} / checkpoint_sequential: dropped, the model has no nn.Sequential "
                      "with two or more children")
-    if fitted is not None:
+    if fitted is not None and wanted("checkpoint-to-fit"):
         rows.append(torch_row)
-    _, blocks = checkpoint_every_block(plain.build())
+    blocks = checkpoint_every_block(plain.build())[1] if wanted("checkpoint-every-block") else []
     if blocks:
         shown = _shown(blocks)
         rows.append(Variant(model_name, EVERY_BLOCK, lambda: checkpoint_every_block(plain.build())[0],
                             note=f"torch.utils.checkpoint.checkpoint, use_reentrant=False, around every block of "
                                  f"the plain model: {shown}"))
-    else:
+    elif wanted("checkpoint-every-block"):
         lines.append(f"{model_name} / {EVERY_BLOCK}: dropped, fit finds no block in the model")
-    rows.append(Variant(model_name, COMPILE_BUDGET.format(fraction),
-                        lambda: compile_under_budget(plain.build(), fraction), compiled=True,
-                        note=f"plain model under torch.compile, torch._functorch.config.activation_memory_budget "
-                             f"= {fraction:g}" + ("" if isinstance(budget, float) else
-                                                  f" ({budget_name} over the plain model's activation bytes)")))
-    auto_sac, why_not = auto_sac_row(plain, fraction, images, autocast)
-    if auto_sac is None:
-        lines.append(f"{model_name} / {AUTO_SAC}: dropped, {why_not}")
-    else:
-        rows.append(auto_sac)
+    if wanted("compile-budget"):
+        rows.append(Variant(model_name, COMPILE_BUDGET.format(fraction),
+                            lambda: compile_under_budget(plain.build(), fraction), compiled=True,
+                            note=f"plain model under torch.compile, torch._functorch.config.activation_memory_budget "
+                                 f"= {fraction:g}" + ("" if isinstance(budget, float) else
+                                                      f" ({budget_name} over the plain model's activation bytes)")))
+    if wanted("auto-sac"):
+        auto_sac, why_not = auto_sac_row(plain, fraction, images, autocast)
+        if auto_sac is None:
+            lines.append(f"{model_name} / {AUTO_SAC}: dropped, {why_not}")
+        else:
+            rows.append(auto_sac)
     for row in rows:
         row.check_gradients = True
     return rows, lines

@@ -18,12 +18,12 @@ import argparse
 import os
 import sys
 from contextlib import nullcontext
-from typing import Any, ContextManager, Optional, Union
+from typing import Any, ContextManager, Optional
 
 import torch
 
 from ..max_batch import DEFAULT_LIMIT
-from .budget import budget_argument, budget_variants
+from .budget import BUDGET_ROWS, budget_argument, budget_rows_argument, budget_variants
 from .measure import CLOCKS, LOSS_NOISE_FACTOR, SEED, Result, Setup, count_ticks, run_model
 from .report import (
     conclusion,
@@ -133,6 +133,10 @@ def _parser() -> argparse.ArgumentParser:
                              "drawing, equal the plain model's; BUDGET: a fraction in (0, 1] of the "
                              "plain activation bytes (0.35) or bytes as fit takes them (123456, 2GiB, 512MiB, "
                              "1.5GB); not with --compile")
+    parser.add_argument("--budget-rows", type=budget_rows_argument, metavar="ROW[,ROW...]",
+                        help="with --budget: only these of its rows, beside plain PyTorch's "
+                             f"({', '.join(BUDGET_ROWS)}; default: all); fit plans whichever are asked for, since "
+                             "the torch rows follow its plan")
     parser.add_argument("--offload", action="store_true",
                         help="with --budget on CUDA: fit(..., offload=True), whose plan may move the saved tensors "
                              "of units whose compute hides the copy to pinned host memory (the meter counts them "
@@ -168,6 +172,8 @@ def _setup(args: argparse.Namespace) -> Setup:
         raise BenchError("--check-train needs --train N (N >= 1)")
     if args.budget is not None and args.compile:
         raise BenchError("--budget adds its own torch.compile row; run it without --compile")
+    if args.budget_rows is not None and args.budget is None:
+        raise BenchError("--budget-rows chooses among --budget's rows; give --budget too")
     if args.offload and (args.budget is None or not on_cuda):
         raise BenchError("--offload goes with --budget on --device cuda (it moves saved tensors from GPU memory to "
                          "pinned host memory; on the CPU it would save nothing)")
@@ -226,12 +232,12 @@ def _compiled_random_like_eager(setup: Setup) -> ContextManager:
     return torch._inductor.config.patch(fallback_random=True)
 
 
-def _budget_rows(variants: list, budget: Union[float, int], setup: Setup, offload: bool) -> tuple[list, list[str]]:
+def _budget_rows(variants: list, args: argparse.Namespace, setup: Setup) -> tuple[list, list[str]]:
     # The images of the bench's first batch (drawn before the labels, so the
     # number of classes does not change them): fit's example input.
-    return budget_variants(variants, budget, example=lambda: setup.data(setup.batch, 1, SEED)[0],
+    return budget_variants(variants, args.budget, example=lambda: setup.data(setup.batch, 1, SEED)[0],
                            prepare=lambda model: model.to(setup.device).train(), autocast=setup.autocast,
-                           offload=offload)
+                           offload=args.offload, only=args.budget_rows)
 
 
 def _load_kernels(device_type: str) -> None:
@@ -268,7 +274,7 @@ def _run_with(args: argparse.Namespace, argv: list[str], setup: Setup) -> int:
         if args.compile:
             variants += [compiled_twin(variant) for variant in variants]
         if args.budget is not None:
-            rows, dropped = _budget_rows(variants, args.budget, setup, args.offload)
+            rows, dropped = _budget_rows(variants, args, setup)
             variants += rows
             skipped += dropped
         variants_per_model.append(variants)
