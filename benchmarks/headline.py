@@ -8,8 +8,10 @@ generated from committed ``effilayers-bench`` results (never typed by hand).
 Prints one markdown table per results file (device, settings and the exact
 command above it); with ``--page`` the text between
 ``<!-- headline:start -->`` and ``<!-- headline:end -->`` in each such file is
-replaced by them. tests/test_bench_cli.py checks that each page's table
-(``PAGES``) is what this script makes of the files it names.
+replaced by them (``--section fit``: between ``<!-- fit:start -->`` and
+``<!-- fit:end -->``, a page's second table). tests/test_bench_cli.py checks
+that each section of ``SECTIONS`` is what this script makes of the files it
+names; ``--refresh`` regenerates them all from the files they name.
 """
 
 from __future__ import annotations
@@ -23,11 +25,17 @@ from typing import Optional
 
 from effilayers.bench import agreement, gradient_cell, measured_cells
 
-START = "<!-- headline:start -->"
-END = "<!-- headline:end -->"
-# the files that hold a headline section: the README's is the bench's own
-# results, docs/benchmarks/fit.md's the `--budget` runs
-PAGES = ("README.md", "docs/benchmarks/index.md", "docs/benchmarks/fit.md")
+HEADLINE = "headline"
+# (file, section) of every generated table: the README's headline is the
+# bench's own results, its fit section and docs/benchmarks/fit.md's the
+# `--budget` runs
+SECTIONS = (("README.md", HEADLINE), ("README.md", "fit"), ("docs/benchmarks/index.md", HEADLINE),
+            ("docs/benchmarks/fit.md", HEADLINE))
+
+
+def markers(name: str = HEADLINE) -> tuple[str, str]:
+    """The comments that open and close section ``name`` of a page."""
+    return f"<!-- {name}:start -->", f"<!-- {name}:end -->"
 
 
 def _with_ratio(text: str, ratio: Optional[float]) -> str:
@@ -42,7 +50,8 @@ def _device(report: dict) -> str:
     else:
         name = device
     threads = environment.get("threads")
-    return f"{name}" + (f", {threads} threads" if threads and report["settings"]["device"] == "cpu" else "")
+    shown = f", {threads} thread{'s' * (threads != 1)}" if threads and report["settings"]["device"] == "cpu" else ""
+    return f"{name}{shown}"
 
 
 def _command(report: dict) -> str:
@@ -109,35 +118,54 @@ def render(paths: list[str]) -> str:
     return "\n\n".join(blocks)
 
 
-def section(page: str) -> str:
-    """The text between the markers of a page."""
-    if page.count(START) != 1 or page.count(END) != 1 or page.index(START) > page.index(END):
-        raise ValueError(f"the page must contain one {START} ... {END} section")
-    return page.split(START)[1].split(END)[0]
+def section(page: str, name: str = HEADLINE) -> str:
+    """The text between the markers of section ``name`` of a page."""
+    start, end = markers(name)
+    if page.count(start) != 1 or page.count(end) != 1 or page.index(start) > page.index(end):
+        raise ValueError(f"the page must contain one {start} ... {end} section")
+    return page.split(start)[1].split(end)[0]
 
 
-def sources(page: str) -> list[str]:
-    """The results files a page's headline section names, in order."""
-    return re.findall(r"^`(benchmarks/results/[^`]+\.json)`:", section(page), flags=re.MULTILINE)
+def sources(page: str, name: str = HEADLINE) -> list[str]:
+    """The results files section ``name`` of a page names, in order."""
+    return re.findall(r"^`(benchmarks/results/[^`]+\.json)`:", section(page, name), flags=re.MULTILINE)
 
 
-def replace_in(page: str, rendered: str) -> str:
-    section(page)
-    head, rest = page.split(START)
-    _, tail = rest.split(END)
-    return f"{head}{START}\n{rendered}\n{END}{tail}"
+def replace_in(page: str, rendered: str, name: str = HEADLINE) -> str:
+    section(page, name)
+    start, end = markers(name)
+    head, rest = page.split(start)
+    _, tail = rest.split(end)
+    return f"{head}{start}\n{rendered}\n{end}{tail}"
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("results", nargs="+", help="JSON files written by effilayers-bench --json")
+    parser.add_argument("results", nargs="*", help="JSON files written by effilayers-bench --json")
     parser.add_argument("--page", "--readme", dest="page", action="append", default=[],
-                        help=f"replace the headline section of this file (repeatable; these have one: {PAGES})")
+                        help="replace the section of this file (repeatable; the generated sections: "
+                             f"{', '.join(f'{page} {name}' for page, name in SECTIONS)})")
+    parser.add_argument("--section", default=HEADLINE,
+                        help=f"which section of the pages (default: {HEADLINE}; a README's second table: fit)")
+    parser.add_argument("--refresh", action="store_true",
+                        help="regenerate every section of SECTIONS from the files it names already (after a change "
+                             "to how tables are drawn); no results or --page with it")
     args = parser.parse_args(argv)
+    if args.refresh:
+        if args.results or args.page:
+            parser.error("--refresh takes no results files and no --page: each section names its own")
+        for page, name in SECTIONS:
+            path = Path(page)
+            text = path.read_text()
+            path.write_text(replace_in(text, render(sources(text, name)), name))
+            print(f"updated {path} ({name})")
+        return 0
+    if not args.results:
+        parser.error("give the results files (or --refresh)")
     rendered = render(args.results)
     for page in args.page:
         path = Path(page)
-        path.write_text(replace_in(path.read_text(), rendered))
+        path.write_text(replace_in(path.read_text(), rendered, args.section))
         print(f"updated {path}")
     if not args.page:
         print(rendered)
