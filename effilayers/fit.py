@@ -688,6 +688,13 @@ def _profile(model: nn.Module, call: _Call, parts: list[_Part], flops: bool = Tr
 
     snapshots: list[dict] = []
     final: dict = {}
+    # Storages are told apart by address. A child's input that nothing saves
+    # (a norm's output, which a ReLU does not keep) is freed once the child
+    # ran, and a later tensor a child does save could take its address: the
+    # plan would then count that input as kept already, and its order would
+    # depend on the allocator's state. Holding the inputs until the forward
+    # ends keeps every address taken once.
+    inputs: list[torch.Tensor] = []
     with memory.track_activations(exclude=model) as meter:
         def seen() -> dict:
             return {storage.key: (storage.span_bytes, storage.saved_by) for storage in meter.storages()}
@@ -696,6 +703,7 @@ def _profile(model: nn.Module, call: _Call, parts: list[_Part], flops: bool = Tr
             first = next(_tensors_in(arguments), None)
             if first is not None:
                 record.input_key, record.input_bytes = memory.storage_key(first), _span_bytes(first)
+                inputs.append(first)
             snapshots.append(seen())
 
         def saves_after(record: _Child, output: Any) -> None:
@@ -707,6 +715,7 @@ def _profile(model: nn.Module, call: _Call, parts: list[_Part], flops: bool = Tr
             record.output_elements = sum(value.numel() for value in _tensors_in(output))
 
         forward_with(saves_before, saves_after, lambda: final.update(seen()))
+    inputs.clear()
     storages = {}
     for key, (span, count) in final.items():
         owners = {(part, index) for part, records in enumerate(children)

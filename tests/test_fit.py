@@ -195,6 +195,26 @@ def test_checkpoint_steps_stop_just_under_the_budget_without_recomputing_the_who
     assert type(model) is nn.Sequential and "_fit_segments" not in model.__dict__
 
 
+def test_the_profile_keeps_an_input_nothing_saves_apart_from_later_storages():
+    # A ReLU keeps its output, not its input: the norm's output before it is
+    # freed once it ran, and the next convolution's output, as big, may take
+    # its address. The profile must not read that later storage as the ReLU's
+    # input. Where the allocator reuses addresses varies with what ran before,
+    # so try several heap states.
+    model = _deep_sequential().double()
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    parts = fit_module._checkpoint_parts(model)
+    assert len(parts) == 1
+    relus = [index for index, child in enumerate(parts[0].members) if isinstance(child, nn.ReLU)]
+    held = []
+    for size in (1, 64, 512, 1024, 4096, 8192):
+        held.append(torch.empty(size, dtype=torch.float64))
+        profile = fit_module._profile(model, fit_module._as_call(x), parts, flops=False)
+        for index in relus:
+            assert profile.children[0][index].input_key not in profile.storages, (size, index)
+        del held[:-1]
+
+
 def test_checkpoint_runs_to_reaches_fit_bytes_from_fit_runs_in_fit_order():
     torch.manual_seed(0)
     x = torch.randn(2, 3, 8, 8)
