@@ -149,17 +149,19 @@ def plan(device: str, date: str, results: str) -> list[Step]:
     ]
 
 
-def fresh_families() -> Optional[set[str]]:
-    """The families whose newest GPU result in the ledger is fresh; None
+def ledger_state() -> tuple[Optional[set[str]], dict[str, Optional[str]]]:
+    """The families whose newest GPU result in the ledger is fresh, and per
+    family that result's date (None: never measured on a GPU). (None, {})
     when the ledger cannot tell (no git history, as on a copy of the tree
     without .git: then every family counts as stale)."""
     try:
         sys.path.insert(0, str(ROOT))
         from benchmarks.ledger import ledger_rows
-        return {row.family for row in ledger_rows(ROOT) if row.fresh}
+        rows = ledger_rows(ROOT)
+        return {row.family for row in rows if row.fresh}, {row.family: row.result_date for row in rows}
     except Exception as error:
         print(f"gpu_session: no ledger ({type(error).__name__}: {error}): every family counts as stale", flush=True)
-        return None
+        return None, {}
 
 
 # A step given less than this is not started: it would spend its time
@@ -167,11 +169,17 @@ def fresh_families() -> Optional[set[str]]:
 SHORTEST = 15
 
 
-def allocate(steps: list[Step], fresh: Optional[set[str]], total: int = TOTAL_BUDGET) -> list[Step]:
+def allocate(steps: list[Step], fresh: Optional[set[str]], total: int = TOTAL_BUDGET,
+             measured: Optional[dict[str, Optional[str]]] = None) -> list[Step]:
     """Order and time for one call: the fixed steps first (build, self-test,
-    tests), then the benchmark steps of stale families, then the tuning
-    sweep, then the benchmark steps of fresh families, each group in plan
-    order, the sanitizer last. (The sweep never takes time a stale family
+    tests), then the benchmark steps of stale families, least recently
+    measured first (``measured``: family -> date of its newest GPU result,
+    None or missing for never), then the tuning sweep, then the benchmark
+    steps of fresh families, ties and fresh families in plan order, the
+    sanitizer last. The stale steps add up to more than one call when every
+    family is stale, as after a round of kernel work; oldest first, the
+    families the last call left out are the next call's first, so a few
+    calls measure them all. (The sweep never takes time a stale family
     needs, and goes before re-measuring what is already fresh.) Time goes in that
     order: each of those steps gets its full budget while the total allows,
     the first that does not fit gets what is left, and a step left under
@@ -180,14 +188,17 @@ def allocate(steps: list[Step], fresh: Optional[set[str]], total: int = TOTAL_BU
     remains (the run also gives the last step whatever the others did not
     use)."""
     fresh = fresh or set()
+    measured = measured or {}
     head = [s for s in steps if not s.family and s.name not in ("sanitizer", "tune")]
     tail = [s for s in steps if s.name == "sanitizer"]
-    measured = ([s for s in steps if s.family and s.family not in fresh]
-                + [s for s in steps if s.name == "tune"]
-                + [s for s in steps if s.family and s.family in fresh])
+    # ISO dates sort as text; "" (never measured) before any of them. sorted() keeps plan order in ties.
+    stale = sorted((s for s in steps if s.family and s.family not in fresh),
+                   key=lambda s: measured.get(s.family) or "")
+    ordered = (stale + [s for s in steps if s.name == "tune"]
+               + [s for s in steps if s.family and s.family in fresh])
     left = total - sum(s.budget for s in head) - SHORTEST * len(tail)
     given = []
-    for step in measured:
+    for step in ordered:
         seconds = min(step.budget, left)
         if seconds >= SHORTEST:
             given.append(dataclasses.replace(step, budget=seconds))
@@ -313,7 +324,8 @@ def run_all(names: list[str], prebuilt: Optional[Path], dry_run: bool) -> int:
     names = [n.partition("=")[0] for n in names]
     steps = [dataclasses.replace(s, budget=overrides.get(s.name, s.budget)) for s in steps]
     if names == ["all"]:
-        steps = allocate(steps, fresh_families())
+        fresh, measured = ledger_state()
+        steps = allocate(steps, fresh, measured=measured)
     else:
         known = {s.name for s in steps}
         unknown = [n for n in names if n not in known]
