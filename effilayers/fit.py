@@ -690,11 +690,20 @@ def _profile(model: nn.Module, call: _Call, parts: list[_Part], flops: bool = Tr
     final: dict = {}
     # Storages are told apart by address. A child's input that nothing saves
     # (a norm's output, which a ReLU does not keep) is freed once the child
-    # ran, and a later tensor a child does save could take its address: the
-    # plan would then count that input as kept already, and its order would
-    # depend on the allocator's state. Holding the inputs until the forward
-    # ends keeps every address taken once.
-    inputs: list[torch.Tensor] = []
+    # ran, and a later storage a child saves can take its address: the plan
+    # would count that input as kept already, and its order would depend on
+    # the allocator's state. An input whose storage is gone when the forward
+    # ends (while every saved storage still lives) gets a key of its own.
+    # Weak references, not the inputs themselves: holding them would add
+    # their bytes to the profile's peak, on a model that is being fitted
+    # because memory is short.
+    inputs: list[tuple[_Child, weakref.ref]] = []
+
+    def key_freed_inputs_apart() -> None:
+        for number, (record, storage) in enumerate(inputs):
+            if storage() is None:
+                record.input_key = ("freed input", number)
+
     with memory.track_activations(exclude=model) as meter:
         def seen() -> dict:
             return {storage.key: (storage.span_bytes, storage.saved_by) for storage in meter.storages()}
@@ -703,7 +712,7 @@ def _profile(model: nn.Module, call: _Call, parts: list[_Part], flops: bool = Tr
             first = next(_tensors_in(arguments), None)
             if first is not None:
                 record.input_key, record.input_bytes = memory.storage_key(first), _span_bytes(first)
-                inputs.append(first)
+                inputs.append((record, weakref.ref(first.untyped_storage())))
             snapshots.append(seen())
 
         def saves_after(record: _Child, output: Any) -> None:
@@ -714,8 +723,7 @@ def _profile(model: nn.Module, call: _Call, parts: list[_Part], flops: bool = Tr
                     record.saves[key] = (max(span - old_span, 0), max(count - old_count, 0))
             record.output_elements = sum(value.numel() for value in _tensors_in(output))
 
-        forward_with(saves_before, saves_after, lambda: final.update(seen()))
-    inputs.clear()
+        forward_with(saves_before, saves_after, lambda: (final.update(seen()), key_freed_inputs_apart()))
     storages = {}
     for key, (span, count) in final.items():
         owners = {(part, index) for part, records in enumerate(children)

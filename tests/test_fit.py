@@ -161,8 +161,9 @@ def test_checkpoint_steps_stop_just_under_the_budget_without_recomputing_the_who
     everything = _deep_sequential().double()
     monkeypatch.setattr(fit_module._Profile, "lower_bound", lambda self, state: 0)
     measured_all = effilayers.fit(everything, x, 0.6)
-    # Should they differ, the message says where each chain's bytes stood (a
-    # one-off failure in CI's torch 2.11 suite was not reproduced alone).
+    # Should they differ, the message says where each chain's bytes stood. (They
+    # did once in CI's torch 2.11 suite, when the profile read a freed input's
+    # address as a later saved storage: see the test after this one.)
     chains = "\n".join(f"{name}: before {result.before_bytes}, budget {result.budget_bytes}; " + "; ".join(
         f"{step.target} {step.detail} predicted {step.predicted_bytes} measured {step.measured_bytes}"
         for step in result.steps) for name, result in (("bounded", report), ("measured", measured_all)))
@@ -200,7 +201,8 @@ def test_the_profile_keeps_an_input_nothing_saves_apart_from_later_storages():
     # freed once it ran, and the next convolution's output, as big, may take
     # its address. The profile must not read that later storage as the ReLU's
     # input. Where the allocator reuses addresses varies with what ran before,
-    # so try several heap states.
+    # so try several heap states; without the profile's check this failed in
+    # torch 2.11 and 2.13 here.
     model = _deep_sequential().double()
     x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
     parts = fit_module._checkpoint_parts(model)
