@@ -192,7 +192,7 @@ def test_budget_rows_runs_only_the_rows_asked_for(tmp_path, monkeypatch):
     # The model's own rows stay (convert: it has BatchNorm + ReLU); of --budget's, only those asked for.
     assert [result["variant"] for result in report["results"]] == [
         "as given", "effilayers convert(inplace)", "fit(0.5)", budget.EVERY_BLOCK]
-    # Nothing reads as dropped: the other rows were not asked for.
+    # No line says a row was dropped: the others were not asked for.
     assert not any(budget.AUTO_SAC in line or "checkpoint_sequential" in line for line in report["skipped"])
     results = by_variant(report)
     assert results["fit(0.5)"]["ratios"]["activation_bytes"] <= 0.5
@@ -213,21 +213,32 @@ def test_budget_rows_without_the_fit_row_still_plans_for_the_torch_rows(monkeypa
     assert [row.name for row in rows] == ["checkpoint_sequential (fit's parts)"]
 
 
-@pytest.mark.parametrize("arguments, message", [
-    (["--budget-rows", "fit"], "--budget-rows chooses among --budget's rows; give --budget too"),
-])
-def test_budget_rows_without_a_budget_exits_2(capsys, arguments, message):
-    assert bench.main(arguments) == 2
-    assert message in capsys.readouterr().err
+def test_below_reach_a_torch_row_asked_for_says_why_it_is_dropped(monkeypatch):
+    from effilayers.bench.variants import variants_for
+
+    variants, _ = variants_for(MODEL)
+    rows, lines = budget.budget_variants(variants[:1], 0.05, example=lambda: torch.randn(2, 3, 16, 16),
+                                         prepare=lambda model: model.train(), autocast=contextlib.nullcontext,
+                                         only=frozenset({"checkpoint-to-fit"}))
+    # The fit row was not asked for: no line of its own, the reason in the torch row's.
+    assert rows == [] and len(lines) == 1
+    assert lines[0].startswith(f"{MODEL} / {budget.TORCH_CHECKPOINT}: dropped, fit has no plan to follow: ")
+    assert "smallest reachable figure" in lines[0]
 
 
-def test_an_unknown_budget_row_is_an_argparse_error_listing_the_rows(capsys):
+def test_budget_rows_without_a_budget_exits_2(capsys):
+    assert bench.main(["--budget-rows", "fit"]) == 2
+    assert "--budget-rows chooses among --budget's rows; give --budget too" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, shown", [("fit,every-block", "'every-block'"), ("", "''"), ("fit,", "''")])
+def test_an_unknown_budget_row_is_an_argparse_error_listing_the_rows(capsys, text, shown):
     with pytest.raises(SystemExit) as exit_info:
-        bench.main(["--budget", "0.5", "--budget-rows", "fit,every-block"])
+        bench.main(["--budget", "0.5", "--budget-rows", text])
     assert exit_info.value.code == 2
     err = " ".join(capsys.readouterr().err.split())
     rows = ", ".join(budget.BUDGET_ROWS)
-    assert f"argument --budget-rows: 'every-block': not a --budget row; the rows are {rows}" in err
+    assert f"argument --budget-rows: {shown}: not a --budget row; the rows are {rows}" in err
 
 
 def test_help_documents_budget(capsys):

@@ -323,9 +323,10 @@ def budget_variants(variants: list[Variant], budget: Union[float, int], example:
     there in training mode; ``autocast()``: the bench's --dtype context;
     ``offload``: fit may offload saved tensors (``fit(..., offload=True)``);
     ``only``: the rows to build, names from :data:`BUDGET_ROWS` (None: all;
-    the plain row is not one of them and always runs). ``fit`` runs here,
-    once, whichever rows are asked for (the torch rows follow its plan), so
-    that a budget below reach is known before the measurements."""
+    the model's own rows are not among them and always run). ``fit`` runs
+    here, once, whichever rows are asked for: checkpoint_sequential and
+    torch's checkpoint to fit's bytes follow its plan, and a budget below
+    reach is known before the measurements."""
     def wanted(row: str) -> bool:
         return only is None or row in only
 
@@ -350,12 +351,17 @@ def budget_variants(variants: list[Variant], budget: Union[float, int], example:
             if "smallest reachable" not in str(error):
                 raise
             fitted = None
-            dropped = f"{model_name} / {fit_name}: dropped, {error}"
+            error_text = str(error)
+            dropped = f"{model_name} / {fit_name}: dropped, {error_text}"
     rows: list[Variant] = []
     lines: list[str] = []
     if fitted is None:
-        lines.append(dropped)
-        segments, label = _sqrt_segments(plain.build()), "sqrt(n) segments; fit dropped"
+        if wanted("fit"):
+            lines.append(dropped)
+        if wanted("checkpoint-to-fit"):
+            lines.append(f"{model_name} / {TORCH_CHECKPOINT}: dropped, fit has no plan to follow: {error_text}")
+        segments = _sqrt_segments(plain.build()) if wanted("checkpoint-sequential") else {}
+        label = "sqrt(n) segments; fit dropped"
     else:
         # One checkpoint step per run of children: name each part once, with its segments.
         steps = ", ".join(dict.fromkeys(f"{step.kind} {step.target}".rstrip() for step in report.steps)) \

@@ -134,9 +134,9 @@ def _parser() -> argparse.ArgumentParser:
                              "plain activation bytes (0.35) or bytes as fit takes them (123456, 2GiB, 512MiB, "
                              "1.5GB); not with --compile")
     parser.add_argument("--budget-rows", type=budget_rows_argument, metavar="ROW[,ROW...]",
-                        help="with --budget: only these of its rows, beside plain PyTorch's "
-                             f"({', '.join(BUDGET_ROWS)}; default: all); fit plans whichever are asked for, since "
-                             "the torch rows follow its plan")
+                        help="with --budget: only these of its rows, beside the model's own "
+                             f"({', '.join(BUDGET_ROWS)}; default: all); fit plans whichever are asked for: two "
+                             "torch rows follow its plan, and a budget below reach shows before the timing")
     parser.add_argument("--offload", action="store_true",
                         help="with --budget on CUDA: fit(..., offload=True), whose plan may move the saved tensors "
                              "of units whose compute hides the copy to pinned host memory (the meter counts them "
