@@ -99,7 +99,8 @@ def plan(device: str, date: str, results: str) -> list[Step]:
             f"--junitxml={results}/gpu_tests-{device}-{date}.xml")),
         # Each op family's cuda cases, with the seconds its bench file
         # declares (LEDGER; ledger.op_families finds them), the shortest
-        # first: among stale families, one session then measures the most.
+        # first: among stale families measured on the same day (or never),
+        # one session then measures the most.
         *(Step(family.name, family.gpu_seconds, (bench(family.prefixes[0], family.bench, "cuda"),),
                family=family.name)
           for family in sorted(op_families(), key=lambda family: family.gpu_seconds) if family.gpu_seconds),

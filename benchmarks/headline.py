@@ -9,7 +9,7 @@ Prints one markdown table per results file (device, settings and the exact
 command above it); with ``--page`` the text between
 ``<!-- headline:start -->`` and ``<!-- headline:end -->`` in each such file is
 replaced by them (``--section fit``: between ``<!-- fit:start -->`` and
-``<!-- fit:end -->``, a page's second table). tests/test_bench_cli.py checks
+``<!-- fit:end -->``, the README's second table). tests/test_bench_cli.py checks
 that each section of ``SECTIONS`` is what this script makes of the files it
 names; ``--refresh`` regenerates them all from the files they name.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -26,9 +27,9 @@ from typing import Optional
 from effilayers.bench import agreement, gradient_cell, measured_cells
 
 HEADLINE = "headline"
-# (file, section) of every generated table: the README's headline is the
-# bench's own results, its fit section and docs/benchmarks/fit.md's the
-# `--budget` runs
+# (file, section) of every generated table: the headlines of the README and
+# docs/benchmarks/index.md are the bench's own results, the README's fit
+# section and docs/benchmarks/fit.md's the `--budget` runs
 SECTIONS = (("README.md", HEADLINE), ("README.md", "fit"), ("docs/benchmarks/index.md", HEADLINE),
             ("docs/benchmarks/fit.md", HEADLINE))
 
@@ -145,20 +146,25 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--page", "--readme", dest="page", action="append", default=[],
                         help="replace the section of this file (repeatable; the generated sections: "
                              f"{', '.join(f'{page} {name}' for page, name in SECTIONS)})")
-    parser.add_argument("--section", default=HEADLINE,
-                        help=f"which section of the pages (default: {HEADLINE}; a README's second table: fit)")
+    parser.add_argument("--section", default=HEADLINE, choices=sorted({name for _, name in SECTIONS}),
+                        help=f"which section of the pages (default: {HEADLINE}; the README's second table: fit)")
     parser.add_argument("--refresh", action="store_true",
                         help="regenerate every section of SECTIONS from the files it names already (after a change "
                              "to how tables are drawn); no results or --page with it")
     args = parser.parse_args(argv)
     if args.refresh:
-        if args.results or args.page:
-            parser.error("--refresh takes no results files and no --page: each section names its own")
+        if args.results or args.page or args.section != HEADLINE:
+            parser.error("--refresh takes no results files, --page or --section: it regenerates every section "
+                         "from the files it names")
+        # The pages, and the files they name, are relative to the repository's root.
+        os.chdir(Path(__file__).resolve().parent.parent)
         for page, name in SECTIONS:
-            path = Path(page)
-            text = path.read_text()
-            path.write_text(replace_in(text, render(sources(text, name)), name))
-            print(f"updated {path} ({name})")
+            text = Path(page).read_text()
+            named = sources(text, name)
+            if not named:
+                parser.error(f"--refresh: the {name} section of {page} names no benchmarks/results file")
+            Path(page).write_text(replace_in(text, render(named), name))
+            print(f"updated {page} ({name})")
         return 0
     if not args.results:
         parser.error("give the results files (or --refresh)")

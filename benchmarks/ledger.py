@@ -4,7 +4,7 @@ the family's target, and whether the result is fresh or stale.
 
     python3 benchmarks/ledger.py            # write benchmarks/results/GPU.md
     python3 benchmarks/ledger.py --check    # exit 1 when GPU.md is not what it would write
-    python3 benchmarks/ledger.py --order    # family names, stale ones first
+    python3 benchmarks/ledger.py --order    # family names in the order a GPU session measures them
 
 GPU results are the files in benchmarks/results named
 ``<prefix>-<device>-<YYYY-MM-DD>[-anything].json`` (or ``.log`` / ``.md``)
@@ -15,8 +15,9 @@ the change cannot have measured it, whatever the day). A JSON that records
 the commit it measured (``machine_info.effilayers.commit``) is judged by that
 commit alone. Without git history every family is stale.
 
-``benchmarks/gpu_session.py`` imports :func:`ledger_rows` and
-:func:`stale_first` to spend a GPU session on the stale families first.
+``benchmarks/gpu_session.py`` imports :func:`ledger_rows` to spend a GPU
+session on the stale families first, least recently measured first, the
+order :func:`stale_first` lists.
 """
 
 from __future__ import annotations
@@ -462,8 +463,12 @@ def _rows(root: Path, history: bool) -> list[Row]:
 
 
 def stale_first(root: Path) -> list[str]:
+    """The families as a GPU session measures them: the stale ones, least
+    recently measured first (never before any date; ties in ledger order),
+    then the fresh ones."""
     rows = ledger_rows(Path(root))
-    return [row.family for row in rows if not row.fresh] + [row.family for row in rows if row.fresh]
+    stale = sorted((row for row in rows if not row.fresh), key=lambda row: row.result_date or "")
+    return [row.family for row in stale] + [row.family for row in rows if row.fresh]
 
 
 def _cell(text: str) -> str:
@@ -483,7 +488,7 @@ def render(root: Path) -> str:
         "they answer to. A result is fresh when it is dated on or after the kernel change's day and, if "
         "committed, was committed with that change in its history (or, when its JSON records "
         "`machine_info.effilayers.commit`, when that commit contains the change); no result is stale. "
-        f"`{COMMAND} --order` lists the stale families first.",
+        f"`{COMMAND} --order` lists the stale families first, least recently measured first.",
         "",
     ]
     if not history:
@@ -565,7 +570,8 @@ def main(argv: Optional[list[str]] = None, root: Optional[Path] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--check", action="store_true", help=f"exit 1 when {LEDGER} is not what this would write")
-    mode.add_argument("--order", action="store_true", help="print the family names, stale ones first")
+    mode.add_argument("--order", action="store_true",
+                      help="print the family names, stale ones first, least recently measured first")
     args = parser.parse_args(argv)
     root = Path(__file__).resolve().parents[1] if root is None else Path(root)
     if args.order:

@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from benchmarks import headline
 from effilayers import bench
 
 from .bench_cases import HAVE_MATPLOTLIB, needs_matplotlib, run_bench
@@ -355,19 +356,14 @@ def test_both_kinds_of_error_share_one_prefix(capsys):
     assert capsys.readouterr().err.startswith("effilayers-bench: error: --batch")
 
 
-@pytest.mark.parametrize("page, name", [("README.md", "headline"), ("README.md", "fit"),
-                                        ("docs/benchmarks/index.md", "headline"),
-                                        ("docs/benchmarks/fit.md", "headline")])
+@pytest.mark.parametrize("page, name", headline.SECTIONS)
 def test_headline_tables_are_generated_from_the_committed_results(page, name, monkeypatch):
     """The headline tables of the README and of the docs' benchmark pages are
     exactly what benchmarks/headline.py makes of the results files each names:
     nobody edits the numbers by hand."""
     from pathlib import Path
 
-    from benchmarks import headline
-
     root = Path(__file__).resolve().parent.parent
-    assert (page, name) in headline.SECTIONS
     text = (root / page).read_text()
     sources = headline.sources(text, name)
     assert sources, f"the {name} section of {page} names no results file"
@@ -377,3 +373,21 @@ def test_headline_tables_are_generated_from_the_committed_results(page, name, mo
         assert {"command", "settings", "environment", "results"} <= set(report)
     assert headline.section(text, name).strip() == headline.render(sources).strip()
 
+
+
+@pytest.mark.parametrize("arguments", [["--refresh", "benchmarks/results/bench-cpu-2026-11-27.json"],
+                                       ["--refresh", "--page", "README.md"], ["--refresh", "--section", "fit"]])
+def test_headline_refresh_takes_nothing_else(arguments, capsys):
+    with pytest.raises(SystemExit) as exited:
+        headline.main(arguments)
+    assert exited.value.code == 2
+    assert "--refresh takes no results files, --page or --section" in capsys.readouterr().err
+
+
+def test_a_named_section_is_replaced_alone():
+    page = "a\n<!-- headline:start -->\nold\n<!-- headline:end -->\nb\n<!-- fit:start -->\nold fit\n<!-- fit:end -->\n"
+    replaced = headline.replace_in(page, "new fit", "fit")
+    assert headline.section(replaced, "fit").strip() == "new fit"
+    assert headline.section(replaced).strip() == "old" and replaced.startswith("a\n") and replaced.endswith("-->\n")
+    with pytest.raises(ValueError, match="one <!-- nope:start --> ... <!-- nope:end --> section"):
+        headline.section(page, "nope")

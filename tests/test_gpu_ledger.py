@@ -172,16 +172,29 @@ def test_without_git_every_family_is_stale(tmp_path, capsys):
     entropy = rows[NAMES.index("cross_entropy")]
     assert entropy.result == "cross_entropy-h200-2026-11-20.json"
     assert entropy.reason == "kernel history unknown (no git history here)"
-    assert ledger.stale_first(tmp_path) == NAMES
+    # All stale: never measured first, in ledger order, then by the date of
+    # the newest result (softmax 11-19, cross_entropy 11-20, pooling 11-22).
+    dated = {row.family: row.result_date for row in rows if row.result_date}
+    assert dated["softmax"] < dated["cross_entropy"] < dated["pooling"] < "2026-11-25"
+    expected = [name for name in NAMES if name not in dated] + ["softmax", "cross_entropy", "pooling"] + [
+        name for name in NAMES if dated.get(name) == "2026-11-25"]
+    assert sorted(expected) == sorted(NAMES)
+    assert ledger.stale_first(tmp_path) == expected
     text = ledger.render(tmp_path)
     assert "No git history here" in text and text.count("unknown (no git)") == len(NAMES)
     capsys.readouterr()
-    assert ledger.main(["--order"], root=tmp_path) == 0 and capsys.readouterr().out.split() == NAMES
+    assert ledger.main(["--order"], root=tmp_path) == 0 and capsys.readouterr().out.split() == expected
 
 
 def test_order_puts_stale_families_first_and_check_tracks_the_file(tmp_path, capsys):
     _kernel_repo(tmp_path)
-    stale = [name for name in NAMES if name not in ("cross_entropy", "pooling")]
+    rows = {row.family: row for row in ledger.ledger_rows(tmp_path)}
+    # The stale ones least recently measured first: never, then softmax's
+    # result of 11-19, then those of 11-25 in ledger order.
+    never = [name for name in NAMES if name not in ("cross_entropy", "pooling") and not rows[name].result_date]
+    latest = [name for name in NAMES if name not in ("cross_entropy", "pooling", "softmax") and rows[name].result_date]
+    assert rows["softmax"].result_date == "2026-11-19" and all(rows[n].result_date == "2026-11-25" for n in latest)
+    stale = never + ["softmax"] + latest
     assert ledger.stale_first(tmp_path) == stale + ["cross_entropy", "pooling"]
     # The script itself, as benchmarks/gpu_session.py's callers run it.
     order = _run(tmp_path, "--order")

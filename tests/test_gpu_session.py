@@ -70,18 +70,19 @@ def test_time_goes_to_stale_families_first_and_whole():
 def test_stale_families_go_least_recently_measured_first():
     from benchmarks.gpu_session import SHORTEST, allocate
 
-    steps = _steps(("abn", 20), ("softmax", 60), ("max_batch", 180), ("fit", 120), ("pooling", 30))
+    steps = _steps(("pooling", 30), ("softmax", 60), ("max_batch", 180), ("fit", 120), ("abn", 20))
     measured = {"abn": "2026-11-28", "softmax": "2026-11-27", "max_batch": None, "pooling": "2026-11-28"}
     given = allocate(steps, fresh=set(), total=110 + 300 + SHORTEST, measured=measured)
     # Never measured (max_batch, and fit, which the ledger does not name) in
-    # plan order, then the oldest result; abn and pooling wait for the next call.
+    # plan order; only those two fit, and softmax, pooling and abn wait.
     assert [s.name for s in given] == ["build", "tests", "max_batch", "fit", "sanitizer"]
     roomy = allocate(steps, fresh=set(), total=1000, measured=measured)
-    assert [s.name for s in roomy][2:-1] == ["max_batch", "fit", "softmax", "abn", "pooling"]
+    # Then the oldest result; pooling and abn, measured the same day, in plan order.
+    assert [s.name for s in roomy][2:-1] == ["max_batch", "fit", "softmax", "pooling", "abn"]
     # Once measured, those go to the back: the next call takes the rest.
     later = dict(measured, max_batch="2026-11-30", fit="2026-11-30")
     assert [s.name for s in allocate(steps, fresh=set(), total=1000, measured=later)][2:-1] == [
-        "softmax", "abn", "pooling", "max_batch", "fit"]
+        "softmax", "pooling", "abn", "max_batch", "fit"]
 
 
 def test_the_tuning_sweep_waits_for_the_stale_families():
