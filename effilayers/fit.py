@@ -699,11 +699,6 @@ def _profile(model: nn.Module, call: _Call, parts: list[_Part], flops: bool = Tr
     # because memory is short.
     inputs: list[tuple[_Child, weakref.ref]] = []
 
-    def key_freed_inputs_apart() -> None:
-        for number, (record, storage) in enumerate(inputs):
-            if storage() is None:
-                record.input_key = ("freed input", number)
-
     with memory.track_activations(exclude=model) as meter:
         def seen() -> dict:
             return {storage.key: (storage.span_bytes, storage.saved_by) for storage in meter.storages()}
@@ -723,7 +718,13 @@ def _profile(model: nn.Module, call: _Call, parts: list[_Part], flops: bool = Tr
                     record.saves[key] = (max(span - old_span, 0), max(count - old_count, 0))
             record.output_elements = sum(value.numel() for value in _tensors_in(output))
 
-        forward_with(saves_before, saves_after, lambda: (final.update(seen()), key_freed_inputs_apart()))
+        def at_end() -> None:
+            final.update(seen())
+            for number, (record, storage) in enumerate(inputs):
+                if storage() is None:
+                    record.input_key = ("freed input", number)
+
+        forward_with(saves_before, saves_after, at_end)
     storages = {}
     for key, (span, count) in final.items():
         owners = {(part, index) for part, records in enumerate(children)

@@ -35,6 +35,15 @@ def _no_auto_sac(monkeypatch) -> None:
     monkeypatch.setattr(budget, "plan_auto_sac", unavailable)
 
 
+def _rows_of_tiny_model(budget_value, **options):
+    """budget_variants on MODEL's plain row, on the CPU, outside the bench."""
+    from effilayers.bench.variants import variants_for
+
+    variants, _ = variants_for(MODEL)
+    return budget.budget_variants(variants[:1], budget_value, example=lambda: torch.randn(2, 3, 16, 16),
+                                  prepare=lambda model: model.train(), autocast=contextlib.nullcontext, **options)
+
+
 def tiny_deep_model() -> nn.Module:
     """Imported by the bench: one nn.Sequential deep enough for fit to checkpoint."""
     layers: list[nn.Module] = [nn.Conv2d(3, 8, 3, padding=1, bias=False)]
@@ -166,18 +175,13 @@ def test_offload_without_a_cuda_budget_exits_2(capsys, arguments):
 
 
 def test_offload_reaches_fit_and_names_the_row(monkeypatch):
-    from effilayers.bench.variants import variants_for
-
     _no_auto_sac(monkeypatch)
     asked = []
     real_fit = budget.fit
     monkeypatch.setattr(budget, "fit", lambda *args, **kwargs: asked.append(kwargs) or real_fit(*args, **kwargs))
     # Not the point here, and it measures the plain model under torch's checkpoint, run by run.
     monkeypatch.setattr(budget, "_torch_checkpoint_row", lambda plain, *args: plain)
-    variants, _ = variants_for(MODEL)
-    rows, _ = budget.budget_variants(variants[:1], 0.5, example=lambda: torch.randn(2, 3, 16, 16),
-                                     prepare=lambda model: model.train(), autocast=contextlib.nullcontext,
-                                     offload=True)
+    rows, _ = _rows_of_tiny_model(0.5, offload=True)
     assert asked == [{"offload": True}]
     assert rows[0].name == "fit(0.5, offload)"
 
@@ -200,26 +204,16 @@ def test_budget_rows_runs_only_the_rows_asked_for(tmp_path, monkeypatch):
 
 
 def test_budget_rows_without_the_fit_row_still_plans_for_the_torch_rows(monkeypatch):
-    from effilayers.bench.variants import variants_for
-
     planned = []
     real_fit = budget.fit
     monkeypatch.setattr(budget, "fit", lambda *args, **kwargs: planned.append(True) or real_fit(*args, **kwargs))
-    variants, _ = variants_for(MODEL)
-    rows, lines = budget.budget_variants(variants[:1], 0.5, example=lambda: torch.randn(2, 3, 16, 16),
-                                         prepare=lambda model: model.train(), autocast=contextlib.nullcontext,
-                                         only=frozenset({"checkpoint-sequential"}))
+    rows, lines = _rows_of_tiny_model(0.5, only=frozenset({"checkpoint-sequential"}))
     assert planned == [True] and lines == []
     assert [row.name for row in rows] == ["checkpoint_sequential (fit's parts)"]
 
 
 def test_below_reach_a_torch_row_asked_for_says_why_it_is_dropped(monkeypatch):
-    from effilayers.bench.variants import variants_for
-
-    variants, _ = variants_for(MODEL)
-    rows, lines = budget.budget_variants(variants[:1], 0.05, example=lambda: torch.randn(2, 3, 16, 16),
-                                         prepare=lambda model: model.train(), autocast=contextlib.nullcontext,
-                                         only=frozenset({"checkpoint-to-fit"}))
+    rows, lines = _rows_of_tiny_model(0.05, only=frozenset({"checkpoint-to-fit"}))
     # The fit row was not asked for: no line of its own, the reason in the torch row's.
     assert rows == [] and len(lines) == 1
     assert lines[0].startswith(f"{MODEL} / {budget.TORCH_CHECKPOINT}: dropped, fit has no plan to follow: ")

@@ -350,16 +350,14 @@ def budget_variants(variants: list[Variant], budget: Union[float, int], example:
         except ValueError as error:
             if "smallest reachable" not in str(error):
                 raise
-            fitted = None
-            error_text = str(error)
-            dropped = f"{model_name} / {fit_name}: dropped, {error_text}"
+            fitted, unreachable = None, str(error)
     rows: list[Variant] = []
     lines: list[str] = []
     if fitted is None:
         if wanted("fit"):
-            lines.append(dropped)
+            lines.append(f"{model_name} / {fit_name}: dropped, {unreachable}")
         if wanted("checkpoint-to-fit"):
-            lines.append(f"{model_name} / {TORCH_CHECKPOINT}: dropped, fit has no plan to follow: {error_text}")
+            lines.append(f"{model_name} / {TORCH_CHECKPOINT}: dropped, fit has no plan to follow: {unreachable}")
         segments = _sqrt_segments(plain.build()) if wanted("checkpoint-sequential") else {}
         label = "sqrt(n) segments; fit dropped"
     else:
