@@ -91,8 +91,10 @@ def test_budget_rows_sit_beside_plain_with_bytes_and_ratios(tmp_path, monkeypatc
     assert compiled["activation_bytes"] <= plain["activation_bytes"]
     # no random op here: every row's recomputation gives plain's gradients
     assert plain["gradients_match"] is None
+    for row in (plain, fitted, torch_checkpoint, compiled, torch_runs, every_block):
+        assert row["gradient_dtype"] == "float64"
     for row in (fitted, torch_checkpoint, compiled, torch_runs, every_block):
-        assert row["gradients_match"] is True and row["gradient_max_rel_diff"] <= 1e-4
+        assert row["gradients_match"] is True and row["gradient_max_rel_diff"] <= 1e-7
     # torch's auto-SAC estimates on a CUDA device only: here its row says why it is missing, in torch's words
     assert budget.AUTO_SAC not in results
     dropped = _auto_sac_dropped_because(report)
@@ -386,6 +388,60 @@ def test_compare_gradients_names_the_worst_parameter_and_a_missing_one():
     # bfloat16 autocast rounds more: the same difference within its tolerance
     assert 0.25 > GRADIENT_TOLERANCE[torch.bfloat16]
     assert compare_gradients({"a": reference["a"]}, reference, torch.float32) == (False, float("inf"), "b")
+
+
+class _NormSummedElsewhere(nn.BatchNorm2d):
+    """BatchNorm2d's training function, its sums in another order."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean = x.mean(dim=(0, 2, 3), keepdim=True)
+        variance = (x - mean).square().mean(dim=(0, 2, 3), keepdim=True)
+        return (x - mean) * torch.rsqrt(variance + self.eps) * self.weight[:, None, None] + self.bias[:, None, None]
+
+
+def _deep_norm_stack(norm: type[nn.BatchNorm2d], depth: int = 30) -> nn.Module:
+    layers: list[nn.Module] = [nn.Conv2d(3, 8, 3, padding=1, bias=False)]
+    for _ in range(depth):
+        layers += [norm(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1, bias=False)]
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5))
+
+
+def test_the_gradient_check_steps_in_float64_on_cpu_and_leaves_the_timed_model_as_it_was():
+    """Thirty BatchNorms at batch 2 amplify float32 rounding: a row that
+    sums in another order is thousands of times further from plain in
+    float32 than in float64, where the check runs on CPU. The models go back
+    to float32, their parameters and running statistics unchanged."""
+    from effilayers.bench import measure
+    from effilayers.bench.variants import Variant
+
+    setup = measure.Setup(torch.device("cpu"), batch=2, size=4, dtype=torch.float32, channels_last=False, steps=1,
+                          train_steps=0)
+    torch.manual_seed(0)
+    plain = _deep_norm_stack(nn.BatchNorm2d).train()
+    row = _deep_norm_stack(_NormSummedElsewhere).train()
+    row.load_state_dict(plain.state_dict())
+    before = {name: tensor.clone() for name, tensor in row.state_dict().items()}
+    assert measure.gradient_check_dtype(row, setup) == torch.float64
+    # what a float32 check would compare
+    difference32 = measure.compare_gradients(measure.step_gradients(row, row, setup, 5),
+                                             measure.step_gradients(plain, plain, setup, 5), torch.float32)[1]
+
+    def session(model: nn.Module, name: str) -> measure._Session:
+        return measure._Session(Variant("stack", name, lambda: model, check_gradients=True), model, model, [], True,
+                                None, None, None)
+
+    reference: dict[str, torch.Tensor] = {}
+    plain_session, row_session = session(plain, "plain"), session(row, "summed elsewhere")
+    measure._check_gradients(plain_session, setup, 5, True, reference)
+    assert all(gradient.dtype == torch.float64 for gradient in reference.values())
+    measure._check_gradients(row_session, setup, 5, False, reference)
+    assert row_session.gradients_match is True
+    assert row_session.gradient_dtype == plain_session.gradient_dtype == "float64"
+    assert row_session.gradient_max_rel_diff < 1e-3 * difference32
+    assert row_session.gradient_max_rel_diff <= measure.GRADIENT_TOLERANCE[torch.float64]
+    for name, tensor in row.state_dict().items():
+        assert tensor.dtype == before[name].dtype and torch.equal(tensor, before[name]), name
+    assert all(parameter.grad is None for parameter in row.parameters())
 
 
 def test_checkpoint_every_block_keeps_keys_outputs_and_gradients():

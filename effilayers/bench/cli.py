@@ -130,7 +130,8 @@ def _parser() -> argparse.ArgumentParser:
                              "torch.distributed._tools.sac_milp choice of modules and ops to checkpoint at the same "
                              "fraction (needs a CUDA device, pulp and pwlf; elsewhere a line says why it is dropped); "
                              "every row's 'grads = plain' says whether one step's parameter gradients, dropout "
-                             "drawing, equal the plain model's; BUDGET: a fraction in (0, 1] of the "
+                             "drawing, equal the plain model's (on CPU in a float64 step, so that float32 "
+                             "rounding does not hide the answer); BUDGET: a fraction in (0, 1] of the "
                              "plain activation bytes (0.35) or bytes as fit takes them (123456, 2GiB, 512MiB, "
                              "1.5GB); not with --compile")
     parser.add_argument("--budget-rows", type=budget_rows_argument, metavar="ROW[,ROW...]",

@@ -33,7 +33,8 @@ from ..max_batch import find_max_batch, is_out_of_memory, max_tries, release_mem
 from .variants import BenchError, Variant
 
 __all__ = ["Setup", "Result", "time_call", "SEED", "LOSS_NOISE_FACTOR", "LOSS_TOLERANCE_FLOOR", "count_ticks",
-           "run_model", "SPREAD_WARNING", "CLOCKS", "GRADIENT_TOLERANCE", "step_gradients", "compare_gradients"]
+           "run_model", "SPREAD_WARNING", "CLOCKS", "GRADIENT_TOLERANCE", "step_gradients", "gradient_check_dtype",
+           "compare_gradients"]
 
 SEED = 0
 # --train: a variant's loss at step t may differ from its float64 reference by
@@ -53,11 +54,18 @@ SPREAD_WARNING = 0.15
 CLOCKS = {"wall": "wall clock", "cpu": "process CPU time"}
 # --budget's gradient check: a row's gradients match plain PyTorch's when, in
 # every parameter, the largest difference is at most this fraction of the
-# largest plain gradient. Recomputation that replays the forward's random
-# draws runs the same kernels on the same numbers (0 on CPU); a compiled
-# graph reorders sums (~1e-6 in float32); a dropout mask drawn again differs
-# by the order of the gradients themselves.
-GRADIENT_TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+# largest plain gradient. On CPU the check's step runs in float64 (the model
+# is converted for that step and back): a BatchNorm at batch 2 amplifies
+# float32 rounding to percents in a weight's gradient (DenseNet-121's first
+# norm weight: plain float32 is 3% from float64), and a row that sums in
+# another order would differ by as much; in float64 that amplified rounding
+# stays many orders below the tolerance. Recomputation that replays the
+# forward's random draws runs the same kernels on the same numbers (0 on
+# CPU); a compiled graph reorders sums (~1e-6 in float32); a dropout mask
+# drawn again differs by the order of the gradients themselves. On a GPU the
+# check runs at the bench's dtype: fused kernels draw their dropout masks per
+# dtype, so a float64 step would not be the timed computation's.
+GRADIENT_TOLERANCE = {torch.float64: 1e-7, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
 # The seed the gradient check's dropout draws from, the same for every row.
 GRADIENT_SEED = SEED + 7919
 
@@ -220,6 +228,14 @@ def step_gradients(model: nn.Module, runner: nn.Module, setup: Setup, num_classe
     return gradients
 
 
+def gradient_check_dtype(model: nn.Module, setup: Setup) -> torch.dtype:
+    """The dtype --budget's gradient check runs in (see GRADIENT_TOLERANCE):
+    float64 for a float32 model on CPU, else the bench's ``setup.dtype``."""
+    floating = {tensor.dtype for tensor in itertools.chain(model.parameters(), model.buffers())
+                if tensor.is_floating_point()}
+    return torch.float64 if setup.device.type == "cpu" and floating == {torch.float32} else setup.dtype
+
+
 def compare_gradients(gradients: dict[str, torch.Tensor], reference: dict[str, torch.Tensor],
                       dtype: torch.dtype) -> tuple[bool, float, str]:
     """(whether ``gradients`` match ``reference`` within GRADIENT_TOLERANCE
@@ -276,6 +292,7 @@ class _Session:
     # --budget's gradient check (Result's fields of the same names).
     gradients_match: Optional[bool] = None
     gradient_max_rel_diff: Optional[float] = None
+    gradient_dtype: Optional[str] = None
 
 
 def _fits(call: Callable[[], Any], setup: Setup) -> bool:
@@ -472,6 +489,8 @@ class Result:
     # difference; None where not checked (plain itself is the reference).
     gradients_match: Optional[bool] = None
     gradient_max_rel_diff: Optional[float] = None
+    # The dtype that step ran in ("float64" on CPU: gradient_check_dtype).
+    gradient_dtype: Optional[str] = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -496,32 +515,48 @@ def count_ticks(variants: list[Variant], setup: Setup, max_batch_limit: Optional
 
 def _check_gradients(session: _Session, setup: Setup, num_classes: int, first: bool,
                      reference: dict[str, torch.Tensor]) -> None:
-    """--budget's gradient check of a started session: the first variant's
-    gradients become ``reference``, the others' are compared with them. A
-    row that compiles (``Variant.compiled``) compiles here, with eager's
-    random kernels (torch._inductor.config.fallback_random), so that its
-    forward draws plain's dropout masks and a difference comes from its
-    backward."""
+    """--budget's gradient check of a started session, in
+    :func:`gradient_check_dtype`: the first variant's gradients become
+    ``reference``, the others' are compared with them. A row that compiles
+    (``Variant.compiled``) compiles here, with eager's random kernels
+    (torch._inductor.config.fallback_random), so that its forward draws
+    plain's dropout masks and a difference comes from its backward."""
+    dtype = gradient_check_dtype(session.model, setup)
+    session.gradient_dtype = str(dtype).removeprefix("torch.")
     context: ContextManager = nullcontext()
     if session.variant.compiled or session.variant.under_compile:
-        import torch._inductor.config
+        from torch._inductor import config as inductor_config
 
-        context = torch._inductor.config.patch(fallback_random=True)
-        session.notes.append("gradient check: compiled with torch._inductor.config.fallback_random=True (eager's "
-                             "random kernels, kept for the timed steps), so its forward draws plain's dropout masks")
+        context = inductor_config.patch(fallback_random=True)
+        session.notes.append(
+            "gradient check: compiled with torch._inductor.config.fallback_random=True (eager's random kernels), "
+            "so its forward draws plain's dropout masks; " + (
+                "compiled again for the timed steps, at the bench's dtype and without it" if dtype != setup.dtype else
+                "the timed steps run that compiled graph"))
     with context:
-        gradients = step_gradients(session.model, session.runner, setup, num_classes)
+        if dtype == setup.dtype:
+            gradients = step_gradients(session.model, session.runner, setup, num_classes)
+        else:
+            # Parameters and buffers go to float64 and back in place (float32
+            # -> float64 -> float32 is exact), so hooks, fit's wrappers and a
+            # compiled forward stay those of the model the steps time.
+            session.model.to(dtype)
+            try:
+                gradients = step_gradients(session.model, session.runner, dataclasses.replace(setup, dtype=dtype),
+                                           num_classes)
+            finally:
+                session.model.to(torch.float32)
     if first:
         reference.update(gradients)
         return
     if not reference:
         session.notes.append("gradient check: no reference (plain PyTorch did not run its check)")
         return
-    match, worst, where = compare_gradients(gradients, reference, setup.dtype)
+    match, worst, where = compare_gradients(gradients, reference, dtype)
     session.gradients_match, session.gradient_max_rel_diff = match, worst
     if not match:
         session.notes.append(f"gradients differ from plain PyTorch's: largest relative difference {worst:.2e} "
-                             f"(in {where}), above {GRADIENT_TOLERANCE[setup.dtype]:g}")
+                             f"(in {where}), above {GRADIENT_TOLERANCE[dtype]:g} in {session.gradient_dtype}")
 
 
 def _start(variant: Variant, reference_state: dict[str, torch.Tensor], first: bool, setup: Setup,
@@ -674,7 +709,7 @@ def _finish(session: _Session, setup: Setup, num_classes: int, max_batch_limit: 
     session.model = session.runner = None  # type: ignore[assignment]
     return Result(variant.model, variant.name, session.same_weights, losses=losses, max_batch=max_batch,
                   gradients_match=session.gradients_match, gradient_max_rel_diff=session.gradient_max_rel_diff,
-                  notes=notes, **measured)
+                  gradient_dtype=session.gradient_dtype, notes=notes, **measured)
 
 
 def _check_losses(results: list[Result], variants: list[Variant],
