@@ -9,7 +9,10 @@ Prints one markdown table per results file (device, settings and the exact
 command above it); with ``--page`` the text between
 ``<!-- headline:start -->`` and ``<!-- headline:end -->`` in each such file is
 replaced by them (``--section fit``: between ``<!-- fit:start -->`` and
-``<!-- fit:end -->``, the README's second table). tests/test_bench_cli.py checks
+``<!-- fit:end -->``, the README's second table; ``--section runs``: one
+table per group of consecutive files that are runs of one command on one
+machine, a step-time column per run, as docs/benchmarks/fit.md sums up its
+targets). tests/test_bench_cli.py checks
 that each section of ``SECTIONS`` is what this script makes of the files it
 names; ``--refresh`` regenerates them all from the files they name.
 """
@@ -27,11 +30,13 @@ from typing import Optional
 from effilayers.bench import agreement, gradient_cell, measured_cells
 
 HEADLINE = "headline"
+# A section of repeated runs: one table per command, a column per run
+RUNS = "runs"
 # (file, section) of every generated table: the headlines of the README and
 # docs/benchmarks/index.md are the bench's own results, the README's fit
 # section and docs/benchmarks/fit.md's the `--budget` runs
 SECTIONS = (("README.md", HEADLINE), ("README.md", "fit"), ("docs/benchmarks/index.md", HEADLINE),
-            ("docs/benchmarks/fit.md", HEADLINE))
+            ("docs/benchmarks/fit.md", RUNS), ("docs/benchmarks/fit.md", HEADLINE))
 
 
 def markers(name: str = HEADLINE) -> tuple[str, str]:
@@ -119,6 +124,75 @@ def render(paths: list[str]) -> str:
     return "\n\n".join(blocks)
 
 
+def _without_json(command: str) -> str:
+    return re.sub(r" --json \S+", "", command)
+
+
+def _run_group(report: dict) -> tuple:
+    """What runs of one command share: the command but for its --json path,
+    the machine and the rows."""
+    return (_without_json(_command(report)), _device(report),
+            tuple((r["model"], r["variant"]) for r in report["results"]))
+
+
+def runs_table(named: list[tuple[str, dict]]) -> str:
+    """One table for runs of one command (``named``: (path, report) each):
+    per row its activation bytes as a ratio to plain's (one figure where
+    every run agrees), each run's step time as a ratio to plain's in that
+    run, and the gradient check of every run."""
+    source, first = named[0]
+    settings = first["settings"]
+    tokens = settings.get("tokens")
+    count = len(named)
+    lines = [
+        f"{count} run{'s' * (count != 1)} of `{_without_json(_command(first))}` (the `--json` file left out) on "
+        f"{_device(first)}; batch {settings['batch']}, "
+        f"{f'{tokens} tokens' if tokens else '{0}×{0}'.format(settings['size'])}, {settings['dtype']}; "
+        f"median of {settings['steps']} steps. Ratios are to plain PyTorch in the same run.",
+        "",
+        *(f"- `{path}`: run {index}" for index, (path, _) in enumerate(named, 1)),
+        "",
+    ]
+    gradients = any(r.get("gradients_match") is not None for _, report in named for r in report["results"])
+    header = ["model", "variant", "activation bytes"] + [f"step, run {index}" for index in range(1, count + 1)]
+    if gradients:
+        header.append("grads = plain")
+    lines += ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    # The gradient check's reference: each model's first row.
+    models = [r["model"] for r in first["results"]]
+    firsts = {models.index(model) for model in models}
+    for index, r in enumerate(first["results"]):
+        rows = [report["results"][index] for _, report in named]
+        byte_ratios = sorted({f"{row['ratios']['activation_bytes']:.2f}×" for row in rows
+                              if row.get("ratios", {}).get("activation_bytes") is not None})
+        cells = [r["model"], r["variant"], " / ".join(byte_ratios) or "n/a"]
+        cells += [f"{row['ratios']['step_time']:.2f}×" if row.get("ratios", {}).get("step_time") is not None
+                  else "n/a" for row in rows]
+        if gradients:
+            checks = [gradient_cell(row, reference=index in firsts) for row in rows]
+            cells.append(checks[0] if len(set(checks)) == 1 else " / ".join(checks))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def render_runs(paths: list[str]) -> str:
+    """:func:`runs_table` of each group of consecutive files that are runs
+    of one command on one machine."""
+    groups: list[list[tuple[str, dict]]] = []
+    for path in paths:
+        report = json.loads(Path(path).read_text())
+        if groups and _run_group(groups[-1][0][1]) == _run_group(report):
+            groups[-1].append((Path(path).as_posix(), report))
+        else:
+            groups.append([(Path(path).as_posix(), report)])
+    return "\n\n".join(runs_table(group) for group in groups)
+
+
+def render_section(name: str, paths: list[str]) -> str:
+    """What section ``name`` of a page shows of ``paths``."""
+    return render_runs(paths) if name == RUNS else render(paths)
+
+
 def section(page: str, name: str = HEADLINE) -> str:
     """The text between the markers of section ``name`` of a page."""
     start, end = markers(name)
@@ -129,7 +203,7 @@ def section(page: str, name: str = HEADLINE) -> str:
 
 def sources(page: str, name: str = HEADLINE) -> list[str]:
     """The results files section ``name`` of a page names, in order."""
-    return re.findall(r"^`(benchmarks/results/[^`]+\.json)`:", section(page, name), flags=re.MULTILINE)
+    return re.findall(r"^(?:- )?`(benchmarks/results/[^`]+\.json)`:", section(page, name), flags=re.MULTILINE)
 
 
 def replace_in(page: str, rendered: str, name: str = HEADLINE) -> str:
@@ -147,7 +221,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="replace the section of this file (repeatable; the generated sections: "
                              f"{', '.join(f'{page} {name}' for page, name in SECTIONS)})")
     parser.add_argument("--section", default=HEADLINE, choices=sorted({name for _, name in SECTIONS}),
-                        help=f"which section of the pages (default: {HEADLINE}; the README's second table: fit)")
+                        help=f"which section of the pages (default: {HEADLINE}; the README's second table: fit; "
+                             f"{RUNS}: a table per command run several times, a column per run)")
     parser.add_argument("--refresh", action="store_true",
                         help="regenerate every section of SECTIONS from the files it names already (after a change "
                              "to how tables are drawn); no results or --page with it")
@@ -163,12 +238,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             named = sources(text, name)
             if not named:
                 parser.error(f"--refresh: the {name} section of {page} names no benchmarks/results file")
-            Path(page).write_text(replace_in(text, render(named), name))
+            Path(page).write_text(replace_in(text, render_section(name, named), name))
             print(f"updated {page} ({name})")
         return 0
     if not args.results:
         parser.error("give the results files (or --refresh)")
-    rendered = render(args.results)
+    rendered = render_section(args.section, args.results)
     for page in args.page:
         path = Path(page)
         path.write_text(replace_in(path.read_text(), rendered, args.section))

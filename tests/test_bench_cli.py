@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -371,8 +372,45 @@ def test_headline_tables_are_generated_from_the_committed_results(page, name, mo
     for source in sources:
         report = json.loads(Path(source).read_text())
         assert {"command", "settings", "environment", "results"} <= set(report)
-    assert headline.section(text, name).strip() == headline.render(sources).strip()
+    assert headline.section(text, name).strip() == headline.render_section(name, sources).strip()
 
+
+
+def test_a_runs_section_has_a_table_per_command_and_a_column_per_run(tmp_path, monkeypatch):
+    """Consecutive files of one command (but for --json) on one machine make
+    one table; each run's step ratio gets a column, the byte ratio shows once
+    where the runs agree, and a gradient check that differs between runs
+    shows each run's answer."""
+    def report(json_path: str, fit_step: float, match: bool, model: str = "m") -> dict:
+        command = f"/usr/bin/python3 -m effilayers.bench --model {model} --budget 0.5 --json {json_path}"
+        rows = [{"model": model, "variant": "plain PyTorch", "ratios": {"activation_bytes": 1.0, "step_time": 1.0},
+                 "gradients_match": None},
+                {"model": model, "variant": "fit(0.5)", "ratios": {"activation_bytes": 0.5, "step_time": fit_step},
+                 "gradients_match": match, "gradient_max_rel_diff": 0.0 if match else 0.25}]
+        return {"command": command, "settings": {"batch": 2, "size": 64, "tokens": None, "dtype": "float32",
+                                                 "steps": 100, "device": "cpu"},
+                "environment": {"device": {"name": "CPU X"}, "threads": 1}, "results": rows}
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    paths = []
+    for name, content in (("a1", report("x/a1.json", 1.1, True)), ("a2", report("x/a2.json", 1.2, False)),
+                          ("b1", report("x/b1.json", 1.3, True, model="n"))):
+        path = f"benchmarks/results/{name}.json"
+        Path(path).write_text(json.dumps(content))
+        paths.append(path)
+    rendered = headline.render_runs(paths)
+    first, second = rendered.split("\n\n2 runs")[0], rendered.split("\n\n1 run of ")[1]
+    assert rendered.startswith("2 runs of `python -m effilayers.bench --model m --budget 0.5` (the `--json` file "
+                               "left out) on CPU X, 1 thread; batch 2, 64×64, float32; median of 100 steps.")
+    assert f"- `{paths[0]}`: run 1\n- `{paths[1]}`: run 2" in first
+    assert "| model | variant | activation bytes | step, run 1 | step, run 2 | grads = plain |" in first
+    assert "| m | plain PyTorch | 1.00× | 1.00× | 1.00× | reference |" in first
+    assert "| m | fit(0.5) | 0.50× | 1.10× | 1.20× | yes / no (2.5e-01) |" in first
+    assert second.startswith("`python -m effilayers.bench --model n --budget 0.5`")
+    assert "| n | fit(0.5) | 0.50× | 1.30× | yes |" in second
+    page = f"<!-- runs:start -->\n{rendered}\n<!-- runs:end -->\n"
+    assert headline.sources(page, "runs") == paths
 
 
 @pytest.mark.parametrize("arguments", [["--refresh", "benchmarks/results/bench-cpu-2026-11-27.json"],
