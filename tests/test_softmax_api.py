@@ -326,3 +326,72 @@ def test_triton_gpu_over_2_31_elements():
         y = softmax(x, -1)
         torch.testing.assert_close(y[-2:].float(), torch.softmax(x[-2:].float(), -1), rtol=1e-3, atol=1e-6)
         torch.testing.assert_close(y[:2].float(), torch.softmax(x[:2].float(), -1), rtol=1e-3, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- the C++ autograd
+# An eager call on a CPU tensor takes the C++ autograd (csrc/common/softmax_autograd.h)
+# when the CPU library is loaded; the Python Function serves the rest. The `backend`
+# rows above run both ("cpp" the C++ one, "reference" the Python one); these check that
+# the choice is the one meant and that the two agree on everything the op does.
+
+
+def _compiled_autograd_or_skip():
+    from effilayers._core import registry
+
+    if not registry.compiled_autograd("softmax", torch.empty(1)):
+        if REQUIRE_COMPILED:
+            pytest.fail(f"the C++ autograd of softmax is not registered: {registry.library_report()}")
+        pytest.skip("the compiled CPU library is not loaded")
+
+
+def test_eager_cpu_calls_take_the_compiled_autograd():
+    _compiled_autograd_or_skip()
+    x = varied((3, 5), torch.float64, "cpu").requires_grad_()
+    assert "Softmax" in softmax(x, 1).grad_fn.name() and type(softmax(x, 1).grad_fn).__name__ == "CppFunction"
+    assert type(enn.LogSoftmax(1)(x).grad_fn).__name__ == "CppFunction"
+    with effilayers.use_backend("reference"):
+        assert type(softmax(x, 1).grad_fn).__name__ == "_EagerSoftmaxBackward"
+
+
+@pytest.mark.parametrize("log", [False, True])
+@pytest.mark.parametrize("dtype, out_dtype", [(torch.float64, None), (torch.float16, None),
+                                              (torch.bfloat16, torch.float32)])
+def test_compiled_and_python_autograd_agree(log, dtype, out_dtype):
+    """Output, gradient, dtype, layout and the bytes kept for backward, on a
+    non-contiguous input, bit for bit: the same kernels run under both."""
+    from effilayers import memory
+
+    _compiled_autograd_or_skip()
+    results = []
+    for path in ("compiled", "python"):
+        x = varied((6, 4, 9), dtype, "cpu").transpose(0, 2).requires_grad_()
+        grad = varied((9, 4, 6), out_dtype or dtype, "cpu", seed=1)
+        with memory.track_activations() as meter:
+            if path == "compiled":
+                out = (log_softmax if log else softmax)(x, 1, dtype=out_dtype)
+            else:
+                out = softmax_op._EagerSoftmax.apply(x, 1, log, out_dtype)
+        kept = meter.bytes
+        out.backward(grad)
+        results.append((out.detach(), out.stride(), x.grad, kept))
+    compiled, python = results
+    assert compiled[1] == python[1] and compiled[3] == python[3]
+    torch.testing.assert_close(compiled[0], python[0], rtol=0, atol=0)
+    torch.testing.assert_close(compiled[2], python[2], rtol=0, atol=0)
+
+
+def test_compiled_autograd_double_backward_no_grad_and_inference_mode():
+    _compiled_autograd_or_skip()
+    x = varied((3, 7), torch.float64, "cpu").requires_grad_()
+    # create_graph=True: the backward op's own derivative makes the gradient differentiable
+    assert torch.autograd.gradgradcheck(lambda t: softmax(t, 1), (x,))
+    assert torch.autograd.gradgradcheck(lambda t: log_softmax(t, 0), (x,))
+    expected_output = softmax_op._EagerSoftmax.apply(x, 1, False, None).detach()
+    with torch.no_grad():
+        out = softmax(x, 1)
+    assert out.grad_fn is None and not out.requires_grad
+    torch.testing.assert_close(out, expected_output, rtol=0, atol=0)
+    with torch.inference_mode():
+        out = softmax(x, 1)
+    assert out.is_inference()
+    torch.testing.assert_close(out, expected_output, rtol=0, atol=0)

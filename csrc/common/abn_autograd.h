@@ -6,7 +6,7 @@
 // reason for two: a Python Function costs host time on every call of a small
 // layer (ARCHITECTURE.md, "One call, from Module to kernel", has the measurement).
 //
-// Each library registers these for its own device (cpu/abn_autograd.cpp on
+// Each library registers these for its own device (cpu/autograd.cpp on
 // AutogradCPU and CPU, cuda/abn_autograd.cpp on AutogradCUDA and CUDA; the
 // plain key serves inference mode, which skips autograd). The kernels are
 // reached through the dispatcher, so a backend forced for a test
@@ -14,12 +14,13 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/library.h>
+
+#include "op_handle.h"
 
 #include <optional>
 #include <string>
@@ -49,11 +50,6 @@ using InPlaceForwardSignature = void(Tensor&, const Tensor&, const Tensor&, cons
 using BackwardSignature = std::tuple<Tensor, Tensor, Tensor, Tensor>(
     const Tensor&, const Tensor&, const Tensor&, const Tensor&, const OptionalTensor&, const OptionalTensor&,
     const OptionalTensor&, std::string, double, double, bool, int64_t, bool, bool, bool);
-
-template <class Signature>
-c10::TypedOperatorHandle<Signature> kernel(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
 
 inline OptionalTensor optional(const Tensor& t) { return t.defined() ? OptionalTensor(t) : std::nullopt; }
 
@@ -93,7 +89,7 @@ struct ActivatedBatchNorm : public torch::autograd::Function<ActivatedBatchNorm<
     Tensor mean, invstd;
     int64_t count = 0;
     if (use_batch_stats) {
-      static auto statistics = kernel<StatisticsSignature>("effilayers::normalizing_statistics");
+      static auto statistics = op_handle<StatisticsSignature>("effilayers::normalizing_statistics");
       std::tie(mean, invstd) =
           statistics.call(x, running_mean, running_var, num_batches_tracked, momentum, cumulative, eps);
       count = x.numel() / x.size(1);
@@ -105,12 +101,12 @@ struct ActivatedBatchNorm : public torch::autograd::Function<ActivatedBatchNorm<
     }
     Tensor output;
     if constexpr (kInPlace) {
-      static auto forward_ = kernel<InPlaceForwardSignature>("effilayers::abn_forward_");
+      static auto forward_ = op_handle<InPlaceForwardSignature>("effilayers::abn_forward_");
       forward_.call(x, mean, invstd, weight, bias, residual, activation, activation_param, weight_eps);
       ctx->mark_dirty(variable_list{x});
       output = x;
     } else {
-      static auto forward = kernel<ForwardSignature>("effilayers::abn_forward");
+      static auto forward = op_handle<ForwardSignature>("effilayers::abn_forward");
       output = forward.call(x, mean, invstd, weight, bias, residual, activation, activation_param, weight_eps);
     }
     // The per-channel statistics are saved too, so the memory meter sees
@@ -143,7 +139,7 @@ struct ActivatedBatchNorm : public torch::autograd::Function<ActivatedBatchNorm<
     const bool need_bias = bias.defined() && ctx->needs_input_grad(edge++);
     const bool want_residual_grad = residual.defined() && ctx->needs_input_grad(edge++);
     const bool use_batch_stats = ctx->saved_data["use_batch_stats"].toBool();
-    static auto backward = kernel<BackwardSignature>("effilayers::abn_backward");
+    static auto backward = op_handle<BackwardSignature>("effilayers::abn_backward");
     Tensor grad_input, grad_residual, sum_dy, sum_dy_xhat;
     {
       at::AutoGradMode constants(false);

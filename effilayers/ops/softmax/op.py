@@ -107,6 +107,11 @@ torch.library.register_autograd(_softmax_backward_op, _backward_backward, setup_
 
 # --------------------------------------------------------------------------- the eager path
 
+# The whole op, autograd included, for an eager call on a CPU tensor: the CPU
+# library registers it (csrc/common/softmax_autograd.h); elsewhere
+# _EagerSoftmax below does the same in Python.
+_eager_softmax = registry.declare_autograd("softmax", "(Tensor x, int dim, bool log, ScalarType? dtype) -> Tensor")
+
 
 class _EagerSoftmax(torch.autograd.Function):
     """softmax / log_softmax on the eager path: the same two ops, called
@@ -140,7 +145,11 @@ def _softmax(op: str, x, dim, log: bool, dtype) -> torch.Tensor:
     refuse_forward_ad(op, x)
     dim = check_dim(dim, x.dim(), op)
     # An eager call skips the op's Python autograd kernel (torch.library's, a wrapper and two
-    # re-dispatches per call, more host time than the kernel on small rows) for the Function above.
+    # re-dispatches per call, more host time than the kernel on small rows): on CPU for the C++
+    # autograd, elsewhere for the Function above. Only the CPU library registers the former (a CUDA
+    # tensor's kernels are Triton's, and asking would build the CUDA library for them).
+    if x.device.type == "cpu" and registry.compiled_autograd("softmax", x):
+        return _eager_softmax(x, dim, log, dtype)
     if registry.eager_call(x):
         if x.requires_grad and torch.is_grad_enabled():
             return _EagerSoftmax.apply(x, dim, log, dtype)
