@@ -69,6 +69,17 @@ def _command(report: dict) -> str:
     return " ".join(words)
 
 
+def _settings(report: dict) -> str:
+    """Where and how a report was measured, in words: the machine, the batch,
+    the dtype and layout, the steps."""
+    settings = report["settings"]
+    tokens = settings.get("tokens")
+    return (f"{_device(report)}; batch {settings['batch']}, "
+            f"{f'{tokens} tokens' if tokens else '{0}×{0}'.format(settings['size'])}, "
+            f"{settings['dtype']}{', channels_last' if settings.get('channels_last') else ''}"
+            f"{', torch.compile' if settings.get('compile') else ''}; median of {settings['steps']} steps")
+
+
 def table(report: dict, source: str) -> str:
     settings = report["settings"]
     results = report["results"]
@@ -88,11 +99,7 @@ def table(report: dict, source: str) -> str:
     if trained:
         header.append(f"losses vs float64 ({settings['train']} steps)")
     lines = [
-        f"`{source}`: {_device(report)}; batch {settings['batch']}, "
-        f"{f'{tokens} tokens' if tokens else '{0}×{0}'.format(settings['size'])}, "
-        f"{settings['dtype']}{', channels_last' if settings.get('channels_last') else ''}"
-        f"{', torch.compile' if settings.get('compile') else ''}; median of {settings['steps']} steps. "
-        f"Command: `{_command(report)}`. Ratios are to plain PyTorch.",
+        f"`{source}`: {_settings(report)}. Command: `{_command(report)}`. Ratios are to plain PyTorch.",
         "",
         "| " + " | ".join(header) + " |",
         "| " + " | ".join("---" for _ in header) + " |",
@@ -140,15 +147,11 @@ def runs_table(named: list[tuple[str, dict]]) -> str:
     per row its activation bytes as a ratio to plain's (one figure where
     every run agrees), each run's step time as a ratio to plain's in that
     run, and the gradient check of every run."""
-    source, first = named[0]
-    settings = first["settings"]
-    tokens = settings.get("tokens")
+    first = named[0][1]
     count = len(named)
     lines = [
         f"{count} run{'s' * (count != 1)} of `{_without_json(_command(first))}` (the `--json` file left out) on "
-        f"{_device(first)}; batch {settings['batch']}, "
-        f"{f'{tokens} tokens' if tokens else '{0}×{0}'.format(settings['size'])}, {settings['dtype']}; "
-        f"median of {settings['steps']} steps. Ratios are to plain PyTorch in the same run.",
+        f"{_settings(first)}. Ratios are to plain PyTorch in the same run.",
         "",
         *(f"- `{path}`: run {index}" for index, (path, _) in enumerate(named, 1)),
         "",
@@ -181,10 +184,9 @@ def render_runs(paths: list[str]) -> str:
     groups: list[list[tuple[str, dict]]] = []
     for path in paths:
         report = json.loads(Path(path).read_text())
-        if groups and _run_group(groups[-1][0][1]) == _run_group(report):
-            groups[-1].append((Path(path).as_posix(), report))
-        else:
-            groups.append([(Path(path).as_posix(), report)])
+        if not groups or _run_group(groups[-1][0][1]) != _run_group(report):
+            groups.append([])
+        groups[-1].append((Path(path).as_posix(), report))
     return "\n\n".join(runs_table(group) for group in groups)
 
 

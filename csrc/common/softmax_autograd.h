@@ -54,13 +54,10 @@ struct Softmax : public torch::autograd::Function<Softmax> {
     const int64_t dim = ctx->saved_data["dim"].toInt();
     const bool log = ctx->saved_data["log"].toBool();
     const auto input_dtype = static_cast<at::ScalarType>(ctx->saved_data["input_dtype"].toInt());
-    Tensor grad_input;
-    if (at::GradMode::is_enabled()) {
-      grad_input = backward_op.call(grad_outputs[0], output, dim, log, 1.0, input_dtype);
-    } else {
-      at::AutoDispatchBelowAutograd below;
-      grad_input = backward_op.call(grad_outputs[0], output, dim, log, 1.0, input_dtype);
-    }
+    // Below the Autograd key unless the gradient must be differentiable.
+    std::optional<at::AutoDispatchBelowAutograd> below;
+    if (!at::GradMode::is_enabled()) below.emplace();
+    const Tensor grad_input = backward_op.call(grad_outputs[0], output, dim, log, 1.0, input_dtype);
     // One gradient per forward argument after ctx: x, dim, log, dtype.
     return variable_list{grad_input, Tensor(), Tensor(), Tensor()};
   }

@@ -523,8 +523,9 @@ def _check_gradients(session: _Session, setup: Setup, num_classes: int, first: b
     plain's dropout masks and a difference comes from its backward."""
     dtype = gradient_check_dtype(session.model, setup)
     session.gradient_dtype = str(dtype).removeprefix("torch.")
+    compiled = session.variant.compiled or session.variant.under_compile
     context: ContextManager = nullcontext()
-    if session.variant.compiled or session.variant.under_compile:
+    if compiled:
         from torch._inductor import config as inductor_config
 
         context = inductor_config.patch(fallback_random=True)
@@ -546,7 +547,7 @@ def _check_gradients(session: _Session, setup: Setup, num_classes: int, first: b
                                            num_classes)
             finally:
                 session.model.to(torch.float32)
-            if session.variant.compiled or session.variant.under_compile:
+            if compiled:
                 # torch 2.11's dynamo guards a module's parameters by identity,
                 # not dtype: the float64 graph would run on the float32 ones.
                 from torch import _dynamo
