@@ -43,7 +43,7 @@ def _train_step(model, seed, **inputs):
     torch.manual_seed(seed)
     out = model(**inputs)
     out = out if isinstance(out, torch.Tensor) else out.logits
-    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    (out * torch.linspace(-1, 1, out.numel(), device=out.device).view_as(out)).sum().backward()
     return out
 
 

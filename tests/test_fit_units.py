@@ -165,7 +165,7 @@ def test_fitted_model_computes_the_plain_outputs_gradients_and_cache_with_dropou
         torch.manual_seed(seed)
         result = model(**{**inputs, **overrides})
         out = _output(result)
-        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        (out * torch.linspace(-1, 1, out.numel(), device=out.device).view_as(out)).sum().backward()
         return result
 
     expected, got = step(plain, 1), step(fitted, 1)
@@ -226,7 +226,7 @@ def test_torch_checkpoint_reaches_fit_bytes_on_the_units_fit_finds(name):
     def step(model):
         torch.manual_seed(1)
         out = _output(model(**inputs))
-        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        (out * torch.linspace(-1, 1, out.numel(), device=out.device).view_as(out)).sum().backward()
         return out
 
     torch.testing.assert_close(step(torched), step(plain))
