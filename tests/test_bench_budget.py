@@ -4,6 +4,7 @@ torch.compile under an activation memory budget, side by side."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
 
 import pytest
@@ -462,6 +463,23 @@ def test_checkpoint_every_block_keeps_keys_outputs_and_gradients():
     for a, b in zip(outputs[0][1], outputs[1][1]):
         torch.testing.assert_close(a, b)
     assert memory.activation_bytes(wrapped, ids) < memory.activation_bytes(plain, ids)
+
+
+def test_checkpoint_every_block_leaves_in_place_children_alone():
+    # A DenseNet's stem: checkpointed alone, the in-place ReLU would write
+    # over the input its checkpoint keeps, and backward would refuse it.
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+                          nn.Sequential(nn.Conv2d(4, 4, 1), nn.ReLU()), nn.Flatten()).double()
+    wrapped, blocks = budget.checkpoint_every_block(copy.deepcopy(plain))
+    assert blocks == ["0", "1", "3", "4", "5"]
+    x = torch.randn(2, 3, 9, 9, dtype=torch.float64)
+    gradients = []
+    for model in (plain, wrapped):
+        model(x).square().sum().backward()
+        gradients.append([p.grad for p in model.parameters()])
+    for a, b in zip(*gradients):
+        torch.testing.assert_close(a, b)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -248,12 +248,15 @@ def checkpoint_every_block(model: nn.Module) -> tuple[nn.Module, list[str]]:
     """``model`` (in place) with every block under torch's checkpoint, by a
     forward set on the instance (state-dict keys stay): the units fit can
     checkpoint and the children of the sequential parts it can segment.
-    Returns the model and the blocks' paths."""
+    Returns the model and the blocks' paths. A child that runs in place
+    (``inplace=True``: a DenseNet stem's ReLU) is left out: torch's
+    checkpoint keeps its input to recompute from, which it then overwrites."""
     blocks = []
     for part in _checkpoint_parts(model):
         names = [part.path] if part.unit else [f"{part.path}.{name}" if part.path else name
                                                for name in part.module._modules]
-        blocks += zip(names, part.members)
+        blocks += [(name, member) for name, member in zip(names, part.members)
+                   if not getattr(member, "inplace", False)]
     for _, block in blocks:
         _torch_checkpoint_unit(block)
     return model, [name for name, _ in blocks]
