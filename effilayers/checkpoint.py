@@ -586,16 +586,20 @@ class KeepExpensive:
     element; and ``recomputed_flops``, the FLOPs of the expensive ops it
     recomputes all the same (attention that draws dropout). (Compiled code
     takes :func:`keep_expensive` itself: the compiler reads the policy as a
-    constant.)"""
+    constant.) ``ops``: every op the forwards asked it about, each of which
+    torch's selective checkpoint sends through a Python dispatch mode, in
+    the forward and again in the recomputation."""
 
     def __init__(self) -> None:
         self.recomputed_elements = 0
         self.recomputed_flops = 0
         self.kept_outputs = 0
+        self.ops = 0
 
     def __call__(self, context: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
         policy = keep_expensive(context, func, *args, **kwargs)
         if not context.is_recompute:
+            self.ops += 1
             packet = getattr(func, "overloadpacket", None)
             if policy == torch_checkpoint.CheckpointPolicy.MUST_SAVE:
                 self.kept_outputs += 1

@@ -79,6 +79,14 @@ measured, see below) and stops at the first that meets the budget:
    FLOPs per byte saved, then the whole checkpoints follow, in the order above, a
    selective unit's taking it from selective to whole. So a unit ends as
    keep, selective or whole, and the report's ``units`` say which and why.
+   On a CUDA model the cost also counts host time: torch's selective
+   checkpoint sends every op of a unit through a Python dispatch mode, in the
+   forward and again in the recomputation, and next to a GPU's kernels that
+   time, not the elementwise FLOPs, is what a selective unit costs. A timed
+   forward with every candidate unit selective, against a plain one, gives
+   it; split among the units by their ops, counted twice, and turned into
+   FLOPs at the forward's measured rate, it joins the comparison (so on
+   CUDA this choice, like offload's, follows timings).
 4. ``offload`` (``fit(..., offload=True)``, CUDA models only, and first in
    the chain when allowed): a unit's saved tensors go to pinned host memory
    on a side stream and come back one unit ahead of backward
@@ -133,10 +141,11 @@ import dataclasses
 import functools
 import math
 import re
+import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 from torch import nn
@@ -1045,25 +1054,28 @@ def _checkpoint_chain(model, call, parts, report, undo, record, done, offload=Fa
     selective = {} if done() else _selective_plan(model, call, parts, profile,
                                                   [index for index in units if modes[index] == "keep"], kept_by)
     moves = [move for move in _plan(profile) if modes.get(move[0], "keep") != "offload"]
-    for index, (gain, elements, flops, kept_outputs) in selective.items():
+    for index, plan in selective.items():
         full_cost = profile.children[index][0].cost
-        cost = elements + flops
+        cost, gain = plan.cost, plan.gain
+        host = (f"; the host time of its {plan.ops} ops through torch's dispatch mode, forward and "
+                f"recomputation, counts as {plan.host_flops} FLOPs at the measured forward rate"
+                if plan.host_flops else "")
         if gain <= 0:
             why[index] = "selective recomputation saves nothing here (what it would drop is kept anyway)"
             continue
         if cost / gain > full_cost / max(kept_by[index], 1):
             why[index] = (f"selective skipped: {cost / gain:.3g} FLOPs per byte saved, more than recomputing it "
-                          f"whole ({full_cost / max(kept_by[index], 1):.3g} FLOPs per byte)")
+                          f"whole ({full_cost / max(kept_by[index], 1):.3g} FLOPs per byte){host}")
             continue
         if done():
             break
         undo.append(_checkpoint_unit(parts[index].module, "selective"))
         modes[index], moved[index] = "selective", gain
-        why[index] = (f"keeps its {kept_outputs} matmul/attention outputs and recomputes the rest "
-                      f"(norms, activations, dropout, elementwise): saves {gain} bytes for ~{elements} element "
-                      "ops" + (f" and {flops} FLOPs of attention that draws dropout (a kept output would skip its "
-                               "draw)" if flops else "")
-                      + f", {cost / max(profile.children[index][0].cost, 1):.1%} of recomputing it whole")
+        why[index] = (f"keeps its {plan.kept_outputs} matmul/attention outputs and recomputes the rest "
+                      f"(norms, activations, dropout, elementwise): saves {gain} bytes for ~{plan.elements} element "
+                      "ops" + (f" and {plan.flops} FLOPs of attention that draws dropout (a kept output would skip "
+                               "its draw)" if plan.flops else "")
+                      + f"{host}, {cost / max(full_cost, 1):.1%} of recomputing it whole")
         step("selective", index, why[index], cost / step_flops, last=False)
     for number, (index, start, end) in enumerate(moves, 1):
         if done():
@@ -1111,17 +1123,35 @@ def _checkpoint_chain(model, call, parts, report, undo, record, done, offload=Fa
     report.recompute_bytes = profile.largest_segment_bytes(state)
 
 
+class _Selective(NamedTuple):
+    """What making one unit selective saves and costs (``_selective_plan``)."""
+
+    gain: int  # bytes saved
+    elements: int  # element ops recomputed, one FLOP each
+    flops: int  # FLOPs of expensive ops recomputed (attention that draws dropout)
+    kept_outputs: int
+    ops: int  # ops its forward sent through torch's dispatch mode
+    host_flops: int  # the host time of those ops, twice, in FLOPs at the forward's rate (CUDA only)
+
+    @property
+    def cost(self) -> int:
+        return self.elements + self.flops + self.host_flops
+
+
 def _selective_plan(model: nn.Module, call: _Call, parts: list[_Part], profile: _Profile, units: list[int],
-                    kept_by: dict[int, int]) -> dict[int, tuple[int, int, int, int]]:
+                    kept_by: dict[int, int]) -> dict[int, _Selective]:
     """Per unit in ``units``, in the order the chain makes them selective
-    (most bytes saved per FLOP recomputed first, then module order): (bytes
-    saved, element ops recomputed, FLOPs of expensive ops recomputed, outputs
-    kept), from one profiled forward
-    with every one of them selective: what each saved there (its input and
-    the outputs its checkpoint cached, both counted by the meter) against
-    what it saved plain."""
+    (most bytes saved per unit of cost first, then module order), what it
+    saves and costs, from one profiled forward with every one of them
+    selective: what each saved there (its input and the outputs its
+    checkpoint cached, both counted by the meter) against what it saved
+    plain. On a CUDA model also the host time torch's selective checkpoint
+    adds, a timed forward with every one of them selective against a plain
+    one: split among the units by their ops, and counted twice (the
+    recomputation sends the ops through the dispatch mode again)."""
     if not units:
         return {}
+    device = _cuda_device(call)
     undo = [_checkpoint_unit(parts[index].module, "selective") for index in units]
     try:
         for index in units:
@@ -1129,33 +1159,57 @@ def _selective_plan(model: nn.Module, call: _Call, parts: list[_Part], profile: 
         selective = _profile(model, call, parts, flops=False)
         # A unit the forward never called (an unused ModuleDict member) has no policy: it saves nothing.
         policies = {index: _LAST_POLICY.get(parts[index].module, KeepExpensive()) for index in units}
+        selective_seconds = _forward_seconds(model, call, device) if device is not None else 0.0
     finally:
         for restore in reversed(undo):
             restore()
+    host_flops_per_op = 0.0
+    if device is not None:
+        plain_seconds = _forward_seconds(model, call, device)
+        ops = max(sum(policy.ops for policy in policies.values()), 1)
+        host_flops_per_op = (2 * max(selective_seconds - plain_seconds, 0.0) / ops
+                             * max(profile.total_flops, 1) / plain_seconds)
     found = {}
     for index in units:
         kept = sum(span for span, _ in selective.children[index][0].saves.values())
         policy = policies[index]
-        found[index] = (kept_by[index] - kept, policy.recomputed_elements, policy.recomputed_flops,
-                        policy.kept_outputs)
-    order = sorted(found, key=lambda index: (-found[index][0] / max(found[index][1] + found[index][2], 1), index))
+        found[index] = _Selective(kept_by[index] - kept, policy.recomputed_elements, policy.recomputed_flops,
+                                  policy.kept_outputs, policy.ops, round(host_flops_per_op * policy.ops))
+    order = sorted(found, key=lambda index: (-found[index].gain / max(found[index].cost, 1), index))
     return {index: found[index] for index in order}
 
 
 _HOST_BANDWIDTH: dict = {}
 
 
+def _cuda_device(call: _Call) -> Optional[torch.device]:
+    return next((value.device for value in call.tensors if value.device.type == "cuda"), None)
+
+
 def _offload_available(call: _Call) -> bool:
-    return any(value.device.type == "cuda" for value in call.tensors)
+    return _cuda_device(call) is not None
+
+
+def _forward_seconds(model: nn.Module, call: _Call, device: torch.device) -> float:
+    """The model's forward on its CUDA device, in seconds: the faster of two
+    timed calls after a warm one."""
+    seconds = []
+    for _ in range(3):
+        with _Restored(model, call), torch.enable_grad():
+            torch.cuda.synchronize(device)
+            began = time.perf_counter()
+            output = model(*call.args, **call.kwargs)
+            torch.cuda.synchronize(device)
+            seconds.append(time.perf_counter() - began)
+            del output
+    return min(seconds[1:])
 
 
 def _device_rates(model: nn.Module, call: _Call, total_flops: int) -> tuple[float, float]:
     """(FLOPs per second of the model's forward, host copy bytes per second),
-    measured on its CUDA device: a timed forward (after a warm one), and a
-    pinned copy of 64 MiB from the device, once per device and process."""
-    import time
-
-    device = next(value.device for value in call.tensors if value.device.type == "cuda")
+    measured on its CUDA device: a timed forward (:func:`_forward_seconds`),
+    and a pinned copy of 64 MiB from the device, once per device and process."""
+    device = _cuda_device(call)
     if device not in _HOST_BANDWIDTH:
         source = torch.empty(64 << 20, dtype=torch.uint8, device=device)
         host = torch.empty(source.shape, dtype=torch.uint8, pin_memory=True)
@@ -1166,16 +1220,7 @@ def _device_rates(model: nn.Module, call: _Call, total_flops: int) -> tuple[floa
             host.copy_(source, non_blocking=True)
         torch.cuda.synchronize(device)
         _HOST_BANDWIDTH[device] = 3 * source.numel() / (time.perf_counter() - began)
-    seconds = []
-    for _ in range(2):
-        with _Restored(model, call), torch.enable_grad():
-            torch.cuda.synchronize(device)
-            began = time.perf_counter()
-            output = model(*call.args, **call.kwargs)
-            torch.cuda.synchronize(device)
-            seconds.append(time.perf_counter() - began)
-            del output
-    return max(total_flops, 1) / seconds[-1], _HOST_BANDWIDTH[device]
+    return max(total_flops, 1) / _forward_seconds(model, call, device), _HOST_BANDWIDTH[device]
 
 
 def offload_hides(saved_bytes: int, flops: int, flops_per_second: float, bytes_per_second: float) -> bool:

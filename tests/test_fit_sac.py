@@ -6,6 +6,7 @@ to host memory (CPU: the stream-free path; CUDA: ``gpu`` tests) and come back
 one block ahead of backward."""
 
 import copy
+import itertools
 import importlib
 
 import pytest
@@ -102,8 +103,38 @@ def test_the_policy_recomputes_attention_that_draws_dropout_and_keeps_it_without
     counting(context, attention, q, q, q, 0.0)
     counting(context, torch.ops.aten.gelu.default, q)
     counting(context, torch.ops.aten.view.default, q, [-1])
-    assert (counting.recomputed_flops, counting.recomputed_elements, counting.kept_outputs) == (
-        4 * q.numel() * 4, q.numel(), 1)
+    assert (counting.recomputed_flops, counting.recomputed_elements, counting.kept_outputs, counting.ops) == (
+        4 * q.numel() * 4, q.numel(), 1, 4)
+
+
+@pytest.mark.parametrize("seconds, selective", [((1.0, 1.0), True), ((3.0, 1.0), False)])
+def test_on_cuda_the_host_time_of_selective_units_counts(monkeypatch, seconds, selective):
+    # The CUDA branch of the plan, on CPU: the forward's times given instead
+    # of measured, first with every unit selective, then plain. Where the
+    # dispatch mode costs the forward nothing, the plan is the CPU's; where it
+    # triples the forward (on the H200 of 2026-11-30 a selective GPT-2 block
+    # cost more than twice recomputing it whole), every unit is recomputed whole.
+    times = itertools.cycle(seconds)  # each plan times the selective forward, then the plain one
+    monkeypatch.setattr(fit_module, "_cuda_device", lambda call: torch.device("cpu"))
+    monkeypatch.setattr(fit_module, "_forward_seconds", lambda model, call, device: next(times))
+    torch.manual_seed(0)
+    base = _gpt2().train()
+    inputs = _gpt2_inputs()
+    expected = effilayers.fit(copy.deepcopy(base), inputs, 0.9, dry_run=True)
+    model = copy.deepcopy(base)
+    report = effilayers.fit(model, inputs, 0.9)
+    assert report.measured_bytes <= report.budget_bytes
+    modes = [unit.mode for unit in report.units]
+    assert ("selective" in modes) == selective
+    if selective:
+        assert modes == [unit.mode for unit in expected.units]
+    else:
+        assert "full" in modes
+        assert all("host time of its" in unit.why for unit in report.units if unit.mode == "full")
+    expected_logits, got = _train_step(base, 3, **inputs), _train_step(model, 3, **inputs)
+    torch.testing.assert_close(got, expected_logits, rtol=0, atol=0)
+    for got_grad, want in zip(_grads(model), _grads(base)):
+        torch.testing.assert_close(got_grad, want)
 
 
 def test_budgets_choose_selective_first_and_whole_only_where_selective_cannot_reach():
