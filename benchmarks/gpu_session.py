@@ -83,16 +83,19 @@ def plan(device: str, date: str, results: str) -> list[Step]:
 
     failed = " ".join(FAILED_ON_H200)
     return [
-        Step("build", 10, ("python3 benchmarks/gpu_session.py load-libraries",)),
-        Step("selftest", 40, ("python3 -m effilayers.info --selftest",
+        Step("build", 20, ("python3 benchmarks/gpu_session.py load-libraries",)),
+        Step("selftest", 70, ("python3 -m effilayers.info --selftest",
                               "python3 benchmarks/gpu_session.py triton-first-launch")),
-        # -n 8: 1831 tests took 95 s so on the H200 (2026-11-28); more
+        # build and selftest: loading both libraries took 8 s and the
+        # self-test more than 31 s on the H200 of 2026-11-30, which cut both.
+        # -n 8: 1831 tests took 95 s so on the H200 (2026-11-28), 2078 took
+        # 119 s (2026-11-30); more
         # workers would run more of the tests that each need tens of GiB at
         # once. The benchmark budgets below are what each needs whole, from
         # that session's durations; they add up to more than one call, and
         # allocate() gives the time to the stale families first. The compile
         # rows (torch.compile per shape) are most of the kernels' steps.
-        Step("tests", 115, (
+        Step("tests", 140, (
             f"python3 -m pytest {failed} -m gpu -q -rfE -p no:cacheprovider --timeout=60 "
             f"--junitxml={results}/gpu_tests_failed_before-{device}-{date}.xml",
             f"python3 -m pytest -m gpu tests -q -rfEs -p no:cacheprovider -n 8 --timeout=120 "
@@ -110,7 +113,7 @@ def plan(device: str, date: str, results: str) -> list[Step]:
         # minute on the H200 for ResNet-50 (2026-11-28), longer for
         # DenseNet-121's many layers. One family each, so that one session's
         # time can go to one of them whole.
-        Step("fit_resnet50", 120, (
+        Step("fit_resnet50", 150, (
             effilayers_bench("budget-resnet50-0.35",
                              "--model resnet50 --budget 0.35 --batch 32 --size 224 --dtype bfloat16 --steps 5"),
             bench("fit_selective", "benchmarks/bench_fit.py", "selective")), family="fit_resnet50"),

@@ -440,10 +440,18 @@ def _float64_curve(variant: Variant, pristine: nn.Module, setup: Setup, num_clas
 def _max_batch(model: nn.Module, setup: Setup, num_classes: int, limit: int, tick: Callable[[], None]) -> int:
     """--max-batch: effilayers.find_max_batch over one training step, from --batch."""
     optimizer = _optimizer(model)
+    # A step's memory does not depend on the numbers: one batch drawn once
+    # (on the CPU from the seed, as every variant's), its samples repeated on
+    # the device to each size tried. Drawing every size's numbers on the CPU
+    # took most of the search's time on an H200 (2026-11-30).
+    images, labels = setup.data(min(setup.batch, limit), num_classes, seed=SEED)
 
     def step(batch: int) -> None:
-        images, labels = setup.data(batch, num_classes, seed=SEED)
-        _train_step(model, optimizer, setup, images, labels)
+        index = torch.arange(batch, device=images.device) % images.shape[0]
+        batch_images = images.index_select(0, index)
+        if setup.channels_last and batch_images.dim() == 4:
+            batch_images = batch_images.contiguous(memory_format=torch.channels_last)
+        _train_step(model, optimizer, setup, batch_images, labels.index_select(0, index))
         setup.synchronize()
 
     found = find_max_batch(step, setup.batch, limit, model=model, device=setup.device,
