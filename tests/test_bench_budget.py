@@ -325,6 +325,8 @@ def test_a_language_model_gets_fit_and_every_block_checkpointed(tmp_path, monkey
     assert fitted["activation_bytes"] <= 0.6 * plain["activation_bytes"]
     assert every["activation_bytes"] < plain["activation_bytes"]
     assert "blocks.0, blocks.1, blocks.2" in " ".join(every["notes"])
+    # the fit row says what each unit became and why, as the report does
+    assert all(f"; unit blocks.{index}: selective, keeps its" in " ".join(fitted["notes"]) for index in range(3))
     # torch's checkpoint around whole blocks of the ModuleList, in fit's order, until fit's bytes: fit made
     # its blocks selective, which torch's checkpoint has no counterpart of
     torch_runs = results[budget.TORCH_CHECKPOINT]

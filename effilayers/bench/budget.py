@@ -375,7 +375,9 @@ def budget_variants(variants: list[Variant], budget: Union[float, int], example:
             rows.append(Variant(model_name, fit_name, lambda: copy.deepcopy(fitted),
                                 note=f"fit steps: {steps}{checkpointed}; predicted extra compute "
                                      f"{report.extra_compute:.3f} of a training step (recomputed convolution and "
-                                     "matmul FLOPs)"))
+                                     "matmul FLOPs, and on CUDA a selective unit's host time)"
+                                     + "".join(f"; unit {unit.target}: {unit.mode}, {unit.why}"
+                                               for unit in report.units)))
         if wanted("checkpoint-to-fit"):
             torch_row = _torch_checkpoint_row(plain, fitted, report, images, prepare, autocast)
         segments = _fitted_segments(fitted)
