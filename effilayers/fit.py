@@ -1045,7 +1045,10 @@ def _checkpoint_chain(model, call, parts, report, undo, record, done, offload=Fa
         record(FitStep(kind, parts[index].path, detail, predicted, measured, extra))
 
     if offload and units:
-        for index, reason in _offload_plan(model, call, parts, profile, units, kept_by):
+        chosen, unhidden = _offload_plan(model, call, parts, profile, units, kept_by)
+        if unhidden:
+            report.notes.append(unhidden)
+        for index, reason in chosen:
             if done():
                 break
             undo.append(_checkpoint_unit(parts[index].module, "offload"))
@@ -1232,23 +1235,32 @@ def offload_hides(saved_bytes: int, flops: int, flops_per_second: float, bytes_p
 
 
 def _offload_plan(model: nn.Module, call: _Call, parts: list[_Part], profile: _Profile, units: list[int],
-                  kept_by: dict[int, int]) -> list[tuple[int, str]]:
+                  kept_by: dict[int, int]) -> tuple[list[tuple[int, str]], str]:
     """The units to offload, most bytes first (then module order), with why:
     those whose transfer their compute hides (:func:`offload_hides`), on a
-    CUDA model. The last unit in module order stays: its backward comes
-    first, with nothing before it to hide its tensors' way back."""
+    CUDA model; and a note naming the units whose copy their compute would
+    not hide ("" when none). The last unit in module order stays: its
+    backward comes first, with nothing before it to hide its tensors' way
+    back."""
     if not _offload_available(call):
-        return []
+        return [], ""
     flops_per_second, bytes_per_second = _device_rates(model, call, profile.total_flops)
-    chosen = []
+    chosen, unhidden = [], []
     for index in units[:-1]:
         saved, flops = kept_by[index], profile.children[index][0].flops
+        copy_ms, compute_ms = saved / bytes_per_second * 1e3, flops / flops_per_second * 1e3
         if saved > 0 and offload_hides(saved, flops, flops_per_second, bytes_per_second):
-            chosen.append((index, f"its {saved} saved bytes cross to host in "
-                                  f"{saved / bytes_per_second * 1e3:.3g} ms at the measured "
-                                  f"{bytes_per_second / 1e9:.3g} GB/s, within its {flops / flops_per_second * 1e3:.3g}"
-                                  " ms of forward compute"))
-    return sorted(chosen, key=lambda item: (-kept_by[item[0]], item[0]))
+            chosen.append((index, f"its {saved} saved bytes cross to host in {copy_ms:.3g} ms at the measured "
+                                  f"{bytes_per_second / 1e9:.3g} GB/s, within its {compute_ms:.3g} ms of forward "
+                                  "compute"))
+        elif saved > 0:
+            unhidden.append(f"{parts[index].path} ({copy_ms:.3g} ms against {compute_ms:.3g} ms)")
+    note = ""
+    if unhidden:
+        note = (f"offload: {len(unhidden)} unit(s) not offloaded, their copy to host at the measured "
+                f"{bytes_per_second / 1e9:.3g} GB/s taking longer than their forward compute: "
+                + ", ".join(unhidden))
+    return sorted(chosen, key=lambda item: (-kept_by[item[0]], item[0])), note
 
 
 def checkpoint_runs_to(model: nn.Module, example_input: Union[torch.Tensor, tuple, dict], target_bytes: int,

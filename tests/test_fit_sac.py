@@ -312,6 +312,10 @@ def test_the_plan_offloads_the_units_whose_compute_hides_the_copy(monkeypatch, b
     assert modes.count("offload") == offloaded and modes[-1] != "offload"
     assert [step.kind for step in report.steps][:offloaded] == ["offload"] * offloaded
     assert all("GB/s" in unit.why for unit in report.units if unit.mode == "offload")
+    # the units whose copy no compute hides are named, with both times
+    unhidden = [note for note in report.notes if note.startswith("offload: ")]
+    assert len(unhidden) == (offloaded == 0)
+    assert offloaded or ("2 unit(s) not offloaded" in unhidden[0] and "layers.0 (" in unhidden[0])
     with memory.track_activations(exclude=fitted) as meter:
         out = fitted(x)
         assert meter.bytes == report.measured_bytes <= report.budget_bytes

@@ -377,7 +377,8 @@ def budget_variants(variants: list[Variant], budget: Union[float, int], example:
                                      f"{report.extra_compute:.3f} of a training step (recomputed convolution and "
                                      "matmul FLOPs, and on CUDA a selective unit's host time)"
                                      + "".join(f"; unit {unit.target}: {unit.mode}, {unit.why}"
-                                               for unit in report.units)))
+                                               for unit in report.units)
+                                     + "".join(f"; {note}" for note in report.notes)))
         if wanted("checkpoint-to-fit"):
             torch_row = _torch_checkpoint_row(plain, fitted, report, images, prepare, autocast)
         segments = _fitted_segments(fitted)
