@@ -429,3 +429,24 @@ def test_a_named_section_is_replaced_alone():
     assert headline.section(replaced).strip() == "old" and replaced.startswith("a\n") and replaced.endswith("-->\n")
     with pytest.raises(ValueError, match="one <!-- nope:start --> ... <!-- nope:end --> section"):
         headline.section(page, "nope")
+
+
+def test_a_train_step_wraps_its_forward_alone_in_the_given_context():
+    # On CUDA the bench reads the forward's peak apart from the step's this way.
+    events = []
+
+    class Recording:
+        def __enter__(self):
+            events.append("enter")
+
+        def __exit__(self, *exc_info):
+            events.append("exit")
+
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 4 * 4, 5))
+    model[1].weight.register_hook(lambda grad: events.append("backward"))
+    setup = bench.Setup(torch.device("cpu"), 2, 4, torch.float32, False, steps=1, train_steps=0)
+    images, labels = setup.data(2, 5, seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    bench.measure._train_step(model, optimizer, setup, images, labels, forward=Recording())
+    assert events == ["enter", "exit", "backward"]
+    assert all(parameter.grad is None for parameter in model.parameters())  # the step ran whole

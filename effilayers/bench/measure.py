@@ -145,8 +145,10 @@ def _loss(model: nn.Module, setup: Setup, images: torch.Tensor, labels: torch.Te
 
 
 def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, setup: Setup,
-                images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    loss = _loss(model, setup, images, labels)
+                images: torch.Tensor, labels: torch.Tensor, forward: Any = None) -> torch.Tensor:
+    """One step; ``forward``: a context manager around the forward alone (a CUDA peak meter)."""
+    with forward or nullcontext():
+        loss = _loss(model, setup, images, labels)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -321,7 +323,8 @@ def _out_of_memory(session: _Session, setup: Setup) -> None:
     session.step = None
     release_memory(session.model, setup.device)
     session.tick.finish(1 + setup.steps)
-    session.measured = {"activation_bytes": None, "cuda_peak_bytes": None, "step_times_s": [],
+    session.measured = {"activation_bytes": None, "cuda_peak_bytes": None, "cuda_forward_peak_bytes": None,
+                        "step_times_s": [],
                         "step_time_s": None, "step_time_min_s": None, "step_time_max_s": None,
                         "step_time_spread": None, "images_per_s": None, "out_of_memory": True}
 
@@ -350,12 +353,17 @@ def _warm_up(session: _Session, setup: Setup, num_classes: int) -> None:
     session.tick()
     if activation is None:
         activation = saved()
-    peak = None
+    peak = forward_peak = None
     if setup.device.type == "cuda":
+        # The forward's peak beside the step's: whether a row's peak comes
+        # while the activations are made or in backward (recomputation, its
+        # workspaces), where the two differ between rows.
+        forward = memory.track_cuda_peak(setup.device)
         with memory.track_cuda_peak(setup.device) as meter:
-            step()
-        peak = meter.peak_bytes
-    session.measured = {"activation_bytes": activation, "cuda_peak_bytes": peak}
+            _train_step(runner, optimizer, setup, images, labels, forward=forward)
+        peak, forward_peak = meter.peak_bytes, forward.peak_bytes
+    session.measured = {"activation_bytes": activation, "cuda_peak_bytes": peak,
+                        "cuda_forward_peak_bytes": forward_peak}
     session.step = step
 
 
@@ -499,6 +507,8 @@ class Result:
     gradient_max_rel_diff: Optional[float] = None
     # The dtype that step ran in ("float64" on CPU: gradient_check_dtype).
     gradient_dtype: Optional[str] = None
+    # On CUDA: max_memory_allocated over the step's forward alone.
+    cuda_forward_peak_bytes: Optional[int] = None
     notes: list[str] = field(default_factory=list)
 
 
