@@ -417,14 +417,19 @@ def test_cuda_peak_within_a_tenth_above_the_gradients():
     # The issue's target on the device, at half Gemma-2's head (4096 tokens,
     # hidden 2304, 128000 classes, bf16): max_memory_allocated over forward
     # + backward, above what was held before, within 1.1x the gradients.
-    # A small step first: Triton's compilation and cuBLAS's workspace are not the step's memory.
-    small = [t.requires_grad_() if t.is_floating_point() else t
-             for t in make_problem((64,), 64, 512, torch.bfloat16, "cuda")]
-    torch.autograd.grad(linear_cross_entropy(small[0], small[1], small[3], small[2]), small[:3])
+    # A step of the same shapes first: Triton's compilation and the GEMMs'
+    # workspaces, which stay allocated for the process, are not the step's
+    # memory. After a smaller warm-up (64 x 64 x 512) the H200 of 2026-11-30
+    # measured 79813632 bytes above the gradients, of which the op's own
+    # buffers were 46137344 and 32 MiB more was, by its size, a cuBLAS
+    # workspace allocated during the step: `kept` below says what stays.
     x, w, b, target = make_problem((4096,), 2304, 128000, torch.bfloat16, "cuda")
     leaves = [t.requires_grad_() for t in (x, w, b)]
     lower_bound = sum(t.numel() * t.element_size() for t in leaves)
+    before = torch.cuda.memory_allocated()
+    torch.autograd.grad(linear_cross_entropy(x, w, target, b), leaves)
+    kept = torch.cuda.memory_allocated() - before
     with memory.track_cuda_peak() as meter:
         grads = torch.autograd.grad(linear_cross_entropy(x, w, target, b), leaves)
-    assert meter.step_bytes <= 1.1 * lower_bound, (meter.step_bytes, lower_bound)
+    assert meter.step_bytes <= 1.1 * lower_bound, (meter.step_bytes, lower_bound, kept)
     del grads
