@@ -409,6 +409,25 @@ def _deep_norm_stack(norm: type[nn.BatchNorm2d], depth: int = 30) -> nn.Module:
     return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5))
 
 
+def test_on_a_gpu_the_gradient_check_steps_in_float32_without_tf32():
+    from effilayers.bench import measure
+
+    model = nn.Linear(3, 2)
+    for device, dtype, expected in (("cuda", torch.bfloat16, torch.float32), ("cuda", torch.float32, torch.float32),
+                                    ("cpu", torch.bfloat16, torch.float64)):
+        setup = measure.Setup(torch.device(device), batch=2, size=4, dtype=dtype, channels_last=False, steps=1,
+                              train_steps=0)
+        assert measure.gradient_check_dtype(model, setup) == expected
+    # a half model keeps the bench's dtype
+    setup = measure.Setup(torch.device("cuda"), batch=2, size=4, dtype=torch.float16, channels_last=False, steps=1,
+                          train_steps=0)
+    assert measure.gradient_check_dtype(nn.Linear(3, 2).half(), setup) == torch.float16
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    with measure._exact_float32():
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == before
+
+
 def test_the_gradient_check_steps_in_float64_on_cpu_and_leaves_the_timed_model_as_it_was():
     """Thirty BatchNorms at batch 2 amplify float32 rounding: a row that
     sums in another order is thousands of times further from plain in

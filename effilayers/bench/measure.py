@@ -14,6 +14,7 @@ generator at each step, so dropout draws the same masks in all of them.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import itertools
@@ -21,7 +22,7 @@ import statistics
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -231,11 +232,30 @@ def step_gradients(model: nn.Module, runner: nn.Module, setup: Setup, num_classe
 
 
 def gradient_check_dtype(model: nn.Module, setup: Setup) -> torch.dtype:
-    """The dtype --budget's gradient check runs in (see GRADIENT_TOLERANCE):
-    float64 for a float32 model on CPU, else the bench's ``setup.dtype``."""
+    """The dtype --budget's gradient check runs in (see GRADIENT_TOLERANCE),
+    for a float32 model: float64 on CPU; float32 on a GPU (without autocast,
+    and without TF32: :func:`_exact_float32`), where fp16/bf16 rounding
+    alone parts gradients that are sums with cancellation once a row's
+    kernels round in another order (a ResNet-50 BatchNorm weight's, 1.8 of
+    its largest apart under torch.compile in bfloat16 on the H200 of
+    2026-11-30). Any other model: the bench's ``setup.dtype``."""
     floating = {tensor.dtype for tensor in itertools.chain(model.parameters(), model.buffers())
                 if tensor.is_floating_point()}
-    return torch.float64 if setup.device.type == "cpu" and floating == {torch.float32} else setup.dtype
+    if floating != {torch.float32}:
+        return setup.dtype
+    return torch.float64 if setup.device.type == "cpu" else torch.float32
+
+
+@contextlib.contextmanager
+def _exact_float32() -> Iterator[None]:
+    """float32 matrix products and convolutions in float32, not TF32."""
+    matmul = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        with torch.backends.cudnn.flags(enabled=torch.backends.cudnn.enabled, allow_tf32=False):
+            yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = matmul
 
 
 def compare_gradients(gradients: dict[str, torch.Tensor], reference: dict[str, torch.Tensor],
@@ -542,11 +562,13 @@ def _check_gradients(session: _Session, setup: Setup, num_classes: int, first: b
     dtype = gradient_check_dtype(session.model, setup)
     session.gradient_dtype = str(dtype).removeprefix("torch.")
     compiled = session.variant.compiled or session.variant.under_compile
-    context: ContextManager = nullcontext()
+    context = contextlib.ExitStack()
+    if dtype == torch.float32 and setup.device.type == "cuda":
+        context.enter_context(_exact_float32())
     if compiled:
         from torch._inductor import config as inductor_config
 
-        context = inductor_config.patch(fallback_random=True)
+        context.enter_context(inductor_config.patch(fallback_random=True))
         session.notes.append(
             "gradient check: compiled with torch._inductor.config.fallback_random=True (eager's random kernels), "
             "so its forward draws plain's dropout masks; " + (
@@ -556,9 +578,10 @@ def _check_gradients(session: _Session, setup: Setup, num_classes: int, first: b
         if dtype == setup.dtype:
             gradients = step_gradients(session.model, session.runner, setup, num_classes)
         else:
-            # Parameters and buffers go to float64 and back in place (float32
-            # -> float64 -> float32 is exact), so hooks, fit's wrappers and a
-            # compiled forward stay those of the model the steps time.
+            # Parameters and buffers go to the check's dtype and back in place
+            # (float32 -> float64 -> float32 is exact; on a GPU they stay
+            # float32 and only autocast is off), so hooks, fit's wrappers and
+            # a compiled forward stay those of the model the steps time.
             session.model.to(dtype)
             try:
                 gradients = step_gradients(session.model, session.runner, dataclasses.replace(setup, dtype=dtype),
@@ -567,7 +590,8 @@ def _check_gradients(session: _Session, setup: Setup, num_classes: int, first: b
                 session.model.to(torch.float32)
             if compiled:
                 # torch 2.11's dynamo guards a module's parameters by identity,
-                # not dtype: the float64 graph would run on the float32 ones.
+                # not dtype: the check's graph (float64, or float32 without
+                # autocast) would serve the timed steps.
                 from torch import _dynamo
 
                 _dynamo.reset()
