@@ -95,7 +95,7 @@ def plan(device: str, date: str, results: str) -> list[Step]:
         # that session's durations; they add up to more than one call, and
         # allocate() gives the time to the stale families first. The compile
         # rows (torch.compile per shape) are most of the kernels' steps.
-        Step("tests", 140, (
+        Step("tests", 150, (
             f"python3 -m pytest {failed} -m gpu -q -rfE -p no:cacheprovider --timeout=60 "
             f"--junitxml={results}/gpu_tests_failed_before-{device}-{date}.xml",
             f"python3 -m pytest -m gpu tests -q -rfEs -p no:cacheprovider -n 8 --timeout=120 "
