@@ -6,8 +6,8 @@ to host memory (CPU: the stream-free path; CUDA: ``gpu`` tests) and come back
 one block ahead of backward."""
 
 import copy
-import itertools
 import importlib
+import itertools
 
 import pytest
 import torch
