@@ -86,12 +86,10 @@ def plan(device: str, date: str, results: str) -> list[Step]:
         Step("build", 20, ("python3 benchmarks/gpu_session.py load-libraries",)),
         Step("selftest", 70, ("python3 -m effilayers.info --selftest",
                               "python3 benchmarks/gpu_session.py triton-first-launch")),
-        # build and selftest: loading both libraries took 8 s and the
-        # self-test more than 31 s on the H200 of 2026-11-30, which cut both.
-        # -n 8: 1831 tests took 95 s so on the H200 (2026-11-28), 2078 took
-        # 119 s (2026-11-30); more
-        # workers would run more of the tests that each need tens of GiB at
-        # once. The benchmark budgets below are what each needs whole, from
+        # The budgets of build, selftest and tests are what they took on the
+        # H200 (gpu-session-h200-2026-11-30-steps.md) and a margin. -n 8:
+        # more workers would run more of the tests that each need tens of
+        # GiB at once. The benchmark budgets below are what each needs whole, from
         # that session's durations; they add up to more than one call, and
         # allocate() gives the time to the stale families first. The compile
         # rows (torch.compile per shape) are most of the kernels' steps.

@@ -217,11 +217,13 @@ class FitStep:
     matrix products. A selective step counts one per element of each op it
     recomputes (norms, activations, dropout: an estimate; drawing a dropout
     mask costs far more than one FLOP per element on a CPU) and the FLOPs of
-    attention recomputed for its dropout. Elsewhere elementwise
-    recomputation (norms, activations, concatenations: the memory-efficient
-    DenseNet step) counts as none, and the checkpoint machinery's own host
-    work is not in it either; both take time all the same, most visibly on a
-    CPU at small batches."""
+    attention recomputed for its dropout, and on a CUDA model the host time
+    of torch's dispatch mode, in FLOPs at the forward's measured rate
+    (module docstring). Elsewhere elementwise recomputation (norms,
+    activations, concatenations: the memory-efficient DenseNet step) counts
+    as none, and the checkpoint machinery's own host work is not in it
+    either; both take time all the same, most visibly on a CPU at small
+    batches."""
 
     kind: str  # "inplace_abn", "densenet_memory_efficient", "offload", "selective" or "checkpoint"
     target: str  # the module path ("" for the root), or "model" for whole-model steps

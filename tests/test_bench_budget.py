@@ -422,10 +422,20 @@ def test_on_a_gpu_the_gradient_check_steps_in_float32_without_tf32():
     setup = measure.Setup(torch.device("cuda"), batch=2, size=4, dtype=torch.float16, channels_last=False, steps=1,
                           train_steps=0)
     assert measure.gradient_check_dtype(nn.Linear(3, 2).half(), setup) == torch.float16
-    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    with measure._exact_float32():
-        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
-    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == before
+    # TF32 allowed by the user's settings: off inside, theirs again after, cuDNN's others untouched
+    settings = (torch.backends.cuda.matmul, torch.backends.cudnn.conv)
+    before = [setting.fp32_precision for setting in settings]
+    cudnn = torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic
+    try:
+        for setting in settings:
+            setting.fp32_precision = "tf32"
+        with measure._exact_float32():
+            assert [setting.fp32_precision for setting in settings] == ["ieee", "ieee"]
+            assert (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic) == cudnn
+        assert [setting.fp32_precision for setting in settings] == ["tf32", "tf32"]
+    finally:
+        for setting, value in zip(settings, before):
+            setting.fp32_precision = value
 
 
 def test_the_gradient_check_steps_in_float64_on_cpu_and_leaves_the_timed_model_as_it_was():

@@ -112,8 +112,7 @@ def test_on_cuda_the_host_time_of_selective_units_counts(monkeypatch, seconds, s
     # The CUDA branch of the plan, on CPU: the forward's times given instead
     # of measured, first with every unit selective, then plain. Where the
     # dispatch mode costs the forward nothing, the plan is the CPU's; where it
-    # triples the forward (on the H200 of 2026-11-30 a selective GPT-2 block
-    # cost more than twice recomputing it whole), every unit is recomputed whole.
+    # triples the forward, every unit is recomputed whole.
     times = itertools.cycle(seconds)  # each plan times the selective forward, then the plain one
     monkeypatch.setattr(fit_module, "_cuda_device", lambda call: torch.device("cpu"))
     monkeypatch.setattr(fit_module, "_forward_seconds", lambda model, call, device: next(times))

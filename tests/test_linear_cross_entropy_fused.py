@@ -419,10 +419,8 @@ def test_cuda_peak_within_a_tenth_above_the_gradients():
     # + backward, above what was held before, within 1.1x the gradients.
     # A step of the same shapes first: Triton's compilation and the GEMMs'
     # workspaces, which stay allocated for the process, are not the step's
-    # memory. After a smaller warm-up (64 x 64 x 512) the H200 of 2026-11-30
-    # measured 79813632 bytes above the gradients, of which the op's own
-    # buffers were 46137344 and 32 MiB more was, by its size, a cuBLAS
-    # workspace allocated during the step: `kept` below says what stays.
+    # memory (a smaller warm-up left a cuBLAS workspace to the measured step:
+    # gpu-session-h200-2026-11-30.md); `kept` says what stays allocated.
     x, w, b, target = make_problem((4096,), 2304, 128000, torch.bfloat16, "cuda")
     leaves = [t.requires_grad_() for t in (x, w, b)]
     lower_bound = sum(t.numel() * t.element_size() for t in leaves)

@@ -235,10 +235,9 @@ def gradient_check_dtype(model: nn.Module, setup: Setup) -> torch.dtype:
     """The dtype --budget's gradient check runs in (see GRADIENT_TOLERANCE),
     for a float32 model: float64 on CPU; float32 on a GPU (without autocast,
     and without TF32: :func:`_exact_float32`), where fp16/bf16 rounding
-    alone parts gradients that are sums with cancellation once a row's
-    kernels round in another order (a ResNet-50 BatchNorm weight's, 1.8 of
-    its largest apart under torch.compile in bfloat16 on the H200 of
-    2026-11-30). Any other model: the bench's ``setup.dtype``."""
+    alone parts gradients that are sums with cancellation (a BatchNorm
+    weight's) once a row's kernels round in another order. Any other model:
+    the bench's ``setup.dtype``."""
     floating = {tensor.dtype for tensor in itertools.chain(model.parameters(), model.buffers())
                 if tensor.is_floating_point()}
     if floating != {torch.float32}:
@@ -248,14 +247,19 @@ def gradient_check_dtype(model: nn.Module, setup: Setup) -> torch.dtype:
 
 @contextlib.contextmanager
 def _exact_float32() -> Iterator[None]:
-    """float32 matrix products and convolutions in float32, not TF32."""
-    matmul = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
+    """float32 matrix products and convolutions in float32, not TF32: torch's
+    ``fp32_precision`` settings of both, put back as they were. (The legacy
+    ``allow_tf32`` flags, mixed with them, leave torch refusing to read either;
+    ``cudnn.flags`` would also reset cuDNN's other settings.)"""
+    settings = (torch.backends.cuda.matmul, torch.backends.cudnn.conv)
+    before = [setting.fp32_precision for setting in settings]
     try:
-        with torch.backends.cudnn.flags(enabled=torch.backends.cudnn.enabled, allow_tf32=False):
-            yield
+        for setting in settings:
+            setting.fp32_precision = "ieee"
+        yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = matmul
+        for setting, value in zip(settings, before):
+            setting.fp32_precision = value
 
 
 def compare_gradients(gradients: dict[str, torch.Tensor], reference: dict[str, torch.Tensor],
@@ -349,6 +353,22 @@ def _out_of_memory(session: _Session, setup: Setup) -> None:
                         "step_time_spread": None, "images_per_s": None, "out_of_memory": True}
 
 
+class _PeakSoFar:
+    """The allocator's peak when the block ends, read without synchronizing
+    (it counts an allocation when it is made), so the step around it runs as
+    it would: backward starts while an offloaded unit's copies are in flight."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.peak_bytes: Optional[int] = None
+
+    def __enter__(self) -> "_PeakSoFar":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
+
+
 def _warm_up(session: _Session, setup: Setup, num_classes: int) -> None:
     """The warm-up step (first-call allocations, kernel builds, compilation),
     activation bytes and the CUDA peak; leaves ``session.step`` ready to be
@@ -378,7 +398,7 @@ def _warm_up(session: _Session, setup: Setup, num_classes: int) -> None:
         # The forward's peak beside the step's: whether a row's peak comes
         # while the activations are made or in backward (recomputation, its
         # workspaces), where the two differ between rows.
-        forward = memory.track_cuda_peak(setup.device)
+        forward = _PeakSoFar(setup.device)
         with memory.track_cuda_peak(setup.device) as meter:
             _train_step(runner, optimizer, setup, images, labels, forward=forward)
         peak, forward_peak = meter.peak_bytes, forward.peak_bytes
@@ -470,8 +490,8 @@ def _max_batch(model: nn.Module, setup: Setup, num_classes: int, limit: int, tic
     optimizer = _optimizer(model)
     # A step's memory does not depend on the numbers: one batch drawn once
     # (on the CPU from the seed, as every variant's), its samples repeated on
-    # the device to each size tried. Drawing every size's numbers on the CPU
-    # took most of the search's time on an H200 (2026-11-30).
+    # the device to each size tried, instead of drawing every size's numbers
+    # on the CPU, which a fast GPU would wait on for most of the search.
     images, labels = setup.data(min(setup.batch, limit), num_classes, seed=SEED)
 
     def step(batch: int) -> None:
@@ -551,6 +571,31 @@ def count_ticks(variants: list[Variant], setup: Setup, max_batch_limit: Optional
     return len(variants) * per_variant + references
 
 
+def _check_step(session: _Session, setup: Setup, num_classes: int, dtype: torch.dtype,
+                compiled: bool) -> dict[str, torch.Tensor]:
+    """The gradient check's step of a session in ``dtype`` (step_gradients)."""
+    if dtype == setup.dtype:
+        return step_gradients(session.model, session.runner, setup, num_classes)
+    # Parameters and buffers go to the check's dtype and back in place
+    # (float32 -> float64 -> float32 is exact; on a GPU they stay float32 and
+    # only autocast is off), so hooks, fit's wrappers and a compiled forward
+    # stay those of the model the steps time.
+    session.model.to(dtype)
+    try:
+        gradients = step_gradients(session.model, session.runner, dataclasses.replace(setup, dtype=dtype),
+                                   num_classes)
+    finally:
+        session.model.to(torch.float32)
+    if compiled:
+        # torch 2.11's dynamo guards a module's parameters by identity, not
+        # dtype: the check's graph (float64, or float32 without autocast)
+        # would serve the timed steps.
+        from torch import _dynamo
+
+        _dynamo.reset()
+    return gradients
+
+
 def _check_gradients(session: _Session, setup: Setup, num_classes: int, first: bool,
                      reference: dict[str, torch.Tensor]) -> None:
     """--budget's gradient check of a started session, in
@@ -562,39 +607,20 @@ def _check_gradients(session: _Session, setup: Setup, num_classes: int, first: b
     dtype = gradient_check_dtype(session.model, setup)
     session.gradient_dtype = str(dtype).removeprefix("torch.")
     compiled = session.variant.compiled or session.variant.under_compile
-    context = contextlib.ExitStack()
-    if dtype == torch.float32 and setup.device.type == "cuda":
-        context.enter_context(_exact_float32())
-    if compiled:
-        from torch._inductor import config as inductor_config
+    with contextlib.ExitStack() as context:
+        if dtype == torch.float32 and setup.device.type == "cuda":
+            context.enter_context(_exact_float32())
+        if compiled:
+            from torch._inductor import config as inductor_config
 
-        context.enter_context(inductor_config.patch(fallback_random=True))
+            context.enter_context(inductor_config.patch(fallback_random=True))
+        gradients = _check_step(session, setup, num_classes, dtype, compiled)
+    if compiled:
         session.notes.append(
             "gradient check: compiled with torch._inductor.config.fallback_random=True (eager's random kernels), "
             "so its forward draws plain's dropout masks; " + (
                 "compiled again for the timed steps, at the bench's dtype and without it" if dtype != setup.dtype else
                 "the timed steps run that compiled graph"))
-    with context:
-        if dtype == setup.dtype:
-            gradients = step_gradients(session.model, session.runner, setup, num_classes)
-        else:
-            # Parameters and buffers go to the check's dtype and back in place
-            # (float32 -> float64 -> float32 is exact; on a GPU they stay
-            # float32 and only autocast is off), so hooks, fit's wrappers and
-            # a compiled forward stay those of the model the steps time.
-            session.model.to(dtype)
-            try:
-                gradients = step_gradients(session.model, session.runner, dataclasses.replace(setup, dtype=dtype),
-                                           num_classes)
-            finally:
-                session.model.to(torch.float32)
-            if compiled:
-                # torch 2.11's dynamo guards a module's parameters by identity,
-                # not dtype: the check's graph (float64, or float32 without
-                # autocast) would serve the timed steps.
-                from torch import _dynamo
-
-                _dynamo.reset()
     if first:
         reference.update(gradients)
         return
