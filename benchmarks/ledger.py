@@ -110,13 +110,15 @@ FAMILIES: tuple[Family, ...] = op_families() + (
                          "effilayers/models"), ("bench",),
            "largest batch >= 1.6x plain (ResNet-50 InPlaceABN), >= 3x (DenseNet-121)"),
     Family("fit_resnet50", ("effilayers/fit.py", "effilayers/checkpoint.py"), ("budget-resnet50-0.35",),
-           "ResNet-50 within a 0.35 budget on CUDA peak bytes at <= 1.15x plain's step"),
+           "ResNet-50 within a 0.35 budget on CUDA peak bytes at <= 1.15x plain's step",
+           met=lambda f: _fit_met(f, 0.35, 1.15)),
     Family("fit_densenet121", ("effilayers/fit.py", "effilayers/checkpoint.py"), ("budget-densenet121-0.25",),
-           "DenseNet-121 within a 0.25 budget on CUDA peak bytes at <= 1.3x plain's step"),
+           "DenseNet-121 within a 0.25 budget on CUDA peak bytes at <= 1.3x plain's step",
+           met=lambda f: _fit_met(f, 0.25, 1.3)),
     Family("fit_gpt2", ("effilayers/fit.py", "effilayers/checkpoint.py"),
            ("budget-gpt2_small-0.35", "budget-gpt2_small-0.25-offload"),
            "GPT-2 small (batch 8, 1024 tokens, bf16) within 0.35 at <= 1.25x plain's step and under torch's "
-           "every-block checkpoint; with offload, 0.25 at <= 1.15x"),
+           "every-block checkpoint; with offload, 0.25 at <= 1.15x", met=lambda f: _fit_gpt2_met(f)),
     Family("offload", ("effilayers/optim/offload.py", "effilayers/optim/sharded.py"), ("fsdp_offload",),
            "<= 0.35x GPU memory at <= 1.5x step time",
            met=lambda f: _offload_met(f, 'chunked_adamw', peak=0.35, time=1.5)),
@@ -383,6 +385,38 @@ def bench_headline(data: dict) -> Optional[str]:
     return "; ".join(parts) + " (ratios to plain PyTorch)" if parts else None
 
 
+def bench_figures(data: dict) -> dict:
+    """effilayers-bench's JSON: each row's (step time, activation bytes)
+    ratios to plain PyTorch, by variant name."""
+    rows = {}
+    for result in data.get("results") or ():
+        if isinstance(result, dict):
+            ratios = result.get("ratios") or {}
+            rows[str(result.get("variant", ""))] = (_number(ratios.get("step_time")),
+                                                    _number(ratios.get("activation_bytes")))
+    return {"rows": rows}
+
+
+def _fit_met(figures: dict, fraction: float, time: float, below_every_block: bool = False) -> Optional[bool]:
+    """Whether the fit row of a --budget result holds ``fraction`` of plain's
+    activation bytes at ``time`` x plain's step or less (and, where asked,
+    less time than torch's checkpoint around every block); None without a
+    fit row."""
+    rows = figures.get("rows") or {}
+    fitted = next((ratios for name, ratios in rows.items() if name.startswith("fit(")), None)
+    if fitted is None or None in fitted:
+        return None
+    step, activation = fitted
+    every_block = rows.get("torch checkpoint (every block)", (None, None))[0]
+    return (activation <= fraction and step <= time
+            and not (below_every_block and every_block is not None and step >= every_block))
+
+
+def _fit_gpt2_met(figures: dict) -> Optional[bool]:
+    offloaded = any("offload" in name for name in (figures.get("rows") or {}))
+    return _fit_met(figures, 0.25, 1.15) if offloaded else _fit_met(figures, 0.35, 1.25, below_every_block=True)
+
+
 def variants_figures(data: dict) -> dict:
     """benchmarks/bench_fsdp_offload.py's JSON: each offloaded variant's
     (peak, step time) ratios to the plain one, as the file holds them."""
@@ -402,6 +436,7 @@ def figures_and_headline(path: Path, data: Optional[dict], family: Family) -> tu
         figures = pytest_benchmark_figures(data, family)
         text = pytest_benchmark_headline(figures, family)
     elif data is not None and isinstance(data.get("results"), list):
+        figures = bench_figures(data)
         text = bench_headline(data)
     elif data is not None and isinstance(data.get("variants"), dict):
         figures = variants_figures(data)

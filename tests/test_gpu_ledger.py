@@ -244,3 +244,24 @@ def test_case_counts_are_the_benches_gpu_cases():
         cases = [implementations for implementations in found[bench]
                  if implementations == ["None"] or families[family].ours in implementations]
         assert families[family].cases == len(cases), (family, found[bench])
+
+
+def _budget_result(*rows):
+    return {"results": [{"variant": name, "ratios": {"step_time": step, "activation_bytes": activation}}
+                        for name, step, activation in rows]}
+
+
+@pytest.mark.parametrize("rows, met", [
+    ((("as given", 1.0, 1.0), ("fit(0.35)", 1.2, 0.33), ("torch checkpoint (every block)", 1.28, 0.06)), True),
+    ((("as given", 1.0, 1.0), ("fit(0.35)", 1.3, 0.33), ("torch checkpoint (every block)", 1.4, 0.06)), False),
+    ((("as given", 1.0, 1.0), ("fit(0.35)", 1.2, 0.33), ("torch checkpoint (every block)", 1.1, 0.06)), False),
+    ((("as given", 1.0, 1.0), ("fit(0.35)", 1.2, 0.36)), False),
+    ((("as given", 1.0, 1.0), ("fit(0.25, offload)", 1.1, 0.25)), True),
+    ((("as given", 1.0, 1.0), ("fit(0.25, offload)", 1.2, 0.25)), False),
+    ((("as given", 1.0, 1.0),), None),
+])
+def test_fit_targets_read_the_fit_row_of_a_budget_result(rows, met):
+    family = next(family for family in ledger.FAMILIES if family.name == "fit_gpt2")
+    figures, _ = ledger.figures_and_headline(Path("x.json"), _budget_result(*rows), family)
+    assert family.met(figures) is met
+    assert ledger.verdict(family, figures) == {True: "met", False: "**missed**", None: "not measured"}[met]
