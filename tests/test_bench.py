@@ -80,6 +80,7 @@ def test_resnet50_json_report(resnet_report):
     assert "effilayers.bench" in report["command"] and "--model resnet50" in report["command"]
     assert report["settings"] == {"device": "cpu", "batch": 2, "size": 32, "tokens": None, "dtype": "float32",
                                   "channels_last": False, "steps": 1, "train": 0, "max_batch_limit": None,
+                                  "max_batch_precision": None,
                                   "compile": False, "loss_noise_factor": bench.LOSS_NOISE_FACTOR,
                                   "loss_tolerance_floor": 1e-5, "spread_warning": bench.SPREAD_WARNING,
                                   "timed_in_turn": True, "clock": "wall clock",

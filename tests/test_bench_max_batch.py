@@ -75,6 +75,25 @@ def test_find_max_batch_rejects_nonpositive_arguments():
         bench.find_max_batch(lambda batch: None, 0, 10)
 
 
+@pytest.mark.parametrize("fits_up_to", [1000, 1537, 2900, 4095])
+def test_find_max_batch_with_a_precision_stops_within_it_in_fewer_tries(fits_up_to, collections):
+    exact_step, exact_calls = simulated_memory(fits_up_to)
+    coarse_step, coarse_calls = simulated_memory(fits_up_to)
+    assert bench.find_max_batch(exact_step, 32, 4096).batch == fits_up_to
+    found = bench.find_max_batch(coarse_step, 32, 4096, precision=0.02)
+    # a batch that fits, and one at most 2% above it that does not
+    assert found.batch <= fits_up_to < found.batch * 1.02 + 1
+    assert min(call for call in coarse_calls if call > fits_up_to) <= found.batch * 1.02 + 1
+    assert len(coarse_calls) < len(exact_calls) and len(coarse_calls) == len(set(coarse_calls))
+
+
+@pytest.mark.parametrize("precision, error", [(-0.1, ValueError), (1.0, ValueError), (float("nan"), ValueError),
+                                              ("0.02", TypeError), (True, TypeError)])
+def test_find_max_batch_refuses_a_precision_outside_0_to_1(precision, error):
+    with pytest.raises(error, match="precision must be"):
+        bench.find_max_batch(lambda batch: None, 2, 10, precision=precision)
+
+
 @pytest.mark.parametrize("error, out_of_memory", [
     (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), True),
     (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), True),
@@ -237,7 +256,7 @@ def test_max_batch_end_to_end_against_a_simulated_memory_limit(tmp_path, monkeyp
     assert {name: r["max_batch"] for name, r in results.items()} == limits
     assert results["effilayers convert(inplace)"]["ratios"]["max_batch"] == pytest.approx(30 / 12)
     assert state["tries"] >= 4  # both variants ran out of memory, each more than once
-    assert report["settings"]["max_batch_limit"] == 64
+    assert report["settings"]["max_batch_limit"] == 64 and report["settings"]["max_batch_precision"] == 0.02
     table = capsys.readouterr().out
     assert "max batch" in table and "2.50x" in table
     assert bars[0].count == bars[0].total  # every try counted, and the estimate filled up

@@ -24,7 +24,7 @@ import torch
 
 from ..max_batch import DEFAULT_LIMIT
 from .budget import BUDGET_ROWS, budget_argument, budget_rows_argument, budget_variants
-from .measure import CLOCKS, LOSS_NOISE_FACTOR, SEED, Result, Setup, count_ticks, run_model
+from .measure import CLOCKS, LOSS_NOISE_FACTOR, MAX_BATCH_PRECISION, SEED, Result, Setup, count_ticks, run_model
 from .report import (
     conclusion,
     format_losses,
@@ -110,7 +110,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--check-train", action="store_true",
                         help="with --train: exit with status 1 when a variant's losses leave the tolerance")
     parser.add_argument("--max-batch", action="store_true",
-                        help="find the largest batch that trains one step, per variant (CUDA only)")
+                        help="find the largest batch that trains one step, per variant (CUDA only), within "
+                             f"{MAX_BATCH_PRECISION * 100:g}%% of the largest (effilayers.find_max_batch's precision)")
     parser.add_argument("--max-batch-limit", type=int, metavar="N",
                         help=f"with --max-batch: the largest batch it tries (default: {DEFAULT_MAX_BATCH_LIMIT})")
     parser.add_argument("--budget", type=budget_argument, metavar="BUDGET",

@@ -35,7 +35,7 @@ from .variants import BenchError, Variant
 
 __all__ = ["Setup", "Result", "time_call", "SEED", "LOSS_NOISE_FACTOR", "LOSS_TOLERANCE_FLOOR", "count_ticks",
            "run_model", "SPREAD_WARNING", "CLOCKS", "GRADIENT_TOLERANCE", "step_gradients", "gradient_check_dtype",
-           "compare_gradients"]
+           "compare_gradients", "MAX_BATCH_PRECISION"]
 
 SEED = 0
 # --train: a variant's loss at step t may differ from its float64 reference by
@@ -66,6 +66,10 @@ CLOCKS = {"wall": "wall clock", "cpu": "process CPU time"}
 # drawn again differs by the order of the gradients themselves. On a GPU the
 # check runs at the bench's dtype: fused kernels draw their dropout masks per
 # dtype, so a float64 step would not be the timed computation's.
+# --max-batch stops bisecting once a batch that does not fit is within 2% of
+# one that does: the largest steps, the slow ones, are the last tries, and
+# the targets are ratios between variants.
+MAX_BATCH_PRECISION = 0.02
 GRADIENT_TOLERANCE = {torch.float64: 1e-7, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
 # The seed the gradient check's dropout draws from, the same for every row.
 GRADIENT_SEED = SEED + 7919
@@ -503,7 +507,7 @@ def _max_batch(model: nn.Module, setup: Setup, num_classes: int, limit: int, tic
         setup.synchronize()
 
     found = find_max_batch(step, setup.batch, limit, model=model, device=setup.device,
-                           on_try=lambda batch, fits: tick())
+                           on_try=lambda batch, fits: tick(), precision=MAX_BATCH_PRECISION)
     return found.batch
 
 

@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .measure import CLOCKS, LOSS_NOISE_FACTOR, LOSS_TOLERANCE_FLOOR, SPREAD_WARNING, Result, Setup
+from .measure import CLOCKS, LOSS_NOISE_FACTOR, LOSS_TOLERANCE_FLOOR, MAX_BATCH_PRECISION, SPREAD_WARNING, Result, Setup
 from .variants import AS_GIVEN, PLAIN, BenchError
 
 __all__ = ["measured_cells", "agreement", "gradient_cell", "format_table", "conclusion", "precision_name",
@@ -325,6 +325,7 @@ def write_json(path: str, argv: list[str], setup: Setup, dtype_name: str, max_ba
                      "dtype": dtype_name,
                      "channels_last": setup.channels_last, "compile": setup.compile, "steps": setup.steps,
                      "train": setup.train_steps, "max_batch_limit": max_batch_limit,
+                     "max_batch_precision": MAX_BATCH_PRECISION if max_batch_limit is not None else None,
                      "loss_noise_factor": LOSS_NOISE_FACTOR,
                      "loss_tolerance_floor": LOSS_TOLERANCE_FLOOR[setup.dtype], "spread_warning": SPREAD_WARNING,
                      "timed_in_turn": not setup.compile,
