@@ -53,6 +53,10 @@ SPREAD_WARNING = 0.15
 # time of the bench's process (all its threads), which does not count the
 # time the process waits while others use the cores.
 CLOCKS = {"wall": "wall clock", "cpu": "process CPU time"}
+# --max-batch stops bisecting once a batch that does not fit is within 2% of
+# one that does: the largest steps, the slow ones, are the last tries, and
+# the targets are ratios between variants.
+MAX_BATCH_PRECISION = 0.02
 # --budget's gradient check: a row's gradients match plain PyTorch's when, in
 # every parameter, the largest difference is at most this fraction of the
 # largest plain gradient. On CPU the check's step runs in float64 (the model
@@ -63,13 +67,11 @@ CLOCKS = {"wall": "wall clock", "cpu": "process CPU time"}
 # stays many orders below the tolerance. Recomputation that replays the
 # forward's random draws runs the same kernels on the same numbers (0 on
 # CPU); a compiled graph reorders sums (~1e-6 in float32); a dropout mask
-# drawn again differs by the order of the gradients themselves. On a GPU the
-# check runs at the bench's dtype: fused kernels draw their dropout masks per
-# dtype, so a float64 step would not be the timed computation's.
-# --max-batch stops bisecting once a batch that does not fit is within 2% of
-# one that does: the largest steps, the slow ones, are the last tries, and
-# the targets are ratios between variants.
-MAX_BATCH_PRECISION = 0.02
+# drawn again differs by the order of the gradients themselves. On a GPU a
+# float32 model's check runs in float32, without autocast or TF32
+# (gradient_check_dtype), not float64: fused kernels draw their dropout
+# masks per dtype, and a float64 step would leave the kernels the timed
+# steps run.
 GRADIENT_TOLERANCE = {torch.float64: 1e-7, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
 # The seed the gradient check's dropout draws from, the same for every row.
 GRADIENT_SEED = SEED + 7919
