@@ -484,6 +484,14 @@ class _OutsideReads(TorchFunctionMode):
         return result
 
 
+def _detached(tensor: torch.Tensor) -> torch.Tensor:
+    # Never the tensor itself: a node that saves its own output (a ReLU)
+    # would hold that output, whose grad_fn holds the node, a cycle through
+    # C++ that Python's collector cannot see, and the whole graph would
+    # outlive the call. Autograd rebuilds the unpacked tensor's history.
+    return tensor.detach()
+
+
 def _unchanged(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
@@ -506,7 +514,7 @@ def lean_segment_ok(modules: Sequence[nn.Module], input: Any) -> bool:
     reads = _OutsideReads(known)
     # _Replay forks the random state as a recomputation does, so the probe draws none.
     with _ScratchRunningStatistics(slots), _Replay(input).replayed(), torch.enable_grad(), \
-            torch.autograd.graph.saved_tensors_hooks(_unchanged, _unchanged):
+            torch.autograd.graph.saved_tensors_hooks(_detached, _unchanged):
         # The scratch buffers are what the modules read now.
         reads.known |= {id(module._buffers[name]) for module, name in slots}
         with reads:
@@ -759,7 +767,7 @@ class offload_saved_tensors:
         parameter = isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter)
         if parameter or tensor.numel() * tensor.element_size() < self.min_bytes or tensor.device.type not in ("cuda",
                                                                                                            "cpu"):
-            kept = _Kept(tensor)
+            kept = _Kept(_detached(tensor))
             memory.count_kept(tensor, kept)
             return kept
         if tensor.device.type == "cuda":

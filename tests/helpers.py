@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -76,3 +79,22 @@ class LaunchSpy:
             self.launches.append((grid, kwargs))
             return self.kernel[grid](*args, **kwargs)
         return launch
+
+
+class OutputSpy(nn.Module):
+    """A ReLU (its backward reads its own output, so autograd saves the
+    output) that keeps weak references to what it returned: a graph leaked
+    by a saved-tensor hook that holds the output shows as a reference still
+    alive after ``gc.collect()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outputs: list = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        output = torch.relu(x)
+        self.outputs.append(weakref.ref(output))
+        return output
+
+    def alive(self) -> int:
+        return sum(ref() is not None for ref in self.outputs)

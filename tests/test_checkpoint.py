@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import math
 
 import pytest
@@ -23,6 +24,8 @@ from effilayers.checkpoint import (
     sqrt_segments,
 )
 from effilayers.models.densenet import DenseLayer
+
+from .helpers import OutputSpy
 
 DTYPE = torch.float64
 
@@ -608,6 +611,15 @@ def test_lean_segment_ok_refuses_what_it_cannot_differentiate_and_the_probe_leav
     scale = nn.Conv2d(4, 4, 1).to(DTYPE)
     assert not lean_segment_ok([scale, _ReadsAnOutsideWeight(scale.weight.sum() * 2)], x)
     assert lean_segment_ok([scale, nn.ReLU(inplace=True), norm], x)
+
+
+def test_the_probe_frees_its_graph():
+    # A probe that saved the ReLU's output itself leaked every probed
+    # segment's activations for good (a cycle through autograd's C++ nodes).
+    spy = OutputSpy()
+    assert lean_segment_ok([nn.Conv2d(4, 4, 1).to(DTYPE), spy], torch.randn(3, 4, 5, 5, dtype=DTYPE))
+    gc.collect()
+    assert spy.outputs and spy.alive() == 0
 
 
 def test_fit_falls_back_to_checkpoint_where_the_probe_refuses():

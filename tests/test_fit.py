@@ -3,6 +3,7 @@ shapes), the fitted model computes what the original did (float64), revert
 restores it, and bad budgets are refused naming the argument."""
 
 import copy
+import gc
 import importlib
 import re
 
@@ -13,6 +14,8 @@ from torch import nn
 import effilayers
 from effilayers import memory, models
 from effilayers.fit import CheckpointedSequential, parse_budget
+
+from .helpers import OutputSpy
 
 fit_module = importlib.import_module("effilayers.fit")  # the module: effilayers.fit is the function
 
@@ -194,6 +197,26 @@ def test_checkpoint_steps_stop_just_under_the_budget_without_recomputing_the_who
     _assert_same_tensors(_buffers(model), _buffers(original), rtol=1e-12, atol=1e-14)
     effilayers.revert(model)
     assert type(model) is nn.Sequential and "_fit_segments" not in model.__dict__
+
+
+def test_fit_leaves_no_activation_alive():
+    # fit's measuring forwards and the lean path's probes must free what they
+    # saved: a graph held past the call is memory the fitted model never
+    # gets back, on a model fitted because memory was short.
+    torch.manual_seed(0)
+    layers = [nn.Conv2d(3, 8, 3, padding=1, bias=False)]
+    spies = [OutputSpy() for _ in range(5)]
+    for spy in spies:
+        layers += [nn.BatchNorm2d(8), spy, nn.Conv2d(8, 8, 3, padding=1, bias=False)]
+    model = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5))
+    x = torch.randn(2, 3, 8, 8)
+    for dry_run in (True, False):
+        report = effilayers.fit(model, x, 0.6, dry_run=dry_run)
+        assert any(step.kind == "checkpoint" for step in report.steps)
+    model(x).sum().backward()
+    gc.collect()
+    assert sum(len(spy.outputs) for spy in spies) > 0
+    assert [spy.alive() for spy in spies] == [0] * len(spies)
 
 
 def test_the_profile_keeps_an_input_nothing_saves_apart_from_later_storages():

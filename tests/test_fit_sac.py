@@ -6,6 +6,7 @@ to host memory (CPU: the stream-free path; CUDA: ``gpu`` tests) and come back
 one block ahead of backward."""
 
 import copy
+import gc
 import importlib
 import itertools
 
@@ -17,6 +18,8 @@ from torch import nn
 import effilayers
 from effilayers import memory
 from effilayers.checkpoint import KeepExpensive, checkpoint, keep_expensive, offload_saved_tensors, selective_contexts
+
+from .helpers import OutputSpy
 
 fit_module = importlib.import_module("effilayers.fit")
 
@@ -288,6 +291,15 @@ def test_offload_keeps_parameters_and_small_tensors_and_checks_min_bytes():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="min_bytes must be an int >= 0"):
             offload_saved_tensors(min_bytes=bad)
+
+
+def test_a_small_tensor_offload_keeps_is_freed_with_its_graph():
+    spy = OutputSpy()
+    with offload_saved_tensors(min_bytes=1 << 20):
+        output = spy(torch.randn(4, 8, requires_grad=True))
+    del output
+    gc.collect()
+    assert spy.outputs and spy.alive() == 0
 
 
 def test_offload_hides_compares_transfer_with_compute():
