@@ -388,18 +388,26 @@ def _checkpointed_call(unit: nn.Module, forward: Callable, args: tuple, kwargs: 
     if not frozen:
         # No side effect in the checkpointed function: torch.compile traces it whole.
         return checkpoint(lambda *args: forward(*args, **kwargs), *args, context_fn=context_fn)
-    calls = [0]
+    # The real state objects reach the first call only, and nothing the
+    # checkpoint keeps refers to them: the forward writes this unit's own
+    # outputs into them (a KV cache's keys), whose graph holds the
+    # checkpoint's hooks, which hold this function. Held here, that would be
+    # a cycle through autograd's C++ nodes, freed by a backward but never by
+    # the collector: a forward without backward (fit's measuring ones) would
+    # keep the unit's whole graph.
+    first = [(args, kwargs)]
+    rest = {key: value for key, value in kwargs.items() if key not in frozen}
 
-    def run(*args: Any) -> Any:
-        calls[0] += 1
-        if calls[0] == 1:
-            return forward(*args, **kwargs)
+    def run(*passed: Any) -> Any:
+        if first:
+            real_args, real_kwargs = first.pop()
+            return forward(*real_args, **real_kwargs)
         # A recomputation: a fresh copy of the state each time (a backward
         # with retain_graph=True recomputes again).
-        return forward(*(_frozen_copy(frozen[i]) if i in frozen else value for i, value in enumerate(args)),
-                       **{key: _frozen_copy(frozen[key]) if key in frozen else value for key, value in kwargs.items()})
+        return forward(*(_frozen_copy(frozen[i]) if i in frozen else value for i, value in enumerate(passed)),
+                       **rest, **{key: _frozen_copy(frozen[key]) for key in frozen if isinstance(key, str)})
 
-    return checkpoint(run, *args, context_fn=context_fn)
+    return checkpoint(run, *(None if i in frozen else value for i, value in enumerate(args)), context_fn=context_fn)
 
 
 def _new_unit(plain: type) -> nn.Module:

@@ -7,9 +7,11 @@ plain model's with dropout active; the unit keeps its state-dict keys,
 hooks, pickling; dry runs; errors and notes that say why."""
 
 import copy
+import gc
 import importlib
 import io
 import json
+import weakref
 
 import pytest
 import torch
@@ -184,6 +186,27 @@ def test_fitted_model_computes_the_plain_outputs_gradients_and_cache_with_dropou
     undone = effilayers.revert(fitted)
     assert undone.fit_steps_undone == len(report.steps)
     assert [type(module) for module in fitted.modules()] == classes
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_a_forward_without_backward_frees_the_cache_and_graph_of_fitted_units(name):
+    # A unit writes its keys into the KV cache it is given; a checkpoint that
+    # held the cache would keep the unit's graph alive through autograd's C++
+    # nodes, which the collector cannot free: fit's own measuring forwards,
+    # and any forward a user runs with gradients on and no backward, leaked.
+    build, make_inputs = MODELS[name]
+    torch.manual_seed(0)
+    model = build().train()
+    inputs = make_inputs()
+    report = effilayers.fit(model, inputs, 0.3)
+    assert {"selective", "full"} <= {unit.mode for unit in report.units}
+    gc.collect()
+    assert not [t for t in gc.get_objects() if type(t) is torch.Tensor and t.grad_fn is not None]
+    result = model(**inputs)
+    keys = [weakref.ref(layer.keys) for layer in result.past_key_values.layers]
+    del result
+    gc.collect()
+    assert keys and [ref() for ref in keys] == [None] * len(keys)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "transformer_encoder"])
