@@ -98,8 +98,14 @@ def table(report: dict, source: str) -> str:
         header.append("grads = plain")
     if trained:
         header.append(f"losses vs float64 ({settings['train']} steps)")
+    # Before the bench counted a row's own CUDA peak, each row's also held
+    # the models and optimizer states of the rows warmed up before it.
+    shared_peaks = settings.get("device") == "cuda" and settings.get("cuda_peak") is None
     lines = [
-        f"`{source}`: {_settings(report)}. Command: `{_command(report)}`. Ratios are to plain PyTorch.",
+        f"`{source}`: {_settings(report)}. Command: `{_command(report)}`. Ratios are to plain PyTorch."
+        + (" CUDA peaks: measured before the bench counted a row's own, each row's includes the models and "
+           "optimizer states of the rows before it, so they are shown without ratios and do not compare across "
+           "rows." if shared_peaks else ""),
         "",
         "| " + " | ".join(header) + " |",
         "| " + " | ".join("---" for _ in header) + " |",
@@ -108,7 +114,8 @@ def table(report: dict, source: str) -> str:
     for r in results:
         ratios = r.get("ratios", {})
         cells = measured_cells(r)
-        row = [r["model"], r["variant"]] + [_with_ratio(cell, ratios.get(key)) for cell, key in zip(
+        row = [r["model"], r["variant"]] + [_with_ratio(cell, None if shared_peaks and key == "cuda_peak_bytes"
+                                                        else ratios.get(key)) for cell, key in zip(
             cells, ("activation_bytes", "cuda_peak_bytes", "step_time", "images_per_s"))]
         if spread:
             row.insert(5, "n/a" if r.get("step_time_min_s") is None else

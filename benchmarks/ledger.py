@@ -365,6 +365,9 @@ def bench_headline(data: dict) -> Optional[str]:
     """effilayers-bench's JSON: each effilayers / fit row's ratios to plain
     PyTorch, as the file holds them."""
     parts = []
+    settings = data.get("settings") if isinstance(data.get("settings"), dict) else {}
+    # Earlier CUDA peaks also counted the rows warmed up before each row (see headline.table).
+    peaks = settings.get("device") != "cuda" or settings.get("cuda_peak") is not None
     for result in data.get("results") or ():
         if not isinstance(result, dict):
             continue
@@ -376,7 +379,7 @@ def bench_headline(data: dict) -> Optional[str]:
         max_batch, max_batch_ratio = result.get("max_batch"), _number(ratios.get("max_batch"))
         if max_batch_ratio is not None:
             figures.append(f"max batch {max_batch} ({max_batch_ratio:.2f}x)")
-        for key, label in (("step_time", "step"), ("cuda_peak_bytes", "CUDA peak")):
+        for key, label in (("step_time", "step"), ("cuda_peak_bytes", "CUDA peak"))[:2 if peaks else 1]:
             value = _number(ratios.get(key))
             if value is not None:
                 figures.append(f"{label} {value:.2f}x")

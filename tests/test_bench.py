@@ -84,7 +84,7 @@ def test_resnet50_json_report(resnet_report):
                                   "compile": False, "loss_noise_factor": bench.LOSS_NOISE_FACTOR,
                                   "loss_tolerance_floor": 1e-5, "spread_warning": bench.SPREAD_WARNING,
                                   "timed_in_turn": True, "clock": "wall clock",
-                                  "threads": torch.get_num_threads()}
+                                  "threads": torch.get_num_threads(), "cuda_peak": None}
     # One timed step has no spread: no timing warning.
     assert report["timing_warning"] is None
     assert report["skipped"] == ["resnet50 / inplace_abn (mapillary): skipped, inplace_abn is not installed"]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import headline
+from benchmarks import headline, ledger
 from effilayers import bench
 
 from .bench_cases import HAVE_MATPLOTLIB, needs_matplotlib, run_bench
@@ -411,6 +411,25 @@ def test_a_runs_section_has_a_table_per_command_and_a_column_per_run(tmp_path, m
     assert "| n | fit(0.5) | 0.50× | 1.30× | yes |" in second
     page = f"<!-- runs:start -->\n{rendered}\n<!-- runs:end -->\n"
     assert headline.sources(page, "runs") == paths
+
+
+@pytest.mark.parametrize("own", [False, True])
+def test_cuda_peaks_from_before_a_row_counted_its_own_are_shown_without_ratios(own):
+    settings = {"batch": 8, "size": 224, "tokens": None, "dtype": "bfloat16", "steps": 5, "device": "cuda"}
+    if own:
+        settings["cuda_peak"] = "one step's max_memory_allocated less what was allocated outside the row"
+    rows = [{"model": "m", "variant": name, "activation_bytes": 2**20 * activation, "cuda_peak_bytes": 2**20 * peak,
+             "step_time_s": 0.01, "images_per_s": 100.0,
+             "ratios": {"activation_bytes": activation / 4, "cuda_peak_bytes": peak / 10, "step_time": 1.0}}
+            for name, activation, peak in (("plain PyTorch", 4, 10), ("effilayers ABN", 2, 12))]
+    report = {"command": "python -m effilayers.bench --device cuda", "settings": settings,
+              "environment": {"device": {"name": "GPU X"}}, "results": rows}
+    rendered = headline.table(report, "r.json")
+    assert ("| m | effilayers ABN | 2.0 (0.50×) | 12.0 (1.20×) |" in rendered) == own
+    assert ("| m | effilayers ABN | 2.0 (0.50×) | 12.0 | 10.0 (1.00×) |" in rendered) != own
+    assert ("do not compare across rows" in rendered) != own
+    figures = ledger.bench_headline(report)
+    assert ("CUDA peak 1.20x" in figures) == own and "effilayers ABN: step 1.00x" in figures
 
 
 @pytest.mark.parametrize("arguments", [["--refresh", "benchmarks/results/bench-cpu-2026-11-27.json"],

@@ -375,6 +375,19 @@ class _PeakSoFar:
         self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
 
 
+def resident_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> int:
+    """The bytes of the storages on ``device`` that a row keeps between
+    steps: its parameters, buffers and gradients, and its optimizer's state,
+    each storage once."""
+    tensors = itertools.chain(model.parameters(), model.buffers(),
+                              (p.grad for p in model.parameters() if p.grad is not None),
+                              (value for state in optimizer.state.values() for value in state.values()
+                               if isinstance(value, torch.Tensor)))
+    storages = {memory.storage_key(tensor): tensor.untyped_storage().nbytes() for tensor in tensors
+                if tensor.device.type == device.type and device.index in (None, tensor.device.index)}
+    return sum(storages.values())
+
+
 def _warm_up(session: _Session, setup: Setup, num_classes: int) -> None:
     """The warm-up step (first-call allocations, kernel builds, compilation),
     activation bytes and the CUDA peak; leaves ``session.step`` ready to be
@@ -401,13 +414,18 @@ def _warm_up(session: _Session, setup: Setup, num_classes: int) -> None:
         activation = saved()
     peak = forward_peak = None
     if setup.device.type == "cuda":
+        # The rows warmed up before this one are still on the device (they
+        # are timed together): a row's peak is the allocator's less what it
+        # holds outside this row, so no row pays for the models and optimizer
+        # states of the rows before it.
+        elsewhere = torch.cuda.memory_allocated(setup.device) - resident_bytes(model, optimizer, setup.device)
         # The forward's peak beside the step's: whether a row's peak comes
         # while the activations are made or in backward (recomputation, its
         # workspaces), where the two differ between rows.
         forward = _PeakSoFar(setup.device)
         with memory.track_cuda_peak(setup.device) as meter:
             _train_step(runner, optimizer, setup, images, labels, forward=forward)
-        peak, forward_peak = meter.peak_bytes, forward.peak_bytes
+        peak, forward_peak = meter.peak_bytes - elsewhere, forward.peak_bytes - elsewhere
     session.measured = {"activation_bytes": activation, "cuda_peak_bytes": peak,
                         "cuda_forward_peak_bytes": forward_peak}
     session.step = step
@@ -523,6 +541,8 @@ class Result:
     same_weights: bool
     # None (with out_of_memory) when the variant did not fit at the batch
     activation_bytes: Optional[int]
+    # On CUDA: max_memory_allocated over one training step, less what the
+    # allocator held outside this row when it began (resident_bytes).
     cuda_peak_bytes: Optional[int]
     step_times_s: list[float]
     step_time_s: Optional[float]
@@ -553,7 +573,7 @@ class Result:
     gradient_max_rel_diff: Optional[float] = None
     # The dtype that step ran in ("float64" on CPU: gradient_check_dtype).
     gradient_dtype: Optional[str] = None
-    # On CUDA: max_memory_allocated over the step's forward alone.
+    # On CUDA: the same over the step's forward alone.
     cuda_forward_peak_bytes: Optional[int] = None
     notes: list[str] = field(default_factory=list)
 

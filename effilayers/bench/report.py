@@ -331,7 +331,10 @@ def write_json(path: str, argv: list[str], setup: Setup, dtype_name: str, max_ba
                      "timed_in_turn": not setup.compile,
                      # What timed a step: CUDA events on CUDA, else measure.CLOCKS[clock].
                      "clock": "cuda events" if setup.device.type == "cuda" else CLOCKS[setup.clock],
-                     "threads": setup.threads},
+                     "threads": setup.threads,
+                     # What a row's CUDA peak counts (results from before it was a row's own lack the key).
+                     "cuda_peak": ("one step's max_memory_allocated less what was allocated outside the row as it "
+                                   "began" if setup.device.type == "cuda" else None)},
         "skipped": skipped,
         # The warning printed when a variant's step times spread over more than spread_warning of their median.
         "timing_warning": timing_warning(results),
