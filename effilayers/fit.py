@@ -29,15 +29,25 @@ measured, see below) and stops at the first that meets the budget:
    over in forward: GPT-2's ``transformer.h``, Llama's ``model.layers``,
    ``nn.TransformerEncoder``'s ``layers``), and the instances of a class
    with children that the model holds two or more of (repeated blocks held
-   as plain attributes, as FSDP's transformer auto-wrap finds them).
+   as plain attributes, as FSDP's transformer auto-wrap finds them), and
+   chains: runs of sibling modules outside those that the forward calls
+   one after another, each on the output of the one before, which no other
+   code reads (a torchvision ResNet's stem: ``conv1``, ``bn1``, ``relu``,
+   ``maxpool``, called from ``ResNet.forward``; :func:`_chain_parts`
+   finds them in one forward without gradients).
    One run per step, in the order of most predicted bytes saved per unit of
    recomputation (a unit's FLOPs plus one per output element), each step's
    gain predicted given the steps before it.
-   A Sequential's children run in segments: a run is at most one segment
-   long, ``ceil(n / ceil(sqrt(n)))`` children of an ``n``-child part;
-   adjacent checkpointed children join into segments of at most that
-   length, so with every child checkpointed a part runs as
-   ``ceil(sqrt(n))`` segments (memonger's choice). Segments
+   A Sequential's or a chain's children run in segments: adjacent
+   checkpointed children join into segments that save again, while
+   recomputed, no more than the largest of memonger's segments
+   (``ceil(n / ceil(sqrt(n)))`` children of an ``n``-child part) in any
+   part of the model (``_Profile.segment_cap``): where a part's tensors
+   are smaller than the largest part's (a CNN's later stages) its segments
+   grow longer and keep fewer inputs, and the recomputation's peak stays
+   where memonger's would put it; a run is at most one segment long. A
+   chain's segment runs from its first member, which returns the
+   segment's output; the members after it pass that output on. Segments
    run through :func:`effilayers.checkpoint.recompute_in_backward` (no
    graph in forward, only the segment's input kept, gradients of the input
    and parameters from a recomputation in backward) where a probe forward
@@ -463,6 +473,223 @@ def _checkpoint_unit(unit: nn.Module, mode: str = "full") -> Callable[[], None]:
     return _RestoreUnit(unit, previous)
 
 
+# ---- chains: sibling modules a forward calls one after another -----------------------------------
+
+_CHAIN_CLASSES: dict[type, type] = {}
+# On a chain member in a checkpointed segment: (its _ChainRun, its position in it).
+_RUN_ATTR = "_fit_chain_run"
+
+
+class _PlainForward(nn.Module):
+    """A chain member's own forward, without the chained one: what a
+    segment runs, in forward and in its recomputation. Not registered in
+    the model (it lives in a _ChainRun), so state dicts never see it."""
+
+    def __init__(self, member: nn.Module) -> None:
+        super().__init__()
+        self.member = member
+
+    def forward(self, value: Any) -> Any:
+        return getattr(type(self.member), _PLAIN_CLASS_ATTR).forward(self.member, value)
+
+
+class _ChainRun:
+    """One checkpointed segment of a chain. Its first member, called with
+    gradients on, runs the whole segment (recomputed in backward) and
+    returns the segment's output; each later member, handed exactly that
+    output in turn, passes it on unchanged. Anything else (no gradients,
+    another input, compiled code) runs the member's own forward."""
+
+    def __init__(self, members: list[nn.Module]) -> None:
+        self.plain = [_PlainForward(member) for member in members]
+        self.pending: Optional[torch.Tensor] = None
+        self.next = 0
+        self.lean: Optional[bool] = None
+
+    def first(self, input: torch.Tensor) -> torch.Tensor:
+        if self.lean is None:
+            self.lean = lean_segment_ok(self.plain, input)
+        output = (recompute_in_backward(self.plain, input) if self.lean
+                  else checkpoint(_run_in_order(self.plain), input))
+        self.pending, self.next = (output, 1) if len(self.plain) > 1 else (None, 0)
+        return output
+
+    def passes(self, position: int, value: Any) -> bool:
+        if self.pending is None or value is not self.pending or position != self.next:
+            return False
+        self.next += 1
+        if self.next == len(self.plain):
+            self.pending, self.next = None, 0
+        return True
+
+
+def chain_class(plain: type) -> type:
+    """The subclass of ``plain`` that a chain member in a checkpointed
+    segment takes (see :class:`_ChainRun`); one class per ``plain``,
+    pickled and copied as ``unit_class``'s are."""
+    if plain not in _CHAIN_CLASSES:
+        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            run, position = self.__dict__[_RUN_ATTR]
+            single = len(args) == 1 and not kwargs and type(args[0]) is torch.Tensor
+            if position == 0:
+                if single and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+                    return run.first(args[0])
+                run.pending = None
+            elif single and run.passes(position, args[0]):
+                return args[0]
+            return plain.forward(self, *args, **kwargs)
+
+        _CHAIN_CLASSES[plain] = type(f"Chained{plain.__name__}", (plain,), {
+            "forward": forward, _PLAIN_CLASS_ATTR: plain, "__reduce_ex__": _reduce_chained, "__module__": __name__})
+    return _CHAIN_CLASSES[plain]
+
+
+def _new_chained(plain: type) -> nn.Module:
+    return object.__new__(chain_class(plain))
+
+
+def _reduce_chained(self: nn.Module, protocol: int) -> Any:
+    return _new_chained, (getattr(type(self), _PLAIN_CLASS_ATTR),), self.__dict__
+
+
+@dataclass
+class _RestoreChain:
+    # (member, its run entry or None: not chained) before the step. No
+    # class objects: a chained class pickles by its plain one only.
+    members: list
+
+    def __call__(self) -> None:
+        for member, entry in self.members:
+            plain = getattr(type(member), _PLAIN_CLASS_ATTR, type(member))
+            if entry is None:
+                member.__class__ = plain
+                member.__dict__.pop(_RUN_ATTR, None)
+            else:
+                member.__class__ = chain_class(plain)
+                member.__dict__[_RUN_ATTR] = entry
+
+
+def _set_chain_segments(part: "_Part", segments: list[tuple[int, int]]) -> Callable[[], None]:
+    """Make ``part``'s chain checkpoint ``segments``; returns what puts it back as it was."""
+    members = part.members
+    restore = _RestoreChain([(member, member.__dict__.get(_RUN_ATTR)) for member in members])
+    for member in members:
+        plain = getattr(type(member), _PLAIN_CLASS_ATTR, type(member))
+        member.__class__ = plain
+        member.__dict__.pop(_RUN_ATTR, None)
+    for start, end in segments:
+        run = _ChainRun(members[start:end])
+        for position, member in enumerate(members[start:end]):
+            member.__class__ = chain_class(type(member))
+            member.__dict__[_RUN_ATTR] = (run, position)
+    return restore
+
+
+def _chain_parts(model: nn.Module, call: "_Call", parts: list["_Part"]) -> list["_Part"]:
+    """Runs of two or more sibling modules, outside every part, that the
+    model's forward calls one after another, each on the output of the one
+    before (a torchvision ResNet's stem: conv1, bn1, relu, maxpool, called
+    from ResNet.forward), found in one forward without gradients. A link
+    from one sibling to the next holds only where the next is handed the
+    first's output as its one argument, no code reads that output but the
+    next sibling, and the parent does not return it: a segment of the chain
+    computes it once, inside the segment, and nothing outside may need it.
+    Siblings called more than once (a shared ReLU) are left out."""
+    covered: set[int] = set()
+    holds_part: set[int] = set()
+    names = {id(module): name for name, module in model.named_modules()}
+    for part in parts:
+        covered.update(id(module) for module in part.module.modules())
+        path = part.path
+        while path:
+            path = path.rpartition(".")[0]
+            holds_part.add(id(model.get_submodule(path)) if path else id(model))
+        holds_part.add(id(model))
+    candidates: dict[int, tuple[nn.Module, str, nn.Module]] = {}  # id(child) -> (parent, name, child)
+    for parent in model.modules():
+        if id(parent) in covered or type(parent) is nn.Sequential:
+            continue
+        for name, child in parent.named_children():
+            if id(child) not in covered and id(child) not in holds_part:
+                candidates[id(child)] = (parent, name, child)
+    if not candidates:
+        return []
+    calls: list[dict] = []  # per call, in order: child, input id, output id
+    stack: list[int] = []
+    produced: dict[int, int] = {}  # output id -> the call that made it
+    # output id -> (op number, call stack) of each op that read it
+    readers: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
+    ops = [0]
+    returned: dict[int, set[int]] = {}  # id(parent) -> ids of the tensors it returned
+    keep: list[Any] = []  # the outputs stay alive during the trace: their ids must not be reused
+
+    class Reads(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            ops[0] += 1
+            for tensor in _tensors_in((args, kwargs or {})):
+                if id(tensor) in produced:
+                    readers.setdefault(id(tensor), []).append((ops[0], tuple(stack)))
+            return func(*args, **(kwargs or {}))
+
+    def before(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        single = len(args) == 1 and not kwargs and type(args[0]) is torch.Tensor
+        calls.append({"child": module, "input": id(args[0]) if single else None, "output": None})
+        stack.append(len(calls) - 1)
+
+    def after(module: nn.Module, args: tuple, output: Any) -> None:
+        number = stack.pop()
+        calls[number]["end"] = ops[0]
+        if type(output) is torch.Tensor:
+            calls[number]["output"] = id(output)
+            produced.setdefault(id(output), number)
+            keep.append(output)
+
+    def parent_after(module: nn.Module, args: tuple, output: Any) -> None:
+        returned.setdefault(id(module), set()).update(id(tensor) for tensor in _tensors_in(output))
+        keep.append(output)
+
+    handles = []
+    parents = {id(parent): parent for parent, _, _ in candidates.values()}
+    try:
+        for _, _, child in candidates.values():
+            handles.append(child.register_forward_pre_hook(before, with_kwargs=True))
+            handles.append(child.register_forward_hook(after))
+        for parent in parents.values():
+            handles.append(parent.register_forward_hook(parent_after))
+        with _Restored(model, call), torch.no_grad(), Reads():
+            model(*call.args, **call.kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    times: dict[int, int] = {}
+    for entry in calls:
+        times[id(entry["child"])] = times.get(id(entry["child"]), 0) + 1
+    found = []
+    for parent_id, parent in parents.items():
+        sequence = [(number, entry) for number, entry in enumerate(calls)
+                    if candidates[id(entry["child"])][0] is parent]
+
+        def linked(earlier: tuple[int, dict], later: tuple[int, dict]) -> bool:
+            (_, first), (number, second) = earlier, later
+            output = first["output"]
+            return (output is not None and second["input"] == output and times[id(first["child"])] == 1
+                    and times[id(second["child"])] == 1 and output not in returned.get(parent_id, set())
+                    and all(number in reading for op, reading in readers.get(output, []) if op > first["end"]
+                            # An in-place member returns its input: later reads are of its output.
+                            and (second["output"] != output or op <= second["end"])))
+
+        run = sequence[:1]
+        for later in sequence[1:] + [None]:
+            if later is not None and linked(run[-1], later):
+                run.append(later)
+                continue
+            if len(run) >= 2:
+                chain = tuple((candidates[id(entry["child"])][1], entry["child"]) for _, entry in run)
+                found.append(_Part(names[parent_id], parent, unit=False, chain=chain))
+            run = [later] if later is not None else []
+    return found
+
+
 @dataclass(frozen=True)
 class _Call:
     """``example_input`` as the call ``model(*args, **kwargs)``."""
@@ -535,12 +762,19 @@ class _Part:
     path: str
     module: nn.Module
     unit: bool
+    # A run of ``module``'s children that its forward calls one after
+    # another (see _chain_parts): (name, child) each; empty for the others.
+    chain: tuple = ()
 
     @property
     def members(self) -> list[nn.Module]:
+        if self.chain:
+            return [child for _, child in self.chain]
         return [self.module] if self.unit else list(self.module)
 
     def name(self, index: int) -> str:
+        if self.chain:
+            return self.chain[index][0]
         return self.path if self.unit else list(self.module._modules)[index]
 
 
@@ -612,15 +846,50 @@ class _Profile:
     children: list[list[_Child]]
     storages: dict[tuple, _Storage]
     total_flops: int
+    _inside: dict = field(default_factory=dict, repr=False)
+    _cap: Optional[int] = field(default=None, repr=False)
 
     def longest(self, part: int) -> int:
-        """The most children one segment takes: ceil(n / ceil(sqrt(n))),
-        memonger's segment length (every child checkpointed gives ceil(sqrt(n)) segments)."""
+        """Memonger's segment length: ceil(n / ceil(sqrt(n))) of the part's n
+        children (every child checkpointed gives ceil(sqrt(n)) segments)."""
         count = len(self.children[part])
         return -(-count // sqrt_segments(count))
 
+    def inside_bytes(self, part: int, start: int, end: int) -> int:
+        """Predicted bytes children ``start`` to ``end`` of ``part`` save
+        again while recomputed as one segment in backward."""
+        key = (part, start, end)
+        if key not in self._inside:
+            inside = {(part, index) for index in range(start, end)}
+            self._inside[key] = sum(storage.bytes for storage in self.storages.values() if storage.owners & inside)
+        return self._inside[key]
+
+    @property
+    def segment_cap(self) -> int:
+        """The most one segment may save again while recomputed: the largest
+        of memonger's segments over every part checkpointed whole. A segment
+        in a part of smaller tensors (a CNN's later stages) grows past
+        memonger's length up to it, keeping fewer segment inputs, and the
+        recomputation's peak stays where memonger's would put it. Depends on
+        the model and input only: the chain stays the same for every budget."""
+        if self._cap is None:
+            self._cap = max((self.inside_bytes(part, start, min(start + self.longest(part), len(records)))
+                             for part, records in enumerate(self.children)
+                             for start in range(0, len(records), self.longest(part))), default=0)
+        return self._cap
+
+    def reach(self, part: int, start: int, stop: Optional[int] = None) -> int:
+        """The end of the longest segment from ``start`` (before ``stop``)
+        within ``segment_cap``; one child at least."""
+        stop = len(self.children[part]) if stop is None else stop
+        end = start + 1
+        while end < stop and self.inside_bytes(part, start, end + 1) <= self.segment_cap:
+            end += 1
+        return end
+
     def segments(self, part: int, checked: frozenset) -> list[tuple[int, int]]:
-        """Runs of adjacent checkpointed children, each cut into equal segments of at most ``longest``."""
+        """Runs of adjacent checkpointed children, each cut into segments as
+        long as ``segment_cap`` allows, from the run's first child on."""
         found = []
         indices = sorted(checked)
         start = 0
@@ -628,10 +897,11 @@ class _Profile:
             end = start
             while end + 1 < len(indices) and indices[end + 1] == indices[end] + 1:
                 end += 1
-            first, count = indices[start], end - start + 1
-            pieces = -(-count // self.longest(part))
-            size = -(-count // pieces)
-            found += [(first + offset, first + min(offset + size, count)) for offset in range(0, count, size)]
+            first, stop = indices[start], indices[end] + 1
+            while first < stop:
+                cut = self.reach(part, first, stop)
+                found.append((first, cut))
+                first = cut
             start = end + 1
         return found
 
@@ -794,7 +1064,7 @@ def _plan(profile: _Profile) -> list[tuple[int, int, int]]:
         for part, records in enumerate(profile.children):
             for start in range(len(records)):
                 cost = 0
-                for end in range(start + 1, min(start + profile.longest(part), len(records)) + 1):
+                for end in range(start + 1, profile.reach(part, start) + 1):
                     if end - 1 in state[part]:
                         break
                     cost += records[end - 1].cost
@@ -1009,6 +1279,7 @@ def _walk_chain(model: nn.Module, call: _Call, budget_bytes: int, exact: bool, r
     if done():
         return
     parts = _checkpoint_parts(model)
+    parts += _chain_parts(model, call, parts)
     if not parts:
         report.notes.append("checkpoint: no unit to checkpoint (no nn.Sequential with two or more children, no "
                             "member of an nn.ModuleList or nn.ModuleDict, no block class with two or more "
@@ -1109,7 +1380,7 @@ def _checkpoint_chain(model, call, parts, report, undo, record, done, offload=Fa
             undo.append(_checkpoint_unit(part.module, "full"))
             detail = f"{getattr(type(part.module), _PLAIN_CLASS_ATTR).__name__} checkpointed whole"
         else:
-            undo.append(_set_segments(part.module, segments))
+            undo.append(_set_chain_segments(part, segments) if part.chain else _set_segments(part.module, segments))
             children = part.name(start) if end - start == 1 else f"{part.name(start)}..{part.name(end - 1)}"
             detail = f"{children} checkpointed; segments now {segments}"
         flops = sum(child.flops for child in profile.children[index][start:end])

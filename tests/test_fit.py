@@ -5,6 +5,7 @@ restores it, and bad budgets are refused naming the argument."""
 import copy
 import gc
 import importlib
+import io
 import re
 
 import pytest
@@ -219,6 +220,82 @@ def test_fit_leaves_no_activation_alive():
     assert [spy.alive() for spy in spies] == [0] * len(spies)
 
 
+class _StemNet(nn.Module):
+    """A torchvision ResNet's shape: a stem its forward calls module by
+    module, then an nn.Sequential of blocks. ``reads_conv``: the forward
+    also reads the stem convolution's output itself."""
+
+    def __init__(self, reads_conv: bool = False) -> None:
+        super().__init__()
+        self.reads_conv = reads_conv
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.relu = nn.ReLU(inplace=True)
+        self.pool = nn.MaxPool2d(2)
+        self.body = nn.Sequential(*[nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8),
+                                                  nn.ReLU()) for _ in range(4)])
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x):
+        conv = self.conv1(x)
+        x = self.pool(self.relu(self.bn1(conv)))
+        out = self.head(self.body(x).mean((2, 3)))
+        return out + conv.mean() if self.reads_conv else out
+
+
+def test_a_chain_of_siblings_called_in_turn_is_checkpointed_with_the_plain_function():
+    torch.manual_seed(0)
+    model = _StemNet().double()
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    call = fit_module._as_call(x)
+    parts = fit_module._checkpoint_parts(model)
+    assert [part.path for part in parts] == ["body"]
+    chains = fit_module._chain_parts(model, call, parts)
+    assert [(part.path, [name for name, _ in part.chain]) for part in chains] == [("", ["conv1", "bn1", "relu",
+                                                                                          "pool"])]
+    # a sibling whose output the forward reads itself ends a chain there
+    reader = _StemNet(reads_conv=True).double()
+    reading = fit_module._chain_parts(reader, call, fit_module._checkpoint_parts(reader))
+    assert [[name for name, _ in part.chain] for part in reading] == [["bn1", "relu", "pool"]]
+    original = copy.deepcopy(model)
+    report = effilayers.fit(model, x, 0.45)
+    assert any(step.target == "" for step in report.steps), [(step.target, step.detail) for step in report.steps]
+    chained = [name for name, module in model.named_modules() if type(module).__name__.startswith("Chained")]
+    assert chained and set(chained) <= {"conv1", "bn1", "relu", "pool"}
+    assert report.measured_bytes <= report.budget_bytes
+    for step in range(2):  # running statistics move once per step, as plain's
+        inputs, reference_inputs = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out, reference_out = model(inputs), original(reference_inputs)
+        torch.testing.assert_close(out, reference_out, rtol=1e-12, atol=1e-14)
+        (out * torch.arange(out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+        (reference_out * torch.arange(out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+        torch.testing.assert_close(inputs.grad, reference_inputs.grad, rtol=1e-12, atol=1e-14)
+        for (key, parameter), reference_parameter in zip(model.named_parameters(), original.parameters()):
+            torch.testing.assert_close(parameter.grad, reference_parameter.grad, rtol=1e-12, atol=1e-14, msg=key)
+        _assert_same_tensors(_buffers(model), _buffers(original), rtol=1e-12, atol=1e-14)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), original(x), rtol=1e-12, atol=1e-14)
+    model.eval(), original.eval()
+    torch.testing.assert_close(model(x), original(x), rtol=1e-12, atol=1e-14)
+    model.train()
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    twin = copy.deepcopy(model)
+    for fitted in (model, loaded, twin):
+        fitted.zero_grad(set_to_none=True)
+        fitted(x).square().sum().backward()
+    for (name, p), q, r in zip(model.named_parameters(), loaded.parameters(), twin.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(r.grad, p.grad, rtol=0, atol=0, msg=name)
+    for fitted in (model, loaded, twin):
+        effilayers.revert(fitted)
+        assert not [name for name, module in fitted.named_modules() if type(module).__name__.startswith(("Chained",
+                                                                                                          "Checkpointed"))]
+        assert all("_fit_chain_run" not in module.__dict__ for module in fitted.modules())
+
+
 def test_the_profile_keeps_an_input_nothing_saves_apart_from_later_storages():
     # A ReLU keeps its output, not its input: the norm's output before it is
     # freed once it ran, and the next convolution's output, as big, may take
@@ -326,8 +403,6 @@ def test_bad_arguments_and_unreachable_budget():
 
 
 def test_a_copy_of_a_fitted_model_reverts_itself_and_a_fitted_model_pickles():
-    import io
-
     torch.manual_seed(0)
     model = _deep_sequential().double()
     x = torch.randn(2, 3, 8, 8, dtype=torch.float64)

@@ -62,6 +62,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint, checkpoint_se
 from .. import memory
 from ..checkpoint import sqrt_segments
 from ..fit import (
+    _RUN_ATTR,
     CheckpointedSequential,
     FitReport,
     _checkpoint_parts,
@@ -218,6 +219,10 @@ def _torch_checkpoint_row(plain: Variant, fitted: nn.Module, report: FitReport, 
     notes = [f"torch.utils.checkpoint.checkpoint, use_reentrant=False, on the plain model: what fit recomputes "
              f"whole ({'; '.join(fit_runs) or 'nothing'}), then more in fit's order", "; ".join(done) or
              "nothing checkpointed", reach]
+    chained = [path for path, module in fitted.named_modules() if _RUN_ATTR in module.__dict__]
+    if chained:
+        notes.append(f"fit's checkpointed chain ({_shown(chained)}) has no counterpart here: its modules are called "
+                     "one by one from their parent's forward, where torch's checkpoint has no function to wrap")
     if selective:
         notes.append(f"fit's {len(selective)} selective unit{'s' * (len(selective) != 1)} have no counterpart in "
                      "torch's checkpoint, which keeps a block's input or everything it saves")
