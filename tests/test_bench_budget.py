@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
+import re
 
 import pytest
 import torch
@@ -204,6 +205,36 @@ def test_budget_rows_runs_only_the_rows_asked_for(tmp_path, monkeypatch):
     results = by_variant(report)
     assert results["fit(0.5)"]["ratios"]["activation_bytes"] <= 0.5
     assert results[budget.EVERY_BLOCK]["gradients_match"] is True
+
+
+class _StemModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.relu = nn.ReLU(inplace=True)
+        self.pool = nn.MaxPool2d(2)
+        self.body = tiny_deep_model()[1:-3]  # its norms and convolutions, 8 channels in and out
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x):
+        return self.head(self.body(self.pool(self.relu(self.bn1(self.conv1(x))))).mean((2, 3)))
+
+
+def tiny_stem_model() -> nn.Module:
+    """Imported by the bench: a stem called module by module from forward (a chain fit can checkpoint)."""
+    return _StemModel()
+
+
+def test_the_fit_row_names_the_chain_it_checkpointed_and_the_torch_row_says_it_has_none(tmp_path):
+    report = run_bench(tmp_path, "--model", "tests.test_bench_budget:tiny_stem_model", "--size", "32", "--steps",
+                       "1", "--budget", "0.45", "--budget-rows", "fit,checkpoint-to-fit")
+    results = by_variant(report)
+    fitted, torch_row = results["fit(0.45)"], results[budget.TORCH_CHECKPOINT]
+    assert fitted["gradients_match"] is True and torch_row["gradients_match"] is True
+    assert re.search(r"fit steps: checkpoint the model[,;].*; (conv1|bn1|relu|pool)(\.\.(bn1|relu|pool))? "
+                     r"checkpointed (as one segment|alone)", fitted["notes"][0]), fitted["notes"]
+    assert "has no counterpart here" in " ".join(torch_row["notes"])
 
 
 def test_budget_rows_without_the_fit_row_still_plans_for_the_torch_rows(monkeypatch):

@@ -370,11 +370,17 @@ def budget_variants(variants: list[Variant], budget: Union[float, int], example:
         label = "sqrt(n) segments; fit dropped"
     else:
         # One checkpoint step per run of children: name each part once, with its segments.
-        steps = ", ".join(dict.fromkeys(f"{step.kind} {step.target}".rstrip() for step in report.steps)) \
+        steps = ", ".join(dict.fromkeys(f"{step.kind} {step.target or 'the model'}" for step in report.steps)) \
             or "none needed"
         checkpointed = "".join(f"; {path or 'the model'} checkpoints children {module._fit_segments}"
                                for path, module in fitted.named_modules()
                                if isinstance(module, CheckpointedSequential))
+        chained: dict[int, list[str]] = {}  # a chain's segments, each the paths of its members in order
+        for path, module in fitted.named_modules():
+            if _RUN_ATTR in module.__dict__:
+                chained.setdefault(id(module.__dict__[_RUN_ATTR][0]), []).append(path)
+        checkpointed += "".join(f"; {paths[0]}..{paths[-1]} checkpointed as one segment" if len(paths) > 1
+                                else f"; {paths[0]} checkpointed alone" for paths in chained.values())
         fitted = fitted.to("cpu")
         if wanted("fit"):
             rows.append(Variant(model_name, fit_name, lambda: copy.deepcopy(fitted),
