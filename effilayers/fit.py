@@ -44,10 +44,13 @@ measured, see below) and stops at the first that meets the budget:
    (``ceil(n / ceil(sqrt(n)))`` children of an ``n``-child part) in any
    part of the model (``_Profile.segment_cap``): where a part's tensors
    are smaller than the largest part's (a CNN's later stages) its segments
-   grow longer and keep fewer inputs, and the recomputation's peak stays
-   where memonger's would put it; a run is at most one segment long. A
+   grow longer and keep fewer inputs; a run is at most one segment long. A
    chain's segment runs from its first member, which returns the
-   segment's output; the members after it pass that output on. Segments
+   segment's output, and the members after it pass that output on, while
+   the parent's forward runs in training mode (hooks fit puts on the
+   parent say when) and no member has hooks; a forward that strays from
+   the traced one (a member called with something else while the
+   segment's output waits for it) raises instead of computing. Segments
    run through :func:`effilayers.checkpoint.recompute_in_backward` (no
    graph in forward, only the segment's input kept, gradients of the input
    and parameters from a recomputation in backward) where a probe forward
@@ -151,6 +154,7 @@ import dataclasses
 import functools
 import math
 import re
+import sys
 import time
 import warnings
 import weakref
@@ -165,6 +169,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from . import memory
 from .checkpoint import (
     KeepExpensive,
+    _global_module_hooks,
     _tensors_in,
     checkpoint,
     keep_expensive,
@@ -494,19 +499,48 @@ class _PlainForward(nn.Module):
 
 
 class _ChainRun:
-    """One checkpointed segment of a chain. Its first member, called with
-    gradients on, runs the whole segment (recomputed in backward) and
-    returns the segment's output; each later member, handed exactly that
-    output in turn, passes it on unchanged. Anything else (no gradients,
-    another input, compiled code) runs the member's own forward."""
+    """One checkpointed segment of a chain. While its parent's forward runs
+    in training mode (the parent's hooks arm and disarm it), the first
+    member, called with gradients on, runs the whole segment (recomputed in
+    backward) and returns the segment's output; each later member, handed
+    exactly that output in turn, passes it on unchanged. Anything else
+    (outside the parent's forward, in eval mode, without gradients, compiled,
+    a member or module hook present, a replica's member) runs the member's
+    own forward. A member called with something else while the segment's
+    output waits for it, or a parent's forward that ends before the
+    segment's members were all called, raises: the forward did not go as
+    the one fit traced, and the segment's output would be wrong."""
 
-    def __init__(self, members: list[nn.Module]) -> None:
+    def __init__(self, members: list[nn.Module], names: list[str]) -> None:
         self.plain = [_PlainForward(member) for member in members]
+        self.names = names
         self.pending: Optional[torch.Tensor] = None
         self.next = 0
+        self.armed = False
         self.lean: Optional[bool] = None
 
-    def first(self, input: torch.Tensor) -> torch.Tensor:
+    def __getstate__(self) -> dict:
+        # A copy taken mid-forward (or after one that raised) starts clean,
+        # and holds no output with a graph (deepcopy refuses those).
+        return {**self.__dict__, "pending": None, "next": 0, "armed": False}
+
+    def arm(self, parent: nn.Module, args: Any, kwargs: Any = None) -> None:
+        self.armed, self.pending, self.next = parent.training, None, 0
+
+    def disarm(self, parent: nn.Module, args: Any, output: Any) -> None:
+        waiting = self.pending is not None
+        self.armed, self.pending, self.next = False, None, 0
+        if waiting:
+            raise RuntimeError(f"fit: the forward returned before it called {self.names[-1]} on the output of the "
+                               f"checkpointed run {self.names[0]}..{self.names[-1]}: it did not follow the forward "
+                               "fit traced; effilayers.revert(model) undoes the fit")
+
+    def first(self, member: nn.Module, input: torch.Tensor) -> Optional[torch.Tensor]:
+        """The segment's output, or None where the member runs its own forward."""
+        if (not self.armed or self.pending is not None or self.plain[0].member is not member
+                or not torch.is_grad_enabled() or torch.compiler.is_compiling() or _global_module_hooks()
+                or any(plain.member._forward_hooks or plain.member._forward_pre_hooks for plain in self.plain)):
+            return None
         if self.lean is None:
             self.lean = lean_segment_ok(self.plain, input)
         output = (recompute_in_backward(self.plain, input) if self.lean
@@ -515,8 +549,13 @@ class _ChainRun:
         return output
 
     def passes(self, position: int, value: Any) -> bool:
-        if self.pending is None or value is not self.pending or position != self.next:
+        if self.pending is None:
             return False
+        if value is not self.pending or position != self.next:
+            self.pending, self.next = None, 0
+            raise RuntimeError(f"fit: {self.names[position]} was called with another input than the output of the "
+                               f"checkpointed run {self.names[0]}..{self.names[-1]} it belongs to: the forward did "
+                               "not follow the one fit traced; effilayers.revert(model) undoes the fit")
         self.next += 1
         if self.next == len(self.plain):
             self.pending, self.next = None, 0
@@ -529,14 +568,15 @@ def chain_class(plain: type) -> type:
     pickled and copied as ``unit_class``'s are."""
     if plain not in _CHAIN_CLASSES:
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            run, position = self.__dict__[_RUN_ATTR]
-            single = len(args) == 1 and not kwargs and type(args[0]) is torch.Tensor
-            if position == 0:
-                if single and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-                    return run.first(args[0])
-                run.pending = None
-            elif single and run.passes(position, args[0]):
-                return args[0]
+            entry = self.__dict__.get(_RUN_ATTR)
+            if entry is not None and len(args) == 1 and not kwargs and type(args[0]) is torch.Tensor:
+                run, position = entry
+                if position == 0:
+                    output = run.first(self, args[0])
+                    if output is not None:
+                        return output
+                elif run.passes(position, args[0]):
+                    return args[0]
             return plain.forward(self, *args, **kwargs)
 
         _CHAIN_CLASSES[plain] = type(f"Chained{plain.__name__}", (plain,), {
@@ -552,33 +592,90 @@ def _reduce_chained(self: nn.Module, protocol: int) -> Any:
     return _new_chained, (getattr(type(self), _PLAIN_CLASS_ATTR),), self.__dict__
 
 
+class _ChainHooks:
+    """The forward hooks fit puts on a chain's parent: they arm the chain's
+    runs while the parent's forward runs, and disarm them as it ends,
+    raised or not (see :class:`_ChainRun`)."""
+
+    def __init__(self) -> None:
+        self.runs: list[_ChainRun] = []
+
+    def arm(self, parent: nn.Module, args: Any, kwargs: Any) -> None:
+        for run in self.runs:
+            run.arm(parent, args)
+
+    def disarm(self, parent: nn.Module, args: Any, output: Any) -> None:
+        errors = []
+        for run in self.runs:
+            try:
+                run.disarm(parent, args, output)
+            except RuntimeError as error:
+                errors.append(error)
+        if errors:
+            raise errors[0]
+
+
+# On a chain's parent: {the chain's first member's name: its _ChainHooks}.
+_HOOKS_ATTR = "_fit_chain_hooks"
+
+
 @dataclass
 class _RestoreChain:
-    # (member, its run entry or None: not chained) before the step. No
-    # class objects: a chained class pickles by its plain one only.
+    # (member, its run entry or None: not chained) before the step; the
+    # parent's hooks and their runs before the step, and the handles to
+    # remove where this step added the hooks. No class objects: a chained
+    # class pickles by its plain one only.
     members: list
+    parent: nn.Module
+    key: str
+    hooks: _ChainHooks
+    runs: list
+    handles: list
 
     def __call__(self) -> None:
+        self.hooks.runs = self.runs
+        if self.handles:
+            for handle in self.handles:
+                handle.remove()
+            chains = self.parent.__dict__.get(_HOOKS_ATTR, {})
+            chains.pop(self.key, None)
+            if not chains:
+                self.parent.__dict__.pop(_HOOKS_ATTR, None)
         for member, entry in self.members:
-            plain = getattr(type(member), _PLAIN_CLASS_ATTR, type(member))
+            plain = type(member).__dict__.get(_PLAIN_CLASS_ATTR)
+            if plain is None and hasattr(type(member), _PLAIN_CLASS_ATTR):
+                # A class built on the chained one since (FSDP2's fully_shard):
+                # keep it; without its run entry the member runs its own forward.
+                member.__dict__.pop(_RUN_ATTR, None)
+                continue
+            plain = plain or type(member)
+            member.__class__ = chain_class(plain) if entry is not None else plain
             if entry is None:
-                member.__class__ = plain
                 member.__dict__.pop(_RUN_ATTR, None)
             else:
-                member.__class__ = chain_class(plain)
                 member.__dict__[_RUN_ATTR] = entry
 
 
 def _set_chain_segments(part: "_Part", segments: list[tuple[int, int]]) -> Callable[[], None]:
     """Make ``part``'s chain checkpoint ``segments``; returns what puts it back as it was."""
     members = part.members
-    restore = _RestoreChain([(member, member.__dict__.get(_RUN_ATTR)) for member in members])
+    key = part.chain[0][0]
+    chains = part.module.__dict__.setdefault(_HOOKS_ATTR, {})
+    handles = []
+    if key not in chains:
+        chains[key] = _ChainHooks()
+        handles = [part.module.register_forward_pre_hook(chains[key].arm, with_kwargs=True),
+                   part.module.register_forward_hook(chains[key].disarm, always_call=True)]
+    hooks = chains[key]
+    restore = _RestoreChain([(member, member.__dict__.get(_RUN_ATTR)) for member in members], part.module, key,
+                            hooks, list(hooks.runs), handles)
     for member in members:
-        plain = getattr(type(member), _PLAIN_CLASS_ATTR, type(member))
-        member.__class__ = plain
+        member.__class__ = getattr(type(member), _PLAIN_CLASS_ATTR, type(member))
         member.__dict__.pop(_RUN_ATTR, None)
+    hooks.runs = []
     for start, end in segments:
-        run = _ChainRun(members[start:end])
+        run = _ChainRun(members[start:end], [part.name(index) for index in range(start, end)])
+        hooks.runs.append(run)
         for position, member in enumerate(members[start:end]):
             member.__class__ = chain_class(type(member))
             member.__dict__[_RUN_ATTR] = (run, position)
@@ -592,9 +689,12 @@ def _chain_parts(model: nn.Module, call: "_Call", parts: list["_Part"]) -> list[
     from ResNet.forward), found in one forward without gradients. A link
     from one sibling to the next holds only where the next is handed the
     first's output as its one argument, no code reads that output but the
-    next sibling, and the parent does not return it: a segment of the chain
-    computes it once, inside the segment, and nothing outside may need it.
-    Siblings called more than once (a shared ReLU) are left out."""
+    next sibling, the parent does not return it and nothing else holds it
+    when the forward ends (a list of features the model returns, a module's
+    attribute): a segment of the chain computes it once, inside the
+    segment, and nothing outside may need it. Siblings called more than
+    once (a shared ReLU) or with hooks of their own are left out, and of
+    chains inside the members of others only the outermost are kept."""
     covered: set[int] = set()
     holds_part: set[int] = set()
     names = {id(module): name for name, module in model.named_modules()}
@@ -610,7 +710,9 @@ def _chain_parts(model: nn.Module, call: "_Call", parts: list["_Part"]) -> list[
         if id(parent) in covered or type(parent) is nn.Sequential:
             continue
         for name, child in parent.named_children():
-            if id(child) not in covered and id(child) not in holds_part:
+            # A member's own hooks would see the segment's output, or not run.
+            if (id(child) not in covered and id(child) not in holds_part
+                    and not (child._forward_hooks or child._forward_pre_hooks)):
                 candidates[id(child)] = (parent, name, child)
     if not candidates:
         return []
@@ -621,7 +723,11 @@ def _chain_parts(model: nn.Module, call: "_Call", parts: list["_Part"]) -> list[
     readers: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
     ops = [0]
     returned: dict[int, set[int]] = {}  # id(parent) -> ids of the tensors it returned
-    keep: list[Any] = []  # the outputs stay alive during the trace: their ids must not be reused
+    # The outputs stay alive during the trace, so their ids are not reused;
+    # one reference each, so that afterwards a count above it shows an
+    # output something else holds (a list of features the model returns).
+    keep: dict[int, torch.Tensor] = {}
+    outputs: list[Any] = []  # the model's own: what it returns holds its tensors
 
     class Reads(torch.overrides.TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -642,11 +748,11 @@ def _chain_parts(model: nn.Module, call: "_Call", parts: list["_Part"]) -> list[
         if type(output) is torch.Tensor:
             calls[number]["output"] = id(output)
             produced.setdefault(id(output), number)
-            keep.append(output)
+            keep[id(output)] = output
 
     def parent_after(module: nn.Module, args: tuple, output: Any) -> None:
+        # Ids only: a reference here would count as something holding the output.
         returned.setdefault(id(module), set()).update(id(tensor) for tensor in _tensors_in(output))
-        keep.append(output)
 
     handles = []
     parents = {id(parent): parent for parent, _, _ in candidates.values()}
@@ -657,7 +763,7 @@ def _chain_parts(model: nn.Module, call: "_Call", parts: list["_Part"]) -> list[
         for parent in parents.values():
             handles.append(parent.register_forward_hook(parent_after))
         with _Restored(model, call), torch.no_grad(), Reads():
-            model(*call.args, **call.kwargs)
+            outputs.append(model(*call.args, **call.kwargs))
     finally:
         for handle in handles:
             handle.remove()
@@ -674,6 +780,8 @@ def _chain_parts(model: nn.Module, call: "_Call", parts: list["_Part"]) -> list[
             output = first["output"]
             return (output is not None and second["input"] == output and times[id(first["child"])] == 1
                     and times[id(second["child"])] == 1 and output not in returned.get(parent_id, set())
+                    # held by something but the trace (the model's output, a module's attribute)
+                    and sys.getrefcount(keep[output]) <= 2
                     and all(number in reading for op, reading in readers.get(output, []) if op > first["end"]
                             # An in-place member returns its input: later reads are of its output.
                             and (second["output"] != output or op <= second["end"])))
@@ -687,7 +795,10 @@ def _chain_parts(model: nn.Module, call: "_Call", parts: list["_Part"]) -> list[
                 chain = tuple((candidates[id(entry["child"])][1], entry["child"]) for _, entry in run)
                 found.append(_Part(names[parent_id], parent, unit=False, chain=chain))
             run = [later] if later is not None else []
-    return found
+    # The outermost chains only, as parts are outermost: a chain inside a
+    # member of another would share its storages with it.
+    inside = {id(module) for part in found for member in part.members for module in member.modules()}
+    return [part for part in found if id(part.module) not in inside]
 
 
 @dataclass(frozen=True)
@@ -869,9 +980,11 @@ class _Profile:
         """The most one segment may save again while recomputed: the largest
         of memonger's segments over every part checkpointed whole. A segment
         in a part of smaller tensors (a CNN's later stages) grows past
-        memonger's length up to it, keeping fewer segment inputs, and the
-        recomputation's peak stays where memonger's would put it. Depends on
-        the model and input only: the chain stays the same for every budget."""
+        memonger's length up to it, keeping fewer segment inputs; no segment
+        saves more than that largest one of memonger's would (at a budget
+        met before the largest parts are checkpointed, more than memonger's
+        segments of the parts checkpointed would). Depends on the model and
+        input only: the chain stays the same for every budget."""
         if self._cap is None:
             self._cap = max((self.inside_bytes(part, start, min(start + self.longest(part), len(records)))
                              for part, records in enumerate(self.children)

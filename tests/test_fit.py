@@ -296,6 +296,108 @@ def test_a_chain_of_siblings_called_in_turn_is_checkpointed_with_the_plain_funct
         assert all("_fit_chain_run" not in module.__dict__ for module in fitted.modules())
 
 
+class _FeatureNet(_StemNet):
+    """_StemNet that keeps the stem convolution's output for its caller, as
+    a feature extractor would; no op of its forward reads it there."""
+
+    def forward(self, x):
+        self.features = [self.conv1(x)]
+        x = self.pool(self.relu(self.bn1(self.features[0])))
+        return self.head(self.body(x).mean((2, 3)))
+
+
+class _Block(nn.Module):
+    def __init__(self, act: nn.Module) -> None:
+        super().__init__()
+        self.conv, self.bn, self.act = nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), act
+
+    def forward(self, x):
+        return self.act(self.bn(self.conv(x)))
+
+
+class _OtherBlock(_Block):
+    pass
+
+
+class _NestedNet(nn.Module):
+    """A chain of blocks, each a chain of its own modules (two classes: no repeated-block units)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.b1, self.b2 = _Block(nn.ReLU()), _OtherBlock(nn.GELU())
+        self.drop = nn.Dropout(0.1)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x):
+        return self.head(self.b2(self.drop(self.b1(self.stem(x)))).mean((2, 3)))
+
+
+def test_chains_are_taken_only_where_the_forward_follows_the_trace():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    call = fit_module._as_call(x)
+
+    def chains(model):
+        return [[name for name, _ in part.chain] for part in fit_module._chain_parts(
+            model, call, fit_module._checkpoint_parts(model))]
+
+    # an output the model hands back in a list is needed outside the chain
+    assert chains(_FeatureNet().double()) == [["bn1", "relu", "pool"]]
+    # a member with a hook of the user's would see the segment's output
+    hooked = _StemNet().double()
+    hooked.relu.register_forward_hook(lambda module, args, output: None)
+    assert chains(hooked) == [["conv1", "bn1"]]
+    # the outermost chain only, as parts are outermost
+    assert chains(_NestedNet().double()) == [["stem", "b1", "drop", "b2"]]
+
+    model = _StemNet().double()
+    original = copy.deepcopy(model)
+    effilayers.fit(model, x, 0.45)
+    assert "_fit_chain_run" in model.conv1.__dict__
+    # called alone, outside its parent's forward, a member is itself
+    torch.testing.assert_close(model.conv1(x), original.conv1(x), rtol=0, atol=0)
+    # a hook added after fit runs the chain plainly, and sees the member's own output
+    seen = []
+    handle = model.conv1.register_forward_hook(lambda module, args, output: seen.append(output.detach()))
+    model(x).sum().backward()
+    assert torch.equal(seen[0], original.conv1(x).detach())
+    original(x).sum().backward()  # the same step: the running statistics move alike
+    handle.remove()
+    # in eval, with gradients on (a saliency map): the plain path
+    model.eval(), original.eval()
+    inputs, reference_inputs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    model(inputs).sum().backward()
+    original(reference_inputs).sum().backward()
+    torch.testing.assert_close(inputs.grad, reference_inputs.grad, rtol=1e-12, atol=1e-14)
+    model.train()
+    # a replica sharing the run (DataParallel copies __dict__) runs its own forward
+    run = model.conv1.__dict__["_fit_chain_run"][0]
+    run.arm(model, (x,))
+    torch.testing.assert_close(copy.copy(model.conv1)(x), original.conv1(x), rtol=0, atol=0)
+    run.disarm(model, (x,), None)
+
+    class Skips(_StemNet):
+        def forward(self, x):
+            return self.head(self.body(self.pool(self.conv1(x))).mean((2, 3)))  # no bn1, no relu
+
+    skips = Skips().double()
+    skips.load_state_dict(model.state_dict())
+    for name in ("conv1", "bn1", "relu", "pool"):
+        member = getattr(model, name)
+        setattr(skips, name, member)  # the fitted members, under a forward that skips two of them
+    skips.__dict__["_fit_chain_hooks"] = model.__dict__["_fit_chain_hooks"]
+    for hook in model._forward_pre_hooks.values():
+        skips.register_forward_pre_hook(hook, with_kwargs=True)
+    for hook in model._forward_hooks.values():
+        skips.register_forward_hook(hook, always_call=True)
+    with pytest.raises(RuntimeError, match="did not follow the (one|forward) fit traced"):
+        skips(x)
+    # nothing stays waiting: the model copies and trains on
+    twin = copy.deepcopy(model)
+    twin(x).sum().backward()
+
+
 def test_the_profile_keeps_an_input_nothing_saves_apart_from_later_storages():
     # A ReLU keeps its output, not its input: the norm's output before it is
     # freed once it ran, and the next convolution's output, as big, may take
