@@ -398,6 +398,22 @@ def test_chains_are_taken_only_where_the_forward_follows_the_trace():
     twin(x).sum().backward()
 
 
+def test_a_compiled_fitted_model_with_a_chain_matches_the_compiled_plain_one():
+    # The parent's hooks run under dynamo; compiled, the chain runs module by module.
+    torch.manual_seed(0)
+    plain = _StemNet()
+    fitted = copy.deepcopy(plain)
+    x = torch.randn(2, 3, 16, 16)
+    effilayers.fit(fitted, x, 0.45)
+    assert "_fit_chain_run" in fitted.conv1.__dict__
+    for model in (plain, fitted):
+        # aot_eager: dynamo and AOT autograd without inductor's compile time
+        torch.compile(model, backend="aot_eager", fullgraph=True)(x).square().sum().backward()
+    for (key, parameter), reference in zip(fitted.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(parameter.grad, reference.grad, msg=key)
+    _assert_same_tensors(_buffers(fitted), _buffers(plain))
+
+
 def test_the_profile_keeps_an_input_nothing_saves_apart_from_later_storages():
     # A ReLU keeps its output, not its input: the norm's output before it is
     # freed once it ran, and the next convolution's output, as big, may take
