@@ -1056,9 +1056,7 @@ class _Profile:
         largest = 0
         for part, indices in enumerate(state):
             for start, end in self.segments(part, indices):
-                inside = {(part, index) for index in range(start, end)}
-                largest = max(largest, sum(storage.bytes for storage in self.storages.values()
-                                           if storage.owners & inside))
+                largest = max(largest, self.inside_bytes(part, start, end))
         return largest
 
 
